@@ -1,0 +1,250 @@
+//! A budget as the enforcement logic uses it, and which budget a pod gets.
+
+use std::collections::BTreeMap;
+
+use crate::quantity::{self, QuantityError};
+use crate::selector::{Selector, SelectorError};
+use crate::state::Thresholds;
+use crate::types::{Action, GpuMemoryBudget, GpuMemoryBudgetSpec};
+
+/// Priority classes whose pods are never evicted (as for the kubelet).
+pub const CRITICAL_PRIORITY_CLASSES: [&str; 2] = ["system-node-critical", "system-cluster-critical"];
+/// Pods at or above this priority are critical whatever their class is called (the kubelet's rule).
+pub const SYSTEM_CRITICAL_PRIORITY: i32 = 2_000_000_000;
+
+/// Why a budget's spec cannot be enforced. Each names the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    /// `spec.limit` is not a positive quantity.
+    #[error("spec.limit: {0}")]
+    Limit(QuantityError),
+    /// `spec.limit` is zero.
+    #[error("spec.limit: must be more than 0")]
+    ZeroLimit,
+    /// `spec.selector` is not a valid label selector.
+    #[error("spec.selector: {0}")]
+    Selector(SelectorError),
+    /// `spec.warnAtPercent` is outside 1..=100.
+    #[error("spec.warnAtPercent: {0} is not between 1 and 100")]
+    WarnAtPercent(i32),
+    /// A seconds field is negative.
+    #[error("spec.{field}: {value} is negative; must be 0 or more")]
+    NegativeSeconds {
+        /// The field's name.
+        field: &'static str,
+        /// The value written.
+        value: i64,
+    },
+    /// The object has no name or namespace.
+    #[error("metadata: a GpuMemoryBudget needs a name and a namespace")]
+    Unnamed,
+}
+
+/// A validated budget, ready for matching and enforcement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Budget {
+    /// Namespace of the budget (it applies to pods there only).
+    pub namespace: String,
+    /// Name of the budget.
+    pub name: String,
+    /// The compiled selector.
+    pub selector: Selector,
+    /// `spec.limit` in bytes.
+    pub limit_bytes: u64,
+    /// `spec.limit` as written.
+    pub limit_text: String,
+    /// `spec.warnAtPercent`.
+    pub warn_at_percent: u8,
+    /// `spec.action`.
+    pub action: Action,
+    /// `spec.overLimitSeconds`.
+    pub over_limit_seconds: u64,
+    /// `spec.evictionGracePeriodSeconds`.
+    pub eviction_grace_period_seconds: Option<i64>,
+}
+
+impl Budget {
+    /// Validates a resource's spec into a `Budget`.
+    pub fn compile(resource: &GpuMemoryBudget) -> Result<Self, SpecError> {
+        let (Some(namespace), Some(name)) = (&resource.metadata.namespace, &resource.metadata.name) else {
+            return Err(SpecError::Unnamed);
+        };
+        Self::from_spec(namespace, name, &resource.spec)
+    }
+
+    /// Validates a spec into a `Budget` named `namespace/name`.
+    pub fn from_spec(namespace: &str, name: &str, spec: &GpuMemoryBudgetSpec) -> Result<Self, SpecError> {
+        let limit_bytes = quantity::parse_bytes(&spec.limit.0).map_err(SpecError::Limit)?;
+        if limit_bytes == 0 {
+            return Err(SpecError::ZeroLimit);
+        }
+        let warn_at_percent = u8::try_from(spec.warn_at_percent)
+            .ok()
+            .filter(|p| (1..=100).contains(p))
+            .ok_or(SpecError::WarnAtPercent(spec.warn_at_percent))?;
+        let over_limit_seconds = u64::try_from(spec.over_limit_seconds)
+            .map_err(|_| SpecError::NegativeSeconds { field: "overLimitSeconds", value: spec.over_limit_seconds })?;
+        if let Some(grace) = spec.eviction_grace_period_seconds.filter(|g| *g < 0) {
+            return Err(SpecError::NegativeSeconds { field: "evictionGracePeriodSeconds", value: grace });
+        }
+        Ok(Self {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            selector: Selector::compile(&spec.selector).map_err(SpecError::Selector)?,
+            limit_bytes,
+            limit_text: spec.limit.0.clone(),
+            warn_at_percent,
+            action: spec.action,
+            over_limit_seconds,
+            eviction_grace_period_seconds: spec.eviction_grace_period_seconds,
+        })
+    }
+
+    /// `namespace/name`.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+
+    /// Whether this budget's selector picks a pod in `namespace` with these labels.
+    pub fn selects(&self, namespace: &str, labels: &BTreeMap<String, String>) -> bool {
+        self.namespace == namespace && self.selector.matches(labels)
+    }
+
+    /// The state machine's thresholds for a pod under this budget.
+    pub fn thresholds(&self, critical: bool) -> Thresholds {
+        Thresholds::new(
+            self.limit_bytes,
+            self.warn_at_percent,
+            self.over_limit_seconds.saturating_mul(1000),
+            self.action == Action::Evict && !critical,
+        )
+    }
+}
+
+/// Whether a pod is critical and so never evicted. Decided only from fields that admission controls
+/// (the priority class and the priority the API server resolved from it), never from labels or
+/// annotations the pod's owner can set.
+pub fn is_critical(priority_class_name: Option<&str>, priority: Option<i32>) -> bool {
+    priority_class_name.is_some_and(|c| CRITICAL_PRIORITY_CLASSES.contains(&c))
+        || priority.is_some_and(|p| p >= SYSTEM_CRITICAL_PRIORITY)
+}
+
+/// The budget that applies to a pod, and the others that also select it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resolution<'a> {
+    /// The budget that applies: the smallest limit, ties broken by name.
+    pub budget: &'a Budget,
+    /// Other budgets that select the pod, in the same order.
+    pub also_matched: Vec<&'a Budget>,
+}
+
+/// Resolves which budget applies to a pod: among those selecting it, the smallest limit wins; ties go
+/// to the name that sorts first.
+pub fn resolve<'a>(
+    budgets: impl IntoIterator<Item = &'a Budget>,
+    namespace: &str,
+    labels: &BTreeMap<String, String>,
+) -> Option<Resolution<'a>> {
+    let mut matched: Vec<&Budget> = budgets.into_iter().filter(|b| b.selects(namespace, labels)).collect();
+    matched.sort_by(|a, b| a.limit_bytes.cmp(&b.limit_bytes).then_with(|| a.name.cmp(&b.name)));
+    let mut iter = matched.into_iter();
+    let budget = iter.next()?;
+    Some(Resolution { budget, also_matched: iter.collect() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn budget(yaml: &str) -> Result<Budget, SpecError> {
+        Budget::compile(&serde_yaml::from_str(yaml).expect("fixture parses"))
+    }
+
+    fn named(name: &str, limit: &str, selector: &str) -> Budget {
+        budget(&format!(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: {name}, namespace: team-a}}\n\
+             spec: {{selector: {selector}, limit: {limit}}}\n"
+        ))
+        .expect("valid fixture")
+    }
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    }
+
+    #[test]
+    fn compiles_the_issue_example_with_defaults() {
+        let b = budget(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: llm-inference, namespace: team-a}\n\
+             spec:\n  selector: {matchLabels: {app: llm}}\n  limit: 8Gi\n",
+        )
+        .expect("valid");
+        assert_eq!(b.limit_bytes, 8 << 30);
+        assert_eq!((b.warn_at_percent, b.action, b.over_limit_seconds), (90, Action::Evict, 10));
+        assert_eq!(b.eviction_grace_period_seconds, None);
+        assert_eq!(b.key(), "team-a/llm-inference");
+        let th = b.thresholds(false);
+        assert_eq!((th.limit, th.warn, th.over_limit_ms, th.may_evict), (8 << 30, 7_730_941_132, 10_000, true));
+        assert!(!b.thresholds(true).may_evict, "critical pods are never evicted");
+    }
+
+    #[test]
+    fn spec_errors_name_the_field() {
+        let base = "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: b, namespace: n}\nspec:\n  selector: {}\n";
+        let cases = [
+            ("  limit: 8 GiB\n", "spec.limit"),
+            ("  limit: 0\n", "spec.limit"),
+            ("  limit: 1Gi\n  warnAtPercent: 0\n", "spec.warnAtPercent"),
+            ("  limit: 1Gi\n  warnAtPercent: 101\n", "spec.warnAtPercent"),
+            ("  limit: 1Gi\n  overLimitSeconds: -1\n", "spec.overLimitSeconds"),
+            ("  limit: 1Gi\n  evictionGracePeriodSeconds: -5\n", "spec.evictionGracePeriodSeconds"),
+        ];
+        for (tail, field) in cases {
+            let err = budget(&format!("{base}{tail}")).expect_err(tail);
+            assert!(err.to_string().starts_with(field), "{tail}: {err}");
+        }
+    }
+
+    #[test]
+    fn smallest_limit_wins_and_names_break_ties() {
+        let budgets = [
+            named("wide", "16Gi", "{}"),
+            named("llm", "8Gi", "{matchLabels: {app: llm}}"),
+            named("also-llm", "8Gi", "{matchLabels: {app: llm}}"),
+            named("other", "1Gi", "{matchLabels: {app: web}}"),
+        ];
+        let r = resolve(&budgets, "team-a", &labels(&[("app", "llm")])).expect("matched");
+        assert_eq!(r.budget.name, "also-llm");
+        let others: Vec<&str> = r.also_matched.iter().map(|b| b.name.as_str()).collect();
+        assert_eq!(others, ["llm", "wide"]);
+        assert!(resolve(&budgets, "team-b", &labels(&[("app", "llm")])).is_none(), "namespaced");
+        let r = resolve(&budgets, "team-a", &labels(&[])).expect("namespace-wide");
+        assert_eq!((r.budget.name.as_str(), r.also_matched.len()), ("wide", 0));
+    }
+
+    #[test]
+    fn critical_comes_only_from_priority() {
+        assert!(is_critical(Some("system-node-critical"), None));
+        assert!(is_critical(Some("system-cluster-critical"), Some(2_000_000_000)));
+        assert!(is_critical(None, Some(2_000_001_000)));
+        assert!(!is_critical(Some("high-priority"), Some(1_000_000)));
+        assert!(!is_critical(None, None));
+    }
+
+    proptest! {
+        #[test]
+        fn resolution_is_order_independent(limits in proptest::collection::vec(1u64..5, 1..6), seed in any::<u64>()) {
+            let budgets: Vec<Budget> = limits.iter().enumerate()
+                .map(|(i, l)| named(&format!("b{i}"), &format!("{l}Gi"), "{}"))
+                .collect();
+            let mut shuffled: Vec<&Budget> = budgets.iter().collect();
+            shuffled.rotate_left((seed % budgets.len() as u64) as usize);
+            let a = resolve(budgets.iter(), "team-a", &BTreeMap::new()).expect("matched");
+            let b = resolve(shuffled, "team-a", &BTreeMap::new()).expect("matched");
+            prop_assert_eq!(&a.budget.name, &b.budget.name);
+            prop_assert_eq!(a.also_matched.len() + 1, budgets.len());
+            prop_assert!(budgets.iter().all(|x| x.limit_bytes >= a.budget.limit_bytes));
+        }
+    }
+}
