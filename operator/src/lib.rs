@@ -3,4 +3,7 @@
 
 pub mod cli;
 pub mod crd;
+pub mod index;
+pub mod pods;
+pub mod status;
 pub mod validate;

@@ -1,0 +1,525 @@
+//! The pod ↔ budget index: which budgets select which pods, kept up to date from the two watches, and
+//! which budgets a change affects.
+//!
+//! Every change returns the budgets whose status it can change, so a pod event reconciles those and no
+//! others:
+//!
+//! - a pod whose labels change (or that appears or goes): every budget that selected it before or selects it
+//!   now, since matches and the overlap resolution of all of them may change;
+//! - a pod whose record only changes (usage, state, eviction): the budget that applies to it (the resolution
+//!   is unchanged because the labels are) and the budgets its old and new records name (evictions are
+//!   counted for the budget a record names);
+//! - a pod event that changes nothing the operator keeps (a status update, another annotation): none;
+//! - a budget whose selector or limit changes (or that appears or goes): itself and every budget that shares
+//!   a pod with it before or after, since the resolution of those pods may change; any other budget change:
+//!   itself only.
+//!
+//! Pure and synchronous: the controller holds it behind a lock and feeds it the watch events.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use gpubudget_common::{Budget, GpuMemoryBudget};
+
+use crate::pods::{ObjKey, PodInfo};
+use crate::status::{Inputs, Selected};
+
+/// Budgets whose status a change may have changed.
+pub type Affected = BTreeSet<ObjKey>;
+
+#[derive(Debug)]
+struct PodEntry {
+    info: PodInfo,
+    /// Names of the valid budgets (same namespace) whose selector matches the pod, sorted.
+    budgets: Vec<String>,
+}
+
+/// The operator's view of budgets and pods, indexed both ways.
+#[derive(Debug, Default)]
+pub struct Index {
+    /// Every budget seen; `None` when its spec is invalid (it then selects nothing).
+    budgets: HashMap<ObjKey, Option<Budget>>,
+    budgets_by_ns: HashMap<String, BTreeSet<String>>,
+    pods: HashMap<ObjKey, PodEntry>,
+    pods_by_ns: HashMap<String, HashSet<String>>,
+    /// Budget → names of the pods (same namespace) it selects.
+    budget_pods: HashMap<ObjKey, HashSet<String>>,
+    /// Budget name → names of the pods whose record names it.
+    record_pods: HashMap<ObjKey, HashSet<String>>,
+    selected_pods: usize,
+    budget_resync: Option<HashSet<ObjKey>>,
+    pod_resync: Option<HashSet<ObjKey>>,
+}
+
+/// Whether two readings of a budget select the same pods with the same limit (so no resolution changes).
+fn same_matching(a: &Option<Budget>, b: &Option<Budget>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => a.selector == b.selector && a.limit_bytes == b.limit_bytes,
+        _ => false,
+    }
+}
+
+impl Index {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    // ---- budgets -------------------------------------------------------------------------------------
+
+    /// A budget was created or changed (or listed).
+    pub fn apply_budget(&mut self, resource: &GpuMemoryBudget) -> Affected {
+        let Some(key) = ObjKey::of(&resource.metadata) else { return Affected::new() };
+        if let Some(seen) = self.budget_resync.as_mut() {
+            seen.insert(key.clone());
+        }
+        let compiled = Budget::compile(resource).ok();
+        if let Some(old) = self.budgets.get_mut(&key)
+            && same_matching(old, &compiled)
+        {
+            *old = compiled;
+            return Affected::from([key]);
+        }
+        let mut affected = self.unlink_budget(&key);
+        affected.insert(key.clone());
+        let mut selected = HashSet::new();
+        if let Some(budget) = &compiled
+            && let Some(names) = self.pods_by_ns.get(&key.namespace)
+        {
+            for pod_name in names {
+                let pod_key = ObjKey::new(&key.namespace, pod_name);
+                let Some(entry) = self.pods.get_mut(&pod_key) else { continue };
+                if !budget.selector.matches(&entry.info.labels) {
+                    continue;
+                }
+                if entry.budgets.is_empty() {
+                    self.selected_pods += 1;
+                }
+                if let Err(at) = entry.budgets.binary_search(&key.name) {
+                    entry.budgets.insert(at, key.name.clone());
+                }
+                affected.extend(entry.budgets.iter().map(|b| ObjKey::new(&key.namespace, b)));
+                selected.insert(pod_name.clone());
+            }
+        }
+        if !selected.is_empty() {
+            self.budget_pods.insert(key.clone(), selected);
+        }
+        self.budgets_by_ns.entry(key.namespace.clone()).or_default().insert(key.name.clone());
+        self.budgets.insert(key, compiled);
+        affected
+    }
+
+    /// A budget was deleted. The budget itself is not in the result (there is nothing left to reconcile).
+    pub fn delete_budget(&mut self, key: &ObjKey) -> Affected {
+        let mut affected = self.unlink_budget(key);
+        affected.remove(key);
+        self.budgets.remove(key);
+        if let Some(names) = self.budgets_by_ns.get_mut(&key.namespace) {
+            names.remove(&key.name);
+            if names.is_empty() {
+                self.budgets_by_ns.remove(&key.namespace);
+            }
+        }
+        affected
+    }
+
+    /// Removes a budget from the pods it selected; returns every budget that selected one of them.
+    fn unlink_budget(&mut self, key: &ObjKey) -> Affected {
+        let mut affected = Affected::new();
+        for pod_name in self.budget_pods.remove(key).unwrap_or_default() {
+            let Some(entry) = self.pods.get_mut(&ObjKey::new(&key.namespace, &pod_name)) else { continue };
+            affected.extend(entry.budgets.iter().map(|b| ObjKey::new(&key.namespace, b)));
+            entry.budgets.retain(|b| *b != key.name);
+            if entry.budgets.is_empty() {
+                self.selected_pods -= 1;
+            }
+        }
+        affected
+    }
+
+    /// A re-list of the budgets begins: budgets not seen before [`Index::end_budget_resync`] are deleted then.
+    pub fn begin_budget_resync(&mut self) {
+        self.budget_resync = Some(HashSet::new());
+    }
+
+    /// A re-list of the budgets ended: forgets those it did not list.
+    pub fn end_budget_resync(&mut self) -> Affected {
+        let Some(seen) = self.budget_resync.take() else { return Affected::new() };
+        let gone: Vec<ObjKey> = self.budgets.keys().filter(|k| !seen.contains(*k)).cloned().collect();
+        let mut affected = Affected::new();
+        for key in &gone {
+            affected.extend(self.delete_budget(key));
+        }
+        for key in &gone {
+            affected.remove(key);
+        }
+        affected
+    }
+
+    // ---- pods ----------------------------------------------------------------------------------------
+
+    /// A pod was created or changed (or listed).
+    pub fn apply_pod(&mut self, info: PodInfo) -> Affected {
+        let key = info.key();
+        if let Some(seen) = self.pod_resync.as_mut() {
+            seen.insert(key.clone());
+        }
+        let mut affected = Affected::new();
+        let (old_labels_same, old_record_budget) = match self.pods.get(&key) {
+            Some(entry) if entry.info == info => return affected,
+            Some(entry) => (entry.info.labels == info.labels, entry.info.recorded_budget()),
+            None => (false, None),
+        };
+        let new_record_budget = info.recorded_budget();
+        if old_record_budget != new_record_budget {
+            if let Some(old) = &old_record_budget {
+                self.unlink_record(old, &key.name);
+            }
+            if let Some(new) = &new_record_budget {
+                self.record_pods.entry(new.clone()).or_default().insert(key.name.clone());
+            }
+        }
+        affected.extend(old_record_budget);
+        affected.extend(new_record_budget);
+
+        if old_labels_same {
+            // Same labels: same selecting budgets, same resolution. Only the budget that applies (and the
+            // recorded ones, above) can see a difference.
+            if let Some(entry) = self.pods.get_mut(&key) {
+                entry.info = info;
+            }
+            if let Some(budget) = self.resolved(&key) {
+                affected.insert(budget);
+            }
+            return affected;
+        }
+
+        let new_budgets = self.selecting(&info.namespace, &info.labels);
+        let old_budgets = self.pods.get(&key).map(|e| e.budgets.clone()).unwrap_or_default();
+        for name in old_budgets.iter().filter(|b| !new_budgets.contains(b)) {
+            let budget = ObjKey::new(&key.namespace, name);
+            if let Some(set) = self.budget_pods.get_mut(&budget) {
+                set.remove(&key.name);
+                if set.is_empty() {
+                    self.budget_pods.remove(&budget);
+                }
+            }
+        }
+        for name in new_budgets.iter().filter(|b| !old_budgets.contains(b)) {
+            self.budget_pods.entry(ObjKey::new(&key.namespace, name)).or_default().insert(key.name.clone());
+        }
+        affected.extend(old_budgets.iter().chain(&new_budgets).map(|b| ObjKey::new(&key.namespace, b)));
+        if old_budgets.is_empty() != new_budgets.is_empty() {
+            if new_budgets.is_empty() {
+                self.selected_pods -= 1;
+            } else {
+                self.selected_pods += 1;
+            }
+        }
+        self.pods_by_ns.entry(key.namespace.clone()).or_default().insert(key.name.clone());
+        self.pods.insert(key, PodEntry { info, budgets: new_budgets });
+        affected
+    }
+
+    /// A pod was deleted (or stopped matching the watch).
+    pub fn delete_pod(&mut self, key: &ObjKey) -> Affected {
+        let mut affected = Affected::new();
+        let Some(entry) = self.pods.remove(key) else { return affected };
+        if let Some(names) = self.pods_by_ns.get_mut(&key.namespace) {
+            names.remove(&key.name);
+            if names.is_empty() {
+                self.pods_by_ns.remove(&key.namespace);
+            }
+        }
+        for name in &entry.budgets {
+            let budget = ObjKey::new(&key.namespace, name);
+            if let Some(set) = self.budget_pods.get_mut(&budget) {
+                set.remove(&key.name);
+                if set.is_empty() {
+                    self.budget_pods.remove(&budget);
+                }
+            }
+            affected.insert(budget);
+        }
+        if !entry.budgets.is_empty() {
+            self.selected_pods -= 1;
+        }
+        if let Some(recorded) = entry.info.recorded_budget() {
+            self.unlink_record(&recorded, &key.name);
+            affected.insert(recorded);
+        }
+        affected
+    }
+
+    fn unlink_record(&mut self, budget: &ObjKey, pod_name: &str) {
+        if let Some(set) = self.record_pods.get_mut(budget) {
+            set.remove(pod_name);
+            if set.is_empty() {
+                self.record_pods.remove(budget);
+            }
+        }
+    }
+
+    /// A re-list of the pods begins.
+    pub fn begin_pod_resync(&mut self) {
+        self.pod_resync = Some(HashSet::new());
+    }
+
+    /// A re-list of the pods ended: forgets those it did not list.
+    pub fn end_pod_resync(&mut self) -> Affected {
+        let Some(seen) = self.pod_resync.take() else { return Affected::new() };
+        let gone: Vec<ObjKey> = self.pods.keys().filter(|k| !seen.contains(*k)).cloned().collect();
+        let mut affected = Affected::new();
+        for key in &gone {
+            affected.extend(self.delete_pod(key));
+        }
+        affected
+    }
+
+    // ---- queries -------------------------------------------------------------------------------------
+
+    /// Names of the valid budgets of `namespace` whose selector matches these labels, sorted.
+    fn selecting(&self, namespace: &str, labels: &std::collections::BTreeMap<String, String>) -> Vec<String> {
+        let Some(names) = self.budgets_by_ns.get(namespace) else { return Vec::new() };
+        names
+            .iter()
+            .filter(|name| {
+                matches!(self.budgets.get(&ObjKey::new(namespace, name.as_str())), Some(Some(b)) if b.selector.matches(labels))
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// The budget that applies to a pod (by the common resolution rule), if any selects it.
+    pub fn resolved(&self, pod: &ObjKey) -> Option<ObjKey> {
+        let entry = self.pods.get(pod)?;
+        let budgets = self.compiled(&pod.namespace, &entry.budgets);
+        let resolution = gpubudget_common::resolve(budgets, &pod.namespace, &entry.info.labels)?;
+        Some(ObjKey::new(&pod.namespace, &resolution.budget.name))
+    }
+
+    fn compiled<'a>(&'a self, namespace: &str, names: &'a [String]) -> Vec<&'a Budget> {
+        names
+            .iter()
+            .filter_map(|name| self.budgets.get(&ObjKey::new(namespace, name.as_str())).and_then(Option::as_ref))
+            .collect()
+    }
+
+    /// The budgets whose selector matches a pod (sorted keys); empty for an unknown pod.
+    pub fn budgets_selecting(&self, pod: &ObjKey) -> Vec<ObjKey> {
+        self.pods
+            .get(pod)
+            .map(|e| e.budgets.iter().map(|b| ObjKey::new(&pod.namespace, b)).collect())
+            .unwrap_or_default()
+    }
+
+    /// The pods a budget's selector matches (sorted names).
+    pub fn pods_selected_by(&self, budget: &ObjKey) -> Vec<String> {
+        let mut names: Vec<String> = self.budget_pods.get(budget).into_iter().flatten().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// What the status computation of a budget reads: the pods it selects (each with every budget that
+    /// selects it) and the pods whose record names it.
+    pub fn inputs(&self, budget: &ObjKey) -> Inputs<'_> {
+        let ns = &budget.namespace;
+        let selected = self
+            .budget_pods
+            .get(budget)
+            .into_iter()
+            .flatten()
+            .filter_map(|name| self.pods.get(&ObjKey::new(ns, name.as_str())))
+            .map(|entry| Selected { pod: &entry.info, selected_by: self.compiled(ns, &entry.budgets) })
+            .collect();
+        let recorded = self
+            .record_pods
+            .get(budget)
+            .into_iter()
+            .flatten()
+            .filter_map(|name| self.pods.get(&ObjKey::new(ns, name.as_str())))
+            .map(|entry| &entry.info)
+            .collect();
+        Inputs { selected, recorded }
+    }
+
+    /// Budgets known (valid or not).
+    pub fn budget_count(&self) -> usize {
+        self.budgets.len()
+    }
+
+    /// Budgets whose spec is invalid.
+    pub fn invalid_budget_count(&self) -> usize {
+        self.budgets.values().filter(|b| b.is_none()).count()
+    }
+
+    /// Pods known.
+    pub fn pod_count(&self) -> usize {
+        self.pods.len()
+    }
+
+    /// Pods selected by at least one valid budget.
+    pub fn selected_pod_count(&self) -> usize {
+        self.selected_pods
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use gpubudget_common::BudgetState;
+    use gpubudget_common::contract::PodRecord;
+
+    pub(crate) fn budget(ns: &str, name: &str, limit: &str, selector: &str) -> GpuMemoryBudget {
+        serde_yaml::from_str(&format!(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: {name}, namespace: {ns}}}\n\
+             spec: {{selector: {selector}, limit: {limit}}}\n"
+        ))
+        .expect("fixture parses")
+    }
+
+    fn pod(ns: &str, name: &str, labels: &[(&str, &str)]) -> PodInfo {
+        PodInfo {
+            namespace: ns.into(),
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            labels: labels.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+            record: None,
+        }
+    }
+
+    fn keys(names: &[&str]) -> Affected {
+        names.iter().map(|n| ObjKey::new("a", *n)).collect()
+    }
+
+    fn fixture() -> Index {
+        let mut index = Index::new();
+        index.apply_budget(&budget("a", "llm", "8Gi", "{matchLabels: {app: llm}}"));
+        index.apply_budget(&budget("a", "wide", "16Gi", "{}"));
+        index.apply_budget(&budget("a", "web", "1Gi", "{matchLabels: {app: web}}"));
+        index.apply_budget(&budget("b", "other", "1Gi", "{}"));
+        index
+    }
+
+    #[test]
+    fn a_new_pod_affects_exactly_the_budgets_selecting_it() {
+        let mut index = fixture();
+        assert_eq!(index.apply_pod(pod("a", "p1", &[("app", "llm")])), keys(&["llm", "wide"]));
+        assert_eq!(index.apply_pod(pod("a", "p2", &[("app", "batch")])), keys(&["wide"]));
+        assert_eq!(index.budgets_selecting(&ObjKey::new("a", "p1")), Vec::from_iter(keys(&["llm", "wide"])));
+        assert_eq!(index.resolved(&ObjKey::new("a", "p1")), Some(ObjKey::new("a", "llm")));
+        assert_eq!(index.pods_selected_by(&ObjKey::new("a", "wide")), ["p1", "p2"]);
+        assert_eq!(index.selected_pod_count(), 2);
+        assert!(index.pods_selected_by(&ObjKey::new("b", "other")).is_empty(), "namespaced");
+    }
+
+    #[test]
+    fn a_label_change_affects_the_budgets_before_and_after() {
+        let mut index = fixture();
+        index.apply_pod(pod("a", "p1", &[("app", "llm")]));
+        let affected = index.apply_pod(pod("a", "p1", &[("app", "web")]));
+        assert_eq!(affected, keys(&["llm", "web", "wide"]));
+        assert!(index.pods_selected_by(&ObjKey::new("a", "llm")).is_empty());
+        assert_eq!(index.pods_selected_by(&ObjKey::new("a", "web")), ["p1"]);
+        assert_eq!(index.resolved(&ObjKey::new("a", "p1")), Some(ObjKey::new("a", "web")));
+    }
+
+    #[test]
+    fn a_record_change_affects_only_the_budget_that_applies_and_the_recorded_ones() {
+        let mut index = fixture();
+        let mut p = pod("a", "p1", &[("app", "llm")]);
+        index.apply_pod(p.clone());
+        assert!(index.apply_pod(p.clone()).is_empty(), "nothing kept changed");
+        p.record = Some(PodRecord {
+            state: BudgetState::Near,
+            usage_bytes: 7 << 30,
+            budget: "llm".into(),
+            node: "n1".into(),
+            eviction_requested_at: None,
+        });
+        assert_eq!(index.apply_pod(p.clone()), keys(&["llm"]), "wide selects it too but does not apply");
+        // A stale record naming another budget: that one is affected as well (it counts the evictions).
+        if let Some(r) = p.record.as_mut() {
+            r.budget = "wide".into();
+        }
+        assert_eq!(index.apply_pod(p.clone()), keys(&["llm", "wide"]));
+        assert_eq!(index.inputs(&ObjKey::new("a", "wide")).recorded.len(), 1);
+        assert_eq!(index.inputs(&ObjKey::new("a", "llm")).recorded.len(), 0);
+        assert_eq!(index.delete_pod(&ObjKey::new("a", "p1")), keys(&["llm", "wide"]));
+        assert!(index.inputs(&ObjKey::new("a", "wide")).recorded.is_empty());
+        assert_eq!(index.selected_pod_count(), 0);
+    }
+
+    #[test]
+    fn a_pod_nobody_selects_affects_nothing() {
+        let mut index = Index::new();
+        index.apply_budget(&budget("a", "llm", "8Gi", "{matchLabels: {app: llm}}"));
+        assert!(index.apply_pod(pod("a", "p", &[("app", "web")])).is_empty());
+        assert!(index.apply_pod(pod("a", "p", &[("app", "web"), ("x", "y")])).is_empty());
+        assert_eq!(index.selected_pod_count(), 0);
+    }
+
+    #[test]
+    fn budget_changes_reach_the_budgets_sharing_pods() {
+        let mut index = fixture();
+        index.apply_pod(pod("a", "p1", &[("app", "llm")]));
+        index.apply_pod(pod("a", "p2", &[("app", "web")]));
+        // Only the action changes: the matching is the same, nothing else is affected.
+        let mut llm = budget("a", "llm", "8Gi", "{matchLabels: {app: llm}}");
+        llm.spec.action = gpubudget_common::types::Action::Warn;
+        assert_eq!(index.apply_budget(&llm), keys(&["llm"]));
+        // The limit changes: the budgets sharing its pods may resolve differently.
+        assert_eq!(
+            index.apply_budget(&budget("a", "llm", "32Gi", "{matchLabels: {app: llm}}")),
+            keys(&["llm", "wide"])
+        );
+        assert_eq!(index.resolved(&ObjKey::new("a", "p1")), Some(ObjKey::new("a", "wide")));
+        // The selector moves from llm pods to web pods.
+        let affected = index.apply_budget(&budget("a", "llm", "8Gi", "{matchLabels: {app: web}}"));
+        assert_eq!(affected, keys(&["llm", "web", "wide"]));
+        assert_eq!(index.pods_selected_by(&ObjKey::new("a", "llm")), ["p2"]);
+        // Invalid: selects nothing.
+        let mut bad = budget("a", "llm", "8Gi", "{matchLabels: {app: web}}");
+        bad.spec.warn_at_percent = 0;
+        assert_eq!(index.apply_budget(&bad), keys(&["llm", "web", "wide"]));
+        assert!(index.pods_selected_by(&ObjKey::new("a", "llm")).is_empty());
+        assert_eq!(index.invalid_budget_count(), 1);
+        // Deleted: the others that shared its pods (none now) are affected, not itself.
+        index.apply_budget(&budget("a", "llm", "8Gi", "{}"));
+        assert_eq!(index.delete_budget(&ObjKey::new("a", "llm")), keys(&["web", "wide"]));
+        assert_eq!(index.budget_count(), 3);
+        assert_eq!(index.budgets_selecting(&ObjKey::new("a", "p2")), Vec::from_iter(keys(&["web", "wide"])));
+    }
+
+    #[test]
+    fn resyncs_forget_what_was_not_listed() {
+        let mut index = fixture();
+        index.apply_pod(pod("a", "p1", &[("app", "llm")]));
+        index.apply_pod(pod("a", "p2", &[("app", "web")]));
+        index.begin_pod_resync();
+        assert!(index.apply_pod(pod("a", "p1", &[("app", "llm")])).is_empty());
+        assert_eq!(index.end_pod_resync(), keys(&["web", "wide"]));
+        assert_eq!(index.pod_count(), 1);
+
+        index.begin_budget_resync();
+        index.apply_budget(&budget("a", "llm", "8Gi", "{matchLabels: {app: llm}}"));
+        index.apply_budget(&budget("b", "other", "1Gi", "{}"));
+        assert_eq!(index.end_budget_resync(), keys(&["llm"]), "wide and web are gone; llm shared p1 with wide");
+        assert_eq!(index.budget_count(), 2);
+        assert_eq!(index.budgets_selecting(&ObjKey::new("a", "p1")), Vec::from_iter(keys(&["llm"])));
+    }
+
+    #[test]
+    fn inputs_carry_every_selecting_budget() {
+        let mut index = fixture();
+        index.apply_pod(pod("a", "p1", &[("app", "llm")]));
+        let inputs = index.inputs(&ObjKey::new("a", "wide"));
+        assert_eq!(inputs.selected.len(), 1);
+        let names: Vec<&str> = inputs.selected[0].selected_by.iter().map(|b| b.name.as_str()).collect();
+        assert_eq!(names, ["llm", "wide"]);
+        let _ = BTreeMap::<String, String>::new();
+    }
+}

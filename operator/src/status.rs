@@ -1,0 +1,569 @@
+//! A budget's status, computed by a pure function of the budget, the pods it selects, the other budgets
+//! that select those pods, and the status it had.
+//!
+//! - `matchedPods`, `podsNearBudget`, `podsOverBudget` and `topPods` count the pods this budget *applies*
+//!   to: those it selects and wins by the common resolution rule (smallest limit, then name). Near and over
+//!   come from the agent's record (`gpubudget.io/state`) when the record names this budget (the state is
+//!   relative to that budget's limit).
+//! - `evictions` counts each pod once, by UID: a pod whose record names this budget and carries
+//!   `gpubudget.io/eviction-requested-at`. The UIDs already counted are kept in `status.countedEvictions`
+//!   (the newest [`COUNTED_EVICTIONS_MAX`]), so a restart or a re-list does not count a pod twice.
+//! - `Ready` says whether the spec is valid; `Overlapping` whether some selected pod is also selected by
+//!   other budgets, naming them and which budget applies.
+//! - A condition keeps its `lastTransitionTime` while its status does not change, so a status computed
+//!   twice from the same inputs is equal, and [`same_ignoring_timestamps`] tells whether a write is needed.
+
+use std::collections::{BTreeMap, HashSet};
+use std::str::FromStr;
+
+use gpubudget_common::contract::PodRecord;
+use gpubudget_common::quantity::HumanBytes;
+use gpubudget_common::types::{COUNTED_EVICTIONS_MAX, EvictionRecord, GpuMemoryBudgetStatus, PodUsage, TOP_PODS_MAX};
+use gpubudget_common::{Budget, BudgetState, GpuMemoryBudget, SpecError};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+
+use crate::pods::PodInfo;
+
+/// The `Ready` condition: the spec is valid and the agents enforce it.
+pub const READY: &str = "Ready";
+/// The `Overlapping` condition: some selected pod is also selected by another budget.
+pub const OVERLAPPING: &str = "Overlapping";
+/// How many other budgets an `Overlapping` message names before "and N more".
+pub const OVERLAP_NAMES_MAX: usize = 10;
+
+/// A pod a budget's selector matches, with every budget whose selector matches it (this one included).
+#[derive(Debug, Clone)]
+pub struct Selected<'a> {
+    /// The pod.
+    pub pod: &'a PodInfo,
+    /// Every valid budget of the namespace that selects it.
+    pub selected_by: Vec<&'a Budget>,
+}
+
+/// What a budget's status is computed from, besides the budget itself.
+#[derive(Debug, Clone, Default)]
+pub struct Inputs<'a> {
+    /// The pods its selector matches.
+    pub selected: Vec<Selected<'a>>,
+    /// The pods whose record names it (they may no longer be selected): the source of evictions.
+    pub recorded: Vec<&'a PodInfo>,
+}
+
+/// Computes a budget's status.
+pub fn compute(
+    resource: &GpuMemoryBudget,
+    inputs: &Inputs<'_>,
+    previous: Option<&GpuMemoryBudgetStatus>,
+    now: Timestamp,
+) -> GpuMemoryBudgetStatus {
+    let name = resource.metadata.name.as_deref().unwrap_or_default();
+    let generation = resource.metadata.generation;
+    let mut status = GpuMemoryBudgetStatus { observed_generation: generation, ..Default::default() };
+    count_evictions(&mut status, name, &inputs.recorded, previous);
+    let conditions = match Budget::compile(resource) {
+        Ok(budget) => {
+            let overlap = tally(&budget, inputs, &mut status);
+            vec![ready_true(&budget), overlapping(&budget, &overlap)]
+        }
+        Err(error) => vec![ready_false(&error), overlap_unknown()],
+    };
+    status.conditions = conditions
+        .into_iter()
+        .map(|(type_, state, reason, message)| condition(type_, state, reason, message, generation, previous, now))
+        .collect();
+    status
+}
+
+/// Other budgets that select this budget's pods: name → (limit, pods shared); and per pod who applies.
+#[derive(Debug, Default)]
+struct Overlap {
+    pods: usize,
+    others: BTreeMap<String, String>,
+    winners: BTreeMap<String, usize>,
+}
+
+fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatus) -> Overlap {
+    let mut overlap = Overlap::default();
+    let mut top: Vec<(&PodInfo, &PodRecord)> = Vec::new();
+    for selected in &inputs.selected {
+        let pod = selected.pod;
+        let applies = match gpubudget_common::resolve(selected.selected_by.iter().copied(), &pod.namespace, &pod.labels)
+        {
+            Some(resolution) => {
+                if !resolution.also_matched.is_empty() {
+                    overlap.pods += 1;
+                    *overlap.winners.entry(resolution.budget.name.clone()).or_default() += 1;
+                    for other in std::iter::once(resolution.budget).chain(resolution.also_matched.iter().copied()) {
+                        if other.name != budget.name {
+                            overlap.others.insert(other.name.clone(), other.limit_text.clone());
+                        }
+                    }
+                }
+                resolution.budget.name == budget.name
+            }
+            // The index says this budget selects the pod; resolve disagrees only if the inputs are
+            // inconsistent. Count it for this budget rather than lose it.
+            None => true,
+        };
+        if !applies {
+            continue;
+        }
+        status.matched_pods += 1;
+        let Some(record) = &pod.record else { continue };
+        if record.budget == budget.name {
+            match record.state {
+                BudgetState::Near => status.pods_near_budget += 1,
+                state if state.is_over() => status.pods_over_budget += 1,
+                _ => {}
+            }
+        }
+        top.push((pod, record));
+    }
+    top.sort_by(|a, b| b.1.usage_bytes.cmp(&a.1.usage_bytes).then_with(|| a.0.name.cmp(&b.0.name)));
+    status.top_pods = top
+        .into_iter()
+        .take(TOP_PODS_MAX)
+        .map(|(pod, record)| PodUsage {
+            name: pod.name.clone(),
+            node: Some(record.node.clone()).filter(|n| !n.is_empty()),
+            usage: HumanBytes(record.usage_bytes).to_string(),
+            usage_bytes: i64::try_from(record.usage_bytes).unwrap_or(i64::MAX),
+            state: record.state,
+        })
+        .collect();
+    overlap
+}
+
+fn parse_time(text: &str) -> Option<Timestamp> {
+    Timestamp::from_str(text).ok()
+}
+
+/// Adds the evictions recorded on pods not counted yet; keeps the counted UIDs bounded.
+fn count_evictions(
+    status: &mut GpuMemoryBudgetStatus,
+    name: &str,
+    recorded: &[&PodInfo],
+    previous: Option<&GpuMemoryBudgetStatus>,
+) {
+    let mut counted: Vec<String> = previous.map(|p| p.counted_evictions.clone()).unwrap_or_default();
+    let mut evictions = previous.map_or(0, |p| p.evictions);
+    let mut last = previous.and_then(|p| p.last_eviction.clone());
+    let evicted: Vec<(&PodInfo, &PodRecord, &str)> = recorded
+        .iter()
+        .filter_map(|pod| {
+            let record = pod.record.as_ref().filter(|r| r.budget == name)?;
+            Some((*pod, record, record.eviction_requested_at.as_deref()?))
+        })
+        .filter(|(pod, _, _)| !pod.uid.is_empty())
+        .collect();
+    let already: HashSet<&str> = counted.iter().map(String::as_str).collect();
+    let mut new: Vec<&(&PodInfo, &PodRecord, &str)> =
+        evicted.iter().filter(|(pod, _, _)| !already.contains(pod.uid.as_str())).collect();
+    new.sort_by(|a, b| (parse_time(a.2), &a.0.name).cmp(&(parse_time(b.2), &b.0.name)));
+    for (pod, record, at) in new {
+        evictions += 1;
+        counted.push(pod.uid.clone());
+        let newer = match last.as_ref().and_then(|l| parse_time(&l.time)) {
+            Some(previous_time) => parse_time(at).is_some_and(|t| t >= previous_time),
+            None => true,
+        };
+        if newer {
+            last = Some(EvictionRecord {
+                pod: pod.name.clone(),
+                node: Some(record.node.clone()).filter(|n| !n.is_empty()),
+                time: (*at).to_owned(),
+                usage: HumanBytes(record.usage_bytes).to_string(),
+            });
+        }
+    }
+    // Bounded: forget first the UIDs of pods that are gone (they cannot be seen, so counted, again).
+    let present: HashSet<&str> = evicted.iter().map(|(pod, _, _)| pod.uid.as_str()).collect();
+    while counted.len() > COUNTED_EVICTIONS_MAX {
+        let at = counted.iter().position(|uid| !present.contains(uid.as_str())).unwrap_or(0);
+        counted.remove(at);
+    }
+    status.evictions = evictions;
+    status.counted_evictions = counted;
+    status.last_eviction = last;
+}
+
+type Draft = (&'static str, &'static str, &'static str, String);
+
+fn ready_true(budget: &Budget) -> Draft {
+    (
+        READY,
+        "True",
+        "Valid",
+        format!(
+            "limit {} per pod, action {}, near at {}% of the limit; enforced by the gpubudget agent on each node",
+            budget.limit_text, budget.action, budget.warn_at_percent
+        ),
+    )
+}
+
+fn ready_false(error: &SpecError) -> Draft {
+    (READY, "False", "InvalidSpec", format!("{error}; this budget selects no pod until the spec is fixed"))
+}
+
+fn overlap_unknown() -> Draft {
+    (OVERLAPPING, "Unknown", "InvalidSpec", "the selector is not evaluated while the spec is invalid".to_owned())
+}
+
+fn overlapping(budget: &Budget, overlap: &Overlap) -> Draft {
+    if overlap.pods == 0 {
+        return (OVERLAPPING, "False", "NoOverlap", "no pod this budget selects is selected by another budget".into());
+    }
+    let mut names: Vec<String> =
+        overlap.others.iter().take(OVERLAP_NAMES_MAX).map(|(name, limit)| format!("{name} ({limit})")).collect();
+    if overlap.others.len() > OVERLAP_NAMES_MAX {
+        names.push(format!("and {} more", overlap.others.len() - OVERLAP_NAMES_MAX));
+    }
+    let mut winners: Vec<String> = Vec::new();
+    let mine = overlap.winners.get(&budget.name).copied().unwrap_or(0);
+    winners.push(format!("this budget ({}) applies to {mine}", budget.limit_text));
+    for (name, count) in overlap.winners.iter().filter(|(n, _)| **n != budget.name).take(OVERLAP_NAMES_MAX) {
+        winners.push(format!("{name} to {count}"));
+    }
+    let pods = overlap.pods;
+    let plural = if pods == 1 { "pod" } else { "pods" };
+    (
+        OVERLAPPING,
+        "True",
+        "SelectorsOverlap",
+        format!(
+            "{pods} {plural} this budget selects {verb} also selected by {}; the smallest limit applies (equal \
+             limits: the name that sorts first): {}",
+            names.join(", "),
+            winners.join(", "),
+            verb = if pods == 1 { "is" } else { "are" },
+        ),
+    )
+}
+
+fn condition(
+    type_: &str,
+    status: &str,
+    reason: &str,
+    message: String,
+    generation: Option<i64>,
+    previous: Option<&GpuMemoryBudgetStatus>,
+    now: Timestamp,
+) -> Condition {
+    let last_transition_time = previous
+        .and_then(|p| p.conditions.iter().find(|c| c.type_ == type_))
+        .filter(|c| c.status == status)
+        .map_or(Time(now), |c| c.last_transition_time.clone());
+    Condition {
+        type_: type_.to_owned(),
+        status: status.to_owned(),
+        reason: reason.to_owned(),
+        message,
+        observed_generation: generation,
+        last_transition_time,
+    }
+}
+
+/// Whether two statuses say the same thing (condition timestamps aside): if so, nothing is written.
+pub fn same_ignoring_timestamps(a: &GpuMemoryBudgetStatus, b: &GpuMemoryBudgetStatus) -> bool {
+    fn normalized(s: &GpuMemoryBudgetStatus) -> GpuMemoryBudgetStatus {
+        let mut s = s.clone();
+        for c in &mut s.conditions {
+            c.last_transition_time = Time(Timestamp::UNIX_EPOCH);
+        }
+        s
+    }
+    normalized(a) == normalized(b)
+}
+
+/// The status of a condition, if present.
+pub fn condition_status<'a>(status: Option<&'a GpuMemoryBudgetStatus>, type_: &str) -> Option<&'a Condition> {
+    status?.conditions.iter().find(|c| c.type_ == type_)
+}
+
+/// An event worth a person's attention, published on the budget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notice {
+    /// Warning (else Normal).
+    pub warning: bool,
+    /// The event's reason (PascalCase, stable).
+    pub reason: &'static str,
+    /// The event's note.
+    pub note: String,
+}
+
+/// The transitions between two statuses that deserve an event: the spec became invalid (or valid again),
+/// the budget became overlapping (or stopped). Computed from the condition statuses, so a status that is
+/// not written again produces no event again.
+pub fn notices(previous: Option<&GpuMemoryBudgetStatus>, next: &GpuMemoryBudgetStatus) -> Vec<Notice> {
+    let mut out = Vec::new();
+    let was = |t| condition_status(previous, t).map(|c| c.status.as_str());
+    let ready = condition_status(Some(next), READY);
+    match (was(READY), ready) {
+        (prev, Some(c)) if c.status == "False" && prev != Some("False") => {
+            out.push(Notice { warning: true, reason: "InvalidSpec", note: c.message.clone() });
+        }
+        (Some("False"), Some(c)) if c.status == "True" => {
+            out.push(Notice {
+                warning: false,
+                reason: "Valid",
+                note: format!("the spec is valid again: {}", c.message),
+            });
+        }
+        _ => {}
+    }
+    let overlapping = condition_status(Some(next), OVERLAPPING);
+    match (was(OVERLAPPING), overlapping) {
+        (prev, Some(c)) if c.status == "True" && prev != Some("True") => {
+            out.push(Notice { warning: true, reason: "Overlapping", note: c.message.clone() });
+        }
+        (Some("True"), Some(c)) if c.status == "False" => {
+            out.push(Notice { warning: false, reason: "OverlapResolved", note: c.message.clone() });
+        }
+        _ => {}
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpubudget_common::contract::PodRecord;
+
+    fn resource(name: &str, limit: &str, selector: &str) -> GpuMemoryBudget {
+        let mut r: GpuMemoryBudget = serde_yaml::from_str(&format!(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: {name}, namespace: a, generation: 3}}\n\
+             spec: {{selector: {selector}, limit: {limit}}}\n"
+        ))
+        .expect("fixture parses");
+        r.metadata.uid = Some(format!("uid-{name}"));
+        r
+    }
+
+    fn compiled(r: &GpuMemoryBudget) -> Budget {
+        Budget::compile(r).expect("valid")
+    }
+
+    fn pod(name: &str, app: &str, record: Option<(BudgetState, u64, &str)>) -> PodInfo {
+        PodInfo {
+            namespace: "a".into(),
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            labels: [("app".to_owned(), app.to_owned())].into(),
+            record: record.map(|(state, usage_bytes, budget)| PodRecord {
+                state,
+                usage_bytes,
+                budget: budget.into(),
+                node: "gpu-1".into(),
+                eviction_requested_at: None,
+            }),
+        }
+    }
+
+    fn evicted(mut p: PodInfo, at: &str) -> PodInfo {
+        if let Some(r) = p.record.as_mut() {
+            r.state = BudgetState::Evicting;
+            r.eviction_requested_at = Some(at.into());
+        }
+        p
+    }
+
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).expect("in range")
+    }
+
+    const GI: u64 = 1 << 30;
+
+    #[test]
+    fn counts_the_pods_it_applies_to_and_lists_the_top_ones() {
+        let llm = resource("llm", "8Gi", "{matchLabels: {app: llm}}");
+        let b = compiled(&llm);
+        let pods = [
+            pod("p1", "llm", Some((BudgetState::Within, GI, "llm"))),
+            pod("p2", "llm", Some((BudgetState::Near, 15 * GI / 2, "llm"))),
+            pod("p3", "llm", Some((BudgetState::Over, 9 * GI, "llm"))),
+            pod("p4", "llm", Some((BudgetState::Evicting, 10 * GI, "llm"))),
+            pod("p5", "llm", None),
+        ];
+        let inputs = Inputs {
+            selected: pods.iter().map(|p| Selected { pod: p, selected_by: vec![&b] }).collect(),
+            recorded: pods.iter().collect(),
+        };
+        let s = compute(&llm, &inputs, None, t(0));
+        assert_eq!(s.observed_generation, Some(3));
+        assert_eq!((s.matched_pods, s.pods_near_budget, s.pods_over_budget), (5, 1, 2));
+        let top: Vec<(&str, &str)> = s.top_pods.iter().map(|p| (p.name.as_str(), p.usage.as_str())).collect();
+        assert_eq!(top, [("p4", "10Gi"), ("p3", "9Gi"), ("p2", "7.5Gi"), ("p1", "1Gi")]);
+        assert_eq!(s.top_pods[0].usage_bytes, 10 * GI as i64);
+        assert_eq!((s.top_pods[0].node.as_deref(), s.top_pods[0].state), (Some("gpu-1"), BudgetState::Evicting));
+        assert_eq!(s.evictions, 0, "Evicting without eviction-requested-at is not an eviction yet");
+        let ready = condition_status(Some(&s), READY).expect("ready");
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("True", "Valid"));
+        assert!(ready.message.contains("limit 8Gi"), "{}", ready.message);
+        assert_eq!(condition_status(Some(&s), OVERLAPPING).map(|c| c.status.as_str()), Some("False"));
+    }
+
+    #[test]
+    fn top_pods_are_bounded() {
+        let llm = resource("llm", "8Gi", "{}");
+        let b = compiled(&llm);
+        let pods: Vec<PodInfo> =
+            (0..25).map(|i| pod(&format!("p{i:02}"), "x", Some((BudgetState::Within, i * 1000, "llm")))).collect();
+        let inputs = Inputs {
+            selected: pods.iter().map(|p| Selected { pod: p, selected_by: vec![&b] }).collect(),
+            recorded: vec![],
+        };
+        let s = compute(&llm, &inputs, None, t(0));
+        assert_eq!(s.top_pods.len(), TOP_PODS_MAX);
+        assert_eq!(s.top_pods[0].name, "p24");
+        assert_eq!(s.matched_pods, 25);
+    }
+
+    #[test]
+    fn overlapping_names_the_others_and_who_applies() {
+        let llm = resource("llm", "8Gi", "{matchLabels: {app: llm}}");
+        let wide = resource("wide", "16Gi", "{}");
+        let (bl, bw) = (compiled(&llm), compiled(&wide));
+        let pods = [
+            pod("p1", "llm", Some((BudgetState::Near, 7 * GI, "llm"))),
+            pod("p2", "llm", None),
+            pod("w", "web", Some((BudgetState::Within, GI, "wide"))),
+        ];
+        let wide_inputs = Inputs {
+            selected: vec![
+                Selected { pod: &pods[0], selected_by: vec![&bl, &bw] },
+                Selected { pod: &pods[1], selected_by: vec![&bw, &bl] },
+                Selected { pod: &pods[2], selected_by: vec![&bw] },
+            ],
+            recorded: vec![&pods[2]],
+        };
+        let s = compute(&wide, &wide_inputs, None, t(0));
+        assert_eq!((s.matched_pods, s.pods_near_budget), (1, 0), "llm applies to p1 and p2");
+        assert_eq!(s.top_pods.len(), 1);
+        let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
+        assert_eq!((c.status.as_str(), c.reason.as_str()), ("True", "SelectorsOverlap"));
+        assert_eq!(
+            c.message,
+            "2 pods this budget selects are also selected by llm (8Gi); the smallest limit applies (equal limits: \
+             the name that sorts first): this budget (16Gi) applies to 0, llm to 2"
+        );
+        let llm_inputs = Inputs { selected: wide_inputs.selected[..2].to_vec(), recorded: vec![&pods[0]] };
+        let s = compute(&llm, &llm_inputs, None, t(0));
+        assert_eq!((s.matched_pods, s.pods_near_budget), (2, 1));
+        let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
+        assert!(
+            c.message.contains("also selected by wide (16Gi)") && c.message.ends_with("applies to 2"),
+            "{}",
+            c.message
+        );
+    }
+
+    #[test]
+    fn invalid_specs_are_not_ready_and_keep_their_evictions() {
+        let mut bad = resource("llm", "8Gi", "{}");
+        bad.spec.warn_at_percent = 0;
+        let previous =
+            GpuMemoryBudgetStatus { evictions: 4, counted_evictions: vec!["x".into()], ..Default::default() };
+        let s = compute(&bad, &Inputs::default(), Some(&previous), t(0));
+        let ready = condition_status(Some(&s), READY).expect("ready");
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "InvalidSpec"));
+        assert!(ready.message.starts_with("spec.warnAtPercent"), "{}", ready.message);
+        assert_eq!(condition_status(Some(&s), OVERLAPPING).map(|c| c.status.as_str()), Some("Unknown"));
+        assert_eq!((s.evictions, s.matched_pods), (4, 0));
+        let n = notices(None, &s);
+        assert_eq!(n.iter().map(|n| (n.reason, n.warning)).collect::<Vec<_>>(), [("InvalidSpec", true)]);
+    }
+
+    #[test]
+    fn each_eviction_is_counted_once_across_restarts() {
+        let llm = resource("llm", "8Gi", "{}");
+        let p1 = evicted(pod("p1", "x", Some((BudgetState::Over, 9 * GI, "llm"))), "2027-01-15T08:00:00Z");
+        let p2 = evicted(pod("p2", "x", Some((BudgetState::Over, 12 * GI, "llm"))), "2027-01-15T09:00:00Z");
+        let other = evicted(pod("o", "x", Some((BudgetState::Over, GI, "other"))), "2027-01-15T10:00:00Z");
+        let inputs = Inputs { selected: vec![], recorded: vec![&p1, &other] };
+        let s1 = compute(&llm, &inputs, None, t(0));
+        assert_eq!((s1.evictions, s1.counted_evictions.clone()), (1, vec!["uid-p1".to_owned()]));
+        let last = s1.last_eviction.clone().expect("last");
+        assert_eq!((last.pod.as_str(), last.usage.as_str(), last.node.as_deref()), ("p1", "9Gi", Some("gpu-1")));
+        // Recomputed from the written status (a restart, a re-list): nothing new.
+        let again = compute(&llm, &inputs, Some(&s1), t(60));
+        assert!(same_ignoring_timestamps(&s1, &again));
+        assert_eq!(again, s1, "conditions keep their transition times");
+        // A second eviction; the first pod is gone by now.
+        let inputs = Inputs { selected: vec![], recorded: vec![&p2] };
+        let s2 = compute(&llm, &inputs, Some(&s1), t(120));
+        assert_eq!(s2.evictions, 2);
+        assert_eq!(s2.last_eviction.as_ref().map(|l| l.pod.as_str()), Some("p2"));
+        assert_eq!(s2.counted_evictions, ["uid-p1", "uid-p2"]);
+        // An older eviction seen late does not replace the last one.
+        let late = evicted(pod("p0", "x", Some((BudgetState::Over, GI, "llm"))), "2027-01-15T07:00:00Z");
+        let s3 = compute(&llm, &Inputs { selected: vec![], recorded: vec![&late, &p2] }, Some(&s2), t(180));
+        assert_eq!((s3.evictions, s3.last_eviction.as_ref().map(|l| l.pod.as_str())), (3, Some("p2")));
+    }
+
+    #[test]
+    fn counted_evictions_stay_bounded_and_keep_present_pods() {
+        let llm = resource("llm", "8Gi", "{}");
+        let previous = GpuMemoryBudgetStatus {
+            evictions: COUNTED_EVICTIONS_MAX as i64,
+            counted_evictions: (0..COUNTED_EVICTIONS_MAX).map(|i| format!("uid-old{i}")).collect(),
+            ..Default::default()
+        };
+        // old0 is still present (its eviction blocked by a PodDisruptionBudget, say): it must stay counted.
+        let old0 = evicted(pod("old0", "x", Some((BudgetState::Over, GI, "llm"))), "2027-01-15T07:00:00Z");
+        let new = evicted(pod("new", "x", Some((BudgetState::Over, GI, "llm"))), "2027-01-15T08:00:00Z");
+        let s = compute(&llm, &Inputs { selected: vec![], recorded: vec![&old0, &new] }, Some(&previous), t(0));
+        assert_eq!(s.evictions, COUNTED_EVICTIONS_MAX as i64 + 1);
+        assert_eq!(s.counted_evictions.len(), COUNTED_EVICTIONS_MAX);
+        assert_eq!(s.counted_evictions[0], "uid-old0");
+        assert!(!s.counted_evictions.contains(&"uid-old1".to_owned()));
+        assert_eq!(s.counted_evictions.last().map(String::as_str), Some("uid-new"));
+        let s = compute(&llm, &Inputs { selected: vec![], recorded: vec![&old0, &new] }, Some(&s), t(1));
+        assert_eq!(s.evictions, COUNTED_EVICTIONS_MAX as i64 + 1, "no double count");
+    }
+
+    #[test]
+    fn transition_times_move_only_when_a_condition_changes() {
+        let llm = resource("llm", "8Gi", "{}");
+        let wide = resource("wide", "16Gi", "{}");
+        let (bl, bw) = (compiled(&llm), compiled(&wide));
+        let p = pod("p", "x", None);
+        let alone = Inputs { selected: vec![Selected { pod: &p, selected_by: vec![&bl] }], recorded: vec![] };
+        let shared = Inputs { selected: vec![Selected { pod: &p, selected_by: vec![&bl, &bw] }], recorded: vec![] };
+        let s0 = compute(&llm, &alone, None, t(0));
+        let s1 = compute(&llm, &shared, Some(&s0), t(10));
+        let ready =
+            |s: &GpuMemoryBudgetStatus| condition_status(Some(s), READY).map(|c| c.last_transition_time.clone());
+        let over = |s: &GpuMemoryBudgetStatus| {
+            condition_status(Some(s), OVERLAPPING).map(|c| (c.status.clone(), c.last_transition_time.clone()))
+        };
+        assert_eq!(ready(&s1), ready(&s0));
+        assert_eq!(over(&s1), Some(("True".into(), Time(t(10)))));
+        assert!(!same_ignoring_timestamps(&s0, &s1));
+        let n = notices(Some(&s0), &s1);
+        assert_eq!(n.len(), 1);
+        assert_eq!((n[0].reason, n[0].warning), ("Overlapping", true));
+        assert!(n[0].note.contains("wide (16Gi)"), "{}", n[0].note);
+        assert!(notices(Some(&s1), &compute(&llm, &shared, Some(&s1), t(20))).is_empty(), "no repeat");
+        let s2 = compute(&llm, &alone, Some(&s1), t(30));
+        assert_eq!(notices(Some(&s1), &s2).iter().map(|n| n.reason).collect::<Vec<_>>(), ["OverlapResolved"]);
+        // Invalid, then valid again.
+        let mut bad = llm.clone();
+        bad.spec.limit.0 = "lots".into();
+        let s3 = compute(&bad, &alone, Some(&s2), t(40));
+        let s4 = compute(&llm, &alone, Some(&s3), t(50));
+        assert_eq!(notices(Some(&s2), &s3).iter().map(|n| n.reason).collect::<Vec<_>>(), ["InvalidSpec"]);
+        assert_eq!(notices(Some(&s3), &s4).iter().map(|n| n.reason).collect::<Vec<_>>(), ["Valid"]);
+        assert_eq!(ready(&s4), Some(Time(t(50))));
+    }
+
+    #[test]
+    fn a_generation_change_alone_is_a_change() {
+        let mut llm = resource("llm", "8Gi", "{}");
+        let s0 = compute(&llm, &Inputs::default(), None, t(0));
+        llm.metadata.generation = Some(4);
+        let s1 = compute(&llm, &Inputs::default(), Some(&s0), t(1));
+        assert!(!same_ignoring_timestamps(&s0, &s1));
+        assert_eq!(s1.conditions[0].observed_generation, Some(4));
+    }
+}
