@@ -45,6 +45,7 @@ fi
 echo "helm: $HELM ($("$HELM" version --short))"
 
 PY="$CACHE/venv/bin/python"
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 kv_ok() { "$@" -c "import kubernetes_validate.version as v, yaml; assert v.__version__ == '$KUBERNETES_VALIDATE_VERSION'" 2>/dev/null; }
 if ! kv_ok "$PY"; then
   rm -rf "$CACHE/venv" "$CACHE/pylib"
@@ -56,6 +57,7 @@ if ! kv_ok "$PY"; then
     python3 -m pip install --quiet --disable-pip-version-check --target "$CACHE/pylib" \
       "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION"
     mkdir -p "$CACHE/venv/bin"
+    # shellcheck disable=SC2016 # $PYTHONPATH and $@ belong to the wrapper
     printf '#!/bin/sh\nPYTHONPATH="%s${PYTHONPATH:+:$PYTHONPATH}" exec python3 "$@"\n' "$CACHE/pylib" > "$PY"
     chmod +x "$PY"
   fi
