@@ -16,6 +16,8 @@ pub struct Cli {
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run the operator: GpuMemoryBudget status, leader election, the admin port and the eviction check.
+    Run(crate::run::RunArgs),
     /// Print the GpuMemoryBudget CRD, or write/check the committed copies.
     Crd {
         /// Write crds/ and the chart's copy under --root.
@@ -39,6 +41,7 @@ pub enum Command {
 /// Runs a command; returns the process exit code.
 pub fn dispatch(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
+        Command::Run(args) => crate::run::run(args),
         Command::Crd { write: true, root, .. } => {
             for path in crate::crd::write(&root)? {
                 eprintln!("wrote {}", path.display());

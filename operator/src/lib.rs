@@ -2,8 +2,14 @@
 //! generates the CRD, and validates budget files offline.
 
 pub mod cli;
+pub mod controller;
 pub mod crd;
+pub mod error;
 pub mod index;
+pub mod leader;
+pub mod metrics;
 pub mod pods;
+pub mod run;
 pub mod status;
 pub mod validate;
+pub mod webhook;
