@@ -1,0 +1,197 @@
+//! Command line: `run` (the DaemonSet), `top`, `record`, `standalone`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use gpubudget_runtime::LogFormat;
+
+/// gpubudget node agent: GPU memory per pod from NVML, enforced against GpuMemoryBudgets.
+#[derive(Debug, Parser)]
+#[command(name = "gpubudget-agent", version, about)]
+pub struct Cli {
+    /// Log format (logs go to stderr).
+    #[arg(long, global = true, env = "GPUBUDGET_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the agent: sample, attribute, enforce; admin port with /live, /ready, /metrics.
+    Run(RunArgs),
+    /// Show GPU memory by pod, container and process on this host.
+    Top(TopArgs),
+    /// Write a sample file from NVML (replay it with --sample-file or top --sample).
+    Record(RecordArgs),
+    /// Enforce budgets and pods read from files, without an API server: decisions as JSON lines.
+    Standalone(StandaloneArgs),
+}
+
+/// Sampling options shared by the subcommands.
+#[derive(Debug, Clone, Args)]
+pub struct SampleArgs {
+    /// Where the host's proc filesystem is (NVML reports host PIDs).
+    #[arg(long, env = "GPUBUDGET_PROC_ROOT", default_value = "/proc")]
+    pub proc_root: PathBuf,
+    /// Sampling interval ("250ms", "1s").
+    #[arg(long, env = "GPUBUDGET_INTERVAL", default_value = "250ms", value_parser = parse_duration)]
+    pub interval: Duration,
+}
+
+/// `run`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// This node's name (from the downward API).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    #[command(flatten)]
+    pub sample: SampleArgs,
+    /// Admin port address (/live, /ready, /metrics).
+    #[arg(long, env = "GPUBUDGET_ADMIN_ADDR", default_value = "0.0.0.0:9400")]
+    pub admin_addr: SocketAddr,
+    /// Replay this sample file instead of NVML (re-read when it changes).
+    #[arg(long, env = "GPUBUDGET_SAMPLE_FILE")]
+    pub sample_file: Option<PathBuf>,
+}
+
+/// Output format of `top`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// An aligned table.
+    Table,
+    /// One JSON document per refresh.
+    Json,
+}
+
+/// `top`.
+#[derive(Debug, Clone, Args)]
+pub struct TopArgs {
+    /// Print once and exit.
+    #[arg(long)]
+    pub once: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "table")]
+    pub output: Output,
+    #[command(flatten)]
+    pub sample: SampleArgs,
+    /// Replay a sample file instead of NVML.
+    #[arg(long = "sample", value_name = "FILE")]
+    pub sample_file: Option<PathBuf>,
+    /// Node whose pods give names (default: NODE_NAME, else this host's name).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// Do not ask the API server for pod names (show UIDs).
+    #[arg(long)]
+    pub no_api: bool,
+}
+
+/// `record`.
+#[derive(Debug, Clone, Args)]
+pub struct RecordArgs {
+    /// Where to write (default: stdout).
+    #[arg(long, short)]
+    pub output: Option<PathBuf>,
+    /// Also resolve each PID through /proc and write its pod UID and container ID, so the file can be
+    /// replayed on another host.
+    #[arg(long)]
+    pub attribute: bool,
+    /// Proc root (with --attribute).
+    #[arg(long, env = "GPUBUDGET_PROC_ROOT", default_value = "/proc")]
+    pub proc_root: PathBuf,
+}
+
+/// `standalone`.
+#[derive(Debug, Clone, Args)]
+pub struct StandaloneArgs {
+    /// GpuMemoryBudgets: YAML or JSON, several documents or a List.
+    #[arg(long)]
+    pub budgets: PathBuf,
+    /// Pods (with metadata.uid and status.containerStatuses): YAML or JSON, several documents or a List.
+    #[arg(long)]
+    pub pods: PathBuf,
+    /// This node's name: pods bound to another node are ignored, and eviction needs it to match.
+    #[arg(long, env = "NODE_NAME", default_value = "standalone")]
+    pub node_name: String,
+    #[command(flatten)]
+    pub sample: SampleArgs,
+    /// Replay a sample file instead of NVML.
+    #[arg(long, env = "GPUBUDGET_SAMPLE_FILE")]
+    pub sample_file: Option<PathBuf>,
+    /// Stop after this long ("90s"); default: until SIGTERM or Ctrl-C.
+    #[arg(long, value_parser = parse_duration)]
+    pub duration: Option<Duration>,
+    /// Write the JSON lines here (default: stdout).
+    #[arg(long, short)]
+    pub output: Option<PathBuf>,
+    /// Also write a "usage" line per pod with a budget whenever its usage changes.
+    #[arg(long)]
+    pub log_usage: bool,
+}
+
+/// Parses "250ms", "1s", "1.5s", "2m", "1h".
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number.parse().map_err(|_| format!("{text:?} is not a duration such as 250ms or 1s"))?;
+    let seconds = match unit.trim() {
+        "ms" => value / 1000.0,
+        "s" => value,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        _ => return Err(format!("{text:?}: give a unit (ms, s, m, h), as in 250ms or 1s")),
+    };
+    if !seconds.is_finite() || seconds <= 0.0 || seconds > 86_400.0 {
+        return Err(format!("{text:?} must be more than 0 and at most a day"));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("250").is_err());
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("fast").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn the_charts_flags_and_env_parse() {
+        let cli = Cli::try_parse_from([
+            "gpubudget-agent",
+            "run",
+            "--node-name",
+            "n1",
+            "--proc-root",
+            "/host/proc",
+            "--interval",
+            "1s",
+            "--admin-addr",
+            "0.0.0.0:9400",
+            "--sample-file",
+            "/var/run/gpubudget/replay/sample.json",
+            "--log-format",
+            "json",
+        ])
+        .expect("parses");
+        let Command::Run(run) = cli.command else { panic!("run") };
+        assert_eq!(run.node_name, "n1");
+        assert_eq!(run.sample.interval, Duration::from_secs(1));
+        assert_eq!(cli.log_format, LogFormat::Json);
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}
