@@ -1,0 +1,552 @@
+//! The object store, its resourceVersion clock, the event history and the open watches.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use serde_json::{Value, json};
+
+use crate::select::{FieldSelector, LabelSelector};
+use crate::{EventSummary, RecordedRequest, Verb};
+
+/// How many changes the history keeps for watches that resume from an older resourceVersion.
+const HISTORY: usize = 10_000;
+
+/// A group and resource (plural), e.g. `("", "pods")` or `("gpubudget.io", "gpumemorybudgets")`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct Gr {
+    pub(crate) group: String,
+    pub(crate) plural: String,
+}
+
+impl Gr {
+    pub(crate) fn new(group: &str, plural: &str) -> Self {
+        Gr { group: group.to_owned(), plural: plural.to_owned() }
+    }
+}
+
+impl std::fmt::Display for Gr {
+    /// The way the API server names a resource in messages: `pods`, `gpumemorybudgets.gpubudget.io`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.group.is_empty() { f.write_str(&self.plural) } else { write!(f, "{}.{}", self.plural, self.group) }
+    }
+}
+
+/// What the fake knows about a resource type.
+#[derive(Debug, Clone)]
+pub(crate) struct Info {
+    pub(crate) api_version: String,
+    pub(crate) kind: String,
+    pub(crate) namespaced: bool,
+    pub(crate) status: bool,
+}
+
+/// Resources known from the start: (apiVersion, plural, kind, namespaced, status subresource).
+const KNOWN: &[(&str, &str, &str, bool, bool)] = &[
+    ("v1", "pods", "Pod", true, true),
+    ("v1", "events", "Event", true, false),
+    ("v1", "nodes", "Node", false, true),
+    ("v1", "namespaces", "Namespace", false, true),
+    ("v1", "configmaps", "ConfigMap", true, false),
+    ("v1", "secrets", "Secret", true, false),
+    ("v1", "services", "Service", true, true),
+    ("v1", "serviceaccounts", "ServiceAccount", true, false),
+    ("events.k8s.io/v1", "events", "Event", true, false),
+    ("coordination.k8s.io/v1", "leases", "Lease", true, false),
+    ("gpubudget.io/v1alpha1", "gpumemorybudgets", "GpuMemoryBudget", true, true),
+    ("apiextensions.k8s.io/v1", "customresourcedefinitions", "CustomResourceDefinition", false, true),
+    ("apps/v1", "deployments", "Deployment", true, true),
+    ("apps/v1", "daemonsets", "DaemonSet", true, true),
+    ("apps/v1", "replicasets", "ReplicaSet", true, true),
+    ("apps/v1", "statefulsets", "StatefulSet", true, true),
+    ("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget", true, true),
+    ("scheduling.k8s.io/v1", "priorityclasses", "PriorityClass", false, false),
+    ("rbac.authorization.k8s.io/v1", "clusterroles", "ClusterRole", false, false),
+    ("rbac.authorization.k8s.io/v1", "clusterrolebindings", "ClusterRoleBinding", false, false),
+];
+
+/// Groups served by Kubernetes itself; anything else is a custom resource (which always has a generation).
+const BUILTIN_GROUPS: &[&str] = &[
+    "",
+    "apps",
+    "batch",
+    "policy",
+    "autoscaling",
+    "coordination.k8s.io",
+    "events.k8s.io",
+    "networking.k8s.io",
+    "rbac.authorization.k8s.io",
+    "storage.k8s.io",
+    "scheduling.k8s.io",
+    "discovery.k8s.io",
+    "node.k8s.io",
+    "apiextensions.k8s.io",
+    "admissionregistration.k8s.io",
+    "certificates.k8s.io",
+    "resource.k8s.io",
+];
+
+pub(crate) fn group_of(api_version: &str) -> &str {
+    api_version.split_once('/').map_or("", |(g, _)| g)
+}
+
+pub(crate) fn now() -> String {
+    Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+}
+
+pub(crate) fn later(seconds: i64) -> String {
+    let t = Timestamp::now().checked_add(SignedDuration::from_secs(seconds)).unwrap_or_else(|_| Timestamp::now());
+    t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+}
+
+static UIDS: AtomicU64 = AtomicU64::new(1);
+
+fn new_uid() -> String {
+    let n = UIDS.fetch_add(1, Ordering::Relaxed);
+    format!("{:08x}-7e57-4000-8000-{:012x}", std::process::id(), n)
+}
+
+pub(crate) fn meta_str<'a>(object: &'a Value, field: &str) -> &'a str {
+    object["metadata"][field].as_str().unwrap_or_default()
+}
+
+/// The metadata-only form of an object (what `as=PartialObjectMetadata` asks for).
+pub(crate) fn partial(object: &Value) -> Value {
+    json!({"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": object["metadata"]})
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Change {
+    Added,
+    Modified,
+    Deleted,
+}
+
+#[derive(Debug)]
+struct HistoryEntry {
+    rv: u64,
+    gr: Gr,
+    change: Change,
+    object: Value,
+    prev: Option<Value>,
+}
+
+/// What a watch asked for.
+#[derive(Debug, Clone)]
+pub(crate) struct WatchSpec {
+    pub(crate) gr: Gr,
+    pub(crate) namespace: Option<String>,
+    pub(crate) labels: LabelSelector,
+    pub(crate) fields: FieldSelector,
+    pub(crate) meta_only: bool,
+    pub(crate) bookmarks: bool,
+}
+
+impl WatchSpec {
+    pub(crate) fn matches(&self, object: &Value) -> bool {
+        self.namespace.as_deref().is_none_or(|ns| meta_str(object, "namespace") == ns)
+            && self.labels.matches(object)
+            && self.fields.matches(object)
+    }
+
+    fn line(&self, kind: &str, object: &Value) -> Bytes {
+        let object = if self.meta_only { partial(object) } else { object.clone() };
+        let mut line = serde_json::to_vec(&json!({"type": kind, "object": object})).unwrap_or_default();
+        line.push(b'\n');
+        Bytes::from(line)
+    }
+
+    fn translate(&self, e: &HistoryEntry) -> Option<Bytes> {
+        if e.gr != self.gr {
+            return None;
+        }
+        let now = self.matches(&e.object);
+        let kind = match e.change {
+            Change::Added => now.then_some("ADDED")?,
+            Change::Deleted => now.then_some("DELETED")?,
+            Change::Modified => match (e.prev.as_ref().is_some_and(|p| self.matches(p)), now) {
+                (true, true) => "MODIFIED",
+                (false, true) => "ADDED",
+                (true, false) => "DELETED",
+                (false, false) => return None,
+            },
+        };
+        Some(self.line(kind, &e.object))
+    }
+}
+
+#[derive(Debug)]
+struct OpenWatch {
+    spec: WatchSpec,
+    tx: UnboundedSender<Bytes>,
+}
+
+/// Whether evictions are refused with 429 as a PodDisruptionBudget would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EvictionBlock {
+    Next(usize),
+    Always,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Fault {
+    pub(crate) verb: Verb,
+    pub(crate) resource: String,
+    pub(crate) remaining: usize,
+    pub(crate) code: u16,
+}
+
+#[derive(Debug)]
+pub(crate) struct State {
+    pub(crate) rv: u64,
+    objects: BTreeMap<Gr, BTreeMap<(String, String), Value>>,
+    history: VecDeque<HistoryEntry>,
+    /// Watches may resume from this resourceVersion or a later one.
+    oldest_rv: u64,
+    watches: Vec<OpenWatch>,
+    infos: HashMap<Gr, Info>,
+    pub(crate) seq: u64,
+    pub(crate) graceful_pods: bool,
+    pub(crate) eviction_block: Option<EvictionBlock>,
+    pub(crate) faults: Vec<Fault>,
+    pub(crate) requests: Vec<RecordedRequest>,
+    pub(crate) evictions: Vec<Value>,
+    /// Warnings for the request being served (`Warning` headers).
+    pub(crate) warnings: Vec<String>,
+    pub(crate) latency: Duration,
+}
+
+impl Default for State {
+    fn default() -> Self {
+        let infos = KNOWN
+            .iter()
+            .map(|&(av, plural, kind, namespaced, status)| {
+                let info = Info { api_version: av.into(), kind: kind.into(), namespaced, status };
+                (Gr::new(group_of(av), plural), info)
+            })
+            .collect();
+        State {
+            rv: 1,
+            objects: BTreeMap::new(),
+            history: VecDeque::new(),
+            oldest_rv: 1,
+            watches: Vec::new(),
+            infos,
+            seq: 0,
+            graceful_pods: false,
+            eviction_block: None,
+            faults: Vec::new(),
+            requests: Vec::new(),
+            evictions: Vec::new(),
+            warnings: Vec::new(),
+            latency: Duration::ZERO,
+        }
+    }
+}
+
+impl State {
+    pub(crate) fn info(&self, gr: &Gr) -> Option<&Info> {
+        self.infos.get(gr)
+    }
+
+    pub(crate) fn has_status(&self, gr: &Gr) -> bool {
+        self.infos.get(gr).is_some_and(|i| i.status)
+    }
+
+    pub(crate) fn set_status_subresource(&mut self, gr: Gr) {
+        let info = self.infos.entry(gr).or_insert_with(|| Info {
+            api_version: String::new(),
+            kind: String::new(),
+            namespaced: true,
+            status: false,
+        });
+        info.status = true;
+    }
+
+    /// Learns a resource's apiVersion and kind from an object written through the API.
+    pub(crate) fn learn(&mut self, gr: &Gr, object: &Value, namespaced: bool) {
+        let (av, kind) = (object["apiVersion"].as_str(), object["kind"].as_str());
+        let info = self.infos.entry(gr.clone()).or_insert_with(|| Info {
+            api_version: String::new(),
+            kind: String::new(),
+            namespaced,
+            status: false,
+        });
+        if let (Some(av), Some(kind), true) = (av, kind, info.kind.is_empty()) {
+            info.api_version = av.to_owned();
+            info.kind = kind.to_owned();
+        }
+    }
+
+    /// Generation is tracked for resources with a status subresource and for all custom resources.
+    pub(crate) fn tracks_generation(&self, gr: &Gr) -> bool {
+        self.has_status(gr) || !BUILTIN_GROUPS.contains(&gr.group.as_str())
+    }
+
+    /// Resolves `plural`, `plural.group` (as kubectl spells it) to a resource. An unqualified plural is the
+    /// core group's if there is one, otherwise the first group that has it.
+    pub(crate) fn resolve(&self, resource: &str) -> Gr {
+        if let Some((plural, group)) = resource.split_once('.') {
+            return Gr::new(group, plural);
+        }
+        let mut groups: Vec<&Gr> =
+            self.infos.keys().chain(self.objects.keys()).filter(|gr| gr.plural == resource).collect();
+        groups.sort();
+        groups.first().map_or_else(|| Gr::new("", resource), |gr| (*gr).clone())
+    }
+
+    /// The resource for an object's apiVersion and kind (known kinds, else the lower-case plural of the kind).
+    pub(crate) fn resource_for(&self, api_version: &str, kind: &str) -> (Gr, bool) {
+        let group = group_of(api_version);
+        if let Some((gr, info)) = self.infos.iter().find(|(gr, i)| gr.group == group && i.kind == kind) {
+            return (gr.clone(), info.namespaced);
+        }
+        let lower = kind.to_lowercase();
+        let plural = if lower.ends_with('s') || lower.ends_with("ch") || lower.ends_with('x') {
+            format!("{lower}es")
+        } else if let Some(stem) = lower.strip_suffix('y').filter(|s| !s.ends_with(['a', 'e', 'o', 'u'])) {
+            format!("{stem}ies")
+        } else {
+            format!("{lower}s")
+        };
+        (Gr::new(group, &plural), true)
+    }
+
+    pub(crate) fn get(&self, gr: &Gr, ns: &str, name: &str) -> Option<&Value> {
+        self.objects.get(gr)?.get(&(ns.to_owned(), name.to_owned()))
+    }
+
+    pub(crate) fn list(&self, gr: &Gr, ns: Option<&str>) -> Vec<&Value> {
+        let Some(map) = self.objects.get(gr) else { return Vec::new() };
+        map.iter().filter(|((o_ns, _), _)| ns.is_none_or(|ns| ns == o_ns)).map(|(_, v)| v).collect()
+    }
+
+    /// Stores a change under a new resourceVersion, records it and tells the watches.
+    pub(crate) fn commit(&mut self, gr: &Gr, mut object: Value, change: Change) -> Value {
+        self.rv += 1;
+        object["metadata"]["resourceVersion"] = Value::String(self.rv.to_string());
+        let key = (meta_str(&object, "namespace").to_owned(), meta_str(&object, "name").to_owned());
+        let map = self.objects.entry(gr.clone()).or_default();
+        let prev = match change {
+            Change::Deleted => map.remove(&key),
+            _ => map.insert(key, object.clone()),
+        };
+        let entry = HistoryEntry { rv: self.rv, gr: gr.clone(), change, object: object.clone(), prev };
+        self.watches.retain(|w| w.spec.translate(&entry).is_none_or(|line| w.tx.unbounded_send(line).is_ok()));
+        self.history.push_back(entry);
+        if self.history.len() > HISTORY
+            && let Some(old) = self.history.pop_front()
+        {
+            self.oldest_rv = old.rv;
+        }
+        object
+    }
+
+    /// Creates a new object: uid, creationTimestamp, generation; keeps what else the caller set.
+    pub(crate) fn insert_new(&mut self, gr: &Gr, mut object: Value) -> Value {
+        let meta = &mut object["metadata"];
+        meta["uid"] = Value::String(new_uid());
+        meta["creationTimestamp"] = Value::String(now());
+        if self.tracks_generation(gr) {
+            meta["generation"] = json!(1);
+        } else if let Some(m) = meta.as_object_mut() {
+            m.remove("generation");
+        }
+        self.commit(gr, object, Change::Added)
+    }
+
+    /// Writes `new` over `live`: identity metadata carried over, generation bumped when anything outside
+    /// metadata (and status, when it is a subresource) changed; an unchanged object is not written; a
+    /// terminating object whose finalizers are all gone is removed.
+    pub(crate) fn update(&mut self, gr: &Gr, live: &Value, mut new: Value, dry_run: bool) -> Value {
+        for key in ["uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "namespace", "name"]
+        {
+            match live["metadata"].get(key) {
+                Some(v) => new["metadata"][key] = v.clone(),
+                None => _ = new["metadata"].as_object_mut().map(|m| m.remove(key)),
+            }
+        }
+        new["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"].clone();
+        if let Some(generation) = live["metadata"]["generation"].as_i64() {
+            let strip = |v: &Value| {
+                let mut v = v.clone();
+                if let Some(m) = v.as_object_mut() {
+                    m.remove("metadata");
+                    if self.has_status(gr) {
+                        m.remove("status");
+                    }
+                }
+                v
+            };
+            let bump = i64::from(strip(live) != strip(&new));
+            new["metadata"]["generation"] = json!(generation + bump);
+        }
+        if without_times(&new) == without_times(live) || dry_run {
+            return if dry_run { new } else { live.clone() };
+        }
+        let finalized = !new["metadata"]["deletionTimestamp"].is_null()
+            && new["metadata"]["finalizers"].as_array().is_none_or(Vec::is_empty);
+        if finalized && (gr.plural != "pods" || new["metadata"]["deletionGracePeriodSeconds"].as_i64() == Some(0)) {
+            return self.commit(gr, new, Change::Deleted);
+        }
+        self.commit(gr, new, Change::Modified)
+    }
+
+    /// Marks an object as terminating (deletionTimestamp, grace period, generation bump).
+    pub(crate) fn mark_terminating(&mut self, gr: &Gr, live: &Value, grace: i64) -> Value {
+        let mut new = live.clone();
+        new["metadata"]["deletionTimestamp"] = Value::String(later(grace));
+        new["metadata"]["deletionGracePeriodSeconds"] = json!(grace);
+        if let Some(g) = live["metadata"]["generation"].as_i64() {
+            new["metadata"]["generation"] = json!(g + 1);
+        }
+        self.commit(gr, new, Change::Modified)
+    }
+
+    pub(crate) fn new_name_suffix(&mut self) -> String {
+        const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+        self.seq += 1;
+        let mut n = self.seq + 7_777;
+        (0..5)
+            .map(|_| {
+                let c = ALPHABET[(n % ALPHABET.len() as u64) as usize] as char;
+                n /= ALPHABET.len() as u64;
+                c
+            })
+            .collect()
+    }
+
+    /// Opens a watch at `resource_version`: replays history after it (or synthesises ADDED events for
+    /// the current state for "" and "0", or with `sendInitialEvents`), then streams live changes.
+    /// A resourceVersion older than the history gives a 410 `Expired` ERROR event, as the real server does.
+    pub(crate) fn open_watch(&mut self, spec: WatchSpec, rv: &str, initial_events: bool) -> UnboundedReceiver<Bytes> {
+        let (tx, rx) = unbounded();
+        let send = |line: Bytes| _ = tx.unbounded_send(line);
+        if rv.is_empty() || rv == "0" || initial_events {
+            for object in self.list(&spec.gr, spec.namespace.as_deref()) {
+                if spec.matches(object) {
+                    send(spec.line("ADDED", object));
+                }
+            }
+            if initial_events && spec.bookmarks {
+                send(self.bookmark(&spec, true));
+            }
+        } else {
+            let from = rv.parse::<u64>().unwrap_or(0);
+            if from < self.oldest_rv {
+                let status = json!({
+                    "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "code": 410,
+                    "reason": "Expired", "message": format!("too old resource version: {rv} ({})", self.oldest_rv),
+                });
+                send(spec.line("ERROR", &status));
+                return rx;
+            }
+            for e in self.history.iter().filter(|e| e.rv > from) {
+                if let Some(line) = spec.translate(e) {
+                    send(line);
+                }
+            }
+        }
+        self.watches.push(OpenWatch { spec, tx });
+        rx
+    }
+
+    fn bookmark(&self, spec: &WatchSpec, initial_end: bool) -> Bytes {
+        let (av, kind) = match (spec.meta_only, self.infos.get(&spec.gr)) {
+            (true, _) | (_, None) => ("meta.k8s.io/v1".to_owned(), "PartialObjectMetadata".to_owned()),
+            (false, Some(i)) => (i.api_version.clone(), i.kind.clone()),
+        };
+        let mut metadata = json!({"resourceVersion": self.rv.to_string()});
+        if initial_end {
+            metadata["annotations"] = json!({"k8s.io/initial-events-end": "true"});
+        }
+        let spec = WatchSpec { meta_only: false, ..spec.clone() };
+        spec.line("BOOKMARK", &json!({"apiVersion": av, "kind": kind, "metadata": metadata}))
+    }
+
+    pub(crate) fn send_bookmarks(&mut self) {
+        let lines: Vec<_> =
+            self.watches.iter().map(|w| w.spec.bookmarks.then(|| self.bookmark(&w.spec, false))).collect();
+        let mut lines = lines.into_iter();
+        self.watches.retain(|w| lines.next().flatten().is_none_or(|line| w.tx.unbounded_send(line).is_ok()));
+    }
+
+    pub(crate) fn disconnect_watches(&mut self) {
+        self.watches.clear();
+    }
+
+    pub(crate) fn open_watches(&mut self) -> usize {
+        self.watches.retain(|w| !w.tx.is_closed());
+        self.watches.len()
+    }
+
+    pub(crate) fn compact_history(&mut self) {
+        self.history.clear();
+        self.oldest_rv = self.rv;
+    }
+
+    /// Events of both APIs about one pod, oldest first.
+    pub(crate) fn events_for(&self, namespace: &str, pod: &str) -> Vec<EventSummary> {
+        let s = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+        let mut out: Vec<(String, EventSummary)> = Vec::new();
+        for e in self.list(&Gr::new("", "events"), Some(namespace)) {
+            let about = &e["involvedObject"];
+            if about["name"] == pod && about["kind"].as_str().is_none_or(|k| k == "Pod") {
+                let when = [&e["eventTime"], &e["firstTimestamp"], &e["metadata"]["creationTimestamp"]]
+                    .into_iter()
+                    .find_map(|t| t.as_str())
+                    .unwrap_or_default();
+                let summary = EventSummary {
+                    api_version: "v1".into(),
+                    type_: s(&e["type"]),
+                    reason: s(&e["reason"]),
+                    message: s(&e["message"]),
+                    action: s(&e["action"]),
+                    reporting_controller: s(if e["reportingComponent"].is_string() {
+                        &e["reportingComponent"]
+                    } else {
+                        &e["source"]["component"]
+                    }),
+                    reporting_instance: s(&e["reportingInstance"]),
+                    count: e["count"].as_i64().unwrap_or(1),
+                };
+                out.push((when.to_owned(), summary));
+            }
+        }
+        for e in self.list(&Gr::new("events.k8s.io", "events"), Some(namespace)) {
+            let about = &e["regarding"];
+            if about["name"] == pod && about["kind"].as_str().is_none_or(|k| k == "Pod") {
+                let when = [&e["eventTime"], &e["metadata"]["creationTimestamp"]].into_iter().find_map(|t| t.as_str());
+                let summary = EventSummary {
+                    api_version: "events.k8s.io/v1".into(),
+                    type_: s(&e["type"]),
+                    reason: s(&e["reason"]),
+                    message: s(&e["note"]),
+                    action: s(&e["action"]),
+                    reporting_controller: s(&e["reportingController"]),
+                    reporting_instance: s(&e["reportingInstance"]),
+                    count: e["series"]["count"].as_i64().unwrap_or(1),
+                };
+                out.push((when.unwrap_or_default().to_owned(), summary));
+            }
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out.into_iter().map(|(_, e)| e).collect()
+    }
+}
+
+/// An object with the volatile parts removed, to tell whether a write changes anything.
+fn without_times(v: &Value) -> Value {
+    let mut v = v.clone();
+    if let Some(entries) = v["metadata"]["managedFields"].as_array_mut() {
+        for e in entries {
+            if let Some(e) = e.as_object_mut() {
+                e.remove("time");
+            }
+        }
+    }
+    v
+}
