@@ -137,6 +137,11 @@ impl Context {
         }
     }
 
+    /// The metrics this context updates.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
     fn is_leader(&self) -> bool {
         *self.leader.borrow()
     }

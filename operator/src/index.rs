@@ -16,12 +16,16 @@
 //!
 //! Pure and synchronous: the controller holds it behind a lock and feeds it the watch events.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 
 use gpubudget_common::{Budget, GpuMemoryBudget};
 
 use crate::pods::{ObjKey, PodInfo};
 use crate::status::{Inputs, Selected};
+
+/// How many deleted, evicted pods are remembered per budget (fewer than `status.countedEvictions` holds, so
+/// every remembered one stays in that dedupe list).
+pub const TOMBSTONES_MAX: usize = 32;
 
 /// Budgets whose status a change may have changed.
 pub type Affected = BTreeSet<ObjKey>;
@@ -45,6 +49,9 @@ pub struct Index {
     budget_pods: HashMap<ObjKey, HashSet<String>>,
     /// Budget name → names of the pods whose record names it.
     record_pods: HashMap<ObjKey, HashSet<String>>,
+    /// Budget → the last pods deleted with an eviction record naming it: an eviction whose pod is gone
+    /// before the budget is reconciled is still counted.
+    tombstones: HashMap<ObjKey, VecDeque<PodInfo>>,
     selected_pods: usize,
     budget_resync: Option<HashSet<ObjKey>>,
     pod_resync: Option<HashSet<ObjKey>>,
@@ -115,6 +122,7 @@ impl Index {
         let mut affected = self.unlink_budget(key);
         affected.remove(key);
         self.budgets.remove(key);
+        self.tombstones.remove(key);
         if let Some(names) = self.budgets_by_ns.get_mut(&key.namespace) {
             names.remove(&key.name);
             if names.is_empty() {
@@ -247,6 +255,13 @@ impl Index {
         }
         if let Some(recorded) = entry.info.recorded_budget() {
             self.unlink_record(&recorded, &key.name);
+            if entry.info.record.as_ref().is_some_and(|r| r.eviction_requested_at.is_some()) {
+                let tombstones = self.tombstones.entry(recorded.clone()).or_default();
+                tombstones.push_back(entry.info);
+                if tombstones.len() > TOMBSTONES_MAX {
+                    tombstones.pop_front();
+                }
+            }
             affected.insert(recorded);
         }
         affected
@@ -340,6 +355,7 @@ impl Index {
             .flatten()
             .filter_map(|name| self.pods.get(&ObjKey::new(ns, name.as_str())))
             .map(|entry| &entry.info)
+            .chain(self.tombstones.get(budget).into_iter().flatten())
             .collect();
         Inputs { selected, recorded }
     }
@@ -451,6 +467,41 @@ mod tests {
         assert_eq!(index.delete_pod(&ObjKey::new("a", "p1")), keys(&["llm", "wide"]));
         assert!(index.inputs(&ObjKey::new("a", "wide")).recorded.is_empty());
         assert_eq!(index.selected_pod_count(), 0);
+    }
+
+    #[test]
+    fn evicted_pods_that_go_are_remembered() {
+        let mut index = fixture();
+        let mut p = pod("a", "p1", &[("app", "llm")]);
+        p.record = Some(PodRecord {
+            state: BudgetState::Evicting,
+            usage_bytes: 9 << 30,
+            budget: "llm".into(),
+            node: "n1".into(),
+            eviction_requested_at: Some("2027-01-15T08:00:00Z".into()),
+        });
+        index.apply_pod(p);
+        index.apply_pod(pod("a", "p2", &[("app", "llm")]));
+        assert_eq!(index.delete_pod(&ObjKey::new("a", "p1")), keys(&["llm", "wide"]));
+        index.delete_pod(&ObjKey::new("a", "p2"));
+        let inputs = index.inputs(&ObjKey::new("a", "llm"));
+        assert_eq!(inputs.recorded.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["p1"]);
+        assert!(inputs.selected.is_empty());
+        for i in 0..TOMBSTONES_MAX + 5 {
+            let mut q = pod("a", &format!("q{i}"), &[]);
+            q.record = Some(PodRecord {
+                state: BudgetState::Evicting,
+                usage_bytes: 1,
+                budget: "llm".into(),
+                node: "n1".into(),
+                eviction_requested_at: Some("2027-01-15T09:00:00Z".into()),
+            });
+            index.apply_pod(q);
+            index.delete_pod(&ObjKey::new("a", format!("q{i}")));
+        }
+        assert_eq!(index.inputs(&ObjKey::new("a", "llm")).recorded.len(), TOMBSTONES_MAX);
+        index.delete_budget(&ObjKey::new("a", "llm"));
+        assert!(index.inputs(&ObjKey::new("a", "llm")).recorded.is_empty(), "a new budget of that name starts afresh");
     }
 
     #[test]

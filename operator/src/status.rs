@@ -157,9 +157,10 @@ fn count_evictions(
         })
         .filter(|(pod, _, _)| !pod.uid.is_empty())
         .collect();
-    let already: HashSet<&str> = counted.iter().map(String::as_str).collect();
+    // Already counted, or listed twice (a pod and its tombstone): skipped.
+    let mut seen: HashSet<&str> = counted.iter().map(String::as_str).collect();
     let mut new: Vec<&(&PodInfo, &PodRecord, &str)> =
-        evicted.iter().filter(|(pod, _, _)| !already.contains(pod.uid.as_str())).collect();
+        evicted.iter().filter(|(pod, _, _)| seen.insert(pod.uid.as_str())).collect();
     new.sort_by(|a, b| (parse_time(a.2), &a.0.name).cmp(&(parse_time(b.2), &b.0.name)));
     for (pod, record, at) in new {
         evictions += 1;
