@@ -167,6 +167,7 @@ pub fn write_fake_process(root: &Path, pid: u32, start_time: u64, cgroup: &str) 
          18446744073709551615 1 1 0 0 0 0 0 16781312 17642 0 0 0 17 3 0 0 0 0 0\n"
     );
     std::fs::write(dir.join("stat"), stat)?;
+    std::fs::write(dir.join("comm"), "python3\n")?;
     std::fs::write(dir.join("cgroup"), cgroup)
 }
 

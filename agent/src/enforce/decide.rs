@@ -283,8 +283,9 @@ fn is_key(key: &str, budget: &Budget) -> bool {
         && key.as_bytes()[budget.namespace.len()] == b'/'
 }
 
+/// Whole seconds, rounded to the nearest, for messages.
 fn seconds(ms: u64) -> u64 {
-    ms.div_ceil(1000)
+    ms.saturating_add(500) / 1000
 }
 
 /// "trainer (pid 4242, GPU 0) 9.1Gi, sidecar (pid 4300, GPU 1) 100Mi"; the largest first, at most five.

@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
-use kube::api::{DeleteParams, EvictParams, Patch, PatchParams};
+use k8s_openapi::api::policy::v1::Eviction;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta, Preconditions};
+use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client};
 use serde_json::json;
@@ -157,16 +159,8 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
             None
         }
         Action::Evict { pod, grace_seconds } => {
-            let api: Api<Pod> = Api::namespaced(shared.client.clone(), &pod.namespace);
-            let params = EvictParams {
-                delete_options: grace_seconds.map(|g| DeleteParams {
-                    grace_period_seconds: Some(u32::try_from(g.max(0)).unwrap_or(u32::MAX)),
-                    ..DeleteParams::default()
-                }),
-                ..EvictParams::default()
-            };
-            let outcome = match api.evict(&pod.name, &params).await {
-                Ok(_) => EvictOutcome::Accepted,
+            let outcome = match evict(&shared.client, &pod, grace_seconds).await {
+                Ok(()) => EvictOutcome::Accepted,
                 Err(error) => match (api_code(&error), &error) {
                     (Some(429), kube::Error::Api(status)) => EvictOutcome::Blocked(status.message.clone()),
                     (Some(404), _) => EvictOutcome::Gone,
@@ -190,6 +184,33 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
             Some(Feedback::Evicted { uid: pod.uid, outcome })
         }
     }
+}
+
+/// The eviction body that carries the grace period: a typed `policy/v1 Eviction` (kube 5.0's
+/// `Api::evict` writes `delete_options` in snake case, which the API server ignores, dropping the grace
+/// period).
+pub fn eviction_body(pod: &PodRef, grace_seconds: Option<i64>) -> Eviction {
+    Eviction {
+        metadata: ObjectMeta {
+            name: Some(pod.name.to_string()),
+            namespace: Some(pod.namespace.to_string()),
+            ..ObjectMeta::default()
+        },
+        delete_options: Some(DeleteOptions {
+            grace_period_seconds: grace_seconds.map(|g| g.max(0)),
+            // Only the pod the agent measured, not a new one that took its name (a StatefulSet's).
+            preconditions: Some(Preconditions { uid: Some(pod.uid.to_string()), resource_version: None }),
+            ..DeleteOptions::default()
+        }),
+    }
+}
+
+async fn evict(client: &Client, pod: &PodRef, grace_seconds: Option<i64>) -> Result<(), kube::Error> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), &pod.namespace);
+    let body = eviction_body(pod, grace_seconds);
+    api.create_subresource::<_, serde_json::Value>("eviction", &pod.name, &PostParams::default(), &body)
+        .await
+        .map(|_| ())
 }
 
 async fn apply(shared: &Shared, pod: &PodRef, body: &serde_json::Value, kind: &str) -> bool {

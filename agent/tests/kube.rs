@@ -1,0 +1,390 @@
+//! The agent's `run` loop against gpubudget-testkit's in-memory API server: reflectors, records (SSA),
+//! events (events.k8s.io/v1), evictions (policy/v1), readiness and metrics. Usage comes from a sample file
+//! that names pods directly, so no GPU and no `/proc` are needed.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpubudget_agent::cli::{RunArgs, SampleArgs};
+use gpubudget_agent::metrics::Metrics;
+use gpubudget_agent::run::{CHECKS, run_with};
+use gpubudget_runtime::Health;
+use gpubudget_testkit::{FakeApi, Verb};
+use prometheus_client::registry::Registry;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+const NODE: &str = "gpu-node-1";
+const WAIT: Duration = Duration::from_secs(10);
+
+const PODS: &str = r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: llm-0, namespace: team-a, uid: 11111111-1111-1111-1111-111111111111, labels: {app: llm}}
+spec: {nodeName: gpu-node-1, terminationGracePeriodSeconds: 45, containers: [{name: trainer, image: x}]}
+status:
+  phase: Running
+  containerStatuses: [{name: trainer, containerID: "containerd://aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", image: x, imageID: x, ready: true, restartCount: 0}]
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: audit-0, namespace: team-w, uid: 22222222-2222-2222-2222-222222222222}
+spec: {nodeName: gpu-node-1, containers: [{name: main, image: x}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: dns-0, namespace: kube-system, uid: 33333333-3333-3333-3333-333333333333}
+spec: {nodeName: gpu-node-1, priorityClassName: system-node-critical, priority: 2000001000, containers: [{name: main, image: x}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: remote-0, namespace: team-a, uid: 44444444-4444-4444-4444-444444444444, labels: {app: llm}}
+spec: {nodeName: gpu-node-2, containers: [{name: main, image: x}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: small-0, namespace: team-a, uid: 55555555-5555-5555-5555-555555555555, labels: {app: small}}
+spec: {nodeName: gpu-node-1, containers: [{name: main, image: x}]}
+"#;
+
+fn budgets(over_limit_seconds: u32) -> String {
+    format!(
+        r#"
+apiVersion: gpubudget.io/v1alpha1
+kind: GpuMemoryBudget
+metadata: {{name: llm-inference, namespace: team-a}}
+spec: {{selector: {{matchLabels: {{app: llm}}}}, limit: 8Gi, warnAtPercent: 90, action: Evict, overLimitSeconds: {over_limit_seconds}, evictionGracePeriodSeconds: 30}}
+---
+apiVersion: gpubudget.io/v1alpha1
+kind: GpuMemoryBudget
+metadata: {{name: small, namespace: team-a}}
+spec: {{selector: {{matchLabels: {{app: small}}}}, limit: 8Gi, warnAtPercent: 90, action: Evict, overLimitSeconds: 0}}
+---
+apiVersion: gpubudget.io/v1alpha1
+kind: GpuMemoryBudget
+metadata: {{name: audit, namespace: team-w}}
+spec: {{selector: {{}}, limit: 1Gi, warnAtPercent: 90, action: Warn, overLimitSeconds: 0}}
+---
+apiVersion: gpubudget.io/v1alpha1
+kind: GpuMemoryBudget
+metadata: {{name: system, namespace: kube-system}}
+spec: {{selector: {{}}, limit: 1Gi, warnAtPercent: 90, action: Evict, overLimitSeconds: 0}}
+"#
+    )
+}
+
+/// A sample file charging pods by name: `(namespace, pod, container, bytes)`.
+fn write_sample(path: &Path, entries: &[(&str, &str, &str, u64)]) {
+    let processes: Vec<Value> = entries
+        .iter()
+        .map(
+            |(ns, pod, c, bytes)| serde_json::json!({"namespace": ns, "pod": pod, "container": c, "used_bytes": bytes}),
+        )
+        .collect();
+    let body = serde_json::json!({"gpus": [{"index": 0, "uuid": "GPU-x", "name": "Fake", "processes": processes}]});
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, body.to_string()).expect("sample");
+    std::fs::rename(&tmp, path).expect("rename");
+}
+
+const GI: u64 = 1 << 30;
+
+struct Agent {
+    fake: FakeApi,
+    health: Health,
+    registry: Arc<Registry>,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+    sample: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Agent {
+    async fn start(fake: FakeApi, usage: &[(&str, &str, &str, u64)]) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sample = dir.path().join("sample.json");
+        write_sample(&sample, usage);
+        let mut registry = Registry::default();
+        let metrics = Metrics::new(&mut registry);
+        let health = Health::new(&CHECKS);
+        let shutdown = CancellationToken::new();
+        let args = RunArgs {
+            node_name: NODE.into(),
+            sample: SampleArgs { proc_root: dir.path().join("proc"), interval: Duration::from_millis(50) },
+            admin_addr: "127.0.0.1:0".parse().expect("addr"),
+            sample_file: Some(sample.clone()),
+        };
+        let task = tokio::spawn(run_with(args, fake.client(), health.clone(), metrics, shutdown.clone()));
+        Self { fake, health, registry: Arc::new(registry), shutdown, task, sample, _dir: dir }
+    }
+
+    fn metrics(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("encodes");
+        out
+    }
+
+    async fn stop(self) -> FakeApi {
+        self.shutdown.cancel();
+        self.task.await.expect("agent task");
+        self.fake
+    }
+}
+
+fn fake_with(budget_yaml: &str) -> FakeApi {
+    let fake = FakeApi::new();
+    fake.apply_yaml(PODS).expect("pods");
+    fake.apply_yaml(budget_yaml).expect("budgets");
+    fake
+}
+
+fn annotations(fake: &FakeApi, ns: &str, name: &str) -> serde_json::Map<String, Value> {
+    fake.get("pods", ns, name).and_then(|p| p["metadata"]["annotations"].as_object().cloned()).unwrap_or_default()
+}
+
+/// Writes: everything but reads and watches.
+fn writes(fake: &FakeApi) -> Vec<String> {
+    fake.requests()
+        .into_iter()
+        .filter(|r| !matches!(r.verb, Verb::Get | Verb::List | Verb::Watch))
+        .map(|r| format!("{} {}", r.method, r.path))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evicts_once_with_grace_after_recording_and_telling() {
+    let fake = fake_with(&budgets(1));
+    fake.set_graceful_pod_deletion(true);
+    let agent = Agent::start(fake, &[("team-a", "llm-0", "trainer", 9 * GI + GI / 5)]).await;
+    let f = &agent.fake;
+    assert!(f.wait_until(WAIT, |f| !f.evictions().is_empty()).await, "evicted: {:?}", writes(f));
+    assert!(agent.health.is_ready(), "{}", agent.health.report());
+
+    // The eviction body carries the budget's grace period and the pod's UID.
+    let body = &f.evictions()[0];
+    assert_eq!(body["kind"], "Eviction");
+    assert_eq!(body["deleteOptions"]["gracePeriodSeconds"], 30, "{body}");
+    let pod = f.get("pods", "team-a", "llm-0").expect("terminating, not gone");
+    assert_eq!(body["deleteOptions"]["preconditions"]["uid"], pod["metadata"]["uid"], "only the pod measured");
+    // The API server applied the grace period (the pod terminates with 30 s, not its own 45 s).
+    assert_eq!(pod["metadata"]["deletionGracePeriodSeconds"], 30, "{pod}");
+
+    // The Evicting record went out (same apply as eviction-requested-at) before the eviction request.
+    let requests = f.requests();
+    let evict_at = requests.iter().position(|r| r.subresource.as_deref() == Some("eviction")).expect("eviction");
+    let evicting_apply = requests[..evict_at]
+        .iter()
+        .rev()
+        .find(|r| r.verb == Verb::Patch && r.resource == "pods")
+        .expect("an apply before the eviction");
+    assert_eq!(evicting_apply.param("fieldManager").as_deref(), Some("gpubudget-agent/gpu-node-1"));
+    assert_eq!(evicting_apply.param("force").as_deref(), Some("true"));
+    assert_eq!(evicting_apply.content_type.as_deref(), Some("application/apply-patch+yaml"));
+    let sent = &evicting_apply.body.as_ref().expect("body")["metadata"]["annotations"];
+    assert_eq!(sent["gpubudget.io/state"], "Evicting");
+    assert_eq!(sent["gpubudget.io/budget"], "llm-inference");
+    assert_eq!(sent["gpubudget.io/node"], NODE);
+    assert!(sent["gpubudget.io/eviction-requested-at"].as_str().is_some_and(|t| t.ends_with('Z')), "{sent}");
+
+    // Events: Over, then Evicting, with the numbers and who holds them.
+    assert!(f.wait_until(WAIT, |f| f.events_for("team-a", "llm-0").len() >= 2).await);
+    let events = f.events_for("team-a", "llm-0");
+    let reasons: Vec<&str> = events.iter().map(|e| e.reason.as_str()).collect();
+    assert_eq!(reasons, ["GpuMemoryOverBudget", "EvictingForGpuMemory"], "{events:?}");
+    let evicting = &events[1];
+    assert_eq!((evicting.type_.as_str(), evicting.api_version.as_str()), ("Warning", "events.k8s.io/v1"));
+    assert_eq!(
+        (evicting.reporting_controller.as_str(), evicting.reporting_instance.as_str()),
+        ("gpubudget-agent", NODE)
+    );
+    assert!(
+        evicting.message.starts_with("using 9.2Gi of 8Gi (budget team-a/llm-inference) for 1s; evicting with 30s grace; held by trainer (GPU 0) 9.2Gi"),
+        "{}",
+        evicting.message
+    );
+    assert_eq!(
+        events[0].message,
+        "using 9.2Gi of 8Gi (budget team-a/llm-inference); evicting if it stays over for 1s; held by trainer (GPU 0) 9.2Gi"
+    );
+
+    // Exactly one request, however long the loop keeps running.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(f.count(Verb::Create, "pods/eviction"), 1);
+    let metrics = agent.metrics();
+    assert!(metrics.contains(r#"gpubudget_evictions_total{result="accepted"} 1"#), "{metrics}");
+    assert!(metrics.contains(r#"gpubudget_api_writes_total{kind="evict",result="ok"} 1"#), "{metrics}");
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocked_eviction_is_told_and_retried() {
+    let fake = fake_with(&budgets(0));
+    fake.block_evictions(1);
+    let agent = Agent::start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
+    let f = &agent.fake;
+    assert!(
+        f.wait_until(WAIT, |f| f.events_for("team-a", "llm-0").iter().any(|e| e.reason == "GpuMemoryEvictionBlocked"))
+            .await,
+        "{:?}",
+        f.events_for("team-a", "llm-0")
+    );
+    let blocked =
+        f.events_for("team-a", "llm-0").into_iter().find(|e| e.reason == "GpuMemoryEvictionBlocked").expect("event");
+    assert!(blocked.message.starts_with("eviction refused: "), "{}", blocked.message);
+    assert!(blocked.message.ends_with("retrying in 5s"), "{}", blocked.message);
+    assert_eq!(f.count(Verb::Create, "pods/eviction"), 1, "one in flight, then a wait");
+    // The retry comes after the backoff, and succeeds.
+    assert!(f.wait_until(Duration::from_secs(12), |f| f.count(Verb::Create, "pods/eviction") == 2).await);
+    assert!(f.wait_until(WAIT, |f| f.get("pods", "team-a", "llm-0").is_none()).await, "evicted and deleted");
+    let metrics = agent.metrics();
+    assert!(metrics.contains(r#"gpubudget_evictions_total{result="blocked"} 1"#), "{metrics}");
+    assert!(metrics.contains(r#"gpubudget_evictions_total{result="accepted"} 1"#), "{metrics}");
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warn_critical_and_other_nodes_pods_are_never_evicted() {
+    let fake = fake_with(&budgets(0));
+    let usage = [
+        ("team-w", "audit-0", "main", 4 * GI),
+        ("kube-system", "dns-0", "main", 4 * GI),
+        ("team-a", "remote-0", "main", 40 * GI),
+    ];
+    let agent = Agent::start(fake, &usage).await;
+    let f = &agent.fake;
+    assert!(f.wait_until(WAIT, |f| !f.events_for("team-w", "audit-0").is_empty()).await);
+    assert!(f.wait_until(WAIT, |f| !f.events_for("kube-system", "dns-0").is_empty()).await);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(f.count(Verb::Create, "pods/eviction"), 0);
+    let audit = f.events_for("team-w", "audit-0");
+    assert_eq!(audit.len(), 1, "{audit:?}");
+    assert!(audit[0].message.contains("action is Warn: the pod is not evicted"), "{}", audit[0].message);
+    let dns = f.events_for("kube-system", "dns-0");
+    assert!(dns[0].message.contains("the pod is critical and is never evicted"), "{}", dns[0].message);
+    assert_eq!(annotations(f, "team-w", "audit-0")["gpubudget.io/state"], "Over");
+    assert_eq!(annotations(f, "kube-system", "dns-0")["gpubudget.io/state"], "Over");
+    // The other node's pod is not in this agent's cache: no record, no event, charged to nobody.
+    assert!(annotations(f, "team-a", "remote-0").is_empty());
+    assert!(f.events_for("team-a", "remote-0").is_empty());
+    let metrics = agent.metrics();
+    assert!(metrics.contains(r#"gpubudget_unattributed_bytes{gpu="0"} 42949672960"#), "{metrics}");
+    // The pod watch asked for this node's pods only.
+    let watch = f.requests().into_iter().find(|r| r.resource == "pods" && r.verb == Verb::Watch).expect("pod watch");
+    assert_eq!(watch.param("fieldSelector").as_deref(), Some("spec.nodeName=gpu-node-1"));
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steady_state_writes_nothing_and_series_follow_the_pods() {
+    let fake = fake_with(&budgets(10));
+    let agent =
+        Agent::start(fake, &[("team-a", "small-0", "main", 2 * GI), ("team-a", "llm-0", "trainer", 7_900_000_000)])
+            .await;
+    let f = &agent.fake;
+    assert!(f.wait_until(WAIT, |f| annotations(f, "team-a", "llm-0").contains_key("gpubudget.io/state")).await);
+    assert!(f.wait_until(WAIT, |f| annotations(f, "team-a", "small-0").contains_key("gpubudget.io/state")).await);
+    let llm = annotations(f, "team-a", "llm-0");
+    assert_eq!(llm["gpubudget.io/state"], "Near");
+    assert_eq!(llm["gpubudget.io/usage-bytes"], "7900000000");
+    assert_eq!(annotations(f, "team-a", "small-0")["gpubudget.io/state"], "Within");
+    assert!(f.wait_until(WAIT, |f| !f.events_for("team-a", "llm-0").is_empty()).await);
+    assert_eq!(f.events_for("team-a", "llm-0")[0].reason, "GpuMemoryNearBudget");
+
+    // Steady: two seconds (40 ticks) with usage moving by less than 5 %: not one write.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    f.clear_requests();
+    write_sample(
+        &agent.sample,
+        &[("team-a", "small-0", "main", 2 * GI + GI / 50), ("team-a", "llm-0", "trainer", 7_900_000_000)],
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(writes(f), Vec::<String>::new());
+
+    let metrics = agent.metrics();
+    for line in [
+        r#"gpubudget_pod_gpu_memory_bytes{namespace="team-a",pod="llm-0",container="trainer",gpu="0"} 7900000000"#,
+        r#"gpubudget_pod_budget_bytes{namespace="team-a",pod="llm-0",budget="llm-inference"} 8589934592"#,
+        r#"gpubudget_pod_state{namespace="team-a",pod="llm-0",state="Near"} 1"#,
+        r#"gpubudget_pod_state{namespace="team-a",pod="llm-0",state="Within"} 0"#,
+        // One record per pod with a budget (llm-0, small-0, audit-0, dns-0), then nothing.
+        r#"gpubudget_api_writes_total{kind="apply",result="ok"} 4"#,
+        r#"gpubudget_api_writes_total{kind="event",result="ok"} 1"#,
+    ] {
+        assert!(metrics.contains(line), "missing {line} in\n{metrics}");
+    }
+    // A pod that goes away takes its series with it.
+    f.delete_object("pods", "team-a", "llm-0");
+    let gone = async {
+        loop {
+            if !agent.metrics().contains(r#"pod="llm-0""#) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, gone).await.expect("series removed");
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn back_under_the_budget_is_recorded_and_told() {
+    let fake = fake_with(&budgets(30));
+    let agent = Agent::start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
+    let f = &agent.fake;
+    assert!(
+        f.wait_until(WAIT, |f| annotations(f, "team-a", "llm-0")
+            .get("gpubudget.io/state")
+            .is_some_and(|s| s == "Over"))
+            .await
+    );
+    write_sample(&agent.sample, &[("team-a", "llm-0", "trainer", 2 * GI)]);
+    assert!(
+        f.wait_until(WAIT, |f| annotations(f, "team-a", "llm-0")
+            .get("gpubudget.io/state")
+            .is_some_and(|s| s == "Within"))
+            .await
+    );
+    assert!(f.wait_until(WAIT, |f| f.events_for("team-a", "llm-0").len() == 2).await);
+    let events = f.events_for("team-a", "llm-0");
+    assert_eq!(events[1].reason, "GpuMemoryWithinBudget");
+    assert_eq!(events[1].type_, "Normal");
+    assert!(events[1].message.starts_with("back under the limit: using 2Gi of 8Gi"), "{}", events[1].message);
+    assert_eq!(f.count(Verb::Create, "pods/eviction"), 0);
+    // The budget goes away: the record is removed.
+    f.delete_object("gpumemorybudgets.gpubudget.io", "team-a", "llm-inference");
+    assert!(
+        f.wait_until(WAIT, |f| annotations(f, "team-a", "llm-0").is_empty()).await,
+        "{:?}",
+        annotations(f, "team-a", "llm-0")
+    );
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn not_ready_and_no_decisions_until_the_sampler_works() {
+    let fake = fake_with(&budgets(0));
+    let agent = Agent::start(fake, &[]).await;
+    std::fs::write(&agent.sample, "{broken").expect("break it");
+    let f = &agent.fake;
+    // Whatever the first tick saw, the broken file soon makes the sampler fail and readiness drop.
+    let down = async {
+        loop {
+            let report = agent.health.report();
+            if report.contains("gpu not ready") && report.contains("pods ok") && report.contains("budgets ok") {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, down).await.expect("caches synced, gpu check down");
+    assert!(!agent.health.is_ready());
+    assert_eq!(f.count(Verb::Create, "pods/eviction"), 0);
+    let metrics = agent.metrics();
+    assert!(metrics.contains(r#"gpubudget_nvml_errors_total{call="read_sample_file"}"#), "{metrics}");
+    // Back: ready again, and enforcing.
+    write_sample(&agent.sample, &[("team-a", "llm-0", "trainer", 9 * GI)]);
+    assert!(f.wait_until(WAIT, |_| agent.health.is_ready()).await, "{}", agent.health.report());
+    assert!(f.wait_until(WAIT, |f| f.count(Verb::Create, "pods/eviction") == 1).await);
+    agent.stop().await;
+}
