@@ -211,7 +211,11 @@ fn hostname() -> Option<String> {
 }
 
 async fn api_table(node: Option<&str>) -> anyhow::Result<PodTable> {
-    let pods: Vec<Pod> = crate::run::list_pods(node).await?;
+    let mut pods: Vec<Pod> = crate::run::list_pods(node).await?;
+    if pods.is_empty() && node.is_some() {
+        // The host name is not always the node name: then every pod (top is interactive, not a hot path).
+        pods = crate::run::list_pods(None).await?;
+    }
     let budgets: Vec<GpuMemoryBudget> = list_budgets().await.unwrap_or_default();
     Ok(PodTable::build(pods.iter().filter_map(PodView::from_pod), &budgets, None))
 }

@@ -1,10 +1,14 @@
 //! PID → container, read from `<proc root>/<pid>/cgroup` and cached.
 //!
 //! A process does not change pods, so a PID's answer is kept until the PID disappears or is reused. Reuse
-//! is caught by the process start time (`/proc/<pid>/stat` field 22), read each tick for each GPU process:
-//! one small read, where the cgroup file is read once per process. A PID found in no pod is looked at
-//! again after [`ProcAttributor::NEGATIVE_RECHECK_MS`], in case it was seen before its runtime moved it into
-//! its container's cgroup. Buffers are reused; a tick with no new process allocates nothing here.
+//! is caught by the process start time (`/proc/<pid>/stat` field 22), read when a PID first appears in the
+//! GPU's process list and again every [`ProcAttributor::REVALIDATE_MS`]. A PID listed in consecutive
+//! rounds is not re-read in between: for it to be reused, its process would have to exit, the kernel hand
+//! its PID (out of `pid_max`, 4 million by default) to a new process, and that process create a CUDA
+//! context, all within one sampling interval. A PID missing from one round is forgotten and looked at
+//! afresh when it comes back. A PID found in no pod is looked at again after
+//! [`ProcAttributor::NEGATIVE_RECHECK_MS`], in case it was seen before its runtime moved it into its
+//! container's cgroup. Buffers are reused: a steady round reads no file and allocates nothing.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -17,7 +21,11 @@ use super::cgroup::{ContainerRef, parse_cgroup_file};
 struct Entry {
     start_time: u64,
     owner: Option<ContainerRef>,
+    /// When the cgroup file was read.
     checked_ms: u64,
+    /// When the start time was read.
+    validated_ms: u64,
+    /// The last round the PID was looked up in.
     seen: u64,
 }
 
@@ -55,6 +63,8 @@ pub struct ProcAttributor {
 impl ProcAttributor {
     /// How long a "no pod" answer is trusted before the cgroup file is read again.
     pub const NEGATIVE_RECHECK_MS: u64 = 5_000;
+    /// How often the start time of a PID present in every round is read again anyway.
+    pub const REVALIDATE_MS: u64 = 10_000;
 
     /// An attributor reading under `root` (e.g. `/proc` or `/host/proc`).
     pub fn new(root: &Path) -> Self {
@@ -91,24 +101,32 @@ impl ProcAttributor {
 
     /// The container of `pid` at `now_ms` (a monotonic clock in milliseconds).
     pub fn lookup(&mut self, pid: u32, now_ms: u64) -> Lookup<'_> {
-        let Some(start_time) = self.read_start_time(pid) else {
-            self.entries.remove(&pid);
-            return Lookup::Gone;
-        };
         let generation = self.generation;
-        let fresh = match self.entries.get(&pid) {
-            Some(e) if e.start_time == start_time => {
-                e.owner.is_some() || now_ms.saturating_sub(e.checked_ms) < Self::NEGATIVE_RECHECK_MS
-            }
-            _ => false,
-        };
-        if !fresh {
-            let owner = self.read_owner(pid);
-            if owner.is_none() && self.read_start_time(pid).is_none() {
+        let steady = self.entries.get(&pid).is_some_and(|e| {
+            e.seen + 1 >= generation
+                && now_ms.saturating_sub(e.validated_ms) < Self::REVALIDATE_MS
+                && (e.owner.is_some() || now_ms.saturating_sub(e.checked_ms) < Self::NEGATIVE_RECHECK_MS)
+        });
+        if !steady {
+            let Some(start_time) = self.read_start_time(pid) else {
                 self.entries.remove(&pid);
                 return Lookup::Gone;
+            };
+            let known = self.entries.get_mut(&pid).filter(|e| e.start_time == start_time && e.seen + 1 >= generation);
+            match known {
+                Some(e) if e.owner.is_some() || now_ms.saturating_sub(e.checked_ms) < Self::NEGATIVE_RECHECK_MS => {
+                    e.validated_ms = now_ms;
+                }
+                _ => {
+                    let owner = self.read_owner(pid);
+                    if owner.is_none() && self.read_start_time(pid).is_none() {
+                        self.entries.remove(&pid);
+                        return Lookup::Gone;
+                    }
+                    let entry = Entry { start_time, owner, checked_ms: now_ms, validated_ms: now_ms, seen: generation };
+                    self.entries.insert(pid, entry);
+                }
             }
-            self.entries.insert(pid, Entry { start_time, owner, checked_ms: now_ms, seen: generation });
         }
         match self.entries.get_mut(&pid) {
             Some(entry) => {
@@ -207,31 +225,48 @@ mod tests {
         a.end_round();
         assert_eq!(a.reads().cgroup, 2);
 
-        // Steady state: only stat is read.
-        for tick in 1..=10 {
+        // Steady state: nothing is read.
+        let reads = a.reads();
+        for tick in 1..=19 {
             a.begin_round();
             assert!(matches!(a.lookup(100, tick * 250), Lookup::Pod(_)));
-            assert_eq!(a.lookup(200, tick * 250), Lookup::NoPod);
+            a.lookup(200, tick * 250);
             a.end_round();
         }
-        assert_eq!(a.reads().cgroup, 2, "no cgroup re-read while the answer cannot have changed");
+        assert_eq!(a.reads(), reads, "no file read while the answer cannot have changed");
 
         // A "no pod" answer is re-checked after a while: the process was moved into a pod's cgroup.
         std::fs::write(dir.path().join("200/cgroup"), cgroup_line(UID, CID)).expect("move");
         a.begin_round();
-        assert!(matches!(a.lookup(200, 2_500 + ProcAttributor::NEGATIVE_RECHECK_MS), Lookup::Pod(_)));
+        assert!(matches!(a.lookup(100, 5_500), Lookup::Pod(_)));
+        assert!(matches!(a.lookup(200, 5_500), Lookup::Pod(_)));
         a.end_round();
 
-        // PID reuse: same PID, new start time, another container.
+        // The start time is read again every REVALIDATE_MS: PID reuse (same PID, new start time, another
+        // container) is caught then at the latest.
         let other = "b".repeat(64);
         write_fake_process(dir.path(), 100, 9_999, &cgroup_line(UID, &other)).expect("reuse");
         a.begin_round();
-        assert!(matches!(a.lookup(100, 20_000), Lookup::Pod(r) if r.container_id.as_deref() == Some(other.as_str())));
+        assert!(matches!(a.lookup(100, 6_000), Lookup::Pod(r) if r.container_id.as_deref() == Some(CID)));
+        a.end_round();
+        a.begin_round();
+        let at = ProcAttributor::REVALIDATE_MS + 1;
+        assert!(matches!(a.lookup(100, at), Lookup::Pod(r) if r.container_id.as_deref() == Some(other.as_str())));
         a.end_round();
         assert_eq!(a.cached(), 1, "PID 200 was not looked up this round and is forgotten");
 
-        // The PID disappears.
+        // A PID absent from a round is read afresh when it comes back (reuse caught at once).
+        write_fake_process(dir.path(), 100, 12_345, &cgroup_line(UID, CID)).expect("reuse again");
+        a.begin_round();
+        a.end_round();
+        a.begin_round();
+        assert!(matches!(a.lookup(100, at + 500), Lookup::Pod(r) if r.container_id.as_deref() == Some(CID)));
+        a.end_round();
+
+        // The PID disappears (and is not in the next round's list either).
         std::fs::remove_dir_all(dir.path().join("100")).expect("rm");
+        a.begin_round();
+        a.end_round();
         a.begin_round();
         assert_eq!(a.lookup(100, 21_000), Lookup::Gone);
         a.end_round();
