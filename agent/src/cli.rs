@@ -114,9 +114,10 @@ pub struct StandaloneArgs {
     /// Pods (with metadata.uid and status.containerStatuses): YAML or JSON, several documents or a List.
     #[arg(long)]
     pub pods: PathBuf,
-    /// This node's name: pods bound to another node are ignored, and eviction needs it to match.
-    #[arg(long, env = "NODE_NAME", default_value = "standalone")]
-    pub node_name: String,
+    /// This node's name: pods bound to another node are ignored. Without it, every pod of the file is
+    /// taken as running here.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
     #[command(flatten)]
     pub sample: SampleArgs,
     /// Replay a sample file instead of NVML.

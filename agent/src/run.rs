@@ -210,7 +210,7 @@ pub async fn list_pods(node: Option<&str>) -> anyhow::Result<Vec<Pod>> {
     if let Some(node) = node {
         params = params.fields(&format!("spec.nodeName={node}"));
     }
-    let list = tokio::time::timeout(std::time::Duration::from_secs(5), api.list(&params))
+    let list = tokio::time::timeout(std::time::Duration::from_secs(3), api.list(&params))
         .await
         .context("timed out listing pods")??;
     Ok(list

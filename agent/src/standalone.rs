@@ -70,10 +70,18 @@ impl Inputs {
         Ok(a || b)
     }
 
-    fn table(&self, node: &str) -> anyhow::Result<PodTable> {
+    /// With `filter`, pods of other nodes are left out; the others (and, without it, all) are on `node`.
+    fn table(&self, node: &str, filter: bool) -> anyhow::Result<PodTable> {
         let pods: Vec<Pod> = load_objects(self.pods.path())?;
         let budgets: Vec<GpuMemoryBudget> = load_objects(self.budgets.path())?;
-        Ok(PodTable::build(pods.iter().filter_map(PodView::from_pod), &budgets, Some(node)))
+        let views = pods.iter().filter_map(PodView::from_pod).filter_map(|mut v| {
+            if filter && v.node.as_deref().is_some_and(|n| n != node) {
+                return None;
+            }
+            v.node = Some(node.to_owned());
+            Some(v)
+        });
+        Ok(PodTable::build(views, &budgets, Some(node)))
     }
 }
 
@@ -107,7 +115,9 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
     let mut executor = LogExecutor::new(out);
     let mut inputs = Inputs { pods: FileWatch::new(&args.pods), budgets: FileWatch::new(&args.budgets) };
     inputs.changed()?;
-    let mut table = inputs.table(&args.node_name)?;
+    let filter = args.node_name.is_some();
+    let node = args.node_name.clone().unwrap_or_else(|| "standalone".to_owned());
+    let mut table = inputs.table(&node, filter)?;
     for (budget, error) in &table.invalid_budgets {
         tracing::warn!(%budget, %error, "budget not enforced: invalid spec");
     }
@@ -115,12 +125,12 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
     let mut engine = Engine::new(
         SamplerSlot::new(crate::run::sampler_factory(args.sample_file.as_deref())),
         ProcAttributor::new(&args.sample.proc_root),
-        Settings::new(&args.node_name),
+        Settings::new(&node),
         Metrics::new(&mut registry),
     );
     let (ts, ts_unix) = timestamp_fields(jiff::Timestamp::now());
     executor.line(&json!({
-        "ts": ts, "ts_unix": ts_unix, "kind": "start", "node": &args.node_name,
+        "ts": ts, "ts_unix": ts_unix, "kind": "start", "node": &node,
         "interval_ms": args.sample.interval.as_millis() as u64,
         "pods": table.pods.len(), "budgets": table.budgets.len(),
         "source": args.sample_file.as_ref().map_or_else(|| "nvml".to_owned(), |p| format!("file:{}", p.display())),
@@ -143,7 +153,7 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
             break;
         }
         match inputs.changed() {
-            Ok(true) => match inputs.table(&args.node_name) {
+            Ok(true) => match inputs.table(&node, filter) {
                 Ok(t) => table = t,
                 Err(error) => {
                     tracing::warn!(error = format!("{error:#}"), "cannot reload pods or budgets; keeping the last")

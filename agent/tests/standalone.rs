@@ -187,3 +187,31 @@ fn a_real_h100_recording_replays() {
     let stray = view["processes"].as_array().expect("processes").iter().filter(|p| p["pod"] == "").count();
     assert_eq!(stray, 1, "the host process stays unattributed");
 }
+
+#[test]
+fn without_a_node_name_every_pod_of_the_file_is_here() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    setup(dir.path());
+    let sample_path = dir.path().join("sample.json");
+    std::fs::write(&sample_path, sample("1Gi")).expect("sample");
+    let out = dir.path().join("decisions.jsonl");
+    let status = Command::new(BIN)
+        .env_remove("NODE_NAME")
+        .args(["standalone", "--interval", "50ms", "--duration", "300ms"])
+        .arg("--budgets")
+        .arg(dir.path().join("budgets.yaml"))
+        .arg("--pods")
+        .arg(dir.path().join("pods.yaml"))
+        .arg("--proc-root")
+        .arg(dir.path().join("proc"))
+        .arg("--sample-file")
+        .arg(&sample_path)
+        .arg("--output")
+        .arg(&out)
+        .status()
+        .expect("runs");
+    assert!(status.success());
+    let lines = lines(&out);
+    assert_eq!(lines[0]["pods"], 3);
+    assert!(lines.iter().any(|l| l["kind"] == "apply" && l["pod"] == "team-a/elsewhere"));
+}
