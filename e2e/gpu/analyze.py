@@ -12,6 +12,9 @@ import sys
 
 MIB = 1 << 20
 GIB = 1 << 30
+# Lines carry the wall-clock time they were written, after the tick's NVML call (up to ~30 ms while another
+# process allocates); the agent's own timers run on the monotonic clock of the tick's start.
+JITTER = 0.05
 
 
 def human(n):
@@ -125,7 +128,7 @@ def main(work):
     evicts = [d for d in decisions if d.get("kind") == "evict" and d["pod"] == "team-b/stepper"]
     took = (evict_t - over_t) if over_t is not None and evict_t is not None else float("nan")
     ok = (states("team-b/stepper")[:3] == ["Near", "Over", "Evicting"] and len(evicts) == 1
-          and evicts[0].get("grace_period_seconds") == 30 and 2.0 <= took <= 2.5)
+          and evicts[0].get("grace_period_seconds") == 30 and 2.0 - JITTER <= took <= 2.5)
     rows.append(("grows past budget: Near, Over, Evicting", ok,
                  f"{' -> '.join(['Within'] + states('team-b/stepper'))}; over->evicting "
                  f"{took:.2f} s (overLimitSeconds 2); "
