@@ -26,10 +26,8 @@ use futures::{StreamExt, TryStreamExt};
 use gpubudget_common::types::GpuMemoryBudgetStatus;
 use gpubudget_common::{Budget, GpuMemoryBudget};
 use gpubudget_runtime::Health;
-use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
-use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{self, Action};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef};
@@ -42,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::Error;
 use crate::index::{Affected, Index};
 use crate::metrics::Metrics;
-use crate::pods::{ObjKey, PodInfo};
+use crate::pods::{ObjKey, PodInfo, PodMeta};
 use crate::status::{self, notices, same_ignoring_timestamps};
 
 /// The field manager of every status write (and the events' reporting controller).
@@ -293,8 +291,8 @@ async fn watch_pods(
     health: Health,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    // `PartialObjectMeta<Pod>`: metadata-only list and watch requests.
-    let api: Api<PartialObjectMeta<Pod>> = Api::all(ctx.client.clone());
+    // Metadata-only list and watch requests, parsed leanly (see `PodMeta`).
+    let api: Api<PodMeta> = Api::all(ctx.client.clone());
     let mut config = watcher::Config::default();
     if let Some(fields) = &ctx.settings.pod_field_selector {
         config = config.fields(fields);
@@ -388,6 +386,8 @@ pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken)
             let budget_triggers = trigger_tx.clone();
             let budgets = watcher(api)
                 .default_backoff()
+                // Managed fields are never read; the cached budgets are smaller without them.
+                .modify(|b| b.metadata.managed_fields = None)
                 .reflect(writer)
                 .inspect_ok(move |event| {
                     let mut index = index_ctx.index.write().unwrap_or_else(PoisonError::into_inner);

@@ -5,10 +5,16 @@
 //! spec and status it never receives) is dropped as each event arrives, which is what keeps the operator
 //! small with 10 000 pods (docs/performance.md).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::fmt;
 
-use gpubudget_common::contract::PodRecord;
+use gpubudget_common::contract::{self, PodRecord};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Resource;
+use kube::core::NamespaceResourceScope;
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
 
 /// `namespace/name` of a namespaced object.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -89,11 +95,180 @@ pub fn strip(meta: &mut ObjectMeta) {
     }
 }
 
+/// A pod's metadata as the operator reads it from a metadata-only list or watch
+/// (`PartialObjectMetadata`), lean from the start: only the name, namespace, UID, resourceVersion, labels
+/// and the `gpubudget.io/` annotations are deserialized. Managed fields, owner references, other annotations
+/// (`last-applied-configuration` is often kilobytes) are skipped by the parser without being allocated, so
+/// a 10 000-pod list costs a fraction of what `PartialObjectMeta<Pod>` costs to read.
+///
+/// It requests metadata-only responses exactly as `PartialObjectMeta<Pod>` does ([`Resource::metadata_api`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PodMeta {
+    /// What was kept of `metadata`.
+    pub metadata: ObjectMeta,
+}
+
+impl Resource for PodMeta {
+    type DynamicType = ();
+    type Scope = NamespaceResourceScope;
+
+    fn kind(dt: &()) -> Cow<'_, str> {
+        Pod::kind(dt)
+    }
+
+    fn group(dt: &()) -> Cow<'_, str> {
+        Pod::group(dt)
+    }
+
+    fn version(dt: &()) -> Cow<'_, str> {
+        Pod::version(dt)
+    }
+
+    fn plural(dt: &()) -> Cow<'_, str> {
+        Pod::plural(dt)
+    }
+
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+
+    fn metadata_api() -> bool {
+        true
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for PodMeta {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        struct Wire {
+            #[serde(default)]
+            metadata: Lean,
+        }
+        #[derive(serde::Deserialize, Default)]
+        #[serde(rename_all = "camelCase")]
+        struct Lean {
+            name: Option<String>,
+            namespace: Option<String>,
+            uid: Option<String>,
+            resource_version: Option<String>,
+            labels: Option<BTreeMap<String, String>>,
+            #[serde(default)]
+            annotations: ContractAnnotations,
+        }
+        let wire = Wire::deserialize(deserializer)?;
+        let m = wire.metadata;
+        let annotations = Some(m.annotations.0).filter(|a| !a.is_empty());
+        Ok(Self {
+            metadata: ObjectMeta {
+                name: m.name,
+                namespace: m.namespace,
+                uid: m.uid,
+                resource_version: m.resource_version,
+                labels: m.labels,
+                annotations,
+                ..ObjectMeta::default()
+            },
+        })
+    }
+}
+
+/// The `gpubudget.io/` contract annotations of a map; every other entry is skipped unallocated.
+#[derive(Default)]
+struct ContractAnnotations(BTreeMap<String, String>);
+
+/// A map key, kept only if it is one of the contract's annotation keys.
+struct ContractKey(Option<&'static str>);
+
+impl<'de> serde::Deserialize<'de> for ContractKey {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl Visitor<'_> for KeyVisitor {
+            type Value = ContractKey;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an annotation key")
+            }
+            fn visit_str<E: de::Error>(self, key: &str) -> Result<ContractKey, E> {
+                Ok(ContractKey(contract::ALL.iter().copied().find(|k| *k == key)))
+            }
+        }
+        deserializer.deserialize_str(KeyVisitor)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ContractAnnotations {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct MapVisitor;
+        impl<'de> Visitor<'de> for MapVisitor {
+            type Value = ContractAnnotations;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("annotations")
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<ContractAnnotations, E> {
+                Ok(ContractAnnotations::default())
+            }
+            fn visit_none<E: de::Error>(self) -> Result<ContractAnnotations, E> {
+                Ok(ContractAnnotations::default())
+            }
+            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<ContractAnnotations, D::Error> {
+                d.deserialize_map(self)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ContractAnnotations, A::Error> {
+                let mut out = BTreeMap::new();
+                while let Some(ContractKey(key)) = map.next_key()? {
+                    match key {
+                        Some(key) => {
+                            out.insert(key.to_owned(), map.next_value::<String>()?);
+                        }
+                        None => {
+                            map.next_value::<IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(ContractAnnotations(out))
+            }
+        }
+        deserializer.deserialize_option(MapVisitor)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use gpubudget_common::BudgetState;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+
+    #[test]
+    fn pod_meta_reads_only_what_it_keeps() {
+        let wire = serde_json::json!({
+            "apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+            "metadata": {
+                "name": "p", "namespace": "ns", "uid": "u1", "resourceVersion": "42", "generation": 3,
+                "labels": {"app": "llm"},
+                "annotations": {"gpubudget.io/state": "Near", "gpubudget.io/usage-bytes": "7",
+                                "gpubudget.io/budget": "b", "other.io/big": "x\"y", "gpubudget.io/unknown": "z"},
+                "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {"f:containers": {}}}}],
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "r", "uid": "x"}],
+            }
+        });
+        let meta: PodMeta = serde_json::from_value(wire).expect("parses");
+        let m = &meta.metadata;
+        assert_eq!((m.name.as_deref(), m.resource_version.as_deref(), m.generation), (Some("p"), Some("42"), None));
+        assert!(m.managed_fields.is_none() && m.owner_references.is_none());
+        let keys: Vec<&str> = m.annotations.iter().flatten().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(keys, ["gpubudget.io/budget", "gpubudget.io/state", "gpubudget.io/usage-bytes"]);
+        let info = PodInfo::from_meta(m).expect("named");
+        assert_eq!(info.record.map(|r| r.usage_bytes), Some(7));
+        // Absent or null annotations and metadata.
+        let bare: PodMeta =
+            serde_json::from_str(r#"{"metadata": {"name": "p", "annotations": null}}"#).expect("parses");
+        assert!(bare.metadata.annotations.is_none());
+        assert!(PodMeta::metadata_api());
+        assert_eq!(PodMeta::plural(&()), "pods");
+    }
 
     #[test]
     fn keeps_only_what_the_status_needs() {

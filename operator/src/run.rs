@@ -60,7 +60,10 @@ pub struct RunArgs {
 /// Runs the operator until SIGTERM; returns the exit code.
 pub fn run(args: RunArgs) -> anyhow::Result<i32> {
     gpubudget_runtime::init_tracing(args.log_format);
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    // A few workers are plenty (the work is a few reconciles a second); one per core of a big node would
+    // only add threads and allocator arenas to the resident memory.
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(1, 4));
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;
     runtime.block_on(serve(args))
 }
 
