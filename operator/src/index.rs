@@ -257,7 +257,9 @@ impl Index {
             self.unlink_record(&recorded, &key.name);
             if entry.info.record.as_ref().is_some_and(|r| r.eviction_requested_at.is_some()) {
                 let tombstones = self.tombstones.entry(recorded.clone()).or_default();
-                tombstones.push_back(entry.info);
+                let mut gone = entry.info;
+                gone.terminating = true;
+                tombstones.push_back(gone);
                 if tombstones.len() > TOMBSTONES_MAX {
                     tombstones.pop_front();
                 }
@@ -404,6 +406,7 @@ mod tests {
             uid: format!("uid-{name}"),
             labels: labels.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
             record: None,
+            terminating: false,
         }
     }
 

@@ -56,6 +56,9 @@ pub struct PodInfo {
     pub labels: BTreeMap<String, String>,
     /// The agent's record (the `gpubudget.io/` annotations), if the pod has a well-formed one.
     pub record: Option<PodRecord>,
+    /// The pod is being deleted (`metadata.deletionTimestamp`), as an evicted pod is once the Eviction API
+    /// accepted the request; a pod deleted from the cache is remembered with this set.
+    pub terminating: bool,
 }
 
 impl PodInfo {
@@ -68,7 +71,15 @@ impl PodInfo {
             uid: meta.uid.clone().unwrap_or_default(),
             labels: meta.labels.clone().unwrap_or_default(),
             record: meta.annotations.as_ref().and_then(PodRecord::from_annotations),
+            terminating: meta.deletion_timestamp.is_some(),
         })
+    }
+
+    /// Whether this pod was evicted under the budget `name`: its record names that budget and says the agent
+    /// requested the eviction, and the pod is going (terminating or deleted). A request that a
+    /// PodDisruptionBudget refused leaves the pod running: not an eviction (yet).
+    pub fn evicted_by(&self, name: &str) -> Option<&PodRecord> {
+        self.record.as_ref().filter(|r| self.terminating && r.budget == name && r.eviction_requested_at.is_some())
     }
 
     /// `namespace/name`.
@@ -155,6 +166,7 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
             namespace: Option<String>,
             uid: Option<String>,
             resource_version: Option<String>,
+            deletion_timestamp: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
             labels: Option<BTreeMap<String, String>>,
             #[serde(default)]
             annotations: ContractAnnotations,
@@ -168,6 +180,7 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
                 namespace: m.namespace,
                 uid: m.uid,
                 resource_version: m.resource_version,
+                deletion_timestamp: m.deletion_timestamp,
                 labels: m.labels,
                 annotations,
                 ..ObjectMeta::default()

@@ -152,7 +152,7 @@ fn count_evictions(
     let evicted: Vec<(&PodInfo, &PodRecord, &str)> = recorded
         .iter()
         .filter_map(|pod| {
-            let record = pod.record.as_ref().filter(|r| r.budget == name)?;
+            let record = pod.evicted_by(name)?;
             Some((*pod, record, record.eviction_requested_at.as_deref()?))
         })
         .filter(|(pod, _, _)| !pod.uid.is_empty())
@@ -358,15 +358,22 @@ mod tests {
                 node: "gpu-1".into(),
                 eviction_requested_at: None,
             }),
+            terminating: false,
         }
     }
 
-    fn evicted(mut p: PodInfo, at: &str) -> PodInfo {
+    /// The agent asked for the eviction.
+    fn requested(mut p: PodInfo, at: &str) -> PodInfo {
         if let Some(r) = p.record.as_mut() {
             r.state = BudgetState::Evicting;
             r.eviction_requested_at = Some(at.into());
         }
         p
+    }
+
+    /// The agent asked for the eviction and the API server accepted it: the pod is terminating.
+    fn evicted(p: PodInfo, at: &str) -> PodInfo {
+        PodInfo { terminating: true, ..requested(p, at) }
     }
 
     fn t(secs: i64) -> Timestamp {
@@ -481,6 +488,10 @@ mod tests {
         let p1 = evicted(pod("p1", "x", Some((BudgetState::Over, 9 * GI, "llm"))), "2027-01-15T08:00:00Z");
         let p2 = evicted(pod("p2", "x", Some((BudgetState::Over, 12 * GI, "llm"))), "2027-01-15T09:00:00Z");
         let other = evicted(pod("o", "x", Some((BudgetState::Over, GI, "other"))), "2027-01-15T10:00:00Z");
+        // Requested but refused (a PodDisruptionBudget): the pod runs on, nothing is counted yet.
+        let blocked = requested(pod("p1", "x", Some((BudgetState::Over, 9 * GI, "llm"))), "2027-01-15T08:00:00Z");
+        let s0 = compute(&llm, &Inputs { selected: vec![], recorded: vec![&blocked] }, None, t(0));
+        assert_eq!((s0.evictions, s0.counted_evictions.len()), (0, 0));
         let inputs = Inputs { selected: vec![], recorded: vec![&p1, &other] };
         let s1 = compute(&llm, &inputs, None, t(0));
         assert_eq!((s1.evictions, s1.counted_evictions.clone()), (1, vec!["uid-p1".to_owned()]));

@@ -89,6 +89,13 @@ fn record(fake: &FakeApi, name: &str, state: &str, usage: u64, budget: &str, evi
     .expect("pod exists");
 }
 
+/// The agent's eviction, accepted: the pod terminates (with graceful deletion on, it stays until
+/// `finish_deletion`).
+async fn evict(fake: &FakeApi, name: &str) {
+    let pods: kube::Api<k8s_openapi::api::core::v1::Pod> = kube::Api::namespaced(fake.client(), "team-a");
+    pods.evict(name, &kube::api::EvictParams::default()).await.expect("evicted");
+}
+
 fn status(fake: &FakeApi, name: &str) -> GpuMemoryBudgetStatus {
     fake.typed::<GpuMemoryBudget>("team-a", name).and_then(|b| b.status).unwrap_or_default()
 }
@@ -204,9 +211,13 @@ async fn a_label_change_moves_a_pod_between_budgets() {
 #[tokio::test]
 async fn evictions_are_counted_once_across_restarts() {
     let fake = cluster();
+    fake.set_graceful_pod_deletion(true);
     let op = Operator::start(&fake, true);
     until(&fake, "first statuses", |f| status(f, "llm").matched_pods == 2).await;
     record(&fake, "p1", "Evicting", 9 * GI, "llm", Some("2027-01-15T08:00:00Z"));
+    until(&fake, "p1 evicting", |f| status(f, "llm").pods_over_budget == 1).await;
+    assert_eq!(status(&fake, "llm").evictions, 0, "requested, not (yet) accepted: the pod runs");
+    evict(&fake, "p1").await;
     until(&fake, "one eviction", |f| status(f, "llm").evictions == 1).await;
     let s = status(&fake, "llm");
     let uid = fake.get("pods", "team-a", "p1").expect("p1")["metadata"]["uid"].as_str().map(str::to_owned);
@@ -224,6 +235,7 @@ async fn evictions_are_counted_once_across_restarts() {
     // The evicted pod goes; another is evicted.
     assert!(fake.delete_object("pods", "team-a", "p1"));
     record(&fake, "p2", "Evicting", 9 * GI, "llm", Some("2027-01-15T09:00:00Z"));
+    evict(&fake, "p2").await;
     until(&fake, "two evictions", |f| status(f, "llm").evictions == 2).await;
     op.stop().await;
 
