@@ -6,6 +6,7 @@
 //! - [`attribution`]: cgroup parsing and the PID cache;
 //! - [`pods`]: the node's pods, joined by UID and container ID, with their budgets;
 //! - [`enforce`]: per-pod usage, the pure decisions, the executors;
+//! - [`synthetic`]: a synthetic node for the benchmarks and the soak harness;
 //! - [`engine`]: one tick of the loop; [`run`], [`standalone`], [`top`], [`record`]: the subcommands.
 
 pub mod attribution;
@@ -18,6 +19,7 @@ pub mod pods;
 pub mod record;
 pub mod run;
 pub mod standalone;
+pub mod synthetic;
 pub mod top;
 
 /// Runs a parsed command line.

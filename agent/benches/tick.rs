@@ -1,0 +1,185 @@
+//! The agent's per-tick hot paths, without NVML: cgroup parsing, PID attribution with a warm and a cold
+//! cache, and one whole tick (sample-file check, attribution, per-pod sums, decisions, metrics) at 8, 128
+//! and 1 024 processes on a synthetic node (`gpubudget_agent::synthetic`, fixture `/proc` in a tempdir).
+//!
+//! `cargo bench -p gpubudget-agent --bench tick`; CI only compiles this (`cargo bench --no-run`). Before
+//! the measurements it counts heap allocations over 1 000 steady ticks of the 128-process node (a
+//! counting global allocator, `stats_alloc`) and fails if the heap grew.
+
+use std::alloc::System;
+use std::hint::black_box;
+use std::path::Path;
+use std::time::Duration;
+
+use criterion::{BatchSize, BenchmarkId, Criterion, criterion_group, criterion_main};
+use gpubudget_agent::attribution::{ProcAttributor, parse_cgroup_file};
+use gpubudget_agent::enforce::Settings;
+use gpubudget_agent::enforce::log_executor::LogExecutor;
+use gpubudget_agent::engine::Engine;
+use gpubudget_agent::gpu::SamplerSlot;
+use gpubudget_agent::gpu::recorded::RecordedSampler;
+use gpubudget_agent::metrics::Metrics;
+use gpubudget_agent::pods::PodTable;
+use gpubudget_agent::synthetic::SyntheticNode;
+use prometheus_client::registry::Registry;
+use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
+
+#[global_allocator]
+static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
+
+const CORPUS: &str = include_str!("../tests/fixtures/cgroup_corpus.txt");
+
+/// The content of the first corpus block whose header contains `key`.
+fn corpus_block(key: &str) -> String {
+    let mut out = String::new();
+    let mut inside = false;
+    for line in CORPUS.lines() {
+        if line.starts_with("== ") {
+            if inside {
+                break;
+            }
+            inside = line.contains(key);
+        } else if inside && !line.starts_with('#') && !line.is_empty() {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    assert!(!out.is_empty(), "no corpus block for {key:?}");
+    out
+}
+
+/// A synthetic node written to `dir`, an engine over it, and its pod table, after the first ticks' writes.
+fn engine_for(dir: &Path, processes: u32) -> (Engine, PodTable) {
+    let node = SyntheticNode::new("n1", 8, processes);
+    node.write_proc(&dir.join("proc")).expect("fixture /proc");
+    let sample = dir.join("sample.json");
+    std::fs::write(&sample, node.sample_json()).expect("sample file");
+    let table = node.table();
+    let mut engine = Engine::new(
+        SamplerSlot::new(RecordedSampler::factory(sample)),
+        ProcAttributor::new(&dir.join("proc")),
+        Settings::new("n1"),
+        Metrics::new(&mut Registry::default()),
+    );
+    let mut executor = LogExecutor::new(std::io::sink());
+    for _ in 0..3 {
+        assert!(engine.tick(&table, true).sampled);
+        loop {
+            let actions: Vec<_> = engine.take_actions().collect();
+            if actions.is_empty() {
+                break;
+            }
+            for feedback in executor.apply(actions, jiff::Timestamp::now()).expect("sink") {
+                engine.feedback(feedback);
+            }
+        }
+    }
+    (engine, table)
+}
+
+/// Steady ticks must not grow the heap (and, with a sample file, should not allocate at all).
+fn check_allocations() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut engine, table) = engine_for(dir.path(), 128);
+    let ticks = 1_000u32;
+    let region = Region::new(GLOBAL);
+    let mut actions = 0;
+    for _ in 0..ticks {
+        engine.tick(&table, true);
+        actions += engine.take_actions().count();
+    }
+    let stats = region.change();
+    let growth = stats.bytes_allocated as i64 - stats.bytes_deallocated as i64 + stats.bytes_reallocated as i64;
+    println!(
+        "steady ticks, 128 processes: {ticks} ticks, {actions} actions, {} allocations ({:.2} per tick), heap growth {growth} B",
+        stats.allocations,
+        f64::from(u32::try_from(stats.allocations).unwrap_or(u32::MAX)) / f64::from(ticks),
+    );
+    assert_eq!(actions, 0, "steady state decides nothing");
+    assert!(growth <= 0, "the heap grew by {growth} B over {ticks} steady ticks");
+}
+
+fn bench(c: &mut Criterion) {
+    check_allocations();
+
+    let mut group = c.benchmark_group("cgroup_parse");
+    for (name, key) in [
+        ("containerd_systemd_v2", "(EKS, AKS, kubeadm"),
+        ("cgroupfs_v2", "(k3s, rke2 default)"),
+        ("cgroupns_relative", "paths relative to the agent's cgroup"),
+        ("docker_v1_12_lines", "(GKE COS before 1.24"),
+        ("host_process", "pod=- "),
+    ] {
+        let content = corpus_block(key);
+        group.bench_with_input(BenchmarkId::from_parameter(name), &content, |b, content| {
+            b.iter(|| parse_cgroup_file(black_box(content)))
+        });
+    }
+    group.finish();
+
+    let mut warm = c.benchmark_group("attribution_warm");
+    for processes in [8u32, 128, 1024] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let node = SyntheticNode::new("n1", 8, processes);
+        node.write_proc(dir.path()).expect("fixture");
+        let pids: Vec<u32> = node.processes.iter().map(|p| p.pid).collect();
+        let mut attributor = ProcAttributor::new(dir.path());
+        attributor.begin_round();
+        for pid in &pids {
+            let _ = attributor.lookup(*pid, 0);
+        }
+        attributor.end_round();
+        warm.bench_with_input(BenchmarkId::from_parameter(processes), &pids, |b, pids| {
+            b.iter(|| {
+                attributor.begin_round();
+                for pid in pids {
+                    black_box(attributor.lookup(*pid, 1_000));
+                }
+                attributor.end_round();
+            })
+        });
+    }
+    warm.finish();
+
+    let mut cold = c.benchmark_group("attribution_cold");
+    for processes in [8u32, 128, 1024] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let node = SyntheticNode::new("n1", 8, processes);
+        node.write_proc(dir.path()).expect("fixture");
+        let pids: Vec<u32> = node.processes.iter().map(|p| p.pid).collect();
+        cold.bench_with_input(BenchmarkId::from_parameter(processes), &pids, |b, pids| {
+            b.iter_batched_ref(
+                || ProcAttributor::new(dir.path()),
+                |attributor| {
+                    attributor.begin_round();
+                    for pid in pids {
+                        black_box(attributor.lookup(*pid, 0));
+                    }
+                    attributor.end_round();
+                },
+                BatchSize::SmallInput,
+            )
+        });
+    }
+    cold.finish();
+
+    let mut tick = c.benchmark_group("tick");
+    for processes in [8u32, 128, 1024] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut engine, table) = engine_for(dir.path(), processes);
+        tick.bench_function(BenchmarkId::from_parameter(processes), |b| {
+            b.iter(|| {
+                let report = engine.tick(&table, true);
+                assert!(report.sampled && engine.take_actions().next().is_none());
+            })
+        });
+    }
+    tick.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(3));
+    targets = bench
+}
+criterion_main!(benches);
