@@ -1,0 +1,237 @@
+//! The agent's own-node restriction, tested against admission requests: the chart's
+//! ValidatingAdmissionPolicy (charts/gpubudget/templates/node-restriction/policy.yaml), rendered from the
+//! template by substituting its few template values, evaluated with the CEL of `kube-cel` (the Kubernetes
+//! extension functions on `cel`), with `variables` evaluated in order and bound as the API server does and
+//! `request.userInfo.extra` carrying the node the kubelet binds into the agent's token.
+//!
+//! A request passes when the match condition does not match (another identity: the policy does not apply)
+//! or every validation is true; an evaluation error denies (`failurePolicy: Fail`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kube_cel::KubeCelExt;
+use kube_cel::cel::objects::{Key, Map};
+use kube_cel::cel::{Context, Program, Value};
+use serde_json::{Value as Json, json};
+
+const AGENT: &str = "system:serviceaccount:gpubudget:gpubudget-agent";
+const NODE: &str = "gpu-node-1";
+
+/// The chart's policies, from the template: the `if`/`end` and label-include lines dropped, the agent's
+/// user name substituted.
+fn policies() -> Vec<serde_yaml::Value> {
+    let template = include_str!("../../charts/gpubudget/templates/node-restriction/policy.yaml");
+    let rendered: String = template
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("{{-"))
+        .map(|l| l.replace("{{ $agent }}", AGENT).replace("{{ $name }}", "gpubudget-agent-node-restriction"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(!rendered.contains("{{"), "an unrendered template value is left:\n{rendered}");
+    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&rendered)
+        .map(|d| serde::Deserialize::deserialize(d).expect("rendered YAML"))
+        .filter(|d: &serde_yaml::Value| d["kind"] == "ValidatingAdmissionPolicy")
+        .collect();
+    assert_eq!(docs.len(), 2, "the pods and events policies");
+    docs
+}
+
+fn policy(resource: &str) -> serde_yaml::Value {
+    policies()
+        .into_iter()
+        .find(|p| p["spec"]["matchConstraints"]["resourceRules"][0]["resources"][0].as_str() == Some(resource))
+        .expect("policy for the resource")
+}
+
+fn to_cel(value: &Json) -> Value {
+    match value {
+        Json::Null => Value::Null,
+        Json::Bool(b) => Value::Bool(*b),
+        Json::Number(n) => n.as_i64().map_or_else(|| Value::Float(n.as_f64().unwrap_or(0.0)), Value::Int),
+        Json::String(s) => Value::String(Arc::new(s.clone())),
+        Json::Array(items) => Value::List(Arc::new(items.iter().map(to_cel).collect())),
+        Json::Object(map) => cel_map(map.iter().map(|(k, v)| (k.clone(), to_cel(v)))),
+    }
+}
+
+fn cel_map(entries: impl IntoIterator<Item = (String, Value)>) -> Value {
+    let map: HashMap<Key, Value> = entries.into_iter().map(|(k, v)| (Key::String(Arc::new(k)), v)).collect();
+    Value::Map(Map { map: Arc::new(map) })
+}
+
+#[derive(Debug, PartialEq)]
+enum Verdict {
+    /// The policy does not apply (another identity).
+    NotMatched,
+    Allowed,
+    /// Denied, with the message.
+    Denied(String),
+}
+
+fn eval(ctx: &Context<'_>, expression: &str) -> Result<Value, String> {
+    let program = Program::compile(expression).map_err(|e| format!("compile {expression}: {e}"))?;
+    program.execute(ctx).map_err(|e| format!("evaluate {expression}: {e}"))
+}
+
+/// Evaluates a policy against one admission request, as the API server does.
+fn admit(policy: &serde_yaml::Value, request: Json, object: Json, old: Json) -> Verdict {
+    let mut ctx = Context::default().with_all();
+    ctx.add_variable_from_value("request", to_cel(&request));
+    ctx.add_variable_from_value("object", to_cel(&object));
+    ctx.add_variable_from_value("oldObject", to_cel(&old));
+    let spec = &policy["spec"];
+    for condition in spec["matchConditions"].as_sequence().expect("match conditions") {
+        match eval(&ctx, condition["expression"].as_str().expect("expression")) {
+            Ok(Value::Bool(true)) => {}
+            Ok(Value::Bool(false)) => return Verdict::NotMatched,
+            other => return Verdict::Denied(format!("match condition: {other:?}")),
+        }
+    }
+    let mut variables: Vec<(String, Value)> = Vec::new();
+    for variable in spec["variables"].as_sequence().into_iter().flatten() {
+        let name = variable["name"].as_str().expect("name").to_owned();
+        // Lazily evaluated by the API server: an error only matters where the variable is used.
+        let value = eval(&ctx, variable["expression"].as_str().expect("expression")).unwrap_or(Value::Null);
+        variables.push((name, value));
+        ctx.add_variable_from_value("variables", cel_map(variables.clone()));
+    }
+    for validation in spec["validations"].as_sequence().expect("validations") {
+        let expression = validation["expression"].as_str().expect("expression");
+        match eval(&ctx, expression) {
+            Ok(Value::Bool(true)) => {}
+            Ok(Value::Bool(false)) => {
+                let message = validation["messageExpression"]
+                    .as_str()
+                    .and_then(|m| match eval(&ctx, m) {
+                        Ok(Value::String(s)) => Some((*s).clone()),
+                        _ => None,
+                    })
+                    .or_else(|| validation["message"].as_str().map(str::to_owned))
+                    .unwrap_or_default();
+                return Verdict::Denied(message);
+            }
+            other => return Verdict::Denied(format!("{expression}: {other:?}")),
+        }
+    }
+    Verdict::Allowed
+}
+
+fn request(user: &str, node: Option<&str>, operation: &str) -> Json {
+    let mut user_info = json!({"username": user, "uid": "u", "groups": ["system:serviceaccounts"]});
+    if let Some(node) = node {
+        user_info["extra"] = json!({"authentication.kubernetes.io/node-name": [node]});
+    }
+    json!({"operation": operation, "name": "llm-0", "namespace": "team-a", "userInfo": user_info})
+}
+
+fn pod(node: &str) -> Json {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "llm-0", "namespace": "team-a", "labels": {"app": "llm"},
+                     "annotations": {"owner": "team-a"}},
+        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "x"}]}
+    })
+}
+
+fn with_annotation(mut pod: Json, key: &str, value: &str) -> Json {
+    pod["metadata"]["annotations"][key] = json!(value);
+    pod
+}
+
+#[test]
+fn the_agent_may_write_its_records_on_its_own_nodes_pods() {
+    let p = policy("pods");
+    let old = pod(NODE);
+    let new =
+        with_annotation(with_annotation(old.clone(), "gpubudget.io/state", "Evicting"), "gpubudget.io/node", NODE);
+    assert_eq!(admit(&p, request(AGENT, Some(NODE), "UPDATE"), new.clone(), old.clone()), Verdict::Allowed);
+    // Removing its record again (a pod that lost its budget).
+    assert_eq!(admit(&p, request(AGENT, Some(NODE), "UPDATE"), old.clone(), new), Verdict::Allowed);
+    // A no-op update.
+    assert_eq!(admit(&p, request(AGENT, Some(NODE), "UPDATE"), old.clone(), old), Verdict::Allowed);
+}
+
+#[test]
+fn the_agent_may_not_write_pods_of_another_node() {
+    let p = policy("pods");
+    let old = pod("gpu-node-2");
+    let new = with_annotation(old.clone(), "gpubudget.io/state", "Evicting");
+    let verdict = admit(&p, request(AGENT, Some(NODE), "UPDATE"), new, old);
+    assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("not on its node")), "{verdict:?}");
+    // Moving a pod onto its node does not help: the old object's node counts, and the spec is frozen.
+    let old = pod("gpu-node-2");
+    let verdict = admit(&p, request(AGENT, Some(NODE), "UPDATE"), pod(NODE), old);
+    assert!(matches!(verdict, Verdict::Denied(_)), "{verdict:?}");
+}
+
+#[test]
+fn the_agent_may_change_nothing_but_its_annotations() {
+    let p = policy("pods");
+    let old = pod(NODE);
+    let mut labels = old.clone();
+    labels["metadata"]["labels"]["app"] = json!("other");
+    let mut spec = old.clone();
+    spec["spec"]["containers"][0]["image"] = json!("evil");
+    let other_annotation = with_annotation(old.clone(), "owner", "someone-else");
+    let new_annotation = with_annotation(old.clone(), "example.com/x", "1");
+    let mut removed = old.clone();
+    removed["metadata"]["annotations"] = json!({});
+    let mut finalizers = old.clone();
+    finalizers["metadata"]["finalizers"] = json!(["example.com/block"]);
+    for (what, new, needle) in [
+        ("labels", labels, "labels"),
+        ("spec", spec, "spec"),
+        ("another annotation", other_annotation, "annotations"),
+        ("a new foreign annotation", new_annotation, "annotations"),
+        ("removing a foreign annotation", removed, "annotations"),
+        ("finalizers", finalizers, "finalizers"),
+    ] {
+        let verdict = admit(&p, request(AGENT, Some(NODE), "UPDATE"), new, old.clone());
+        assert!(matches!(&verdict, Verdict::Denied(m) if m.contains(needle)), "{what}: {verdict:?}");
+    }
+}
+
+#[test]
+fn the_agent_may_not_create_or_delete_pods_nor_act_without_a_node_bound_token() {
+    let p = policy("pods");
+    let verdict = admit(&p, request(AGENT, Some(NODE), "DELETE"), Json::Null, pod(NODE));
+    assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("never DELETE")), "{verdict:?}");
+    let verdict = admit(&p, request(AGENT, Some(NODE), "CREATE"), pod(NODE), Json::Null);
+    assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("never CREATE")), "{verdict:?}");
+    // A token without the node claim (a legacy secret token, or Kubernetes < 1.32).
+    let old = pod(NODE);
+    let new = with_annotation(old.clone(), "gpubudget.io/state", "Over");
+    let verdict = admit(&p, request(AGENT, None, "UPDATE"), new, old);
+    assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("carries no node")), "{verdict:?}");
+}
+
+#[test]
+fn other_identities_are_not_this_policys_concern() {
+    let p = policy("pods");
+    let old = pod("gpu-node-2");
+    let mut new = with_annotation(old.clone(), "gpubudget.io/state", "Evicting");
+    new["spec"]["containers"][0]["image"] = json!("other");
+    for user in ["system:serviceaccount:gpubudget:gpubudget-operator", "alice", "system:node:gpu-node-1"] {
+        assert_eq!(admit(&p, request(user, Some(NODE), "UPDATE"), new.clone(), old.clone()), Verdict::NotMatched);
+    }
+    // An agent of another release (another service account name) is another identity too.
+    let other = "system:serviceaccount:other:gpubudget-agent";
+    assert_eq!(admit(&p, request(other, Some(NODE), "UPDATE"), new, old), Verdict::NotMatched);
+}
+
+#[test]
+fn the_agents_events_must_name_its_own_node() {
+    let p = policy("events");
+    let event = |instance: &str| {
+        json!({"apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"name": "e", "namespace": "team-a"},
+               "reportingController": "gpubudget-agent", "reportingInstance": instance, "reason": "GpuMemoryOverBudget"})
+    };
+    assert_eq!(admit(&p, request(AGENT, Some(NODE), "CREATE"), event(NODE), Json::Null), Verdict::Allowed);
+    let verdict = admit(&p, request(AGENT, Some(NODE), "CREATE"), event("gpu-node-2"), Json::Null);
+    assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("reportingInstance")), "{verdict:?}");
+    let mut foreign = event(NODE);
+    foreign["reportingController"] = json!("kubelet");
+    assert!(matches!(admit(&p, request(AGENT, Some(NODE), "CREATE"), foreign, Json::Null), Verdict::Denied(_)));
+    assert_eq!(admit(&p, request("alice", None, "CREATE"), event("x"), Json::Null), Verdict::NotMatched);
+}
