@@ -1,0 +1,179 @@
+//! The agent's `run` loop under API faults, against gpubudget-testkit's in-memory API server: failed and
+//! throttled writes, failed eviction requests, watch disconnects and failed re-lists. For each: no early
+//! or duplicated eviction, the eviction record not lost, the problem counted in metrics, and recovery
+//! without a restart. (Blocked evictions, a broken sampler and a restart in the middle of the grace
+//! period are in tests/kube.rs; the sampler's rebuild with backoff in src/gpu/mod.rs.)
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpubudget_agent::cli::{RunArgs, SampleArgs};
+use gpubudget_agent::metrics::Metrics;
+use gpubudget_agent::run::{CHECKS, run_with};
+use gpubudget_runtime::Health;
+use gpubudget_testkit::{FakeApi, Verb};
+use prometheus_client::registry::Registry;
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+const NODE: &str = "gpu-node-1";
+const WAIT: Duration = Duration::from_secs(10);
+const GI: u64 = 1 << 30;
+
+const PODS: &str = r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: llm-0, namespace: team-a, uid: 11111111-1111-1111-1111-111111111111, labels: {app: llm}}
+spec: {nodeName: gpu-node-1, terminationGracePeriodSeconds: 45, containers: [{name: trainer, image: x}]}
+status: {phase: Running}
+"#;
+
+fn budget(limit: &str, over_limit_seconds: u32) -> String {
+    format!(
+        "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: llm, namespace: team-a}}\n\
+         spec: {{selector: {{matchLabels: {{app: llm}}}}, limit: {limit}, overLimitSeconds: {over_limit_seconds}, \
+         evictionGracePeriodSeconds: 30}}\n"
+    )
+}
+
+fn write_sample(path: &Path, bytes: u64) {
+    let body = serde_json::json!({"gpus": [{"index": 0, "uuid": "GPU-x", "name": "Fake",
+        "processes": [{"namespace": "team-a", "pod": "llm-0", "container": "trainer", "used_bytes": bytes}]}]});
+    std::fs::write(path, body.to_string()).expect("sample");
+}
+
+struct Agent {
+    fake: FakeApi,
+    health: Health,
+    registry: Arc<Registry>,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+    _dir: tempfile::TempDir,
+}
+
+impl Agent {
+    fn start(fake: FakeApi, bytes: u64) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sample = dir.path().join("sample.json");
+        write_sample(&sample, bytes);
+        let mut registry = Registry::default();
+        let metrics = Metrics::new(&mut registry);
+        let health = Health::new(&CHECKS);
+        let shutdown = CancellationToken::new();
+        let args = RunArgs {
+            node_name: NODE.into(),
+            sample: SampleArgs { proc_root: dir.path().join("proc"), interval: Duration::from_millis(50) },
+            admin_addr: "127.0.0.1:0".parse().expect("addr"),
+            sample_file: Some(sample),
+        };
+        let task = tokio::spawn(run_with(args, fake.client(), health.clone(), metrics, shutdown.clone()));
+        Self { fake, health, registry: Arc::new(registry), shutdown, task, _dir: dir }
+    }
+
+    fn metrics(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("encodes");
+        out
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.task.await.expect("agent task");
+    }
+}
+
+fn fake_with(budget_yaml: &str) -> FakeApi {
+    let fake = FakeApi::new();
+    fake.set_graceful_pod_deletion(true);
+    fake.apply_yaml(PODS).expect("pods");
+    fake.apply_yaml(budget_yaml).expect("budget");
+    fake
+}
+
+fn annotation(fake: &FakeApi, key: &str) -> Option<String> {
+    fake.get("pods", "team-a", "llm-0").and_then(|p| p["metadata"]["annotations"][key].as_str().map(str::to_owned))
+}
+
+fn metric(metrics: &str, series: &str) -> f64 {
+    metrics.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+}
+
+/// 500s and a 429 (API priority and fairness) on the record writes, the Evicting record included: the
+/// eviction comes no earlier than overLimitSeconds, is requested once, and its record lands by retry
+/// while the pod terminates (so the operator counts it). The eviction itself does not wait for its
+/// record: with a grace period shorter than the write backoff the count can be lost (docs/security.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_record_writes_are_retried_and_the_eviction_is_neither_early_nor_doubled() {
+    let fake = fake_with(&budget("8Gi", 2));
+    fake.fail_next(Verb::Patch, "pods", 2, 500);
+    fake.fail_next(Verb::Patch, "pods", 1, 429);
+    let started = Instant::now();
+    let agent = Agent::start(fake, 9 * GI);
+    let f = &agent.fake;
+    assert!(f.wait_until(WAIT, |f| f.count(Verb::Create, "pods/eviction") == 1).await);
+    assert!(started.elapsed() >= Duration::from_secs(2), "evicted after {:?}", started.elapsed());
+    assert!(
+        // Write retries back off 1, 2, 4 s: the record lands within the pod's 30 s grace period.
+        f.wait_until(Duration::from_secs(15), |f| annotation(f, "gpubudget.io/eviction-requested-at").is_some()).await,
+        "the eviction record is not lost"
+    );
+    assert_eq!(annotation(f, "gpubudget.io/state").as_deref(), Some("Evicting"));
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(f.count(Verb::Create, "pods/eviction"), 1, "one request");
+    let metrics = agent.metrics();
+    assert!(metric(&metrics, r#"gpubudget_api_writes_total{kind="apply",result="error"}"#) >= 1.0, "{metrics}");
+    assert_eq!(metric(&metrics, r#"gpubudget_evictions_total{result="accepted"}"#), 1.0, "{metrics}");
+    assert!(agent.health.is_ready(), "{}", agent.health.report());
+    agent.stop().await;
+}
+
+/// A 500 (or a timeout-like failure) on the eviction request: counted, retried after the backoff, once,
+/// and only while the pod is still over its budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_eviction_request_is_retried_once_after_the_backoff() {
+    let fake = fake_with(&budget("8Gi", 0));
+    fake.fail_next(Verb::Create, "pods/eviction", 1, 500);
+    let agent = Agent::start(fake, 9 * GI);
+    let f = &agent.fake;
+    assert!(f.wait_until(WAIT, |f| f.count(Verb::Create, "pods/eviction") == 1).await);
+    let first = Instant::now();
+    assert!(
+        f.wait_until(WAIT, |_| metric(&agent.metrics(), r#"gpubudget_evictions_total{result="error"}"#) == 1.0).await
+    );
+    assert!(f.wait_until(Duration::from_secs(12), |f| f.count(Verb::Create, "pods/eviction") == 2).await);
+    assert!(first.elapsed() >= Duration::from_secs(4), "retried after {:?}, before the 5 s backoff", first.elapsed());
+    assert!(
+        f.wait_until(WAIT, |_| metric(&agent.metrics(), r#"gpubudget_evictions_total{result="accepted"}"#) == 1.0)
+            .await
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(f.count(Verb::Create, "pods/eviction"), 2, "no request after the accepted one");
+    agent.stop().await;
+}
+
+/// Watches cut and re-lists failing (500, then 410 Expired): the agent resumes, sees the budget edited
+/// while it was disconnected, and acts on it, without a restart; it never evicts on stale data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_disconnects_and_failed_relists_recover_without_a_restart() {
+    let fake = fake_with(&budget("16Gi", 0));
+    let agent = Agent::start(fake, 9 * GI);
+    let f = &agent.fake;
+    assert!(f.wait_until(WAIT, |f| annotation(f, "gpubudget.io/state").as_deref() == Some("Within")).await);
+    assert!(f.wait_until(WAIT, |_| agent.health.is_ready()).await);
+    f.fail_next(Verb::Watch, "gpumemorybudgets", 2, 500);
+    f.fail_next(Verb::List, "gpumemorybudgets", 2, 500);
+    f.compact_history();
+    f.disconnect_watches();
+    // Edited while the agent is cut off: the limit drops under the usage.
+    f.modify("gpumemorybudgets", "team-a", "llm", |b| b["spec"]["limit"] = Value::from("8Gi")).expect("budget");
+    assert!(
+        f.wait_until(Duration::from_secs(20), |f| f.count(Verb::Create, "pods/eviction") == 1).await,
+        "the edit is seen after the reconnect and enforced"
+    );
+    assert_eq!(annotation(f, "gpubudget.io/budget").as_deref(), Some("llm"));
+    assert!(f.wait_until(WAIT, |_| agent.health.is_ready()).await, "{}", agent.health.report());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(f.count(Verb::Create, "pods/eviction"), 1);
+    agent.stop().await;
+}
