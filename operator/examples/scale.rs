@@ -4,7 +4,7 @@
 //!
 //! ```sh
 //! cargo build --release -p gpubudget-operator --bin gpubudget-operator --example scale
-//! target/release/examples/scale                      # --pods 10000 --budgets 1000 --changes 100 --moves 20
+//! target/release/examples/scale    # --pods 10000 --budgets 1000 --budgets-per-namespace 10 --changes 100 --moves 20
 //! ```
 //!
 //! It measures, on the operator process only (the fake API lives in this process):
@@ -16,8 +16,8 @@
 //!
 //! Pods are created through the API (so they carry managedFields like real ones), with six labels, an
 //! owner reference, a 1.5 KB `last-applied-configuration` annotation and the agent's record. Budgets:
-//! `--budgets / 10` namespaces of 10 budgets each; budget 0 of a namespace selects every pod there (so
-//! every pod is in an overlap), budgets 1..9 select `app: app-<k>`.
+//! `--budgets / --budgets-per-namespace` namespaces (default 10 budgets each); budget 0 of a namespace selects every pod there (so
+//! every pod is in an overlap), the others select `app: app-<k>`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -37,7 +37,6 @@ use serde_json::{Value, json};
 use tower::ServiceExt;
 
 const GI: u64 = 1 << 30;
-const PER_NS: usize = 10;
 
 #[derive(Debug)]
 struct Args {
@@ -45,6 +44,7 @@ struct Args {
     budgets: usize,
     changes: usize,
     moves: usize,
+    per_ns: usize,
     operator: PathBuf,
 }
 
@@ -52,7 +52,8 @@ fn args() -> anyhow::Result<Args> {
     let exe = std::env::current_exe()?;
     let default_operator =
         exe.parent().and_then(|p| p.parent()).map(|p| p.join("gpubudget-operator")).unwrap_or_default();
-    let mut out = Args { pods: 10_000, budgets: 1_000, changes: 100, moves: 20, operator: default_operator };
+    let mut out =
+        Args { pods: 10_000, budgets: 1_000, changes: 100, moves: 20, per_ns: 10, operator: default_operator };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value = it.next().ok_or_else(|| anyhow::anyhow!("{flag} needs a value"))?;
@@ -61,13 +62,14 @@ fn args() -> anyhow::Result<Args> {
             "--budgets" => out.budgets = value.parse()?,
             "--changes" => out.changes = value.parse()?,
             "--moves" => out.moves = value.parse()?,
+            "--budgets-per-namespace" => out.per_ns = value.parse()?,
             "--operator" => out.operator = value.into(),
             _ => anyhow::bail!("unknown flag {flag}"),
         }
     }
     anyhow::ensure!(
-        out.budgets >= PER_NS && out.budgets.is_multiple_of(PER_NS),
-        "--budgets must be a multiple of {PER_NS}"
+        out.per_ns >= 2 && out.budgets >= out.per_ns && out.budgets.is_multiple_of(out.per_ns),
+        "--budgets must be a multiple of --budgets-per-namespace (at least 2)"
     );
     Ok(out)
 }
@@ -261,7 +263,8 @@ async fn main() -> anyhow::Result<()> {
         "{} not found: build it with --bin gpubudget-operator",
         args.operator.display()
     );
-    let namespaces = args.budgets / PER_NS;
+    let budgets_per_ns = args.per_ns;
+    let namespaces = args.budgets / budgets_per_ns;
     let per_ns = args.pods / namespaces;
     eprintln!("setting up {} pods and {} budgets in {namespaces} namespaces", namespaces * per_ns, args.budgets);
     let started = Instant::now();
@@ -271,7 +274,7 @@ async fn main() -> anyhow::Result<()> {
     crd["status"] = json!({"conditions": [{"type": "Established", "status": "True"}]});
     fake.put_object(crd)?;
     for n in 0..namespaces {
-        for b in 0..PER_NS {
+        for b in 0..budgets_per_ns {
             let (selector, limit) =
                 if b == 0 { (json!({}), "64Gi") } else { (json!({"matchLabels": {"app": format!("app-{b}")}}), "8Gi") };
             fake.put_object(json!({
@@ -286,7 +289,7 @@ async fn main() -> anyhow::Result<()> {
         .map(|i| {
             let (n, k) = (i / per_ns, i % per_ns);
             let api: Api<Pod> = Api::namespaced(client.clone(), &ns(n));
-            let app = format!("app-{}", 1 + k % (PER_NS - 1));
+            let app = format!("app-{}", 1 + k % (budgets_per_ns - 1));
             let pod: Pod = serde_json::from_value(json!({
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {
@@ -304,7 +307,7 @@ async fn main() -> anyhow::Result<()> {
             async move {
                 api.create(&PostParams::default(), &pod).await?;
                 let usage = (1 + (i as u64 % 6)) * GI;
-                agent_record(&api, &format!("pod-{k:05}"), usage, &format!("budget-{}", 1 + k % (PER_NS - 1))).await
+                agent_record(&api, &format!("pod-{k:05}"), usage, &format!("budget-{}", 1 + k % (budgets_per_ns - 1))).await
             }
         })
         .buffer_unordered(16);
@@ -360,7 +363,7 @@ async fn main() -> anyhow::Result<()> {
     for c in 0..args.changes {
         let i = (c * 7919) % (namespaces * per_ns);
         let (n, k) = (i / per_ns, i % per_ns);
-        let budget = format!("budget-{}", 1 + k % (PER_NS - 1));
+        let budget = format!("budget-{}", 1 + k % (budgets_per_ns - 1));
         let usage = 7 * GI + 1000 + c as u64;
         let pods: Api<Pod> = Api::namespaced(client.clone(), &ns(n));
         let t0 = Instant::now();
@@ -381,8 +384,8 @@ async fn main() -> anyhow::Result<()> {
     for m in 0..args.moves {
         let n = (m * 37) % namespaces;
         let k = m % per_ns;
-        let from = 1 + k % (PER_NS - 1);
-        let to = 1 + (from % (PER_NS - 1));
+        let from = 1 + k % (budgets_per_ns - 1);
+        let to = 1 + (from % (budgets_per_ns - 1));
         let target = format!("budget-{to}");
         let before = budget_status(&fake, &ns(n), &target)["matchedPods"].as_i64().unwrap_or(0);
         let t0 = Instant::now();

@@ -16,7 +16,7 @@
 //!
 //! Pure and synchronous: the controller holds it behind a lock and feeds it the watch events.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 use gpubudget_common::{Budget, GpuMemoryBudget};
 
@@ -37,14 +37,34 @@ struct PodEntry {
     budgets: Vec<String>,
 }
 
+/// One namespace's budgets and pods (budgets apply only within their namespace).
+#[derive(Debug, Default)]
+struct Namespace {
+    /// Budgets by name; `None` when the spec is invalid (it then selects nothing).
+    budgets: BTreeMap<String, Option<Budget>>,
+    /// Pods by name.
+    pods: HashMap<String, PodEntry>,
+}
+
+impl Namespace {
+    /// Names of the valid budgets whose selector matches these labels, sorted.
+    fn selecting(&self, labels: &BTreeMap<String, String>) -> Vec<String> {
+        self.budgets
+            .iter()
+            .filter(|(_, b)| b.as_ref().is_some_and(|b| b.selector.matches(labels)))
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    fn compiled<'a>(&'a self, names: &'a [String]) -> Vec<&'a Budget> {
+        names.iter().filter_map(|name| self.budgets.get(name).and_then(Option::as_ref)).collect()
+    }
+}
+
 /// The operator's view of budgets and pods, indexed both ways.
 #[derive(Debug, Default)]
 pub struct Index {
-    /// Every budget seen; `None` when its spec is invalid (it then selects nothing).
-    budgets: HashMap<ObjKey, Option<Budget>>,
-    budgets_by_ns: HashMap<String, BTreeSet<String>>,
-    pods: HashMap<ObjKey, PodEntry>,
-    pods_by_ns: HashMap<String, HashSet<String>>,
+    namespaces: HashMap<String, Namespace>,
     /// Budget → names of the pods (same namespace) it selects.
     budget_pods: HashMap<ObjKey, HashSet<String>>,
     /// Budget name → names of the pods whose record names it.
@@ -52,6 +72,9 @@ pub struct Index {
     /// Budget → the last pods deleted with an eviction record naming it: an eviction whose pod is gone
     /// before the budget is reconciled is still counted.
     tombstones: HashMap<ObjKey, VecDeque<PodInfo>>,
+    budgets: usize,
+    invalid_budgets: usize,
+    pods: usize,
     selected_pods: usize,
     budget_resync: Option<HashSet<ObjKey>>,
     pod_resync: Option<HashSet<ObjKey>>,
@@ -72,6 +95,12 @@ impl Index {
         Self::default()
     }
 
+    fn prune(&mut self, namespace: &str) {
+        if self.namespaces.get(namespace).is_some_and(|ns| ns.budgets.is_empty() && ns.pods.is_empty()) {
+            self.namespaces.remove(namespace);
+        }
+    }
+
     // ---- budgets -------------------------------------------------------------------------------------
 
     /// A budget was created or changed (or listed).
@@ -81,21 +110,27 @@ impl Index {
             seen.insert(key.clone());
         }
         let compiled = Budget::compile(resource).ok();
-        if let Some(old) = self.budgets.get_mut(&key)
-            && same_matching(old, &compiled)
-        {
-            *old = compiled;
-            return Affected::from([key]);
+        let old = self.namespaces.get(&key.namespace).and_then(|ns| ns.budgets.get(&key.name));
+        match old {
+            Some(old) => {
+                self.invalid_budgets -= usize::from(old.is_none());
+                if same_matching(old, &compiled) {
+                    self.invalid_budgets += usize::from(compiled.is_none());
+                    if let Some(ns) = self.namespaces.get_mut(&key.namespace) {
+                        ns.budgets.insert(key.name.clone(), compiled);
+                    }
+                    return Affected::from([key]);
+                }
+            }
+            None => self.budgets += 1,
         }
+        self.invalid_budgets += usize::from(compiled.is_none());
         let mut affected = self.unlink_budget(&key);
         affected.insert(key.clone());
+        let ns = self.namespaces.entry(key.namespace.clone()).or_default();
         let mut selected = HashSet::new();
-        if let Some(budget) = &compiled
-            && let Some(names) = self.pods_by_ns.get(&key.namespace)
-        {
-            for pod_name in names {
-                let pod_key = ObjKey::new(&key.namespace, pod_name);
-                let Some(entry) = self.pods.get_mut(&pod_key) else { continue };
+        if let Some(budget) = &compiled {
+            for (pod_name, entry) in &mut ns.pods {
                 if !budget.selector.matches(&entry.info.labels) {
                     continue;
                 }
@@ -109,11 +144,10 @@ impl Index {
                 selected.insert(pod_name.clone());
             }
         }
+        ns.budgets.insert(key.name.clone(), compiled);
         if !selected.is_empty() {
-            self.budget_pods.insert(key.clone(), selected);
+            self.budget_pods.insert(key, selected);
         }
-        self.budgets_by_ns.entry(key.namespace.clone()).or_default().insert(key.name.clone());
-        self.budgets.insert(key, compiled);
         affected
     }
 
@@ -121,22 +155,22 @@ impl Index {
     pub fn delete_budget(&mut self, key: &ObjKey) -> Affected {
         let mut affected = self.unlink_budget(key);
         affected.remove(key);
-        self.budgets.remove(key);
         self.tombstones.remove(key);
-        if let Some(names) = self.budgets_by_ns.get_mut(&key.namespace) {
-            names.remove(&key.name);
-            if names.is_empty() {
-                self.budgets_by_ns.remove(&key.namespace);
-            }
+        if let Some(old) = self.namespaces.get_mut(&key.namespace).and_then(|ns| ns.budgets.remove(&key.name)) {
+            self.budgets -= 1;
+            self.invalid_budgets -= usize::from(old.is_none());
         }
+        self.prune(&key.namespace);
         affected
     }
 
     /// Removes a budget from the pods it selected; returns every budget that selected one of them.
     fn unlink_budget(&mut self, key: &ObjKey) -> Affected {
         let mut affected = Affected::new();
-        for pod_name in self.budget_pods.remove(key).unwrap_or_default() {
-            let Some(entry) = self.pods.get_mut(&ObjKey::new(&key.namespace, &pod_name)) else { continue };
+        let pods = self.budget_pods.remove(key).unwrap_or_default();
+        let Some(ns) = self.namespaces.get_mut(&key.namespace) else { return affected };
+        for pod_name in pods {
+            let Some(entry) = ns.pods.get_mut(&pod_name) else { continue };
             affected.extend(entry.budgets.iter().map(|b| ObjKey::new(&key.namespace, b)));
             entry.budgets.retain(|b| *b != key.name);
             if entry.budgets.is_empty() {
@@ -154,7 +188,12 @@ impl Index {
     /// A re-list of the budgets ended: forgets those it did not list.
     pub fn end_budget_resync(&mut self) -> Affected {
         let Some(seen) = self.budget_resync.take() else { return Affected::new() };
-        let gone: Vec<ObjKey> = self.budgets.keys().filter(|k| !seen.contains(*k)).cloned().collect();
+        let gone: Vec<ObjKey> = self
+            .namespaces
+            .iter()
+            .flat_map(|(ns, n)| n.budgets.keys().map(move |name| ObjKey::new(ns, name)))
+            .filter(|k| !seen.contains(k))
+            .collect();
         let mut affected = Affected::new();
         for key in &gone {
             affected.extend(self.delete_budget(key));
@@ -174,7 +213,8 @@ impl Index {
             seen.insert(key.clone());
         }
         let mut affected = Affected::new();
-        let (old_labels_same, old_record_budget) = match self.pods.get(&key) {
+        let ns = self.namespaces.entry(key.namespace.clone()).or_default();
+        let (labels_same, old_record_budget) = match ns.pods.get(&key.name) {
             Some(entry) if entry.info == info => return affected,
             Some(entry) => (entry.info.labels == info.labels, entry.info.recorded_budget()),
             None => (false, None),
@@ -182,7 +222,7 @@ impl Index {
         let new_record_budget = info.recorded_budget();
         if old_record_budget != new_record_budget {
             if let Some(old) = &old_record_budget {
-                self.unlink_record(old, &key.name);
+                unlink_record(&mut self.record_pods, old, &key.name);
             }
             if let Some(new) = &new_record_budget {
                 self.record_pods.entry(new.clone()).or_default().insert(key.name.clone());
@@ -191,20 +231,24 @@ impl Index {
         affected.extend(old_record_budget);
         affected.extend(new_record_budget);
 
-        if old_labels_same {
+        if labels_same {
             // Same labels: same selecting budgets, same resolution. Only the budget that applies (and the
             // recorded ones, above) can see a difference.
-            if let Some(entry) = self.pods.get_mut(&key) {
+            if let Some(entry) = ns.pods.get_mut(&key.name) {
                 entry.info = info;
             }
-            if let Some(budget) = self.resolved(&key) {
-                affected.insert(budget);
-            }
+            affected.extend(self.resolved(&key));
             return affected;
         }
 
-        let new_budgets = self.selecting(&info.namespace, &info.labels);
-        let old_budgets = self.pods.get(&key).map(|e| e.budgets.clone()).unwrap_or_default();
+        let new_budgets = ns.selecting(&info.labels);
+        let old_budgets = match ns.pods.get(&key.name) {
+            Some(entry) => entry.budgets.clone(),
+            None => {
+                self.pods += 1;
+                Vec::new()
+            }
+        };
         for name in old_budgets.iter().filter(|b| !new_budgets.contains(b)) {
             let budget = ObjKey::new(&key.namespace, name);
             if let Some(set) = self.budget_pods.get_mut(&budget) {
@@ -225,21 +269,18 @@ impl Index {
                 self.selected_pods += 1;
             }
         }
-        self.pods_by_ns.entry(key.namespace.clone()).or_default().insert(key.name.clone());
-        self.pods.insert(key, PodEntry { info, budgets: new_budgets });
+        ns.pods.insert(key.name, PodEntry { info, budgets: new_budgets });
         affected
     }
 
     /// A pod was deleted (or stopped matching the watch).
     pub fn delete_pod(&mut self, key: &ObjKey) -> Affected {
         let mut affected = Affected::new();
-        let Some(entry) = self.pods.remove(key) else { return affected };
-        if let Some(names) = self.pods_by_ns.get_mut(&key.namespace) {
-            names.remove(&key.name);
-            if names.is_empty() {
-                self.pods_by_ns.remove(&key.namespace);
-            }
-        }
+        let Some(entry) = self.namespaces.get_mut(&key.namespace).and_then(|ns| ns.pods.remove(&key.name)) else {
+            return affected;
+        };
+        self.pods -= 1;
+        self.prune(&key.namespace);
         for name in &entry.budgets {
             let budget = ObjKey::new(&key.namespace, name);
             if let Some(set) = self.budget_pods.get_mut(&budget) {
@@ -254,7 +295,7 @@ impl Index {
             self.selected_pods -= 1;
         }
         if let Some(recorded) = entry.info.recorded_budget() {
-            self.unlink_record(&recorded, &key.name);
+            unlink_record(&mut self.record_pods, &recorded, &key.name);
             if entry.info.record.as_ref().is_some_and(|r| r.eviction_requested_at.is_some()) {
                 let tombstones = self.tombstones.entry(recorded.clone()).or_default();
                 let mut gone = entry.info;
@@ -269,15 +310,6 @@ impl Index {
         affected
     }
 
-    fn unlink_record(&mut self, budget: &ObjKey, pod_name: &str) {
-        if let Some(set) = self.record_pods.get_mut(budget) {
-            set.remove(pod_name);
-            if set.is_empty() {
-                self.record_pods.remove(budget);
-            }
-        }
-    }
-
     /// A re-list of the pods begins.
     pub fn begin_pod_resync(&mut self) {
         self.pod_resync = Some(HashSet::new());
@@ -286,7 +318,12 @@ impl Index {
     /// A re-list of the pods ended: forgets those it did not list.
     pub fn end_pod_resync(&mut self) -> Affected {
         let Some(seen) = self.pod_resync.take() else { return Affected::new() };
-        let gone: Vec<ObjKey> = self.pods.keys().filter(|k| !seen.contains(*k)).cloned().collect();
+        let gone: Vec<ObjKey> = self
+            .namespaces
+            .iter()
+            .flat_map(|(ns, n)| n.pods.keys().map(move |name| ObjKey::new(ns, name)))
+            .filter(|k| !seen.contains(k))
+            .collect();
         let mut affected = Affected::new();
         for key in &gone {
             affected.extend(self.delete_pod(key));
@@ -296,37 +333,19 @@ impl Index {
 
     // ---- queries -------------------------------------------------------------------------------------
 
-    /// Names of the valid budgets of `namespace` whose selector matches these labels, sorted.
-    fn selecting(&self, namespace: &str, labels: &std::collections::BTreeMap<String, String>) -> Vec<String> {
-        let Some(names) = self.budgets_by_ns.get(namespace) else { return Vec::new() };
-        names
-            .iter()
-            .filter(|name| {
-                matches!(self.budgets.get(&ObjKey::new(namespace, name.as_str())), Some(Some(b)) if b.selector.matches(labels))
-            })
-            .cloned()
-            .collect()
-    }
-
     /// The budget that applies to a pod (by the common resolution rule), if any selects it.
     pub fn resolved(&self, pod: &ObjKey) -> Option<ObjKey> {
-        let entry = self.pods.get(pod)?;
-        let budgets = self.compiled(&pod.namespace, &entry.budgets);
-        let resolution = gpubudget_common::resolve(budgets, &pod.namespace, &entry.info.labels)?;
+        let ns = self.namespaces.get(&pod.namespace)?;
+        let entry = ns.pods.get(&pod.name)?;
+        let resolution = gpubudget_common::resolve(ns.compiled(&entry.budgets), &pod.namespace, &entry.info.labels)?;
         Some(ObjKey::new(&pod.namespace, &resolution.budget.name))
-    }
-
-    fn compiled<'a>(&'a self, namespace: &str, names: &'a [String]) -> Vec<&'a Budget> {
-        names
-            .iter()
-            .filter_map(|name| self.budgets.get(&ObjKey::new(namespace, name.as_str())).and_then(Option::as_ref))
-            .collect()
     }
 
     /// The budgets whose selector matches a pod (sorted keys); empty for an unknown pod.
     pub fn budgets_selecting(&self, pod: &ObjKey) -> Vec<ObjKey> {
-        self.pods
-            .get(pod)
+        self.namespaces
+            .get(&pod.namespace)
+            .and_then(|ns| ns.pods.get(&pod.name))
             .map(|e| e.budgets.iter().map(|b| ObjKey::new(&pod.namespace, b)).collect())
             .unwrap_or_default()
     }
@@ -339,23 +358,28 @@ impl Index {
     }
 
     /// What the status computation of a budget reads: the pods it selects (each with every budget that
-    /// selects it) and the pods whose record names it.
+    /// selects it) and the pods whose record names it (live ones, then the remembered deleted ones).
     pub fn inputs(&self, budget: &ObjKey) -> Inputs<'_> {
-        let ns = &budget.namespace;
+        let Some(ns) = self.namespaces.get(&budget.namespace) else {
+            return Inputs {
+                selected: Vec::new(),
+                recorded: self.tombstones.get(budget).into_iter().flatten().collect(),
+            };
+        };
         let selected = self
             .budget_pods
             .get(budget)
             .into_iter()
             .flatten()
-            .filter_map(|name| self.pods.get(&ObjKey::new(ns, name.as_str())))
-            .map(|entry| Selected { pod: &entry.info, selected_by: self.compiled(ns, &entry.budgets) })
+            .filter_map(|name| ns.pods.get(name))
+            .map(|entry| Selected { pod: &entry.info, selected_by: ns.compiled(&entry.budgets) })
             .collect();
         let recorded = self
             .record_pods
             .get(budget)
             .into_iter()
             .flatten()
-            .filter_map(|name| self.pods.get(&ObjKey::new(ns, name.as_str())))
+            .filter_map(|name| ns.pods.get(name))
             .map(|entry| &entry.info)
             .chain(self.tombstones.get(budget).into_iter().flatten())
             .collect();
@@ -364,22 +388,31 @@ impl Index {
 
     /// Budgets known (valid or not).
     pub fn budget_count(&self) -> usize {
-        self.budgets.len()
+        self.budgets
     }
 
     /// Budgets whose spec is invalid.
     pub fn invalid_budget_count(&self) -> usize {
-        self.budgets.values().filter(|b| b.is_none()).count()
+        self.invalid_budgets
     }
 
     /// Pods known.
     pub fn pod_count(&self) -> usize {
-        self.pods.len()
+        self.pods
     }
 
     /// Pods selected by at least one valid budget.
     pub fn selected_pod_count(&self) -> usize {
         self.selected_pods
+    }
+}
+
+fn unlink_record(record_pods: &mut HashMap<ObjKey, HashSet<String>>, budget: &ObjKey, pod_name: &str) {
+    if let Some(set) = record_pods.get_mut(budget) {
+        set.remove(pod_name);
+        if set.is_empty() {
+            record_pods.remove(budget);
+        }
     }
 }
 
@@ -575,5 +608,118 @@ mod tests {
         let names: Vec<&str> = inputs.selected[0].selected_by.iter().map(|b| b.name.as_str()).collect();
         assert_eq!(names, ["llm", "wide"]);
         let _ = BTreeMap::<String, String>::new();
+    }
+
+    mod model {
+        use super::*;
+        use crate::status;
+        use proptest::prelude::*;
+
+        const SELECTORS: [&str; 4] = [
+            "{}",
+            "{matchLabels: {app: x}}",
+            "{matchLabels: {app: y}}",
+            "{matchExpressions: [{key: tier, operator: In, values: ['1']}]}",
+        ];
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Budget { id: usize, selector: usize, limit: u64, valid: bool },
+            DeleteBudget(usize),
+            Pod { id: usize, app: usize, tier: usize, usage: Option<(u64, usize)> },
+            DeletePod(usize),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                (0..4usize, 0..4usize, 1..4u64, proptest::bool::weighted(0.85))
+                    .prop_map(|(id, selector, limit, valid)| Op::Budget { id, selector, limit, valid }),
+                (0..4usize).prop_map(Op::DeleteBudget),
+                (0..6usize, 0..3usize, 0..3usize, proptest::option::of((0..4u64, 0..4usize)))
+                    .prop_map(|(id, app, tier, usage)| Op::Pod { id, app, tier, usage }),
+                (0..6usize).prop_map(Op::DeletePod),
+            ]
+        }
+
+        fn pod_info(id: usize, app: usize, tier: usize, usage: Option<(u64, usize)>) -> PodInfo {
+            let mut p = pod("a", &format!("p{id}"), &[("app", ["x", "y", "z"][app]), ("tier", ["1", "2", "3"][tier])]);
+            p.record = usage.map(|(gib, budget)| PodRecord {
+                state: if gib > 2 { BudgetState::Over } else { BudgetState::Within },
+                usage_bytes: gib << 30,
+                budget: format!("b{budget}"),
+                node: "n".into(),
+                eviction_requested_at: None,
+            });
+            p
+        }
+
+        /// Every budget's status as computed from the index now.
+        fn statuses(index: &Index, budgets: &BTreeMap<usize, GpuMemoryBudget>) -> BTreeMap<usize, status::Status> {
+            let now = k8s_openapi::jiff::Timestamp::UNIX_EPOCH;
+            budgets
+                .iter()
+                .map(|(id, b)| (*id, status::compute(b, &index.inputs(&ObjKey::new("a", format!("b{id}"))), None, now)))
+                .collect()
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(300))]
+
+            /// The index agrees with brute force, and every budget whose status a change alters is in the
+            /// change's affected set.
+            #[test]
+            fn affected_budgets_cover_every_status_change(ops in proptest::collection::vec(op(), 1..40)) {
+                let mut index = Index::new();
+                let mut budgets: BTreeMap<usize, GpuMemoryBudget> = BTreeMap::new();
+                let mut pods: BTreeMap<usize, PodInfo> = BTreeMap::new();
+                for op in ops {
+                    let before = statuses(&index, &budgets);
+                    let affected = match op {
+                        Op::Budget { id, selector, limit, valid } => {
+                            let mut b = budget("a", &format!("b{id}"), &format!("{limit}Gi"), SELECTORS[selector]);
+                            if !valid {
+                                b.spec.warn_at_percent = 0;
+                            }
+                            budgets.insert(id, b.clone());
+                            index.apply_budget(&b)
+                        }
+                        Op::DeleteBudget(id) => {
+                            budgets.remove(&id);
+                            index.delete_budget(&ObjKey::new("a", format!("b{id}")))
+                        }
+                        Op::Pod { id, app, tier, usage } => {
+                            let p = pod_info(id, app, tier, usage);
+                            pods.insert(id, p.clone());
+                            index.apply_pod(p)
+                        }
+                        Op::DeletePod(id) => {
+                            pods.remove(&id);
+                            index.delete_pod(&ObjKey::new("a", format!("p{id}")))
+                        }
+                    };
+                    let after = statuses(&index, &budgets);
+                    for (id, status) in &after {
+                        if before.get(id) != Some(status) {
+                            prop_assert!(affected.contains(&ObjKey::new("a", format!("b{id}"))), "b{} changed but was not affected", id);
+                        }
+                    }
+                    // Brute force: who selects each pod, who applies, counts.
+                    let compiled: Vec<Budget> = budgets.values().filter_map(|b| Budget::compile(b).ok()).collect();
+                    for p in pods.values() {
+                        let expected: Vec<ObjKey> = compiled.iter().filter(|b| b.selects("a", &p.labels)).map(|b| ObjKey::new("a", &b.name)).collect();
+                        let mut expected = expected;
+                        expected.sort();
+                        prop_assert_eq!(index.budgets_selecting(&p.key()), expected);
+                        let resolved = gpubudget_common::resolve(&compiled, "a", &p.labels).map(|r| ObjKey::new("a", &r.budget.name));
+                        prop_assert_eq!(index.resolved(&p.key()), resolved);
+                    }
+                    prop_assert_eq!(index.pod_count(), pods.len());
+                    prop_assert_eq!(index.budget_count(), budgets.len());
+                    prop_assert_eq!(index.invalid_budget_count(), budgets.len() - compiled.len());
+                    let selected = pods.values().filter(|p| compiled.iter().any(|b| b.selects("a", &p.labels))).count();
+                    prop_assert_eq!(index.selected_pod_count(), selected);
+                }
+            }
+        }
     }
 }

@@ -25,6 +25,9 @@ use k8s_openapi::jiff::Timestamp;
 
 use crate::pods::PodInfo;
 
+/// The status type.
+pub type Status = GpuMemoryBudgetStatus;
+
 /// The `Ready` condition: the spec is valid and the agents enforce it.
 pub const READY: &str = "Ready";
 /// The `Overlapping` condition: some selected pod is also selected by another budget.
