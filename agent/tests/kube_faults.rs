@@ -99,14 +99,15 @@ fn metric(metrics: &str, series: &str) -> f64 {
     metrics.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
 }
 
-/// 500s and a 429 (API priority and fairness) on the record writes, the Evicting record included: the
+/// A 500, a 409 and a 429 (API priority and fairness) on the record writes, the Evicting record included: the
 /// eviction comes no earlier than overLimitSeconds, is requested once, and its record lands by retry
 /// while the pod terminates (so the operator counts it). The eviction itself does not wait for its
 /// record: with a grace period shorter than the write backoff the count can be lost (docs/security.md).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_record_writes_are_retried_and_the_eviction_is_neither_early_nor_doubled() {
     let fake = fake_with(&budget("8Gi", 2));
-    fake.fail_next(Verb::Patch, "pods", 2, 500);
+    fake.fail_next(Verb::Patch, "pods", 1, 500);
+    fake.fail_next(Verb::Patch, "pods", 1, 409);
     fake.fail_next(Verb::Patch, "pods", 1, 429);
     let started = Instant::now();
     let agent = Agent::start(fake, 9 * GI);
@@ -122,7 +123,7 @@ async fn failed_record_writes_are_retried_and_the_eviction_is_neither_early_nor_
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert_eq!(f.count(Verb::Create, "pods/eviction"), 1, "one request");
     let metrics = agent.metrics();
-    assert!(metric(&metrics, r#"gpubudget_api_writes_total{kind="apply",result="error"}"#) >= 1.0, "{metrics}");
+    assert_eq!(metric(&metrics, r#"gpubudget_api_writes_total{kind="apply",result="error"}"#), 3.0, "{metrics}");
     assert_eq!(metric(&metrics, r#"gpubudget_evictions_total{result="accepted"}"#), 1.0, "{metrics}");
     assert!(agent.health.is_ready(), "{}", agent.health.report());
     agent.stop().await;
