@@ -281,12 +281,26 @@ pub async fn serve(
     serve_on(listener, cert_dir, pods, shutdown).await
 }
 
+/// How often the certificate files are checked for a change.
+pub const CERT_REFRESH: Duration = Duration::from_secs(30);
+
 /// [`serve`] on a bound listener.
 pub async fn serve_on(
     listener: tokio::net::TcpListener,
     cert_dir: Option<PathBuf>,
     pods: PodLookup,
     shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    serve_on_with(listener, cert_dir, pods, shutdown, CERT_REFRESH).await
+}
+
+/// [`serve_on`], checking the certificate files every `refresh`.
+pub async fn serve_on_with(
+    listener: tokio::net::TcpListener,
+    cert_dir: Option<PathBuf>,
+    pods: PodLookup,
+    shutdown: CancellationToken,
+    refresh: Duration,
 ) -> anyhow::Result<()> {
     let app = router(pods);
     let Some(dir) = cert_dir else {
@@ -297,7 +311,7 @@ pub async fn serve_on(
     let certs = Arc::new(CertReloader::load(&dir)?);
     let acceptor = TlsAcceptor::from(Arc::new(tls_config(certs.clone())?));
     tracing::info!(addr = %listener.local_addr()?, cert_dir = %dir.display(), "eviction check serving HTTPS {PATH}");
-    let mut refresh = tokio::time::interval(Duration::from_secs(30));
+    let mut refresh = tokio::time::interval(refresh);
     let connections = tokio_util::task::TaskTracker::new();
     loop {
         let (stream, peer) = tokio::select! {

@@ -101,17 +101,30 @@ async fn serves_https_with_the_mounted_certificate() {
         .output()
         .expect("openssl runs");
     assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    // Then an RSA key in PKCS#1 ("RSA PRIVATE KEY"), the form Helm's genSignedCert writes.
+    let rsa = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(
+            "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost \
+             -addext subjectAltName=DNS:localhost -keyout rsa8.key -out rsa.crt 2>/dev/null \
+             && openssl rsa -in rsa8.key -out rsa.key -traditional 2>/dev/null && grep -q 'BEGIN RSA PRIVATE KEY' rsa.key",
+        )
+        .current_dir(dir.path())
+        .status()
+        .expect("openssl runs");
+    assert!(rsa.success());
 
     webhook::install_crypto_provider();
     let fake = cluster();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
     let addr = listener.local_addr().expect("addr");
     let shutdown = CancellationToken::new();
-    let server = tokio::spawn(webhook::serve_on(
+    let server = tokio::spawn(webhook::serve_on_with(
         listener,
         Some(dir.path().to_owned()),
         PodLookup::new(fake.client()),
         shutdown.clone(),
+        Duration::from_millis(200),
     ));
     tokio::time::sleep(Duration::from_millis(100)).await;
     let body = review("on-gpu-2", Some("gpu-1")).to_string();
@@ -127,6 +140,29 @@ async fn serves_https_with_the_mounted_certificate() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let answer: Value = serde_json::from_slice(&out.stdout).expect("json");
     assert_eq!(answer["response"]["allowed"], false, "{answer}");
+
+    // The Secret is renewed in place (here with the RSA pair): picked up without a restart.
+    std::fs::rename(dir.path().join("rsa.crt"), dir.path().join("tls.crt")).expect("renames");
+    std::fs::rename(dir.path().join("rsa.key"), dir.path().join("tls.key")).expect("renames");
+    let reloaded = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            let out = tokio::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!(
+                    "echo | openssl s_client -connect 127.0.0.1:{} -servername localhost 2>/dev/null | openssl x509 -noout -text",
+                    addr.port()
+                ))
+                .output()
+                .await
+                .expect("openssl runs");
+            if String::from_utf8_lossy(&out.stdout).contains("rsaEncryption") {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    })
+    .await;
+    assert!(reloaded.is_ok(), "the renewed certificate was not served");
 
     shutdown.cancel();
     server.await.expect("joins").expect("serves cleanly");
