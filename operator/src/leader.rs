@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use gpubudget_runtime::Health;
 use kube::Client;
-use kube_lease_manager::LeaseManagerBuilder;
+use kube_lease_manager::{LeaseManagerBuilder, LeaseParams};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -25,6 +25,23 @@ pub struct Election {
     pub namespace: String,
     /// This replica's identity (its pod name).
     pub identity: String,
+    /// Lease duration, seconds ([`LEASE_SECONDS`]).
+    pub lease_seconds: u64,
+    /// Renewal margin, seconds, less than `lease_seconds` ([`GRACE_SECONDS`]).
+    pub grace_seconds: u64,
+}
+
+impl Election {
+    /// An election for `lease_name` in `namespace` as `identity`, with the default timings.
+    pub fn new(lease_name: impl Into<String>, namespace: impl Into<String>, identity: impl Into<String>) -> Self {
+        Self {
+            lease_name: lease_name.into(),
+            namespace: namespace.into(),
+            identity: identity.into(),
+            lease_seconds: LEASE_SECONDS,
+            grace_seconds: GRACE_SECONDS,
+        }
+    }
 }
 
 /// Takes part in the election until `shutdown`; `leader` says whether this replica holds the lease. On
@@ -36,13 +53,14 @@ pub async fn run(
     health: Health,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    // Valid by construction (kube-lease-manager panics otherwise): duration ≥ 2, 1 ≤ grace < duration.
+    let duration = election.lease_seconds.max(2);
+    let grace = election.grace_seconds.clamp(1, duration - 1);
     let mut delay = Duration::from_secs(1);
     let manager = loop {
         let built = LeaseManagerBuilder::new(client.clone(), &election.lease_name)
             .with_namespace(&election.namespace)
-            .with_identity(&election.identity)
-            .with_duration(LEASE_SECONDS)
-            .with_grace(GRACE_SECONDS)
+            .with_parameters(LeaseParams::new(&election.identity, duration, grace))
             .build()
             .await;
         match built {

@@ -102,7 +102,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<i32> {
     // Without election this replica always writes; the sender lives as long as the process.
     let (leader_tx, leader_rx) = watch::channel(!args.leader_election);
     if args.leader_election {
-        let election = Election { lease_name: args.lease_name.clone(), namespace, identity: identity.clone() };
+        let election = Election::new(args.lease_name.clone(), namespace, identity.clone());
         tasks.spawn(named(
             "leader-election",
             leader::run(client.clone(), election, leader_tx.clone(), health.clone(), shutdown.clone()),
@@ -201,4 +201,59 @@ pub async fn wait_for_crd(client: Client, health: &Health, shutdown: &Cancellati
     tracing::info!(crd = CRD_NAME, "CRD established");
     health.set(CHECK_CRD, true);
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waits(shutdown: &CancellationToken) -> impl Future<Output = anyhow::Result<()>> + use<> {
+        let shutdown = shutdown.clone();
+        async move {
+            shutdown.cancelled().await;
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failing_task_stops_the_others_and_the_process_fails() {
+        let shutdown = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+        tasks.spawn(named("admin", waits(&shutdown)));
+        tasks.spawn(named("controller", async { anyhow::bail!("the pod watch ended") }));
+        assert_eq!(supervise(tasks, &shutdown).await, 1);
+        assert!(shutdown.is_cancelled());
+    }
+
+    #[tokio::test]
+    async fn a_task_that_returns_early_is_a_failure_too() {
+        let shutdown = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+        tasks.spawn(named("admin", waits(&shutdown)));
+        tasks.spawn(named("webhook", async { Ok(()) }));
+        assert_eq!(supervise(tasks, &shutdown).await, 1);
+    }
+
+    #[tokio::test]
+    async fn a_clean_shutdown_exits_zero() {
+        let shutdown = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+        tasks.spawn(named("admin", waits(&shutdown)));
+        tasks.spawn(named("controller", waits(&shutdown)));
+        let stop = shutdown.clone();
+        tokio::spawn(async move { stop.cancel() });
+        assert_eq!(supervise(tasks, &shutdown).await, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_task_that_ignores_shutdown_is_abandoned_after_the_grace() {
+        let shutdown = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+        tasks.spawn(named("stuck", async {
+            std::future::pending::<()>().await;
+            Ok(())
+        }));
+        shutdown.cancel();
+        assert_eq!(supervise(tasks, &shutdown).await, 1);
+    }
 }

@@ -405,3 +405,50 @@ async fn the_crd_is_awaited() {
     let waited = gpubudget_operator::run::wait_for_crd(fake.client(), &health, &shutdown).await.expect("no error");
     assert!(!waited);
 }
+
+#[tokio::test]
+async fn one_replica_leads_and_another_takes_over() {
+    use gpubudget_operator::leader::{self, CHECK_LEASE, Election};
+    let fake = FakeApi::new();
+    let replica = |name: &str| {
+        let (tx, rx) = watch::channel(false);
+        let health = Health::new(&[CHECK_LEASE]);
+        let shutdown = CancellationToken::new();
+        let election =
+            Election { lease_seconds: 2, grace_seconds: 1, ..Election::new("gpubudget-operator", "gpubudget", name) };
+        let task = tokio::spawn(leader::run(fake.client(), election, tx, health.clone(), shutdown.clone()));
+        (rx, health, shutdown, task)
+    };
+    let (a, a_health, a_stop, a_task) = replica("operator-a");
+    let (b, b_health, b_stop, b_task) = replica("operator-b");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    // One leads, the other stands by; both are ready.
+    while !(*a.borrow() ^ *b.borrow() && a_health.is_ready() && b_health.is_ready()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no leader and follower: {} {}",
+            a_health.report(),
+            b_health.report()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let lease = fake.get("leases", "gpubudget", "gpubudget-operator").expect("lease created");
+    let holder = lease["spec"]["holderIdentity"].as_str().unwrap_or_default().to_owned();
+    let (leader_stop, leader_task, follower, follower_stop, follower_task) = if *a.borrow() {
+        assert_eq!(holder, "operator-a");
+        (a_stop, a_task, b, b_stop, b_task)
+    } else {
+        assert_eq!(holder, "operator-b");
+        (b_stop, b_task, a, a_stop, a_task)
+    };
+    // Both stay what they are over several renewals.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!*follower.borrow());
+    // The leader stops (SIGTERM): it releases the lease, the other takes over within the lease duration.
+    leader_stop.cancel();
+    tokio::time::timeout(WAIT, leader_task).await.expect("stops").expect("joins").expect("clean");
+    let mut follower = follower;
+    tokio::time::timeout(WAIT, follower.wait_for(|leading| *leading)).await.expect("takes over").expect("open");
+    follower_stop.cancel();
+    tokio::time::timeout(WAIT, follower_task).await.expect("stops").expect("joins").expect("clean");
+}
