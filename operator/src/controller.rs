@@ -399,6 +399,10 @@ pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken)
                         Event::InitApply(b) | Event::Apply(b) => (index.apply_budget(b), ObjKey::of(&b.metadata)),
                         Event::Delete(b) => {
                             let key = ObjKey::of(&b.metadata);
+                            if let Some(k) = &key {
+                                lock(&index_ctx.written).remove(k);
+                                lock(&index_ctx.failures).remove(k);
+                            }
                             (key.as_ref().map(|k| index.delete_budget(k)).unwrap_or_default(), None)
                         }
                         Event::InitDone => {
