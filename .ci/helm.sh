@@ -234,9 +234,10 @@ for name in ("default", "all-features", "no-node-restriction"):
         mount = [m for m in operator["volumeMounts"] if m["mountPath"] == certdir][0]
         vol = [v for v in opod["volumes"] if v["name"] == mount["name"]][0]
         check({i["path"] for i in vol["secret"]["items"]} == {"tls.crt", "tls.key"}, f"{name}: tls.crt and tls.key in the cert dir")
-        check(len(policies) == 2 and len(bindings) == 2, f"{name}: two policies and bindings")
+        check(len(policies) == 3 and len(bindings) == 3, f"{name}: three policies and bindings (pods, events, records)")
         for p in policies:
-            check(p["spec"]["matchConditions"][0]["expression"] == f"request.userInfo.username == '{agent_user}'", f"{name}: policy only for the agent")
+            who = "!=" if p["metadata"]["name"].endswith("-records") else "=="
+            check(p["spec"]["matchConditions"][0]["expression"] == f"request.userInfo.username {who} '{agent_user}'", f"{name}: policy {p['metadata']['name']} matches the right identities")
             check(".?" not in json.dumps(p), f"{name}: policy CEL without optional syntax (kube-cel cannot evaluate it)")
         check({b["spec"]["policyName"] for b in bindings} == {p["metadata"]["name"] for p in policies}, f"{name}: bindings name the policies")
     else:

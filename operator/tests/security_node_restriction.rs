@@ -18,10 +18,8 @@ use serde_json::{Value as Json, json};
 const AGENT: &str = "system:serviceaccount:gpubudget:gpubudget-agent";
 const NODE: &str = "gpu-node-1";
 
-/// The chart's policies, from the template: the `if`/`end` and label-include lines dropped, the agent's
-/// user name substituted.
-fn policies() -> Vec<serde_yaml::Value> {
-    let template = include_str!("../../charts/gpubudget/templates/node-restriction/policy.yaml");
+/// A template's policies: the `if`/`end` and label-include lines dropped, the agent's user name substituted.
+fn render(template: &str) -> Vec<serde_yaml::Value> {
     let rendered: String = template
         .lines()
         .filter(|l| !l.trim_start().starts_with("{{-"))
@@ -29,12 +27,24 @@ fn policies() -> Vec<serde_yaml::Value> {
         .collect::<Vec<_>>()
         .join("\n");
     assert!(!rendered.contains("{{"), "an unrendered template value is left:\n{rendered}");
-    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&rendered)
+    serde_yaml::Deserializer::from_str(&rendered)
         .map(|d| serde::Deserialize::deserialize(d).expect("rendered YAML"))
         .filter(|d: &serde_yaml::Value| d["kind"] == "ValidatingAdmissionPolicy")
-        .collect();
+        .collect()
+}
+
+/// The chart's node-restriction policies (pods and events).
+fn policies() -> Vec<serde_yaml::Value> {
+    let docs = render(include_str!("../../charts/gpubudget/templates/node-restriction/policy.yaml"));
     assert_eq!(docs.len(), 2, "the pods and events policies");
     docs
+}
+
+/// The policy that keeps the agent's records the agent's.
+fn records_policy() -> serde_yaml::Value {
+    let mut docs = render(include_str!("../../charts/gpubudget/templates/node-restriction/records-policy.yaml"));
+    assert_eq!(docs.len(), 1, "one records policy");
+    docs.remove(0)
 }
 
 fn policy(resource: &str) -> serde_yaml::Value {
@@ -234,4 +244,37 @@ fn the_agents_events_must_name_its_own_node() {
     foreign["reportingController"] = json!("kubelet");
     assert!(matches!(admit(&p, request(AGENT, Some(NODE), "CREATE"), foreign, Json::Null), Verdict::Denied(_)));
     assert_eq!(admit(&p, request("alice", None, "CREATE"), event("x"), Json::Null), Verdict::NotMatched);
+}
+
+#[test]
+fn no_one_but_the_agent_writes_records() {
+    let p = records_policy();
+    let tenant = "system:serviceaccount:team-a:deployer";
+    let plain = pod(NODE);
+    let forged = with_annotation(
+        with_annotation(pod(NODE), "gpubudget.io/state", "Evicting"),
+        "gpubudget.io/eviction-requested-at",
+        "2026-11-21T18:00:00Z",
+    );
+    // A tenant creating a pod with a forged record, or forging one on an existing pod: refused.
+    assert!(
+        matches!(admit(&p, request(tenant, None, "CREATE"), forged.clone(), Json::Null), Verdict::Denied(m) if m.contains("only the agent"))
+    );
+    assert!(matches!(admit(&p, request(tenant, None, "UPDATE"), forged.clone(), plain.clone()), Verdict::Denied(_)));
+    // Changing or removing the agent's record: refused too.
+    let recorded = with_annotation(pod(NODE), "gpubudget.io/state", "Over");
+    let edited = with_annotation(pod(NODE), "gpubudget.io/state", "Within");
+    assert!(matches!(admit(&p, request(tenant, None, "UPDATE"), edited, recorded.clone()), Verdict::Denied(_)));
+    assert!(matches!(admit(&p, request(tenant, None, "UPDATE"), plain.clone(), recorded.clone()), Verdict::Denied(_)));
+    // Everything else a tenant does to a pod is none of this policy's business, the record kept as it was.
+    assert_eq!(admit(&p, request(tenant, None, "CREATE"), plain.clone(), Json::Null), Verdict::Allowed);
+    let relabelled = {
+        let mut p = recorded.clone();
+        p["metadata"]["labels"]["app"] = json!("other");
+        p["metadata"]["annotations"]["owner"] = json!("team-b");
+        p
+    };
+    assert_eq!(admit(&p, request(tenant, None, "UPDATE"), relabelled, recorded.clone()), Verdict::Allowed);
+    // The agent itself is not matched (its own policy governs it).
+    assert_eq!(admit(&p, request(AGENT, Some(NODE), "UPDATE"), forged, plain), Verdict::NotMatched);
 }
