@@ -366,21 +366,22 @@ async fn not_ready_and_no_decisions_until_the_sampler_works() {
     let agent = Agent::start(fake, &[]).await;
     std::fs::write(&agent.sample, "{broken").expect("break it");
     let f = &agent.fake;
-    // Whatever the first tick saw, the broken file soon makes the sampler fail and readiness drop.
+    // Whatever the first tick saw, the broken file soon makes the sampler fail (counted) and readiness drop.
+    // (The gpu check also starts out false, before the first tick: wait for the failure itself.)
     let down = async {
         loop {
             let report = agent.health.report();
-            if report.contains("gpu not ready") && report.contains("pods ok") && report.contains("budgets ok") {
+            let failed = agent.metrics().contains(r#"gpubudget_nvml_errors_total{call="read_sample_file"}"#);
+            if failed && report.contains("gpu not ready") && report.contains("pods ok") && report.contains("budgets ok")
+            {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
-    tokio::time::timeout(WAIT, down).await.expect("caches synced, gpu check down");
+    tokio::time::timeout(WAIT, down).await.expect("caches synced, sample read failed and counted, gpu check down");
     assert!(!agent.health.is_ready());
     assert_eq!(f.count(Verb::Create, "pods/eviction"), 0);
-    let metrics = agent.metrics();
-    assert!(metrics.contains(r#"gpubudget_nvml_errors_total{call="read_sample_file"}"#), "{metrics}");
     // Back: ready again, and enforcing.
     write_sample(&agent.sample, &[("team-a", "llm-0", "trainer", 9 * GI)]);
     assert!(f.wait_until(WAIT, |_| agent.health.is_ready()).await, "{}", agent.health.report());
