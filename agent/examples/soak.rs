@@ -50,6 +50,7 @@ const NODE: &str = "gpu-node-1";
 enum Mode {
     Standalone,
     Api,
+    Binary,
     Both,
 }
 
@@ -73,6 +74,9 @@ struct Args {
     /// Sampling interval in milliseconds.
     #[arg(long, default_value_t = 250)]
     interval_ms: u64,
+    /// The agent binary (`--mode binary`); default: `gpubudget-agent` next to this example's directory.
+    #[arg(long)]
+    agent_bin: Option<PathBuf>,
     #[command(subcommand)]
     child: Option<Child>,
 }
@@ -162,7 +166,8 @@ fn parent(args: &Args) -> anyhow::Result<()> {
     };
     let mut results = Vec::new();
     for mode in modes {
-        let result = measure(args, mode, dir.path())?;
+        let result =
+            if mode == Mode::Binary { measure_binary(args, dir.path())? } else { measure(args, mode, dir.path())? };
         println!("{}", serde_json::to_string_pretty(&result)?);
         results.push(result);
     }
@@ -220,7 +225,7 @@ fn child(args: &Args, mode: Mode, dir: &Path) -> anyhow::Result<()> {
     let summary = match mode {
         Mode::Standalone => runtime.block_on(standalone(dir, interval, total, warmup))?,
         Mode::Api => runtime.block_on(api(dir, args, interval, total, warmup))?,
-        Mode::Both => bail!("one mode per child"),
+        Mode::Both | Mode::Binary => bail!("one in-process mode per child"),
     };
     println!("{summary}");
     Ok(())
@@ -294,27 +299,9 @@ async fn standalone(dir: &Path, interval: Duration, total: Duration, warmup: Dur
     }))
 }
 
-fn is_write(verb: Verb) -> bool {
-    matches!(verb, Verb::Create | Verb::Update | Verb::Patch | Verb::Delete | Verb::DeleteCollection)
-}
-
-fn writes_by_kind(fake: &FakeApi) -> Value {
-    let mut out = serde_json::Map::new();
-    for r in fake.requests().iter().filter(|r| is_write(r.verb)) {
-        let key = format!(
-            "{} {}{}",
-            r.verb.as_str(),
-            r.resource,
-            r.subresource.as_deref().map(|s| format!("/{s}")).unwrap_or_default()
-        );
-        let n = out.get(&key).and_then(Value::as_u64).unwrap_or(0) + 1;
-        out.insert(key, json!(n));
-    }
-    Value::Object(out)
-}
-
-async fn api(dir: &Path, opts: &Args, interval: Duration, total: Duration, warmup: Duration) -> anyhow::Result<Value> {
-    gpubudget_runtime::init_tracing(gpubudget_runtime::LogFormat::Text);
+/// An in-memory API server holding the synthetic pods and budgets, and a fixture `/proc` at `proc-api`
+/// whose cgroups name the UIDs the server gave the pods.
+fn load_fake(dir: &Path, opts: &Args) -> anyhow::Result<FakeApi> {
     let fake = FakeApi::new();
     let pods: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("pods.json"))?)?;
     let budgets: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("budgets.json"))?)?;
@@ -337,6 +324,31 @@ async fn api(dir: &Path, opts: &Args, interval: Duration, total: Duration, warmu
         }
     }
     node.write_proc(&dir.join("proc-api"))?;
+    Ok(fake)
+}
+
+fn is_write(verb: Verb) -> bool {
+    matches!(verb, Verb::Create | Verb::Update | Verb::Patch | Verb::Delete | Verb::DeleteCollection)
+}
+
+fn writes_by_kind(fake: &FakeApi) -> Value {
+    let mut out = serde_json::Map::new();
+    for r in fake.requests().iter().filter(|r| is_write(r.verb)) {
+        let key = format!(
+            "{} {}{}",
+            r.verb.as_str(),
+            r.resource,
+            r.subresource.as_deref().map(|s| format!("/{s}")).unwrap_or_default()
+        );
+        let n = out.get(&key).and_then(Value::as_u64).unwrap_or(0) + 1;
+        out.insert(key, json!(n));
+    }
+    Value::Object(out)
+}
+
+async fn api(dir: &Path, opts: &Args, interval: Duration, total: Duration, warmup: Duration) -> anyhow::Result<Value> {
+    gpubudget_runtime::init_tracing(gpubudget_runtime::LogFormat::Text);
+    let fake = load_fake(dir, opts)?;
     let mut registry = Registry::default();
     let metrics = Metrics::new(&mut registry);
     let health = Health::new(&CHECKS);
@@ -375,5 +387,99 @@ async fn api(dir: &Path, opts: &Args, interval: Duration, total: Duration, warmu
         "api_requests_in_steady_state": requests_after,
         "ticks": samples,
         "heap": allocations,
+    }))
+}
+
+/// Serves `fake` over HTTP on 127.0.0.1 (watches stream); returns the address.
+async fn serve(fake: FakeApi) -> anyhow::Result<std::net::SocketAddr> {
+    use tower::Service as _;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let svc = fake.service();
+            tokio::spawn(async move {
+                let handler = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let mut svc = svc.clone();
+                    async move {
+                        use http_body_util::BodyExt as _;
+                        let (parts, body) = req.into_parts();
+                        let bytes = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+                        svc.call(hyper::Request::from_parts(parts, kube::client::Body::from(bytes))).await
+                    }
+                });
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, handler).await;
+            });
+        }
+    });
+    Ok(addr)
+}
+
+/// `--mode binary`: the real `gpubudget-agent run` as a child, against the in-memory API server in this
+/// process, reached over HTTP: the child's CPU and memory are the agent's alone, API client included.
+fn measure_binary(args: &Args, dir: &Path) -> anyhow::Result<Value> {
+    let bin = match &args.agent_bin {
+        Some(b) => b.clone(),
+        None => std::env::current_exe()?.parent().and_then(Path::parent).context("exe dir")?.join("gpubudget-agent"),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let fake = load_fake(dir, args)?;
+    let addr = runtime.block_on(serve(fake.clone()))?;
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters: [{{name: fake, cluster: {{server: 'http://{addr}'}}}}]\n\
+             users: [{{name: fake, user: {{}}}}]\ncontexts: [{{name: fake, context: {{cluster: fake, user: fake}}}}]\n\
+             current-context: fake\n"
+        ),
+    )?;
+    let started = Instant::now();
+    let mut child = Command::new(&bin)
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "warn")
+        .args(["run", "--node-name", NODE, "--admin-addr", "127.0.0.1:0"])
+        .arg("--interval")
+        .arg(format!("{}ms", args.interval_ms))
+        .arg("--proc-root")
+        .arg(dir.join("proc-api"))
+        .arg("--sample-file")
+        .arg(dir.join("sample.json"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("cannot start {}", bin.display()))?;
+    let pid = child.id();
+    std::thread::sleep(Duration::from_secs(args.warmup));
+    let before = writes_by_kind(&fake);
+    let requests_before = fake.requests().len();
+    fake.clear_requests();
+    let (ticks0, sched0) = cpu_seconds(pid)?;
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_secs(args.seconds - args.warmup - 1));
+    let (ticks1, sched1) = cpu_seconds(pid)?;
+    let window = t0.elapsed().as_secs_f64();
+    let whole = started.elapsed().as_secs_f64();
+    let (rss, hwm) = memory_kib(pid)?;
+    let after = writes_by_kind(&fake);
+    let requests_after = fake.requests().len();
+    child.kill()?;
+    child.wait()?;
+    Ok(json!({
+        "mode": "binary",
+        "agent": bin.display().to_string(),
+        "steady_window_s": (window * 10.0).round() / 10.0,
+        "cpu_percent_of_one_core_steady": {
+            "schedstat": (sched1 - sched0) / window * 100.0,
+            "utime_stime": (ticks1 - ticks0) / window * 100.0,
+        },
+        "cpu_percent_of_one_core_whole_run_including_start": sched1 / whole * 100.0,
+        "rss_mib": rss as f64 / 1024.0,
+        "peak_rss_vmhwm_mib": hwm as f64 / 1024.0,
+        "api_writes_before_steady": before,
+        "api_requests_before_steady": requests_before,
+        "api_writes_in_steady_state": after,
+        "api_requests_in_steady_state": requests_after,
     }))
 }
