@@ -63,21 +63,24 @@ fn at(ms: u64) -> Now {
     Now { mono_ms: ms, wall: jiff::Timestamp::from_second(1_800_000_000 + (ms / 1000) as i64).expect("ts") }
 }
 
-/// Ticks the enforcer with every write succeeding; returns the evicted pod names.
+/// Ticks the enforcer with every write succeeding; returns the evicted pod names. An eviction request
+/// follows its `Evicting` record once that has landed, at the next tick: the helper runs that tick at once.
 fn tick(enforcer: &mut Enforcer, ms: u64, table: &PodTable, usage: &Usage) -> Vec<String> {
-    let mut out = Vec::new();
     let gpus = [GpuInfo { label: "0".into(), ..GpuInfo::default() }];
-    enforcer.tick(at(ms), table, &usage.pods, &gpus, &mut out);
     let mut evicted = Vec::new();
-    for a in &out {
-        match a {
-            Action::Apply { pod, record } => enforcer.feedback(
-                at(ms),
-                Feedback::Written { uid: pod.uid.clone(), record: Some(record.clone()), ok: true },
-                &mut Vec::new(),
-            ),
-            Action::Evict { pod, .. } => evicted.push(pod.name.to_string()),
-            _ => {}
+    for _ in 0..2 {
+        let mut out = Vec::new();
+        enforcer.tick(at(ms), table, &usage.pods, &gpus, &mut out);
+        for a in &out {
+            match a {
+                Action::Apply { pod, record } => enforcer.feedback(
+                    at(ms),
+                    Feedback::Written { uid: pod.uid.clone(), record: Some(record.clone()), ok: true },
+                    &mut Vec::new(),
+                ),
+                Action::Evict { pod, .. } => evicted.push(pod.name.to_string()),
+                _ => {}
+            }
         }
     }
     evicted

@@ -230,6 +230,9 @@ pub struct Now {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Eviction {
     Idle,
+    /// Due: the `Evicting` record (with `eviction-requested-at`) is on its way; the request follows once the
+    /// API has it, so the operator can count the eviction even when the pod is gone in a moment.
+    AwaitingRecord,
     /// A request is out; `attempts` earlier ones were refused or failed.
     InFlight {
         attempts: u32,
@@ -239,6 +242,12 @@ enum Eviction {
         retry_at: u64,
     },
     Done,
+}
+
+/// Whether the API has the record that says this eviction was requested (written by this agent).
+fn record_landed(mem: &PodMemory) -> bool {
+    mem.eviction_requested_at.is_some()
+        && mem.written.as_ref().is_some_and(|w| w.eviction_requested_at == mem.eviction_requested_at)
 }
 
 #[derive(Debug, Clone)]
@@ -446,7 +455,7 @@ impl Enforcer {
         mem.last_budget.clear();
         mem.tracker = Tracker::default();
         mem.reported = BudgetState::Within;
-        if matches!(mem.eviction, Eviction::Blocked { .. }) {
+        if matches!(mem.eviction, Eviction::Blocked { .. } | Eviction::AwaitingRecord) {
             mem.eviction = Eviction::Idle;
         }
         // A record of ours with no budget behind it any more: remove it, once.
@@ -545,9 +554,13 @@ impl Enforcer {
                 // Not subject to the cooldown: one per eviction, and evictions are rare.
                 mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
                 out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::Evicting, note: bounded(note) });
+                mem.eviction = Eviction::AwaitingRecord;
+            }
+            Eviction::AwaitingRecord if evictable && !mem.write_in_flight && record_landed(&mem) => {
                 out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: budget.eviction_grace_period_seconds });
                 mem.eviction = Eviction::InFlight { attempts: 0 };
             }
+            Eviction::AwaitingRecord if state != BudgetState::Evicting => mem.eviction = Eviction::Idle,
             Eviction::Blocked { retry_at, attempts } if evictable && now.mono_ms >= retry_at => {
                 out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: budget.eviction_grace_period_seconds });
                 mem.eviction = Eviction::InFlight { attempts };
@@ -617,7 +630,7 @@ impl Enforcer {
                 let Some(mut mem) = self.pods.remove(&uid) else { return };
                 let attempts = match mem.eviction {
                     Eviction::Blocked { attempts, .. } | Eviction::InFlight { attempts } => attempts,
-                    Eviction::Idle | Eviction::Done => 0,
+                    Eviction::Idle | Eviction::AwaitingRecord | Eviction::Done => 0,
                 } + 1;
                 let backoff = evict_min.saturating_mul(1 << attempts.min(16).saturating_sub(1)).min(evict_max);
                 match outcome {

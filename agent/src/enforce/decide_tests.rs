@@ -131,7 +131,7 @@ fn climbs_to_evicting_in_the_contract_order() {
     assert!(notes(&over)[0].starts_with("using 9Gi of 8Gi (budget team-a/llm); evicting if it stays over for 10s; held by trainer (pid 4242, GPU 0) 9Gi"), "{:?}", notes(&over));
     assert!(h.run(750, 10_250, 9 * GI).is_empty(), "nothing while the timer runs");
     let evicting = h.tick(10_500, 9 * GI);
-    assert_eq!(kinds(&evicting), ["Over->Evicting", "apply:Evicting", "EvictingForGpuMemory", "evict:Some(30)"]);
+    assert_eq!(kinds(&evicting), ["Over->Evicting", "apply:Evicting", "EvictingForGpuMemory"]);
     let Action::Apply { record, .. } = &evicting[1] else { panic!("apply") };
     assert_eq!(record.eviction_requested_at.as_deref(), Some("2027-01-15T08:00:10Z"));
     assert_eq!(record.node, NODE);
@@ -139,8 +139,10 @@ fn climbs_to_evicting_in_the_contract_order() {
         notes(&evicting)[0],
         "using 9Gi of 8Gi (budget team-a/llm) for 10s; evicting with 30s grace; held by trainer (pid 4242, GPU 0) 9Gi"
     );
+    // The request follows once the record that says so has landed (the harness answers at once).
+    assert_eq!(kinds(&h.tick(10_750, 9 * GI)), ["evict:Some(30)"]);
     // Accepted: never again, however long it stays over.
-    let after = h.run(10_750, 120_000, 9 * GI);
+    let after = h.run(11_000, 120_000, 9 * GI);
     assert_eq!(evicts(&after), 0);
     assert_eq!(writes(&after), 0, "usage unchanged: no write");
 }
@@ -148,7 +150,8 @@ fn climbs_to_evicting_in_the_contract_order() {
 #[test]
 fn grace_defaults_to_the_pods_own() {
     let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
-    let out = h.tick(0, 9 * GI);
+    let mut out = h.tick(0, 9 * GI);
+    out.extend(h.tick(250, 9 * GI));
     assert!(kinds(&out).contains(&"evict:None".to_owned()), "{:?}", kinds(&out));
     assert!(notes(&out).iter().any(|n| n.contains("evicting with the pod's 45s grace")), "{:?}", notes(&out));
 }
@@ -217,7 +220,8 @@ fn blocked_evictions_retry_with_backoff_one_at_a_time() {
     let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
     h.evict =
         Box::new(|| EvictOutcome::Blocked("Cannot evict pod as it would violate the pod's disruption budget.".into()));
-    let first = h.tick(0, 9 * GI);
+    assert_eq!(evicts(&h.tick(0, 9 * GI)), 0, "the record first");
+    let first = h.tick(250, 9 * GI);
     assert_eq!(evicts(&first), 1);
     let blocked: Vec<&str> = notes(&first).into_iter().filter(|n| n.starts_with("eviction refused")).collect();
     assert_eq!(
@@ -229,9 +233,9 @@ fn blocked_evictions_retry_with_backoff_one_at_a_time() {
     assert!(kinds(&first).contains(&"GpuMemoryEvictionBlocked".to_owned()));
     // Retries at 5 s, 15 s (5+10), 35 s (+20), 75 s (+40), then every 60 s.
     let mut times = Vec::new();
-    for ms in (250..=200_000).step_by(250) {
+    for ms in (500..=200_250).step_by(250) {
         if evicts(&h.tick(ms, 9 * GI)) > 0 {
-            times.push(ms);
+            times.push(ms - 250);
         }
     }
     assert_eq!(times, [5_000, 15_000, 35_000, 75_000, 135_000, 195_000]);
@@ -241,7 +245,21 @@ fn blocked_evictions_retry_with_backoff_one_at_a_time() {
     let t = table(pod("", ""), &[budget(", overLimitSeconds: 0")]);
     let mut out = Vec::new();
     for ms in (0..60_000).step_by(250) {
+        let start = out.len();
         enforcer.tick(at(ms), &t, &usage(9 * GI), &gpus(), &mut out);
+        // The records land; the eviction request gets no answer.
+        let written: Vec<Feedback> = out[start..]
+            .iter()
+            .filter_map(|a| match a {
+                Action::Apply { pod, record } => {
+                    Some(Feedback::Written { uid: pod.uid.clone(), record: Some(record.clone()), ok: true })
+                }
+                _ => None,
+            })
+            .collect();
+        for f in written {
+            enforcer.feedback(at(ms), f, &mut out);
+        }
     }
     assert_eq!(evicts(&out), 1, "no feedback yet: still in flight");
     out.clear();
@@ -261,12 +279,14 @@ fn blocked_evictions_retry_with_backoff_one_at_a_time() {
 fn a_blocked_eviction_stops_when_usage_comes_back() {
     let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
     h.evict = Box::new(|| EvictOutcome::Blocked("PDB".into()));
-    assert_eq!(evicts(&h.tick(0, 9 * GI)), 1);
-    let back = h.tick(250, 2 * GI);
+    assert_eq!(evicts(&h.tick(0, 9 * GI)), 0);
+    assert_eq!(evicts(&h.tick(250, 9 * GI)), 1);
+    let back = h.tick(500, 2 * GI);
     assert_eq!(kinds(&back), ["Evicting->Within", "GpuMemoryWithinBudget", "apply:Within"]);
-    assert_eq!(evicts(&h.run(500, 60_000, 2 * GI)), 0);
-    // Over again: the timer and the request start afresh.
-    assert_eq!(evicts(&h.tick(60_250, 9 * GI)), 1);
+    assert_eq!(evicts(&h.run(750, 60_000, 2 * GI)), 0);
+    // Over again: the timer and the request start afresh (record first, then the request).
+    assert_eq!(evicts(&h.tick(60_250, 9 * GI)), 0);
+    assert_eq!(evicts(&h.tick(60_500, 9 * GI)), 1);
 }
 
 #[test]
@@ -277,8 +297,8 @@ fn a_restart_repeats_no_event_and_never_evicts_earlier() {
     let first = h.tick(0, 9 * GI);
     assert!(first.is_empty(), "same state, usage within 5 %: nothing to say or write: {:?}", kinds(&first));
     assert_eq!(evicts(&h.run(250, 9_750, 9 * GI)), 0, "the timer starts at the restart");
-    let out = h.tick(10_000, 9 * GI);
-    assert_eq!(evicts(&out), 1);
+    assert_eq!(evicts(&h.tick(10_000, 9 * GI)), 0, "due: the record goes first");
+    assert_eq!(evicts(&h.tick(10_250, 9 * GI)), 1);
     // A record written by another node's agent is not ours: no seeding from it.
     let foreign = annotations.replace("gpu-node-1", "gpu-node-9");
     let mut h = Harness::new(pod(&foreign, ""), &[budget("")]);

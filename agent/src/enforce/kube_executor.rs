@@ -1,8 +1,8 @@
 //! Carries actions out against the API server, off the sampling loop.
 //!
-//! Each pod gets a worker task that runs its actions one after another, in the order decided: the apply
-//! that records `Evicting` and `eviction-requested-at` lands before the eviction request, and two applies
-//! of one pod never race. Pods are independent of each other. Every API write is counted in
+//! Each pod gets a worker task that runs its actions one after another, in the order decided, so two
+//! applies of one pod never race. (The eviction request is not even decided until the apply that records
+//! `Evicting` and `eviction-requested-at` has been accepted: see `decide.rs`.) Pods are independent of each other. Every API write is counted in
 //! `gpubudget_api_writes_total{kind,result}`; results go back to the loop as [`Feedback`].
 
 use std::collections::HashMap;
