@@ -356,8 +356,11 @@ async fn overlapping_story_the_smallest_budget_applies_and_both_say_so() {
     let overlapping = |s: &GpuMemoryBudgetStatus| {
         s.conditions.iter().find(|c| c.type_ == "Overlapping").map(|c| (c.status.clone(), c.message.clone()))
     };
+    // The status catches up with the agent's record in its own time: wait for both.
     let small = stack
-        .status_until("team-b", "llm-inference", "Overlapping", |s| overlapping(s).is_some_and(|(st, _)| st == "True"))
+        .status_until("team-b", "llm-inference", "Overlapping, MATCHED 1, NEAR 1", |s| {
+            overlapping(s).is_some_and(|(st, _)| st == "True") && s.matched_pods == 1 && s.pods_near_budget == 1
+        })
         .await;
     let wide = stack
         .status_until("team-b", "team-b-default", "Overlapping", |s| overlapping(s).is_some_and(|(st, _)| st == "True"))
