@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use gpubudget_agent::cli::{Cli, RunArgs, SampleArgs};
+use gpubudget_agent::cli::{Cli, RunArgs};
 use gpubudget_agent::metrics::Metrics;
 use gpubudget_agent::run::{CHECKS, run_with};
 use gpubudget_agent::synthetic::SyntheticNode;
@@ -353,12 +353,7 @@ async fn api(dir: &Path, opts: &Args, interval: Duration, total: Duration, warmu
     let metrics = Metrics::new(&mut registry);
     let health = Health::new(&CHECKS);
     let shutdown = CancellationToken::new();
-    let args = RunArgs {
-        node_name: NODE.into(),
-        sample: SampleArgs { proc_root: dir.join("proc-api"), interval },
-        admin_addr: "127.0.0.1:0".parse()?,
-        sample_file: Some(dir.join("sample.json")),
-    };
+    let args = RunArgs::replay(NODE, dir.join("proc-api"), dir.join("sample.json"), interval);
     let allocations = allocation_window(warmup, total);
     let task = tokio::spawn(run_with(args, fake.client(), health.clone(), metrics, shutdown.clone()));
     tokio::time::sleep(warmup).await;

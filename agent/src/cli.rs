@@ -59,6 +59,19 @@ pub struct RunArgs {
     pub sample_file: Option<PathBuf>,
 }
 
+impl RunArgs {
+    /// `run` replaying `sample_file` (attributed through `proc_root`) every `interval`, admin port on an
+    /// ephemeral loopback port: how tests, the soak harness and the in-memory story run the agent.
+    pub fn replay(node: &str, proc_root: PathBuf, sample_file: PathBuf, interval: Duration) -> Self {
+        Self {
+            node_name: node.to_owned(),
+            sample: SampleArgs { proc_root, interval },
+            admin_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            sample_file: Some(sample_file),
+        }
+    }
+}
+
 /// Output format of `top`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Output {

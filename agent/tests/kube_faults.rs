@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpubudget_agent::cli::{RunArgs, SampleArgs};
+use gpubudget_agent::cli::RunArgs;
 use gpubudget_agent::metrics::Metrics;
 use gpubudget_agent::run::{CHECKS, run_with};
 use gpubudget_runtime::Health;
@@ -61,12 +61,7 @@ impl Agent {
         let metrics = Metrics::new(&mut registry);
         let health = Health::new(&CHECKS);
         let shutdown = CancellationToken::new();
-        let args = RunArgs {
-            node_name: NODE.into(),
-            sample: SampleArgs { proc_root: dir.path().join("proc"), interval: Duration::from_millis(50) },
-            admin_addr: "127.0.0.1:0".parse().expect("addr"),
-            sample_file: Some(sample),
-        };
+        let args = RunArgs::replay(NODE, dir.path().join("proc"), sample, Duration::from_millis(50));
         let task = tokio::spawn(run_with(args, fake.client(), health.clone(), metrics, shutdown.clone()));
         Self { fake, health, registry: Arc::new(registry), shutdown, task, _dir: dir }
     }

@@ -11,6 +11,8 @@
 //! flips, truncations, insertions, splices) rather than only uniform noise, which never gets past the
 //! first check. Every input that ever broke an expectation belongs in the corpus.
 
+mod support;
+
 use std::collections::BTreeSet;
 
 use gpubudget_agent::attribution::cgroup::{ContainerRef, parse_cgroup_file};
@@ -108,11 +110,7 @@ struct Rng(u64);
 
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        support::splitmix64(&mut self.0)
     }
     fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpubudget_agent::attribution::procfs::write_fake_process;
-use gpubudget_agent::cli::{RunArgs, SampleArgs};
+use gpubudget_agent::cli::RunArgs;
 use gpubudget_common::quantity::HumanBytes;
 use gpubudget_common::types::GpuMemoryBudgetStatus;
 use gpubudget_common::{GpuMemoryBudget, contract};
@@ -116,13 +116,13 @@ impl Stack {
             async move { controller::run(ctx, health, shutdown).await.expect("operator runs") }
         });
         let agent_health = Health::new(&gpubudget_agent::run::CHECKS);
-        let args = RunArgs {
-            node_name: NODE.into(),
-            // The default interval: the story runs at the agent's real speed.
-            sample: SampleArgs { proc_root: Self::proc_root(dir.path()), interval: Duration::from_millis(250) },
-            admin_addr: "127.0.0.1:0".parse().expect("addr"),
-            sample_file: Some(Self::sample_path(dir.path())),
-        };
+        // The default interval: the story runs at the agent's real speed.
+        let args = RunArgs::replay(
+            NODE,
+            Self::proc_root(dir.path()),
+            Self::sample_path(dir.path()),
+            Duration::from_millis(250),
+        );
         let metrics = gpubudget_agent::metrics::Metrics::new(&mut Registry::default());
         let agent = tokio::spawn(gpubudget_agent::run::run_with(
             args,
