@@ -12,17 +12,19 @@ use std::path::Path;
 use std::time::Duration;
 
 use criterion::{BatchSize, BenchmarkId, Criterion, criterion_group, criterion_main};
-use gpubudget_agent::attribution::{ProcAttributor, parse_cgroup_file};
-use gpubudget_agent::enforce::Settings;
-use gpubudget_agent::enforce::log_executor::LogExecutor;
-use gpubudget_agent::engine::Engine;
-use gpubudget_agent::gpu::SamplerSlot;
-use gpubudget_agent::gpu::recorded::RecordedSampler;
-use gpubudget_agent::metrics::Metrics;
-use gpubudget_agent::pods::PodTable;
-use gpubudget_agent::synthetic::SyntheticNode;
+use gpubudget_agent::act::log::LogExecutor;
+use gpubudget_agent::attribute::pods::PodTable;
+use gpubudget_agent::attribute::{ProcAttributor, parse_cgroup_file};
+use gpubudget_agent::decide::Settings;
+use gpubudget_agent::pipeline::Engine;
+use gpubudget_agent::report::metrics::Metrics;
+use gpubudget_agent::sample::SamplerSlot;
+use gpubudget_agent::sample::file::RecordedSampler;
+#[path = "../fixtures/synthetic.rs"]
+mod synthetic;
 use prometheus_client::registry::Registry;
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
+use synthetic::SyntheticNode;
 
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;

@@ -16,7 +16,7 @@
 //!
 //! - `standalone`: `gpubudget-agent standalone` exactly as the binary runs it (same runtime, 2 workers),
 //!   decisions written as JSON lines to a file. No API client: this is the CPU and RSS figure.
-//! - `api`: `gpubudget_agent::run::run_with` (the DaemonSet's loop: reflectors, API executor) against
+//! - `api`: `gpubudget_agent::cmd::run::run_with` (the DaemonSet's loop: reflectors, API executor) against
 //!   gpubudget-testkit's in-memory API server, which lives in the same process: its CPU and memory are
 //!   included. This is the API-writes figure (the fake's request log).
 //!
@@ -31,14 +31,16 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use gpubudget_agent::cli::{Cli, RunArgs};
-use gpubudget_agent::metrics::Metrics;
-use gpubudget_agent::run::{CHECKS, run_with};
-use gpubudget_agent::synthetic::SyntheticNode;
-use gpubudget_runtime::Health;
+use gpubudget_agent::cmd::run::{CHECKS, run_with};
+use gpubudget_agent::report::metrics::Metrics;
+#[path = "../fixtures/synthetic.rs"]
+mod synthetic;
+use gpubudget_daemon::Health;
 use gpubudget_testkit::{FakeApi, Verb};
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
+use synthetic::SyntheticNode;
 use tokio_util::sync::CancellationToken;
 
 #[global_allocator]
@@ -274,7 +276,7 @@ async fn standalone(dir: &Path, interval: Duration, total: Duration, warmup: Dur
         "--output",
         &p("standalone.jsonl"),
     ])?;
-    gpubudget_runtime::init_tracing(cli.log_format);
+    gpubudget_daemon::init_tracing(cli.log_format);
     let allocations = allocation_window(warmup, total);
     let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs_f64();
     gpubudget_agent::dispatch(cli).await?;
@@ -347,7 +349,7 @@ fn writes_by_kind(fake: &FakeApi) -> Value {
 }
 
 async fn api(dir: &Path, opts: &Args, interval: Duration, total: Duration, warmup: Duration) -> anyhow::Result<Value> {
-    gpubudget_runtime::init_tracing(gpubudget_runtime::LogFormat::Text);
+    gpubudget_daemon::init_tracing(gpubudget_daemon::LogFormat::Text);
     let fake = load_fake(dir, opts)?;
     let mut registry = Registry::default();
     let metrics = Metrics::new(&mut registry);

@@ -1,11 +1,11 @@
-//! Command line: `run` (the DaemonSet), `top`, `record`, `standalone`.
+//! Command line: `run` (the DaemonSet), `top`, `capture`, `standalone`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use gpubudget_runtime::LogFormat;
+use gpubudget_daemon::LogFormat;
 
 /// gpubudget node agent: GPU memory per pod from NVML, enforced against GpuMemoryBudgets.
 #[derive(Debug, Parser)]
@@ -27,7 +27,7 @@ pub enum Command {
     /// Show GPU memory by pod, container and process on this host.
     Top(TopArgs),
     /// Write a sample file from NVML (replay it with --sample-file or top --sample).
-    Record(RecordArgs),
+    Capture(CaptureArgs),
     /// Enforce budgets and pods read from files, without an API server: decisions as JSON lines.
     Standalone(StandaloneArgs),
 }
@@ -103,9 +103,9 @@ pub struct TopArgs {
     pub no_api: bool,
 }
 
-/// `record`.
+/// `capture`.
 #[derive(Debug, Clone, Args)]
-pub struct RecordArgs {
+pub struct CaptureArgs {
     /// Where to write (default: stdout).
     #[arg(long, short)]
     pub output: Option<PathBuf>,

@@ -1,33 +1,27 @@
-//! gpubudget node agent: samples GPU memory per process through NVML, attributes processes to pods
-//! through `/proc/<pid>/cgroup`, and enforces `GpuMemoryBudget`s with events, pod annotations and the
-//! Eviction API.
+//! gpubudget node agent. The code follows the data, one stage per module, each using only the stages
+//! before it:
 //!
-//! - [`gpu`]: samplers (NVML, sample files);
-//! - [`attribution`]: cgroup parsing and the PID cache;
-//! - [`pods`]: the node's pods, joined by UID and container ID, with their budgets;
-//! - [`enforce`]: per-pod usage, the pure decisions, the executors;
-//! - [`synthetic`]: a synthetic node for the benchmarks and the soak harness;
-//! - [`engine`]: one tick of the loop; [`run`], [`standalone`], [`top`], [`record`]: the subcommands.
+//! 1. [`sample`] — what the GPUs hold, per process (NVML, or a replayed sample file);
+//! 2. [`attribute`] — PID → container → pod (the `/proc` join), and the pure per-pod sum;
+//! 3. [`decide`] — the pure decisions (records, events, evictions); no I/O, no logging;
+//! 4. [`act`] — the executors that carry decisions out (the API server, or JSON lines);
+//! 5. [`report`] — the metrics.
+//!
+//! [`pipeline`] runs stages 1–3 and 5 once per tick; [`cmd`] holds the subcommands (`run`, `top`,
+//! `capture`, `standalone`) that wire the pipeline to its inputs and an executor.
 
-pub mod attribution;
+pub mod sample;
+
+pub mod attribute;
+
+pub mod decide;
+
+pub mod act;
+
+pub mod report;
+
 pub mod cli;
-pub mod enforce;
-pub mod engine;
-pub mod gpu;
-pub mod metrics;
-pub mod pods;
-pub mod record;
-pub mod run;
-pub mod standalone;
-pub mod synthetic;
-pub mod top;
+pub mod cmd;
+pub mod pipeline;
 
-/// Runs a parsed command line.
-pub async fn dispatch(cli: cli::Cli) -> anyhow::Result<()> {
-    match cli.command {
-        cli::Command::Run(args) => run::run(args).await,
-        cli::Command::Top(args) => top::run(args).await,
-        cli::Command::Record(args) => record::run(args),
-        cli::Command::Standalone(args) => standalone::run(args).await,
-    }
-}
+pub use cmd::dispatch;

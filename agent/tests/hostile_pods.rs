@@ -4,13 +4,14 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use gpubudget_agent::attribution::ProcAttributor;
-use gpubudget_agent::attribution::procfs::write_fake_process;
-use gpubudget_agent::enforce::decide::Enforcer;
-use gpubudget_agent::enforce::{Action, Feedback, Now, Settings, Usage};
-use gpubudget_agent::gpu::{GpuInfo, ProcessSample, Snapshot};
-use gpubudget_agent::pods::{ContainerView, PodTable, PodView};
-use gpubudget_common::contract::PodRecord;
+use gpubudget_agent::attribute::ProcAttributor;
+use gpubudget_agent::attribute::Usage;
+use gpubudget_agent::attribute::pods::{ContainerView, PodTable, PodView};
+use gpubudget_agent::attribute::procfs::write_fake_process;
+use gpubudget_agent::decide::Enforcer;
+use gpubudget_agent::decide::{Action, Feedback, Now, Settings};
+use gpubudget_agent::sample::{GpuInfo, ProcessSample, Snapshot};
+use gpubudget_common::pod_record::PodRecord;
 use gpubudget_common::{BudgetState, GpuMemoryBudget};
 
 const GI: u64 = 1 << 30;
@@ -152,8 +153,10 @@ fn relabelling_picks_the_smallest_budget() {
     let budgets = [budget("small", "4Gi", "{}"), budget("big", "64Gi", "{matchLabels: {tier: big}}")];
     let table = PodTable::build([pod(UID_A, "a", CID_A, &[("tier", "big")])], &budgets, Some(NODE));
     assert_eq!(table.budget(0).map(|b| b.name.as_str()), Some("small"));
-    let usage =
-        Usage { pods: vec![gpubudget_agent::enforce::PodUsage { total: 6 * GI, holders: vec![] }], ..Usage::default() };
+    let usage = Usage {
+        pods: vec![gpubudget_agent::attribute::PodUsage { total: 6 * GI, holders: vec![] }],
+        ..Usage::default()
+    };
     let mut enforcer = Enforcer::new(Settings::new(NODE));
     assert!(tick(&mut enforcer, 0, &table, &usage).is_empty());
     // It relabels itself half-way through the grace period: same budget applies, same timer.
@@ -183,8 +186,8 @@ fn a_forged_record_neither_evicts_early_nor_prevents_eviction() {
     // a is over its budget, b is under.
     let usage = Usage {
         pods: vec![
-            gpubudget_agent::enforce::PodUsage { total: 9 * GI, holders: vec![] },
-            gpubudget_agent::enforce::PodUsage { total: GI, holders: vec![] },
+            gpubudget_agent::attribute::PodUsage { total: 9 * GI, holders: vec![] },
+            gpubudget_agent::attribute::PodUsage { total: GI, holders: vec![] },
         ],
         ..Usage::default()
     };

@@ -2,18 +2,11 @@
 //! events (events.k8s.io/v1), evictions (policy/v1), readiness and metrics. Usage comes from a sample file
 //! that names pods directly, so no GPU and no `/proc` are needed.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
-use gpubudget_agent::cli::RunArgs;
-use gpubudget_agent::metrics::Metrics;
-use gpubudget_agent::run::{CHECKS, run_with};
-use gpubudget_runtime::Health;
+use gpubudget_demo::stack::Stack;
 use gpubudget_testkit::{FakeApi, Verb};
-use prometheus_client::registry::Registry;
 use serde_json::Value;
-use tokio_util::sync::CancellationToken;
 
 const NODE: &str = "gpu-node-1";
 const WAIT: Duration = Duration::from_secs(10);
@@ -74,57 +67,14 @@ spec: {{selector: {{}}, limit: 1Gi, warnAtPercent: 90, action: Evict, overLimitS
     )
 }
 
-/// A sample file charging pods by name: `(namespace, pod, container, bytes)`.
-fn write_sample(path: &Path, entries: &[(&str, &str, &str, u64)]) {
-    let processes: Vec<Value> = entries
-        .iter()
-        .map(
-            |(ns, pod, c, bytes)| serde_json::json!({"namespace": ns, "pod": pod, "container": c, "used_bytes": bytes}),
-        )
-        .collect();
-    let body = serde_json::json!({"gpus": [{"index": 0, "uuid": "GPU-x", "name": "Fake", "processes": processes}]});
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, body.to_string()).expect("sample");
-    std::fs::rename(&tmp, path).expect("rename");
-}
-
 const GI: u64 = 1 << 30;
 
-struct Agent {
-    fake: FakeApi,
-    health: Health,
-    registry: Arc<Registry>,
-    shutdown: CancellationToken,
-    task: tokio::task::JoinHandle<()>,
-    sample: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Agent {
-    async fn start(fake: FakeApi, usage: &[(&str, &str, &str, u64)]) -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let sample = dir.path().join("sample.json");
-        write_sample(&sample, usage);
-        let mut registry = Registry::default();
-        let metrics = Metrics::new(&mut registry);
-        let health = Health::new(&CHECKS);
-        let shutdown = CancellationToken::new();
-        let args = RunArgs::replay(NODE, dir.path().join("proc"), sample.clone(), Duration::from_millis(50));
-        let task = tokio::spawn(run_with(args, fake.client(), health.clone(), metrics, shutdown.clone()));
-        Self { fake, health, registry: Arc::new(registry), shutdown, task, sample, _dir: dir }
-    }
-
-    fn metrics(&self) -> String {
-        let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("encodes");
-        out
-    }
-
-    async fn stop(self) -> FakeApi {
-        self.shutdown.cancel();
-        self.task.await.expect("agent task");
-        self.fake
-    }
+/// The agent alone (no operator) over `fake`, sampling every 50 ms, with `usage` charged by pod name.
+async fn start(fake: FakeApi, usage: &[(&str, &str, &str, u64)]) -> Stack {
+    let mut stack = Stack::new(fake);
+    stack.set_named_usage(usage);
+    stack.start_agent(Duration::from_millis(50));
+    stack
 }
 
 fn fake_with(budget_yaml: &str) -> FakeApi {
@@ -151,10 +101,10 @@ fn writes(fake: &FakeApi) -> Vec<String> {
 async fn evicts_once_with_grace_after_recording_and_telling() {
     let fake = fake_with(&budgets(1));
     fake.set_graceful_pod_deletion(true);
-    let agent = Agent::start(fake, &[("team-a", "llm-0", "trainer", 9 * GI + GI / 5)]).await;
+    let agent = start(fake, &[("team-a", "llm-0", "trainer", 9 * GI + GI / 5)]).await;
     let f = &agent.fake;
     assert!(f.wait_until(WAIT, |f| !f.evictions().is_empty()).await, "evicted: {:?}", writes(f));
-    assert!(agent.health.is_ready(), "{}", agent.health.report());
+    assert!(agent.agent_health().is_ready(), "{}", agent.agent_health().report());
 
     // The eviction body carries the budget's grace period and the pod's UID.
     let body = &f.evictions()[0];
@@ -205,7 +155,7 @@ async fn evicts_once_with_grace_after_recording_and_telling() {
     // Exactly one request, however long the loop keeps running.
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert_eq!(f.count(Verb::Create, "pods/eviction"), 1);
-    let metrics = agent.metrics();
+    let metrics = agent.agent_metrics();
     assert!(metrics.contains(r#"gpubudget_evictions_total{result="accepted"} 1"#), "{metrics}");
     assert!(metrics.contains(r#"gpubudget_api_writes_total{kind="evict",result="ok"} 1"#), "{metrics}");
     agent.stop().await;
@@ -215,7 +165,7 @@ async fn evicts_once_with_grace_after_recording_and_telling() {
 async fn a_blocked_eviction_is_told_and_retried() {
     let fake = fake_with(&budgets(0));
     fake.block_evictions(1);
-    let agent = Agent::start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
+    let agent = start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
     let f = &agent.fake;
     assert!(
         f.wait_until(WAIT, |f| f.events_for("team-a", "llm-0").iter().any(|e| e.reason == "GpuMemoryEvictionBlocked"))
@@ -231,7 +181,7 @@ async fn a_blocked_eviction_is_told_and_retried() {
     // The retry comes after the backoff, and succeeds.
     assert!(f.wait_until(Duration::from_secs(12), |f| f.count(Verb::Create, "pods/eviction") == 2).await);
     assert!(f.wait_until(WAIT, |f| f.get("pods", "team-a", "llm-0").is_none()).await, "evicted and deleted");
-    let metrics = agent.metrics();
+    let metrics = agent.agent_metrics();
     assert!(metrics.contains(r#"gpubudget_evictions_total{result="blocked"} 1"#), "{metrics}");
     assert!(metrics.contains(r#"gpubudget_evictions_total{result="accepted"} 1"#), "{metrics}");
     agent.stop().await;
@@ -245,7 +195,7 @@ async fn warn_critical_and_other_nodes_pods_are_never_evicted() {
         ("kube-system", "dns-0", "main", 4 * GI),
         ("team-a", "remote-0", "main", 40 * GI),
     ];
-    let agent = Agent::start(fake, &usage).await;
+    let agent = start(fake, &usage).await;
     let f = &agent.fake;
     assert!(f.wait_until(WAIT, |f| !f.events_for("team-w", "audit-0").is_empty()).await);
     assert!(f.wait_until(WAIT, |f| !f.events_for("kube-system", "dns-0").is_empty()).await);
@@ -261,7 +211,7 @@ async fn warn_critical_and_other_nodes_pods_are_never_evicted() {
     // The other node's pod is not in this agent's cache: no record, no event, charged to nobody.
     assert!(annotations(f, "team-a", "remote-0").is_empty());
     assert!(f.events_for("team-a", "remote-0").is_empty());
-    let metrics = agent.metrics();
+    let metrics = agent.agent_metrics();
     assert!(metrics.contains(r#"gpubudget_unattributed_bytes{gpu="0"} 42949672960"#), "{metrics}");
     // The pod watch asked for this node's pods only.
     let watch = f.requests().into_iter().find(|r| r.resource == "pods" && r.verb == Verb::Watch).expect("pod watch");
@@ -273,8 +223,7 @@ async fn warn_critical_and_other_nodes_pods_are_never_evicted() {
 async fn steady_state_writes_nothing_and_series_follow_the_pods() {
     let fake = fake_with(&budgets(10));
     let agent =
-        Agent::start(fake, &[("team-a", "small-0", "main", 2 * GI), ("team-a", "llm-0", "trainer", 7_900_000_000)])
-            .await;
+        start(fake, &[("team-a", "small-0", "main", 2 * GI), ("team-a", "llm-0", "trainer", 7_900_000_000)]).await;
     let f = &agent.fake;
     assert!(f.wait_until(WAIT, |f| annotations(f, "team-a", "llm-0").contains_key("gpubudget.io/state")).await);
     assert!(f.wait_until(WAIT, |f| annotations(f, "team-a", "small-0").contains_key("gpubudget.io/state")).await);
@@ -288,14 +237,14 @@ async fn steady_state_writes_nothing_and_series_follow_the_pods() {
     // Steady: two seconds (40 ticks) with usage moving by less than 5 %: not one write.
     tokio::time::sleep(Duration::from_millis(300)).await;
     f.clear_requests();
-    write_sample(
-        &agent.sample,
-        &[("team-a", "small-0", "main", 2 * GI + GI / 50), ("team-a", "llm-0", "trainer", 7_900_000_000)],
-    );
+    agent.set_named_usage(&[
+        ("team-a", "small-0", "main", 2 * GI + GI / 50),
+        ("team-a", "llm-0", "trainer", 7_900_000_000),
+    ]);
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(writes(f), Vec::<String>::new());
 
-    let metrics = agent.metrics();
+    let metrics = agent.agent_metrics();
     for line in [
         r#"gpubudget_pod_gpu_memory_bytes{namespace="team-a",pod="llm-0",container="trainer",gpu="0"} 7900000000"#,
         r#"gpubudget_pod_budget_bytes{namespace="team-a",pod="llm-0",budget="llm-inference"} 8589934592"#,
@@ -311,7 +260,7 @@ async fn steady_state_writes_nothing_and_series_follow_the_pods() {
     f.delete_object("pods", "team-a", "llm-0");
     let gone = async {
         loop {
-            if !agent.metrics().contains(r#"pod="llm-0""#) {
+            if !agent.agent_metrics().contains(r#"pod="llm-0""#) {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -324,7 +273,7 @@ async fn steady_state_writes_nothing_and_series_follow_the_pods() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn back_under_the_budget_is_recorded_and_told() {
     let fake = fake_with(&budgets(30));
-    let agent = Agent::start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
+    let agent = start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
     let f = &agent.fake;
     assert!(
         f.wait_until(WAIT, |f| annotations(f, "team-a", "llm-0")
@@ -332,7 +281,7 @@ async fn back_under_the_budget_is_recorded_and_told() {
             .is_some_and(|s| s == "Over"))
             .await
     );
-    write_sample(&agent.sample, &[("team-a", "llm-0", "trainer", 2 * GI)]);
+    agent.set_named_usage(&[("team-a", "llm-0", "trainer", 2 * GI)]);
     assert!(
         f.wait_until(WAIT, |f| annotations(f, "team-a", "llm-0")
             .get("gpubudget.io/state")
@@ -358,15 +307,15 @@ async fn back_under_the_budget_is_recorded_and_told() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn not_ready_and_no_decisions_until_the_sampler_works() {
     let fake = fake_with(&budgets(0));
-    let agent = Agent::start(fake, &[]).await;
-    std::fs::write(&agent.sample, "{broken").expect("break it");
+    let agent = start(fake, &[]).await;
+    std::fs::write(agent.sample_path(), "{broken").expect("break it");
     let f = &agent.fake;
     // Whatever the first tick saw, the broken file soon makes the sampler fail (counted) and readiness drop.
     // (The gpu check also starts out false, before the first tick: wait for the failure itself.)
     let down = async {
         loop {
-            let report = agent.health.report();
-            let failed = agent.metrics().contains(r#"gpubudget_nvml_errors_total{call="read_sample_file"}"#);
+            let report = agent.agent_health().report();
+            let failed = agent.agent_metrics().contains(r#"gpubudget_nvml_errors_total{call="read_sample_file"}"#);
             if failed && report.contains("gpu not ready") && report.contains("pods ok") && report.contains("budgets ok")
             {
                 return;
@@ -375,11 +324,11 @@ async fn not_ready_and_no_decisions_until_the_sampler_works() {
         }
     };
     tokio::time::timeout(WAIT, down).await.expect("caches synced, sample read failed and counted, gpu check down");
-    assert!(!agent.health.is_ready());
+    assert!(!agent.agent_health().is_ready());
     assert_eq!(f.count(Verb::Create, "pods/eviction"), 0);
     // Back: ready again, and enforcing.
-    write_sample(&agent.sample, &[("team-a", "llm-0", "trainer", 9 * GI)]);
-    assert!(f.wait_until(WAIT, |_| agent.health.is_ready()).await, "{}", agent.health.report());
+    agent.set_named_usage(&[("team-a", "llm-0", "trainer", 9 * GI)]);
+    assert!(f.wait_until(WAIT, |_| agent.agent_health().is_ready()).await, "{}", agent.agent_health().report());
     assert!(f.wait_until(WAIT, |f| f.count(Verb::Create, "pods/eviction") == 1).await);
     agent.stop().await;
 }
@@ -388,7 +337,7 @@ async fn not_ready_and_no_decisions_until_the_sampler_works() {
 async fn a_restart_repeats_nothing_and_never_evicts_earlier() {
     let fake = fake_with(&budgets(3));
     let usage = [("team-a", "llm-0", "trainer", 9 * GI)];
-    let first = Agent::start(fake, &usage).await;
+    let first = start(fake, &usage).await;
     let over = |f: &FakeApi| annotations(f, "team-a", "llm-0").get("gpubudget.io/state").is_some_and(|s| s == "Over");
     assert!(first.fake.wait_until(WAIT, over).await);
     assert!(first.fake.wait_until(WAIT, |f| f.events_for("team-a", "llm-0").len() == 1).await);
@@ -398,7 +347,7 @@ async fn a_restart_repeats_nothing_and_never_evicts_earlier() {
 
     // Halfway through overLimitSeconds, a new agent: its timer starts at its own start.
     let restarted = std::time::Instant::now();
-    let second = Agent::start(fake, &usage).await;
+    let second = start(fake, &usage).await;
     let f = &second.fake;
     assert!(f.wait_until(WAIT, |f| f.count(Verb::Create, "pods/eviction") == 1).await);
     let waited = restarted.elapsed();

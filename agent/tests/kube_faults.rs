@@ -4,20 +4,12 @@
 //! without a restart. (Blocked evictions, a broken sampler and a restart in the middle of the grace
 //! period are in tests/kube.rs; the sampler's rebuild with backoff in src/gpu/mod.rs.)
 
-use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpubudget_agent::cli::RunArgs;
-use gpubudget_agent::metrics::Metrics;
-use gpubudget_agent::run::{CHECKS, run_with};
-use gpubudget_runtime::Health;
+use gpubudget_demo::stack::Stack;
 use gpubudget_testkit::{FakeApi, Verb};
-use prometheus_client::registry::Registry;
 use serde_json::Value;
-use tokio_util::sync::CancellationToken;
 
-const NODE: &str = "gpu-node-1";
 const WAIT: Duration = Duration::from_secs(10);
 const GI: u64 = 1 << 30;
 
@@ -37,45 +29,12 @@ fn budget(limit: &str, over_limit_seconds: u32) -> String {
     )
 }
 
-fn write_sample(path: &Path, bytes: u64) {
-    let body = serde_json::json!({"gpus": [{"index": 0, "uuid": "GPU-x", "name": "Fake",
-        "processes": [{"namespace": "team-a", "pod": "llm-0", "container": "trainer", "used_bytes": bytes}]}]});
-    std::fs::write(path, body.to_string()).expect("sample");
-}
-
-struct Agent {
-    fake: FakeApi,
-    health: Health,
-    registry: Arc<Registry>,
-    shutdown: CancellationToken,
-    task: tokio::task::JoinHandle<()>,
-    _dir: tempfile::TempDir,
-}
-
-impl Agent {
-    fn start(fake: FakeApi, bytes: u64) -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let sample = dir.path().join("sample.json");
-        write_sample(&sample, bytes);
-        let mut registry = Registry::default();
-        let metrics = Metrics::new(&mut registry);
-        let health = Health::new(&CHECKS);
-        let shutdown = CancellationToken::new();
-        let args = RunArgs::replay(NODE, dir.path().join("proc"), sample, Duration::from_millis(50));
-        let task = tokio::spawn(run_with(args, fake.client(), health.clone(), metrics, shutdown.clone()));
-        Self { fake, health, registry: Arc::new(registry), shutdown, task, _dir: dir }
-    }
-
-    fn metrics(&self) -> String {
-        let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("encodes");
-        out
-    }
-
-    async fn stop(self) {
-        self.shutdown.cancel();
-        self.task.await.expect("agent task");
-    }
+/// The agent alone (no operator) over `fake`, sampling every 50 ms, with llm-0 holding `bytes`.
+fn start(fake: FakeApi, bytes: u64) -> Stack {
+    let mut stack = Stack::new(fake);
+    stack.set_named_usage(&[("team-a", "llm-0", "trainer", bytes)]);
+    stack.start_agent(Duration::from_millis(50));
+    stack
 }
 
 fn fake_with(budget_yaml: &str) -> FakeApi {
@@ -105,7 +64,7 @@ async fn failed_record_writes_are_retried_and_the_eviction_is_neither_early_nor_
     fake.fail_next(Verb::Patch, "pods", 1, 409);
     fake.fail_next(Verb::Patch, "pods", 1, 429);
     let started = Instant::now();
-    let agent = Agent::start(fake, 9 * GI);
+    let agent = start(fake, 9 * GI);
     let f = &agent.fake;
     assert!(f.wait_until(WAIT, |f| f.count(Verb::Create, "pods/eviction") == 1).await);
     assert!(started.elapsed() >= Duration::from_secs(2), "evicted after {:?}", started.elapsed());
@@ -117,10 +76,10 @@ async fn failed_record_writes_are_retried_and_the_eviction_is_neither_early_nor_
     assert_eq!(annotation(f, "gpubudget.io/state").as_deref(), Some("Evicting"));
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert_eq!(f.count(Verb::Create, "pods/eviction"), 1, "one request");
-    let metrics = agent.metrics();
+    let metrics = agent.agent_metrics();
     assert_eq!(metric(&metrics, r#"gpubudget_api_writes_total{kind="apply",result="error"}"#), 3.0, "{metrics}");
     assert_eq!(metric(&metrics, r#"gpubudget_evictions_total{result="accepted"}"#), 1.0, "{metrics}");
-    assert!(agent.health.is_ready(), "{}", agent.health.report());
+    assert!(agent.agent_health().is_ready(), "{}", agent.agent_health().report());
     agent.stop().await;
 }
 
@@ -130,17 +89,19 @@ async fn failed_record_writes_are_retried_and_the_eviction_is_neither_early_nor_
 async fn a_failed_eviction_request_is_retried_once_after_the_backoff() {
     let fake = fake_with(&budget("8Gi", 0));
     fake.fail_next(Verb::Create, "pods/eviction", 1, 500);
-    let agent = Agent::start(fake, 9 * GI);
+    let agent = start(fake, 9 * GI);
     let f = &agent.fake;
     assert!(f.wait_until(WAIT, |f| f.count(Verb::Create, "pods/eviction") == 1).await);
     let first = Instant::now();
     assert!(
-        f.wait_until(WAIT, |_| metric(&agent.metrics(), r#"gpubudget_evictions_total{result="error"}"#) == 1.0).await
+        f.wait_until(WAIT, |_| metric(&agent.agent_metrics(), r#"gpubudget_evictions_total{result="error"}"#) == 1.0)
+            .await
     );
     assert!(f.wait_until(Duration::from_secs(12), |f| f.count(Verb::Create, "pods/eviction") == 2).await);
     assert!(first.elapsed() >= Duration::from_secs(4), "retried after {:?}, before the 5 s backoff", first.elapsed());
     assert!(
-        f.wait_until(WAIT, |_| metric(&agent.metrics(), r#"gpubudget_evictions_total{result="accepted"}"#) == 1.0)
+        f.wait_until(WAIT, |_| metric(&agent.agent_metrics(), r#"gpubudget_evictions_total{result="accepted"}"#)
+            == 1.0)
             .await
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -153,10 +114,10 @@ async fn a_failed_eviction_request_is_retried_once_after_the_backoff() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_disconnects_and_failed_relists_recover_without_a_restart() {
     let fake = fake_with(&budget("16Gi", 0));
-    let agent = Agent::start(fake, 9 * GI);
+    let agent = start(fake, 9 * GI);
     let f = &agent.fake;
     assert!(f.wait_until(WAIT, |f| annotation(f, "gpubudget.io/state").as_deref() == Some("Within")).await);
-    assert!(f.wait_until(WAIT, |_| agent.health.is_ready()).await);
+    assert!(f.wait_until(WAIT, |_| agent.agent_health().is_ready()).await);
     f.fail_next(Verb::Watch, "gpumemorybudgets", 2, 500);
     f.fail_next(Verb::List, "gpumemorybudgets", 2, 500);
     f.compact_history();
@@ -168,7 +129,7 @@ async fn watch_disconnects_and_failed_relists_recover_without_a_restart() {
         "the edit is seen after the reconnect and enforced"
     );
     assert_eq!(annotation(f, "gpubudget.io/budget").as_deref(), Some("llm"));
-    assert!(f.wait_until(WAIT, |_| agent.health.is_ready()).await, "{}", agent.health.report());
+    assert!(f.wait_until(WAIT, |_| agent.agent_health().is_ready()).await, "{}", agent.agent_health().report());
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(f.count(Verb::Create, "pods/eviction"), 1);
     agent.stop().await;

@@ -22,11 +22,12 @@ mod support;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use gpubudget_agent::enforce::decide::Enforcer;
-use gpubudget_agent::enforce::{Action, EvictOutcome, Feedback, Holder, Now, PodUsage, Settings};
-use gpubudget_agent::gpu::GpuInfo;
-use gpubudget_agent::pods::{PodTable, PodView};
-use gpubudget_common::contract::PodRecord;
+use gpubudget_agent::attribute::pods::{PodTable, PodView};
+use gpubudget_agent::attribute::{Holder, PodUsage};
+use gpubudget_agent::decide::Enforcer;
+use gpubudget_agent::decide::{Action, EvictOutcome, Feedback, Now, Settings};
+use gpubudget_agent::sample::GpuInfo;
+use gpubudget_common::pod_record::PodRecord;
 use gpubudget_common::{BudgetState, GpuMemoryBudget, GpuMemoryBudgetSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
@@ -88,7 +89,11 @@ impl BudgetModel {
             selector,
             limit: Quantity(self.limit.to_string()),
             warn_at_percent: self.warn_percent,
-            action: if self.evict { gpubudget_common::Action::Evict } else { gpubudget_common::Action::Warn },
+            action: if self.evict {
+                gpubudget_common::BudgetAction::Evict
+            } else {
+                gpubudget_common::BudgetAction::Warn
+            },
             over_limit_seconds: self.over_limit_s as i64,
             eviction_grace_period_seconds: None,
         };
@@ -572,7 +577,7 @@ fn the_oracle_catches_an_early_eviction() {
     world.tick().expect("a sample over the limit is no eviction yet");
     let uid = world.pods[0].uid.clone();
     world.seen.entry(uid.clone()).or_default().evicting_applied = true;
-    let pod = gpubudget_agent::enforce::PodRef { uid: uid.clone(), namespace: "team-a".into(), name: "p".into() };
+    let pod = gpubudget_agent::decide::PodRef { uid: uid.clone(), namespace: "team-a".into(), name: "p".into() };
     let mut allowed = HashMap::new();
     allowed.insert(uid, Err("over only since 0".to_owned()));
     let err = world.check(&[Action::Evict { pod, grace_seconds: None }], &allowed).expect_err("caught");

@@ -15,9 +15,9 @@ mod support;
 
 use std::collections::BTreeSet;
 
-use gpubudget_agent::attribution::cgroup::{ContainerRef, parse_cgroup_file};
-use gpubudget_agent::attribution::procfs::{Lookup, ProcAttributor, parse_start_time, write_fake_process};
-use gpubudget_agent::gpu::recorded::SampleFile;
+use gpubudget_agent::attribute::cgroup::{ContainerRef, parse_cgroup_file};
+use gpubudget_agent::attribute::procfs::{Lookup, ProcAttributor, parse_start_time, write_fake_process};
+use gpubudget_agent::sample::file::SampleFile;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 

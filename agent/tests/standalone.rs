@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use gpubudget_agent::attribution::procfs::write_fake_process;
+use gpubudget_agent::attribute::procfs::write_fake_process;
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gpubudget-agent");

@@ -2,10 +2,10 @@
 
 use std::collections::BTreeMap;
 
+use crate::crd::{BudgetAction, GpuMemoryBudget, GpuMemoryBudgetSpec};
 use crate::quantity::{self, QuantityError};
 use crate::selector::{Selector, SelectorError};
 use crate::state::Thresholds;
-use crate::types::{Action, GpuMemoryBudget, GpuMemoryBudgetSpec};
 
 /// Priority classes whose pods are never evicted (as for the kubelet).
 pub const CRITICAL_PRIORITY_CLASSES: [&str; 2] = ["system-node-critical", "system-cluster-critical"];
@@ -56,7 +56,7 @@ pub struct Budget {
     /// `spec.warnAtPercent`.
     pub warn_at_percent: u8,
     /// `spec.action`.
-    pub action: Action,
+    pub action: BudgetAction,
     /// `spec.overLimitSeconds`.
     pub over_limit_seconds: u64,
     /// `spec.evictionGracePeriodSeconds`.
@@ -116,7 +116,7 @@ impl Budget {
             self.limit_bytes,
             self.warn_at_percent,
             self.over_limit_seconds.saturating_mul(1000),
-            self.action == Action::Evict && !critical,
+            self.action == BudgetAction::Evict && !critical,
         )
     }
 }
@@ -181,7 +181,7 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(b.limit_bytes, 8 << 30);
-        assert_eq!((b.warn_at_percent, b.action, b.over_limit_seconds), (90, Action::Evict, 10));
+        assert_eq!((b.warn_at_percent, b.action, b.over_limit_seconds), (90, BudgetAction::Evict, 10));
         assert_eq!(b.eviction_grace_period_seconds, None);
         assert_eq!(b.key(), "team-a/llm-inference");
         let th = b.thresholds(false);

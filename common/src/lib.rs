@@ -2,12 +2,12 @@
 //! and the node agent both use. Nothing here does I/O.
 
 pub mod budget;
-pub mod contract;
+pub mod crd;
+pub mod pod_record;
 pub mod quantity;
 pub mod selector;
 pub mod state;
-pub mod types;
 
 pub use budget::{Budget, Resolution, SpecError, is_critical, resolve};
+pub use crd::{BudgetAction, GpuMemoryBudget, GpuMemoryBudgetSpec, GpuMemoryBudgetStatus};
 pub use state::{BudgetState, Thresholds, Tracker, step};
-pub use types::{Action, GpuMemoryBudget, GpuMemoryBudgetSpec, GpuMemoryBudgetStatus};

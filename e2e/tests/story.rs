@@ -3,154 +3,35 @@
 //! attributed through a fixture `/proc` tree laid out like a kubelet's cgroups. The budgets are the ones in
 //! `examples/`. Run with `--nocapture` to see the events and the `kubectl get gmb` view it produces.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpubudget_agent::attribution::procfs::write_fake_process;
-use gpubudget_agent::cli::RunArgs;
+use gpubudget_common::crd::GpuMemoryBudgetStatus;
 use gpubudget_common::quantity::HumanBytes;
-use gpubudget_common::types::GpuMemoryBudgetStatus;
-use gpubudget_common::{GpuMemoryBudget, contract};
-use gpubudget_operator::controller::{self, CHECK_BUDGETS, CHECK_PODS, Context, Settings};
-use gpubudget_runtime::Health;
-use gpubudget_testkit::{EventSummary, FakeApi};
-use prometheus_client::registry::Registry;
+use gpubudget_common::{GpuMemoryBudget, pod_record};
+use gpubudget_demo::scenario::budgets_table;
+use gpubudget_demo::stack::{CONTEXT, GI, MI, NODE, Stack, kubelet_like_api, put_example, put_pod};
+use gpubudget_testkit::EventSummary;
 use serde_json::{Value, json};
-use tokio::sync::watch;
-use tokio_util::sync::CancellationToken;
 
-const NODE: &str = "gpu-node-1";
-const GI: u64 = 1 << 30;
-const MI: u64 = 1 << 20;
-/// The CUDA context each process holds on an H100, as NVML reports it (FIELD_NOTES: ~510 MiB).
-const CONTEXT: u64 = 510 * MI;
-
-fn repo(rel: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+/// Assertions over the stack, as the stories read them.
+trait See {
+    fn events(&self, namespace: &str, pod: &str) -> Vec<EventSummary>;
+    async fn event(&self, namespace: &str, pod: &str, reason: &str, within: Duration) -> EventSummary;
+    fn status(&self, namespace: &str, name: &str) -> GpuMemoryBudgetStatus;
+    async fn status_until(
+        &self,
+        namespace: &str,
+        name: &str,
+        what: &str,
+        check: impl Fn(&GpuMemoryBudgetStatus) -> bool,
+    ) -> GpuMemoryBudgetStatus;
+    fn annotations(&self, namespace: &str, pod: &str) -> Value;
+    async fn annotations_until(&self, namespace: &str, pod: &str, what: &str, check: impl Fn(&Value) -> bool) -> Value;
+    fn transcript(&self, namespace: &str, pods: &[&str]) -> String;
+    async fn started(self) -> Self;
 }
 
-/// A budget from `examples/`, moved to `namespace`, with `tweak` applied.
-fn example(fake: &FakeApi, file: &str, namespace: &str, tweak: impl FnOnce(&mut Value)) {
-    let mut value: Value = serde_yaml::from_str(&repo(file)).expect("example parses");
-    value["metadata"]["namespace"] = namespace.into();
-    tweak(&mut value);
-    fake.put_object(value).expect("budget stored");
-}
-
-/// A running pod on `NODE` with one container, as the kubelet reports it. Returns the UID the API server gave it.
-fn pod(fake: &FakeApi, namespace: &str, name: &str, labels: Value, container_id: &str) -> String {
-    let stored = fake
-        .put_object(json!({
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name, "namespace": namespace, "labels": labels},
-            "spec": {"nodeName": NODE, "terminationGracePeriodSeconds": 60,
-                     "containers": [{"name": "server", "image": "vllm:latest"}]},
-            "status": {"phase": "Running", "containerStatuses": [{
-                "name": "server", "containerID": format!("containerd://{container_id}"), "image": "vllm:latest",
-                "imageID": "x", "ready": true, "restartCount": 0}]},
-        }))
-        .expect("pod stored");
-    stored["metadata"]["uid"].as_str().expect("a uid").to_owned()
-}
-
-/// The pieces of a node and a control plane: the fake API, the operator, the agent.
-struct Stack {
-    fake: FakeApi,
-    shutdown: CancellationToken,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-    operator_health: Health,
-    agent_health: Health,
-    dir: tempfile::TempDir,
-}
-
-impl Stack {
-    fn setup() -> (FakeApi, tempfile::TempDir) {
-        let fake = FakeApi::new();
-        // Pods evicted or deleted stay while they terminate, as on a real node.
-        fake.set_graceful_pod_deletion(true);
-        (fake, tempfile::tempdir().expect("tempdir"))
-    }
-
-    fn proc_root(dir: &Path) -> PathBuf {
-        dir.join("proc")
-    }
-
-    fn sample_path(dir: &Path) -> PathBuf {
-        dir.join("sample.json")
-    }
-
-    /// A process of a pod's container: a `/proc/<pid>` whose cgroup is the kubelet's (systemd driver,
-    /// containerd, burstable QoS), as on a real node.
-    fn process(dir: &Path, pid: u32, pod_uid: &str, container_id: &str) {
-        let cgroup = format!(
-            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{container_id}.scope\n",
-            pod_uid.replace('-', "_")
-        );
-        write_fake_process(&Self::proc_root(dir), pid, 1000 + u64::from(pid), &cgroup).expect("fake /proc");
-    }
-
-    /// What NVML would report now: `(pid, bytes)` on GPU 0 (written atomically, as a ConfigMap update is).
-    fn usage(dir: &Path, processes: &[(u32, u64)]) {
-        let processes: Vec<Value> =
-            processes.iter().map(|(pid, bytes)| json!({"pid": pid, "used_bytes": bytes})).collect();
-        let sample = json!({"version": 1, "gpus": [{"index": 0, "uuid": "GPU-5d0c8a86-1111-2222-3333-444455556666",
-            "name": "NVIDIA H100 80GB HBM3", "memory_total_bytes": 85_520_809_984u64, "processes": processes}]});
-        let path = Self::sample_path(dir);
-        let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, sample.to_string()).expect("sample");
-        std::fs::rename(&tmp, &path).expect("rename");
-    }
-
-    fn start(fake: FakeApi, dir: tempfile::TempDir) -> Self {
-        gpubudget_runtime::init_tracing(gpubudget_runtime::LogFormat::Text);
-        let shutdown = CancellationToken::new();
-        let (_, leader) = watch::channel(true);
-        let settings = Settings { instance: Some("gpubudget-operator-0".into()), ..Settings::default() };
-        let ctx = Arc::new(Context::new(fake.client(), Default::default(), leader, settings));
-        let operator_health = Health::new(&[CHECK_PODS, CHECK_BUDGETS]);
-        let operator = tokio::spawn({
-            let (health, shutdown) = (operator_health.clone(), shutdown.clone());
-            async move { controller::run(ctx, health, shutdown).await.expect("operator runs") }
-        });
-        let agent_health = Health::new(&gpubudget_agent::run::CHECKS);
-        // The default interval: the story runs at the agent's real speed.
-        let args = RunArgs::replay(
-            NODE,
-            Self::proc_root(dir.path()),
-            Self::sample_path(dir.path()),
-            Duration::from_millis(250),
-        );
-        let metrics = gpubudget_agent::metrics::Metrics::new(&mut Registry::default());
-        let agent = tokio::spawn(gpubudget_agent::run::run_with(
-            args,
-            fake.client(),
-            agent_health.clone(),
-            metrics,
-            shutdown.clone(),
-        ));
-        Self { fake, shutdown, tasks: vec![operator, agent], operator_health, agent_health, dir }
-    }
-
-    async fn ready(&self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !(self.operator_health.is_ready() && self.agent_health.is_ready()) {
-            assert!(
-                Instant::now() < deadline,
-                "not ready: operator {} agent {}",
-                self.operator_health.report(),
-                self.agent_health.report()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    fn set_usage(&self, processes: &[(u32, u64)]) {
-        Self::usage(self.dir.path(), processes);
-    }
-
+impl See for Stack {
     fn events(&self, namespace: &str, pod: &str) -> Vec<EventSummary> {
         self.fake.events_for(namespace, pod)
     }
@@ -193,24 +74,23 @@ impl Stack {
         self.fake.get("pods", namespace, pod).map(|p| p["metadata"]["annotations"].clone()).unwrap_or_default()
     }
 
+    /// The record is written on its own schedule: an event about a state can land before the record of
+    /// it, so a test waits for the record itself.
+    async fn annotations_until(&self, namespace: &str, pod: &str, what: &str, check: impl Fn(&Value) -> bool) -> Value {
+        let ok = self
+            .fake
+            .wait_until(Duration::from_secs(10), |f| {
+                check(&f.get("pods", namespace, pod).map(|p| p["metadata"]["annotations"].clone()).unwrap_or_default())
+            })
+            .await;
+        let annotations = self.annotations(namespace, pod);
+        assert!(ok, "{namespace}/{pod}: {what} never held: {annotations:#}");
+        annotations
+    }
+
     /// `kubectl get gmb -n <namespace>` and the pod events, as a person would see them.
     fn transcript(&self, namespace: &str, pods: &[&str]) -> String {
-        let mut out = format!(
-            "$ kubectl get gmb -n {namespace}\n{:<16}{:<8}{:<8}{:<8}{:<6}{}\n",
-            "NAME", "LIMIT", "ACTION", "MATCHED", "OVER", "EVICTED"
-        );
-        for budget in self.fake.list("gpumemorybudgets", Some(namespace)) {
-            let s = &budget["status"];
-            out += &format!(
-                "{:<16}{:<8}{:<8}{:<8}{:<6}{}\n",
-                budget["metadata"]["name"].as_str().unwrap_or_default(),
-                budget["spec"]["limit"].as_str().unwrap_or_default(),
-                budget["spec"]["action"].as_str().unwrap_or("Evict"),
-                s["matchedPods"].as_i64().unwrap_or_default(),
-                s["podsOverBudget"].as_i64().unwrap_or_default(),
-                s["evictions"].as_i64().unwrap_or_default(),
-            );
-        }
+        let mut out = format!("$ kubectl get gmb -n {namespace}\n{}", budgets_table(&self.fake));
         out += &format!("\n$ kubectl get events -n {namespace} --field-selector involvedObject.kind=Pod\n");
         for pod in pods {
             for e in self.events(namespace, pod) {
@@ -220,12 +100,12 @@ impl Stack {
         out
     }
 
-    async fn stop(self) -> FakeApi {
-        self.shutdown.cancel();
-        for task in self.tasks {
-            tokio::time::timeout(Duration::from_secs(10), task).await.expect("stops in time").expect("no panic");
-        }
-        self.fake
+    /// The operator and the agent (at its default 250 ms: the stories run at the agent's real speed), ready.
+    async fn started(mut self) -> Self {
+        self.start_operator();
+        self.start_agent(Duration::from_millis(250));
+        assert!(self.ready(Duration::from_secs(10)).await, "not ready: {}", self.readiness());
+        self
     }
 }
 
@@ -233,15 +113,15 @@ const LLM_CID: &str = "1f2e3d4c5b6a79881f2e3d4c5b6a79881f2e3d4c5b6a79881f2e3d4c5
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn evict_story_a_pod_climbs_past_its_budget_and_is_evicted_once() {
-    let (fake, dir) = Stack::setup();
-    example(&fake, "examples/llm-inference.yaml", "team-a", |_| {});
-    let uid = pod(&fake, "team-a", "llm-0", json!({"app": "llm"}), LLM_CID);
+    let stack = Stack::new(kubelet_like_api());
+    let fake = &stack.fake;
+    put_example(fake, "llm-inference.yaml", "team-a", |_| {});
+    let uid = put_pod(fake, "team-a", "llm-0", json!({"app": "llm"}), LLM_CID);
     // Two processes in the pod's container: the server and a tokenizer worker holding only its CUDA context.
-    Stack::process(dir.path(), 4242, &uid, LLM_CID);
-    Stack::process(dir.path(), 4243, &uid, LLM_CID);
-    Stack::usage(dir.path(), &[(4242, 6 * GI - CONTEXT), (4243, CONTEXT)]);
-    let stack = Stack::start(fake, dir);
-    stack.ready().await;
+    stack.process(4242, &uid, LLM_CID);
+    stack.process(4243, &uid, LLM_CID);
+    stack.set_usage(&[(4242, 6 * GI - CONTEXT), (4243, CONTEXT)]);
+    let stack = stack.started().await;
 
     // 6Gi of 8Gi: within; the agent records it and the operator counts the pod.
     let status = stack.status_until("team-a", "llm-inference", "MATCHED 1", |s| s.matched_pods == 1).await;
@@ -283,9 +163,9 @@ async fn evict_story_a_pod_climbs_past_its_budget_and_is_evicted_once() {
     assert_eq!(evictions[0]["metadata"]["name"], "llm-0");
     assert_eq!(evictions[0]["deleteOptions"]["gracePeriodSeconds"], 30);
     let annotations = stack.annotations("team-a", "llm-0");
-    assert_eq!(annotations[contract::STATE], "Evicting");
-    assert_eq!(annotations[contract::BUDGET], "llm-inference");
-    assert!(annotations[contract::EVICTION_REQUESTED_AT].is_string(), "{annotations}");
+    assert_eq!(annotations[pod_record::STATE], "Evicting");
+    assert_eq!(annotations[pod_record::BUDGET], "llm-inference");
+    assert!(annotations[pod_record::EVICTION_REQUESTED_AT].is_string(), "{annotations}");
     let pod = stack.fake.get("pods", "team-a", "llm-0").expect("terminating, not gone");
     assert!(pod["metadata"]["deletionTimestamp"].is_string(), "the eviction started the pod's termination");
 
@@ -300,15 +180,15 @@ async fn evict_story_a_pod_climbs_past_its_budget_and_is_evicted_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warn_story_events_and_status_but_never_an_eviction() {
-    let (fake, dir) = Stack::setup();
+    let stack = Stack::new(kubelet_like_api());
+    let fake = &stack.fake;
     // The example waits 30 s before its (audit-only) action; 1 s keeps the test short and still proves it.
-    example(&fake, "examples/training-warn.yaml", "team-a", |b| b["spec"]["overLimitSeconds"] = 1.into());
+    put_example(fake, "training-warn.yaml", "team-a", |b| b["spec"]["overLimitSeconds"] = 1.into());
     let cid = "2a".repeat(32);
-    let uid = pod(&fake, "team-a", "finetune-0", json!({"job-type": "finetune"}), &cid);
-    Stack::process(dir.path(), 5150, &uid, &cid);
-    Stack::usage(dir.path(), &[(5150, 20 * GI)]);
-    let stack = Stack::start(fake, dir);
-    stack.ready().await;
+    let uid = put_pod(fake, "team-a", "finetune-0", json!({"job-type": "finetune"}), &cid);
+    stack.process(5150, &uid, &cid);
+    stack.set_usage(&[(5150, 20 * GI)]);
+    let stack = stack.started().await;
     stack.status_until("team-a", "training-audit", "MATCHED 1", |s| s.matched_pods == 1).await;
 
     stack.set_usage(&[(5150, 33 * GI)]); // 80 % of 40Gi is 32Gi
@@ -323,7 +203,7 @@ async fn warn_story_events_and_status_but_never_an_eviction() {
     assert!(stack.fake.evictions().is_empty());
     let reasons: Vec<String> = stack.events("team-a", "finetune-0").into_iter().map(|e| e.reason).collect();
     assert!(!reasons.iter().any(|r| r == "EvictingForGpuMemory"), "{reasons:?}");
-    assert_eq!(stack.annotations("team-a", "finetune-0")[contract::STATE], "Over");
+    assert_eq!(stack.annotations("team-a", "finetune-0")[pod_record::STATE], "Over");
     let status = stack.status_until("team-a", "training-audit", "OVER 1", |s| s.pods_over_budget == 1).await;
     assert_eq!((status.matched_pods, status.evictions), (1, 0));
     println!("{}", stack.transcript("team-a", &["finetune-0"]));
@@ -332,16 +212,16 @@ async fn warn_story_events_and_status_but_never_an_eviction() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapping_story_the_smallest_budget_applies_and_both_say_so() {
-    let (fake, dir) = Stack::setup();
-    example(&fake, "examples/namespace-wide.yaml", "team-b", |_| {});
-    example(&fake, "examples/llm-inference.yaml", "team-b", |_| {});
+    let stack = Stack::new(kubelet_like_api());
+    let fake = &stack.fake;
+    put_example(fake, "namespace-wide.yaml", "team-b", |_| {});
+    put_example(fake, "llm-inference.yaml", "team-b", |_| {});
     let cid = "3b".repeat(32);
-    let uid = pod(&fake, "team-b", "llm-b-0", json!({"app": "llm"}), &cid);
-    Stack::process(dir.path(), 6001, &uid, &cid);
+    let uid = put_pod(fake, "team-b", "llm-b-0", json!({"app": "llm"}), &cid);
+    stack.process(6001, &uid, &cid);
     // 7.5Gi: near the 8Gi budget, far under the namespace's 20Gi.
-    Stack::usage(dir.path(), &[(6001, 7 * GI + 512 * MI)]);
-    let stack = Stack::start(fake, dir);
-    stack.ready().await;
+    stack.set_usage(&[(6001, 7 * GI + 512 * MI)]);
+    let stack = stack.started().await;
 
     let near = stack.event("team-b", "llm-b-0", "GpuMemoryNearBudget", Duration::from_secs(5)).await;
     assert!(
@@ -349,9 +229,9 @@ async fn overlapping_story_the_smallest_budget_applies_and_both_say_so() {
         "{}",
         near.message
     );
-    let record = stack.annotations("team-b", "llm-b-0");
-    assert_eq!(record[contract::BUDGET], "llm-inference");
-    assert_eq!(record[contract::STATE], "Near");
+    let record =
+        stack.annotations_until("team-b", "llm-b-0", "a Near record", |a| a[pod_record::STATE] == "Near").await;
+    assert_eq!(record[pod_record::BUDGET], "llm-inference");
 
     let overlapping = |s: &GpuMemoryBudgetStatus| {
         s.conditions.iter().find(|c| c.type_ == "Overlapping").map(|c| (c.status.clone(), c.message.clone()))

@@ -23,9 +23,9 @@ use std::time::{Duration, Instant};
 
 use futures::channel::mpsc::{UnboundedSender, unbounded};
 use futures::{StreamExt, TryStreamExt};
-use gpubudget_common::types::GpuMemoryBudgetStatus;
+use gpubudget_common::crd::GpuMemoryBudgetStatus;
 use gpubudget_common::{Budget, GpuMemoryBudget};
-use gpubudget_runtime::Health;
+use gpubudget_daemon::Health;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{self, Action};
@@ -199,11 +199,15 @@ async fn reconcile_inner(obj: &GpuMemoryBudget, ctx: &Context) -> Result<Action,
         return Ok(Action::await_change());
     }
     let (previous, resource_version) = ctx.previous(&key, obj);
-    let next = {
+    let (next, spec_error) = {
         let index = ctx.index.read().unwrap_or_else(PoisonError::into_inner);
-        status::compute(obj, &index.inputs(&key), previous.as_ref(), Timestamp::now())
+        let inputs = index.inputs(&key);
+        let spec_error = match inputs.spec {
+            Some(spec) => spec.err().cloned(),
+            None => Budget::compile(obj).err(),
+        };
+        (status::compute(obj, &inputs, previous.as_ref(), Timestamp::now()), spec_error)
     };
-    let spec_error = Budget::compile(obj).err();
     let done = || match &spec_error {
         Some(error) => Err(Error::InvalidSpec(error.clone())),
         None => Ok(Action::requeue(ctx.settings.resync)),
@@ -342,6 +346,69 @@ async fn watch_pods(
     }
 }
 
+/// Feeds the budget watch into the index and the controller's store (`writer`); yields the budgets whose
+/// generation changed (the controller reconciles those), and sends the other budgets each change affects
+/// (those sharing its pods) to `triggers`. Once listed: ready, and every budget is reconciled (`all`).
+fn watch_budgets(
+    ctx: Arc<Context>,
+    writer: reflector::store::Writer<GpuMemoryBudget>,
+    triggers: UnboundedSender<ObjectRef<GpuMemoryBudget>>,
+    all_tx: UnboundedSender<()>,
+    health: Health,
+) -> impl futures::Stream<Item = Result<GpuMemoryBudget, watcher::Error>> + Send {
+    let api: Api<GpuMemoryBudget> = Api::all(ctx.client.clone());
+    let index_ctx = ctx;
+    let mut budgets_listed = false;
+    let budget_triggers = triggers;
+    watcher(api)
+        .default_backoff()
+        // Managed fields are never read; the cached budgets are smaller without them.
+        .modify(|b| b.metadata.managed_fields = None)
+        .reflect(writer)
+        .inspect_ok(move |event| {
+            let mut index = index_ctx.index.write().unwrap_or_else(PoisonError::into_inner);
+            let (affected, own) = match event {
+                Event::Init => {
+                    index.begin_budget_resync();
+                    (Affected::new(), None)
+                }
+                Event::InitApply(b) | Event::Apply(b) => (index.apply_budget(b), ObjKey::of(&b.metadata)),
+                Event::Delete(b) => {
+                    let key = ObjKey::of(&b.metadata);
+                    if let Some(k) = &key {
+                        lock(&index_ctx.written).remove(k);
+                        lock(&index_ctx.failures).remove(k);
+                    }
+                    (key.as_ref().map(|k| index.delete_budget(k)).unwrap_or_default(), None)
+                }
+                Event::InitDone => {
+                    let affected = index.end_budget_resync();
+                    if !budgets_listed {
+                        budgets_listed = true;
+                        tracing::info!(
+                            budgets = index.budget_count(),
+                            pods = index.pod_count(),
+                            "budgets listed; reconciling"
+                        );
+                        health.set(CHECK_BUDGETS, true);
+                        index_ctx.synced.send_replace(true);
+                        let _ = all_tx.unbounded_send(());
+                    }
+                    (affected, None)
+                }
+            };
+            index_ctx.update_gauges(&index);
+            drop(index);
+            if budgets_listed {
+                // The budget itself comes through the controller's own trigger (when its generation
+                // changed); the others whose pods it shares come from here.
+                send_all(&budget_triggers, affected, own.as_ref());
+            }
+        })
+        .touched_objects()
+        .predicate_filter(predicates::generation, Default::default())
+}
+
 /// Runs the controller until `shutdown` is cancelled (then finishes the reconciles under way).
 pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken) -> anyhow::Result<()> {
     let (trigger_tx, trigger_rx) = unbounded::<ObjectRef<GpuMemoryBudget>>();
@@ -379,58 +446,8 @@ pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken)
                 () = shutdown.cancelled() => return,
                 _ = pods_listed.wait_for(|listed| *listed) => {}
             }
-            let api: Api<GpuMemoryBudget> = Api::all(ctx.client.clone());
             let (reader, writer) = reflector::store();
-            let index_ctx = ctx.clone();
-            let mut budgets_listed = false;
-            let budget_triggers = trigger_tx.clone();
-            let budgets = watcher(api)
-                .default_backoff()
-                // Managed fields are never read; the cached budgets are smaller without them.
-                .modify(|b| b.metadata.managed_fields = None)
-                .reflect(writer)
-                .inspect_ok(move |event| {
-                    let mut index = index_ctx.index.write().unwrap_or_else(PoisonError::into_inner);
-                    let (affected, own) = match event {
-                        Event::Init => {
-                            index.begin_budget_resync();
-                            (Affected::new(), None)
-                        }
-                        Event::InitApply(b) | Event::Apply(b) => (index.apply_budget(b), ObjKey::of(&b.metadata)),
-                        Event::Delete(b) => {
-                            let key = ObjKey::of(&b.metadata);
-                            if let Some(k) = &key {
-                                lock(&index_ctx.written).remove(k);
-                                lock(&index_ctx.failures).remove(k);
-                            }
-                            (key.as_ref().map(|k| index.delete_budget(k)).unwrap_or_default(), None)
-                        }
-                        Event::InitDone => {
-                            let affected = index.end_budget_resync();
-                            if !budgets_listed {
-                                budgets_listed = true;
-                                tracing::info!(
-                                    budgets = index.budget_count(),
-                                    pods = index.pod_count(),
-                                    "budgets listed; reconciling"
-                                );
-                                health.set(CHECK_BUDGETS, true);
-                                index_ctx.synced.send_replace(true);
-                                let _ = all_tx.unbounded_send(());
-                            }
-                            (affected, None)
-                        }
-                    };
-                    index_ctx.update_gauges(&index);
-                    drop(index);
-                    if budgets_listed {
-                        // The budget itself comes through the controller's own trigger (when its generation
-                        // changed); the others whose pods it shares come from here.
-                        send_all(&budget_triggers, affected, own.as_ref());
-                    }
-                })
-                .touched_objects()
-                .predicate_filter(predicates::generation, Default::default());
+            let budgets = watch_budgets(ctx.clone(), writer, trigger_tx.clone(), all_tx, health);
             let shutdown_signal = shutdown.clone();
             Controller::for_stream(budgets, reader)
                 .with_config(controller::Config::default().concurrency(ctx.settings.concurrency))

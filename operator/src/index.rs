@@ -18,7 +18,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
-use gpubudget_common::{Budget, GpuMemoryBudget};
+use gpubudget_common::{Budget, GpuMemoryBudget, SpecError};
 
 use crate::pods::{ObjKey, PodInfo};
 use crate::status::{Inputs, Selected};
@@ -40,8 +40,8 @@ struct PodEntry {
 /// One namespace's budgets and pods (budgets apply only within their namespace).
 #[derive(Debug, Default)]
 struct Namespace {
-    /// Budgets by name; `None` when the spec is invalid (it then selects nothing).
-    budgets: BTreeMap<String, Option<Budget>>,
+    /// Budgets by name, compiled once per change; an invalid spec selects nothing.
+    budgets: BTreeMap<String, Result<Budget, SpecError>>,
     /// Pods by name.
     pods: HashMap<String, PodEntry>,
 }
@@ -51,13 +51,13 @@ impl Namespace {
     fn selecting(&self, labels: &BTreeMap<String, String>) -> Vec<String> {
         self.budgets
             .iter()
-            .filter(|(_, b)| b.as_ref().is_some_and(|b| b.selector.matches(labels)))
+            .filter(|(_, b)| b.as_ref().is_ok_and(|b| b.selector.matches(labels)))
             .map(|(name, _)| name.clone())
             .collect()
     }
 
     fn compiled<'a>(&'a self, names: &'a [String]) -> Vec<&'a Budget> {
-        names.iter().filter_map(|name| self.budgets.get(name).and_then(Option::as_ref)).collect()
+        names.iter().filter_map(|name| self.budgets.get(name).and_then(|b| b.as_ref().ok())).collect()
     }
 }
 
@@ -81,10 +81,10 @@ pub struct Index {
 }
 
 /// Whether two readings of a budget select the same pods with the same limit (so no resolution changes).
-fn same_matching(a: &Option<Budget>, b: &Option<Budget>) -> bool {
+fn same_matching(a: &Result<Budget, SpecError>, b: &Result<Budget, SpecError>) -> bool {
     match (a, b) {
-        (None, None) => true,
-        (Some(a), Some(b)) => a.selector == b.selector && a.limit_bytes == b.limit_bytes,
+        (Err(_), Err(_)) => true,
+        (Ok(a), Ok(b)) => a.selector == b.selector && a.limit_bytes == b.limit_bytes,
         _ => false,
     }
 }
@@ -109,13 +109,13 @@ impl Index {
         if let Some(seen) = self.budget_resync.as_mut() {
             seen.insert(key.clone());
         }
-        let compiled = Budget::compile(resource).ok();
+        let compiled = Budget::compile(resource);
         let old = self.namespaces.get(&key.namespace).and_then(|ns| ns.budgets.get(&key.name));
         match old {
             Some(old) => {
-                self.invalid_budgets -= usize::from(old.is_none());
+                self.invalid_budgets -= usize::from(old.is_err());
                 if same_matching(old, &compiled) {
-                    self.invalid_budgets += usize::from(compiled.is_none());
+                    self.invalid_budgets += usize::from(compiled.is_err());
                     if let Some(ns) = self.namespaces.get_mut(&key.namespace) {
                         ns.budgets.insert(key.name.clone(), compiled);
                     }
@@ -124,12 +124,12 @@ impl Index {
             }
             None => self.budgets += 1,
         }
-        self.invalid_budgets += usize::from(compiled.is_none());
+        self.invalid_budgets += usize::from(compiled.is_err());
         let mut affected = self.unlink_budget(&key);
         affected.insert(key.clone());
         let ns = self.namespaces.entry(key.namespace.clone()).or_default();
         let mut selected = HashSet::new();
-        if let Some(budget) = &compiled {
+        if let Ok(budget) = &compiled {
             for (pod_name, entry) in &mut ns.pods {
                 if !budget.selector.matches(&entry.info.labels) {
                     continue;
@@ -158,7 +158,7 @@ impl Index {
         self.tombstones.remove(key);
         if let Some(old) = self.namespaces.get_mut(&key.namespace).and_then(|ns| ns.budgets.remove(&key.name)) {
             self.budgets -= 1;
-            self.invalid_budgets -= usize::from(old.is_none());
+            self.invalid_budgets -= usize::from(old.is_err());
         }
         self.prune(&key.namespace);
         affected
@@ -362,6 +362,7 @@ impl Index {
     pub fn inputs(&self, budget: &ObjKey) -> Inputs<'_> {
         let Some(ns) = self.namespaces.get(&budget.namespace) else {
             return Inputs {
+                spec: None,
                 selected: Vec::new(),
                 recorded: self.tombstones.get(budget).into_iter().flatten().collect(),
             };
@@ -383,7 +384,7 @@ impl Index {
             .map(|entry| &entry.info)
             .chain(self.tombstones.get(budget).into_iter().flatten())
             .collect();
-        Inputs { selected, recorded }
+        Inputs { spec: ns.budgets.get(&budget.name).map(Result::as_ref), selected, recorded }
     }
 
     /// Budgets known (valid or not).
@@ -422,7 +423,7 @@ mod tests {
 
     use super::*;
     use gpubudget_common::BudgetState;
-    use gpubudget_common::contract::PodRecord;
+    use gpubudget_common::pod_record::PodRecord;
 
     pub(crate) fn budget(ns: &str, name: &str, limit: &str, selector: &str) -> GpuMemoryBudget {
         serde_yaml::from_str(&format!(
@@ -556,7 +557,7 @@ mod tests {
         index.apply_pod(pod("a", "p2", &[("app", "web")]));
         // Only the action changes: the matching is the same, nothing else is affected.
         let mut llm = budget("a", "llm", "8Gi", "{matchLabels: {app: llm}}");
-        llm.spec.action = gpubudget_common::types::Action::Warn;
+        llm.spec.action = gpubudget_common::BudgetAction::Warn;
         assert_eq!(index.apply_budget(&llm), keys(&["llm"]));
         // The limit changes: the budgets sharing its pods may resolve differently.
         assert_eq!(

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use gpubudget_runtime::Health;
+use gpubudget_daemon::Health;
 use kube::Client;
 use kube_lease_manager::{LeaseManagerBuilder, LeaseParams};
 use tokio::sync::watch;

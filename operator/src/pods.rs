@@ -9,7 +9,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 
-use gpubudget_common::contract::{self, PodRecord};
+use gpubudget_common::pod_record::{self, PodRecord};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
@@ -102,7 +102,7 @@ pub fn strip(meta: &mut ObjectMeta) {
     meta.finalizers = None;
     meta.generate_name = None;
     if let Some(annotations) = meta.annotations.as_mut() {
-        annotations.retain(|k, _| gpubudget_common::contract::ALL.contains(&k.as_str()));
+        annotations.retain(|k, _| gpubudget_common::pod_record::ALL.contains(&k.as_str()));
     }
 }
 
@@ -205,7 +205,7 @@ impl<'de> serde::Deserialize<'de> for ContractKey {
                 f.write_str("an annotation key")
             }
             fn visit_str<E: de::Error>(self, key: &str) -> Result<ContractKey, E> {
-                Ok(ContractKey(contract::ALL.iter().copied().find(|k| *k == key)))
+                Ok(ContractKey(pod_record::ALL.iter().copied().find(|k| *k == key)))
             }
         }
         deserializer.deserialize_str(KeyVisitor)

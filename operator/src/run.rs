@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpubudget_runtime::{Health, LogFormat, serve_admin, shutdown_on_signal};
+use gpubudget_daemon::{Health, LogFormat, serve_admin, shutdown_on_signal};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::runtime::wait::{Condition, await_condition, conditions};
 use kube::{Api, Client};
@@ -16,9 +16,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::controller::{self, CHECK_BUDGETS, CHECK_PODS, Context, Settings};
+use crate::eviction_check::{self, PodLookup};
 use crate::leader::{self, CHECK_LEASE, Election};
 use crate::metrics::Metrics;
-use crate::webhook::{self, PodLookup};
 
 /// Readiness check: the GpuMemoryBudget CRD is established.
 pub const CHECK_CRD: &str = "crd-established";
@@ -59,7 +59,7 @@ pub struct RunArgs {
 
 /// Runs the operator until SIGTERM; returns the exit code.
 pub fn run(args: RunArgs) -> anyhow::Result<i32> {
-    gpubudget_runtime::init_tracing(args.log_format);
+    gpubudget_daemon::init_tracing(args.log_format);
     // A few workers are plenty (the work is a few reconciles a second); one per core of a big node would
     // only add threads and allocator arenas to the resident memory.
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(1, 4));
@@ -74,7 +74,7 @@ async fn named(name: &'static str, task: impl Future<Output = anyhow::Result<()>
 }
 
 async fn serve(args: RunArgs) -> anyhow::Result<i32> {
-    webhook::install_crypto_provider();
+    eviction_check::install_crypto_provider();
     let shutdown = shutdown_on_signal();
     let mut checks = vec![CHECK_CRD, CHECK_PODS, CHECK_BUDGETS];
     if args.leader_election {
@@ -97,7 +97,10 @@ async fn serve(args: RunArgs) -> anyhow::Result<i32> {
     }));
     if let Some(addr) = args.webhook_addr {
         let lookup = PodLookup::new(client.clone());
-        tasks.spawn(named("webhook", webhook::serve(addr, args.webhook_cert_dir.clone(), lookup, shutdown.clone())));
+        tasks.spawn(named(
+            "webhook",
+            eviction_check::serve(addr, args.webhook_cert_dir.clone(), lookup, shutdown.clone()),
+        ));
     }
     // Without election this replica always writes; the sender lives as long as the process.
     let (leader_tx, leader_rx) = watch::channel(!args.leader_election);

@@ -16,9 +16,9 @@
 use std::collections::{BTreeMap, HashSet};
 use std::str::FromStr;
 
-use gpubudget_common::contract::PodRecord;
+use gpubudget_common::crd::{COUNTED_EVICTIONS_MAX, EvictionRecord, GpuMemoryBudgetStatus, TOP_PODS_MAX, TopPod};
+use gpubudget_common::pod_record::PodRecord;
 use gpubudget_common::quantity::HumanBytes;
-use gpubudget_common::types::{COUNTED_EVICTIONS_MAX, EvictionRecord, GpuMemoryBudgetStatus, PodUsage, TOP_PODS_MAX};
 use gpubudget_common::{Budget, BudgetState, GpuMemoryBudget, SpecError};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
@@ -47,6 +47,8 @@ pub struct Selected<'a> {
 /// What a budget's status is computed from, besides the budget itself.
 #[derive(Debug, Clone, Default)]
 pub struct Inputs<'a> {
+    /// The budget as the index compiled it (once per change); `None` when the index does not know it yet.
+    pub spec: Option<Result<&'a Budget, &'a SpecError>>,
     /// The pods its selector matches.
     pub selected: Vec<Selected<'a>>,
     /// The pods whose record names it (they may no longer be selected): the source of evictions.
@@ -64,12 +66,20 @@ pub fn compute(
     let generation = resource.metadata.generation;
     let mut status = GpuMemoryBudgetStatus { observed_generation: generation, ..Default::default() };
     count_evictions(&mut status, name, &inputs.recorded, previous);
-    let conditions = match Budget::compile(resource) {
-        Ok(budget) => {
-            let overlap = tally(&budget, inputs, &mut status);
-            vec![ready_true(&budget), overlapping(&budget, &overlap)]
+    let fallback;
+    let spec = match inputs.spec {
+        Some(spec) => spec,
+        None => {
+            fallback = Budget::compile(resource);
+            fallback.as_ref()
         }
-        Err(error) => vec![ready_false(&error), overlap_unknown()],
+    };
+    let conditions = match spec {
+        Ok(budget) => {
+            let overlap = tally(budget, inputs, &mut status);
+            vec![ready_true(budget), overlapping(budget, &overlap)]
+        }
+        Err(error) => vec![ready_false(error), overlap_unknown()],
     };
     status.conditions = conditions
         .into_iter()
@@ -127,7 +137,7 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
     status.top_pods = top
         .into_iter()
         .take(TOP_PODS_MAX)
-        .map(|(pod, record)| PodUsage {
+        .map(|(pod, record)| TopPod {
             name: pod.name.clone(),
             node: Some(record.node.clone()).filter(|n| !n.is_empty()),
             usage: HumanBytes(record.usage_bytes).to_string(),
@@ -332,7 +342,7 @@ pub fn notices(previous: Option<&GpuMemoryBudgetStatus>, next: &GpuMemoryBudgetS
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpubudget_common::contract::PodRecord;
+    use gpubudget_common::pod_record::PodRecord;
 
     fn resource(name: &str, limit: &str, selector: &str) -> GpuMemoryBudget {
         let mut r: GpuMemoryBudget = serde_yaml::from_str(&format!(
@@ -397,6 +407,7 @@ mod tests {
             pod("p5", "llm", None),
         ];
         let inputs = Inputs {
+            spec: None,
             selected: pods.iter().map(|p| Selected { pod: p, selected_by: vec![&b] }).collect(),
             recorded: pods.iter().collect(),
         };
@@ -421,6 +432,7 @@ mod tests {
         let pods: Vec<PodInfo> =
             (0..25).map(|i| pod(&format!("p{i:02}"), "x", Some((BudgetState::Within, i * 1000, "llm")))).collect();
         let inputs = Inputs {
+            spec: None,
             selected: pods.iter().map(|p| Selected { pod: p, selected_by: vec![&b] }).collect(),
             recorded: vec![],
         };
@@ -441,6 +453,7 @@ mod tests {
             pod("w", "web", Some((BudgetState::Within, GI, "wide"))),
         ];
         let wide_inputs = Inputs {
+            spec: None,
             selected: vec![
                 Selected { pod: &pods[0], selected_by: vec![&bl, &bw] },
                 Selected { pod: &pods[1], selected_by: vec![&bw, &bl] },
@@ -458,7 +471,7 @@ mod tests {
             "2 pods this budget selects are also selected by llm (8Gi); the smallest limit applies (equal limits: \
              the name that sorts first): this budget (16Gi) applies to 0, llm to 2"
         );
-        let llm_inputs = Inputs { selected: wide_inputs.selected[..2].to_vec(), recorded: vec![&pods[0]] };
+        let llm_inputs = Inputs { spec: None, selected: wide_inputs.selected[..2].to_vec(), recorded: vec![&pods[0]] };
         let s = compute(&llm, &llm_inputs, None, t(0));
         assert_eq!((s.matched_pods, s.pods_near_budget), (2, 1));
         let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
@@ -493,9 +506,9 @@ mod tests {
         let other = evicted(pod("o", "x", Some((BudgetState::Over, GI, "other"))), "2027-01-15T10:00:00Z");
         // Requested but refused (a PodDisruptionBudget): the pod runs on, nothing is counted yet.
         let blocked = requested(pod("p1", "x", Some((BudgetState::Over, 9 * GI, "llm"))), "2027-01-15T08:00:00Z");
-        let s0 = compute(&llm, &Inputs { selected: vec![], recorded: vec![&blocked] }, None, t(0));
+        let s0 = compute(&llm, &Inputs { spec: None, selected: vec![], recorded: vec![&blocked] }, None, t(0));
         assert_eq!((s0.evictions, s0.counted_evictions.len()), (0, 0));
-        let inputs = Inputs { selected: vec![], recorded: vec![&p1, &other] };
+        let inputs = Inputs { spec: None, selected: vec![], recorded: vec![&p1, &other] };
         let s1 = compute(&llm, &inputs, None, t(0));
         assert_eq!((s1.evictions, s1.counted_evictions.clone()), (1, vec!["uid-p1".to_owned()]));
         let last = s1.last_eviction.clone().expect("last");
@@ -505,14 +518,14 @@ mod tests {
         assert!(same_ignoring_timestamps(&s1, &again));
         assert_eq!(again, s1, "conditions keep their transition times");
         // A second eviction; the first pod is gone by now.
-        let inputs = Inputs { selected: vec![], recorded: vec![&p2] };
+        let inputs = Inputs { spec: None, selected: vec![], recorded: vec![&p2] };
         let s2 = compute(&llm, &inputs, Some(&s1), t(120));
         assert_eq!(s2.evictions, 2);
         assert_eq!(s2.last_eviction.as_ref().map(|l| l.pod.as_str()), Some("p2"));
         assert_eq!(s2.counted_evictions, ["uid-p1", "uid-p2"]);
         // An older eviction seen late does not replace the last one.
         let late = evicted(pod("p0", "x", Some((BudgetState::Over, GI, "llm"))), "2027-01-15T07:00:00Z");
-        let s3 = compute(&llm, &Inputs { selected: vec![], recorded: vec![&late, &p2] }, Some(&s2), t(180));
+        let s3 = compute(&llm, &Inputs { spec: None, selected: vec![], recorded: vec![&late, &p2] }, Some(&s2), t(180));
         assert_eq!((s3.evictions, s3.last_eviction.as_ref().map(|l| l.pod.as_str())), (3, Some("p2")));
     }
 
@@ -527,13 +540,14 @@ mod tests {
         // old0 is still present (its eviction blocked by a PodDisruptionBudget, say): it must stay counted.
         let old0 = evicted(pod("old0", "x", Some((BudgetState::Over, GI, "llm"))), "2027-01-15T07:00:00Z");
         let new = evicted(pod("new", "x", Some((BudgetState::Over, GI, "llm"))), "2027-01-15T08:00:00Z");
-        let s = compute(&llm, &Inputs { selected: vec![], recorded: vec![&old0, &new] }, Some(&previous), t(0));
+        let s =
+            compute(&llm, &Inputs { spec: None, selected: vec![], recorded: vec![&old0, &new] }, Some(&previous), t(0));
         assert_eq!(s.evictions, COUNTED_EVICTIONS_MAX as i64 + 1);
         assert_eq!(s.counted_evictions.len(), COUNTED_EVICTIONS_MAX);
         assert_eq!(s.counted_evictions[0], "uid-old0");
         assert!(!s.counted_evictions.contains(&"uid-old1".to_owned()));
         assert_eq!(s.counted_evictions.last().map(String::as_str), Some("uid-new"));
-        let s = compute(&llm, &Inputs { selected: vec![], recorded: vec![&old0, &new] }, Some(&s), t(1));
+        let s = compute(&llm, &Inputs { spec: None, selected: vec![], recorded: vec![&old0, &new] }, Some(&s), t(1));
         assert_eq!(s.evictions, COUNTED_EVICTIONS_MAX as i64 + 1, "no double count");
     }
 
@@ -543,8 +557,10 @@ mod tests {
         let wide = resource("wide", "16Gi", "{}");
         let (bl, bw) = (compiled(&llm), compiled(&wide));
         let p = pod("p", "x", None);
-        let alone = Inputs { selected: vec![Selected { pod: &p, selected_by: vec![&bl] }], recorded: vec![] };
-        let shared = Inputs { selected: vec![Selected { pod: &p, selected_by: vec![&bl, &bw] }], recorded: vec![] };
+        let alone =
+            Inputs { spec: None, selected: vec![Selected { pod: &p, selected_by: vec![&bl] }], recorded: vec![] };
+        let shared =
+            Inputs { spec: None, selected: vec![Selected { pod: &p, selected_by: vec![&bl, &bw] }], recorded: vec![] };
         let s0 = compute(&llm, &alone, None, t(0));
         let s1 = compute(&llm, &shared, Some(&s0), t(10));
         let ready =

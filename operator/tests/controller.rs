@@ -5,10 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpubudget_common::GpuMemoryBudget;
-use gpubudget_common::types::GpuMemoryBudgetStatus;
+use gpubudget_common::crd::GpuMemoryBudgetStatus;
+use gpubudget_daemon::Health;
 use gpubudget_operator::controller::{self, CHECK_BUDGETS, CHECK_PODS, Context, Settings};
 use gpubudget_operator::metrics::Metrics;
-use gpubudget_runtime::Health;
 use gpubudget_testkit::{FakeApi, Verb};
 use serde_json::{Value, json};
 use tokio::sync::watch;

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use gpubudget_common::contract::PodRecord;
+use gpubudget_common::pod_record::PodRecord;
 use gpubudget_common::{BudgetState, GpuMemoryBudget};
 use gpubudget_operator::index::Index;
 use gpubudget_operator::pods::{ObjKey, PodInfo};

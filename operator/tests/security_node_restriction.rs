@@ -2,7 +2,8 @@
 //! ValidatingAdmissionPolicy (charts/gpubudget/templates/node-restriction/policy.yaml), rendered from the
 //! template by substituting its few template values, evaluated with the CEL of `kube-cel` (the Kubernetes
 //! extension functions on `cel`), with `variables` evaluated in order and bound as the API server does and
-//! `request.userInfo.extra` carrying the node the kubelet binds into the agent's token.
+//! `request.userInfo.extra` carrying the node the agent's token is bound to (through its pod, as the kubelet
+//! projects it, or a Node-bound token).
 //!
 //! A request passes when the match condition does not match (another identity: the policy does not apply)
 //! or every validation is true; an evaluation error denies (`failurePolicy: Fail`).

@@ -24,6 +24,7 @@
 //! What is modelled and what is not is listed in the crate's README.
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
@@ -31,12 +32,17 @@ use std::time::Duration;
 
 use http::{Request, Response};
 use http_body_util::BodyExt;
-use serde_json::Value;
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+use tower::Service;
 
+mod discovery;
+mod events;
 mod select;
 mod server;
 mod ssa;
 mod store;
+mod table;
 
 pub use server::ResponseBody;
 use store::{Change, EvictionBlock, Fault, Gr, State, meta_str};
@@ -126,6 +132,19 @@ pub enum Error {
     Yaml(#[from] serde_yaml::Error),
     #[error("invalid object: {0}")]
     Invalid(String),
+}
+
+/// A kubeconfig for a fake served at `server_url` (`http://127.0.0.1:PORT`, see [`FakeApi::serve`]):
+/// cluster, user and context `gpubudget-demo`, namespace `default`, no credentials.
+pub fn kubeconfig_yaml(server_url: &str) -> String {
+    const NAME: &str = "gpubudget-demo";
+    let config = json!({
+        "apiVersion": "v1", "kind": "Config", "current-context": NAME,
+        "clusters": [{"name": NAME, "cluster": {"server": server_url}}],
+        "users": [{"name": NAME, "user": {}}],
+        "contexts": [{"name": NAME, "context": {"cluster": NAME, "user": NAME, "namespace": "default"}}],
+    });
+    serde_yaml::to_string(&config).expect("a JSON value is valid YAML")
 }
 
 /// Whether a resource pattern (see the crate docs) matches a request's resource.
@@ -218,6 +237,35 @@ impl FakeApi {
 
     pub fn service(&self) -> FakeService {
         FakeService { shared: self.shared.clone() }
+    }
+
+    /// Serves the fake over plain HTTP/1.1 on `addr` (`"127.0.0.1:0"`: any free port), for clients in
+    /// other processes such as `kubectl` (see [`kubeconfig_yaml`]). Returns the address bound and the
+    /// server task: aborting it closes the listener and every connection, watches included.
+    pub async fn serve(&self, addr: impl tokio::net::ToSocketAddrs) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let local = listener.local_addr()?;
+        let fake = self.service();
+        let task = tokio::spawn(async move {
+            let mut connections = tokio::task::JoinSet::new();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                while connections.try_join_next().is_some() {}
+                let fake = fake.clone();
+                let service = hyper::service::service_fn(move |request: Request<hyper::body::Incoming>| {
+                    let mut fake = fake.clone();
+                    async move {
+                        let (parts, body) = request.into_parts();
+                        let bytes = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+                        fake.call(Request::from_parts(parts, kube::client::Body::from(bytes))).await
+                    }
+                });
+                let connection = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+                connections.spawn(async move { _ = connection.await });
+            }
+        });
+        Ok((local, task))
     }
 
     // ---- the store, directly (these fire watch events like API writes) ----

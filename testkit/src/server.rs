@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 use crate::select::{FieldSelector, LabelSelector};
 use crate::ssa::{self, Section, Writer};
 use crate::store::{Change, EvictionBlock, Gr, State, WatchSpec, meta_str, now, partial};
+use crate::table::Printer;
 use crate::{RecordedRequest, Verb, resource_matches};
 
 /// The parts of a resource URL.
@@ -127,6 +128,8 @@ struct Call {
     body: Option<Value>,
     content_type: String,
     meta_only: bool,
+    /// `Accept: ...;as=Table;g=meta.k8s.io;v=v1` (kubectl get): lists, gets and watches answer Tables.
+    table: bool,
     user_agent: String,
 }
 
@@ -167,6 +170,11 @@ impl Call {
 
     fn render(&self, object: &Value) -> Value {
         if self.meta_only { partial(object) } else { object.clone() }
+    }
+
+    fn printer(&self, state: &State) -> Option<Printer> {
+        let include = self.query.get("includeObject").map(String::as_str);
+        self.table.then(|| state.printer(&self.gr, &self.route.version, include))
     }
 
     fn selectors(&self) -> Result<(LabelSelector, FieldSelector), Reply> {
@@ -249,7 +257,10 @@ impl State {
             self.evictions.push(body.clone().unwrap_or(Value::Null));
         }
         let reply = if route.plural.is_empty() {
-            failure(404, "the server could not find the requested resource", None)
+            match self.discovery(parts.uri.path()).filter(|_| parts.method == Method::GET) {
+                Some(document) => Reply::Json(200, document),
+                None => failure(404, "the server could not find the requested resource", None),
+            }
         } else if let Some(fault) = self.take_fault(&record) {
             if verb == Verb::Watch && fault == 410 {
                 let line = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {},
@@ -268,7 +279,8 @@ impl State {
                 query,
                 body,
                 content_type: ct,
-                meta_only: accept.is_some_and(|a| a.contains("as=PartialObjectMetadata")),
+                meta_only: accept.as_ref().is_some_and(|a| a.contains("as=PartialObjectMetadata")),
+                table: accept.is_some_and(|a| a.contains("as=Table")),
                 user_agent: header(header::USER_AGENT).unwrap_or_default(),
             };
             self.dispatch(&call, &parts.method).unwrap_or_else(|e| e)
@@ -303,9 +315,16 @@ impl State {
                 Err(failure(404, format!("the server could not find the requested resource ({s})"), None))
             }
             (Verb::Get, _) => {
-                let object =
-                    self.get(&call.gr, call.ns(), call.name()).ok_or_else(|| not_found(&call.gr, call.name()))?;
-                Ok(Reply::Json(200, call.render(object)))
+                let object = self
+                    .served_one(&call.gr, call.ns(), call.name())
+                    .ok_or_else(|| not_found(&call.gr, call.name()))?;
+                Ok(Reply::Json(
+                    200,
+                    match call.printer(self) {
+                        Some(printer) => printer.table([&*object], meta_str(&object, "resourceVersion")),
+                        None => call.render(&object),
+                    },
+                ))
             }
             (Verb::List, _) => self.list_call(call),
             (Verb::Watch, _) => self.watch_call(call),
@@ -339,12 +358,12 @@ impl State {
 
     fn list_call(&mut self, call: &Call) -> Handled {
         let (labels, fields) = call.selectors()?;
-        let items: Vec<Value> = self
-            .list(&call.gr, call.route.namespace.as_deref())
-            .into_iter()
-            .filter(|o| labels.matches(o) && fields.matches(o))
-            .map(|o| call.render(o))
-            .collect();
+        let objects = self.served(&call.gr, call.route.namespace.as_deref());
+        let matching = objects.iter().map(|o| &**o).filter(|o| labels.matches(o) && fields.matches(o));
+        if let Some(printer) = call.printer(self) {
+            return Ok(Reply::Json(200, printer.table(matching, &self.rv.to_string())));
+        }
+        let items: Vec<Value> = matching.map(|o| call.render(o)).collect();
         let (av, kind) = self.list_kind(call);
         let list = json!({"apiVersion": av, "kind": kind, "metadata": {"resourceVersion": self.rv.to_string()}, "items": items});
         Ok(Reply::Json(200, list))
@@ -359,6 +378,7 @@ impl State {
             fields,
             meta_only: call.meta_only,
             bookmarks: call.flag("allowWatchBookmarks"),
+            table: call.printer(self),
         };
         let rv = call.query.get("resourceVersion").cloned().unwrap_or_default();
         let timeout = call.query.get("timeoutSeconds").and_then(|t| t.parse().ok()).unwrap_or(1800);

@@ -1,5 +1,6 @@
 //! The object store, its resourceVersion clock, the event history and the open watches.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -9,7 +10,9 @@ use futures::channel::mpsc::{UnboundedReceiver, UnboundedSender, unbounded};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use serde_json::{Value, json};
 
+use crate::events;
 use crate::select::{FieldSelector, LabelSelector};
+use crate::table::Printer;
 use crate::{EventSummary, RecordedRequest, Verb};
 
 /// How many changes the history keeps for watches that resume from an older resourceVersion.
@@ -42,30 +45,32 @@ pub(crate) struct Info {
     pub(crate) kind: String,
     pub(crate) namespaced: bool,
     pub(crate) status: bool,
+    /// What kubectl also accepts for the plural, space-separated (`crd crds`), as discovery lists it.
+    pub(crate) short_names: &'static str,
 }
 
-/// Resources known from the start: (apiVersion, plural, kind, namespaced, status subresource).
-const KNOWN: &[(&str, &str, &str, bool, bool)] = &[
-    ("v1", "pods", "Pod", true, true),
-    ("v1", "events", "Event", true, false),
-    ("v1", "nodes", "Node", false, true),
-    ("v1", "namespaces", "Namespace", false, true),
-    ("v1", "configmaps", "ConfigMap", true, false),
-    ("v1", "secrets", "Secret", true, false),
-    ("v1", "services", "Service", true, true),
-    ("v1", "serviceaccounts", "ServiceAccount", true, false),
-    ("events.k8s.io/v1", "events", "Event", true, false),
-    ("coordination.k8s.io/v1", "leases", "Lease", true, false),
-    ("gpubudget.io/v1alpha1", "gpumemorybudgets", "GpuMemoryBudget", true, true),
-    ("apiextensions.k8s.io/v1", "customresourcedefinitions", "CustomResourceDefinition", false, true),
-    ("apps/v1", "deployments", "Deployment", true, true),
-    ("apps/v1", "daemonsets", "DaemonSet", true, true),
-    ("apps/v1", "replicasets", "ReplicaSet", true, true),
-    ("apps/v1", "statefulsets", "StatefulSet", true, true),
-    ("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget", true, true),
-    ("scheduling.k8s.io/v1", "priorityclasses", "PriorityClass", false, false),
-    ("rbac.authorization.k8s.io/v1", "clusterroles", "ClusterRole", false, false),
-    ("rbac.authorization.k8s.io/v1", "clusterrolebindings", "ClusterRoleBinding", false, false),
+/// Resources known from the start: (apiVersion, plural, kind, namespaced, status subresource, short names).
+const KNOWN: &[(&str, &str, &str, bool, bool, &str)] = &[
+    ("v1", "pods", "Pod", true, true, "po"),
+    ("v1", "events", "Event", true, false, "ev"),
+    ("v1", "nodes", "Node", false, true, "no"),
+    ("v1", "namespaces", "Namespace", false, true, "ns"),
+    ("v1", "configmaps", "ConfigMap", true, false, "cm"),
+    ("v1", "secrets", "Secret", true, false, ""),
+    ("v1", "services", "Service", true, true, "svc"),
+    ("v1", "serviceaccounts", "ServiceAccount", true, false, "sa"),
+    ("events.k8s.io/v1", "events", "Event", true, false, "ev"),
+    ("coordination.k8s.io/v1", "leases", "Lease", true, false, ""),
+    ("gpubudget.io/v1alpha1", "gpumemorybudgets", "GpuMemoryBudget", true, true, "gmb"),
+    ("apiextensions.k8s.io/v1", "customresourcedefinitions", "CustomResourceDefinition", false, true, "crd crds"),
+    ("apps/v1", "deployments", "Deployment", true, true, "deploy"),
+    ("apps/v1", "daemonsets", "DaemonSet", true, true, "ds"),
+    ("apps/v1", "replicasets", "ReplicaSet", true, true, "rs"),
+    ("apps/v1", "statefulsets", "StatefulSet", true, true, "sts"),
+    ("policy/v1", "poddisruptionbudgets", "PodDisruptionBudget", true, true, "pdb"),
+    ("scheduling.k8s.io/v1", "priorityclasses", "PriorityClass", false, false, "pc"),
+    ("rbac.authorization.k8s.io/v1", "clusterroles", "ClusterRole", false, false, ""),
+    ("rbac.authorization.k8s.io/v1", "clusterrolebindings", "ClusterRoleBinding", false, false, ""),
 ];
 
 /// Groups served by Kubernetes itself; anything else is a custom resource (which always has a generation).
@@ -143,6 +148,8 @@ pub(crate) struct WatchSpec {
     pub(crate) fields: FieldSelector,
     pub(crate) meta_only: bool,
     pub(crate) bookmarks: bool,
+    /// Objects sent as one-row `Table`s (`kubectl get -w`).
+    pub(crate) table: Option<Printer>,
 }
 
 impl WatchSpec {
@@ -153,28 +160,37 @@ impl WatchSpec {
     }
 
     fn line(&self, kind: &str, object: &Value) -> Bytes {
-        let object = if self.meta_only { partial(object) } else { object.clone() };
+        let object = match &self.table {
+            Some(printer) if kind != "ERROR" => printer.table([object], meta_str(object, "resourceVersion")),
+            _ if self.meta_only => partial(object),
+            _ => object.clone(),
+        };
         let mut line = serde_json::to_vec(&json!({"type": kind, "object": object})).unwrap_or_default();
         line.push(b'\n');
         Bytes::from(line)
     }
 
     fn translate(&self, e: &HistoryEntry) -> Option<Bytes> {
-        if e.gr != self.gr {
+        let (object, prev) = if e.gr == self.gr {
+            (Cow::Borrowed(&e.object), e.prev.as_ref().map(Cow::Borrowed))
+        } else if events::mirrored(&e.gr, &self.gr) {
+            let convert = |o: &Value| Cow::Owned(events::convert(o, &self.gr));
+            (convert(&e.object), e.prev.as_ref().map(convert))
+        } else {
             return None;
-        }
-        let now = self.matches(&e.object);
+        };
+        let now = self.matches(&object);
         let kind = match e.change {
             Change::Added => now.then_some("ADDED")?,
             Change::Deleted => now.then_some("DELETED")?,
-            Change::Modified => match (e.prev.as_ref().is_some_and(|p| self.matches(p)), now) {
+            Change::Modified => match (prev.is_some_and(|p| self.matches(&p)), now) {
                 (true, true) => "MODIFIED",
                 (false, true) => "ADDED",
                 (true, false) => "DELETED",
                 (false, false) => return None,
             },
         };
-        Some(self.line(kind, &e.object))
+        Some(self.line(kind, &object))
     }
 }
 
@@ -223,8 +239,8 @@ impl Default for State {
     fn default() -> Self {
         let infos = KNOWN
             .iter()
-            .map(|&(av, plural, kind, namespaced, status)| {
-                let info = Info { api_version: av.into(), kind: kind.into(), namespaced, status };
+            .map(|&(av, plural, kind, namespaced, status, short_names)| {
+                let info = Info { api_version: av.into(), kind: kind.into(), namespaced, status, short_names };
                 (Gr::new(group_of(av), plural), info)
             })
             .collect();
@@ -252,6 +268,11 @@ impl State {
         self.infos.get(gr)
     }
 
+    /// Every resource type the fake knows (built in, or learned from an object).
+    pub(crate) fn infos(&self) -> impl Iterator<Item = (&Gr, &Info)> {
+        self.infos.iter()
+    }
+
     pub(crate) fn has_status(&self, gr: &Gr) -> bool {
         self.infos.get(gr).is_some_and(|i| i.status)
     }
@@ -262,6 +283,7 @@ impl State {
             kind: String::new(),
             namespaced: true,
             status: false,
+            short_names: "",
         });
         info.status = true;
     }
@@ -274,6 +296,7 @@ impl State {
             kind: String::new(),
             namespaced,
             status: false,
+            short_names: "",
         });
         if let (Some(av), Some(kind), true) = (av, kind, info.kind.is_empty()) {
             info.api_version = av.to_owned();
@@ -322,6 +345,29 @@ impl State {
     pub(crate) fn list(&self, gr: &Gr, ns: Option<&str>) -> Vec<&Value> {
         let Some(map) = self.objects.get(gr) else { return Vec::new() };
         map.iter().filter(|((o_ns, _), _)| ns.is_none_or(|ns| ns == o_ns)).map(|(_, v)| v).collect()
+    }
+
+    /// Objects as the API serves them, ordered by namespace and name: for the two Events APIs, those of
+    /// both (the other's converted), since the real server keeps them in one storage.
+    pub(crate) fn served(&self, gr: &Gr, ns: Option<&str>) -> Vec<Cow<'_, Value>> {
+        let mut out: Vec<Cow<'_, Value>> = self.list(gr, ns).into_iter().map(Cow::Borrowed).collect();
+        if let Some(other) = events::mirror(gr) {
+            out.extend(self.list(&other, ns).into_iter().map(|o| Cow::Owned(events::convert(o, gr))));
+            fn key(o: &Value) -> (&str, &str) {
+                (meta_str(o, "namespace"), meta_str(o, "name"))
+            }
+            out.sort_by(|a, b| key(a).cmp(&key(b)));
+            out.dedup_by(|a, b| key(a) == key(b));
+        }
+        out
+    }
+
+    /// One object as the API serves it (see [`served`](Self::served)).
+    pub(crate) fn served_one(&self, gr: &Gr, ns: &str, name: &str) -> Option<Cow<'_, Value>> {
+        self.get(gr, ns, name).map(Cow::Borrowed).or_else(|| {
+            let other = events::mirror(gr)?;
+            self.get(&other, ns, name).map(|o| Cow::Owned(events::convert(o, gr)))
+        })
     }
 
     /// Stores a change under a new resourceVersion, records it and tells the watches.
@@ -426,9 +472,9 @@ impl State {
         let (tx, rx) = unbounded();
         let send = |line: Bytes| _ = tx.unbounded_send(line);
         if rv.is_empty() || rv == "0" || initial_events {
-            for object in self.list(&spec.gr, spec.namespace.as_deref()) {
-                if spec.matches(object) {
-                    send(spec.line("ADDED", object));
+            for object in self.served(&spec.gr, spec.namespace.as_deref()) {
+                if spec.matches(&object) {
+                    send(spec.line("ADDED", &object));
                 }
             }
             if initial_events && spec.bookmarks {
@@ -463,7 +509,7 @@ impl State {
         if initial_end {
             metadata["annotations"] = json!({"k8s.io/initial-events-end": "true"});
         }
-        let spec = WatchSpec { meta_only: false, ..spec.clone() };
+        let spec = WatchSpec { meta_only: false, table: None, ..spec.clone() };
         spec.line("BOOKMARK", &json!({"apiVersion": av, "kind": kind, "metadata": metadata}))
     }
 

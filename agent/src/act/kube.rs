@@ -1,0 +1,231 @@
+//! Carries actions out against the API server, off the sampling loop.
+//!
+//! Each pod gets a worker task that runs its actions one after another, in the order decided, so two
+//! applies of one pod never race. (The eviction request is not even decided until the apply that records
+//! `Evicting` and `eviction-requested-at` has been accepted: see `decide.rs`.) Pods are independent of each other. Every API write is counted in
+//! `gpubudget_api_writes_total{kind,result}`; results go back to the loop as [`Feedback`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use k8s_openapi::api::policy::v1::Eviction;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta, Preconditions};
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Api, Client};
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use super::Counters;
+use crate::decide::{Action, EvictOutcome, Feedback, PodRef, Reason};
+
+/// The reporting controller of the agent's events.
+pub const REPORTING_CONTROLLER: &str = "gpubudget-agent";
+
+#[derive(Clone)]
+struct Shared {
+    client: Client,
+    recorder: Recorder,
+    field_manager: String,
+    counters: Counters,
+    feedback: mpsc::UnboundedSender<Feedback>,
+}
+
+/// Dispatches actions to per-pod workers.
+pub struct KubeExecutor {
+    shared: Shared,
+    workers: HashMap<Arc<str>, mpsc::UnboundedSender<Action>>,
+}
+
+impl std::fmt::Debug for KubeExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeExecutor").field("workers", &self.workers.len()).finish_non_exhaustive()
+    }
+}
+
+impl KubeExecutor {
+    /// An executor for the agent of `node`; results arrive on the returned receiver.
+    pub fn new(client: Client, node: &str, counters: Counters) -> (Self, mpsc::UnboundedReceiver<Feedback>) {
+        let reporter = Reporter { controller: REPORTING_CONTROLLER.into(), instance: Some(node.to_owned()) };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let shared = Shared {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            field_manager: gpubudget_common::pod_record::agent_field_manager(node),
+            counters,
+            feedback: tx,
+        };
+        (Self { shared, workers: HashMap::new() }, rx)
+    }
+
+    /// Queues actions; [`Action::Transition`] is only logged.
+    pub fn dispatch(&mut self, actions: impl IntoIterator<Item = Action>) {
+        for action in actions {
+            if let Action::Transition { pod, from, to, usage, limit, budget } = &action {
+                tracing::info!(%pod, from = from.as_str(), to = to.as_str(), usage, limit, %budget, "state changed");
+                continue;
+            }
+            let uid = action.pod().uid.clone();
+            let sender = self.workers.entry(uid).or_insert_with(|| {
+                let (tx, rx) = mpsc::unbounded_channel();
+                tokio::spawn(worker(self.shared.clone(), rx));
+                tx
+            });
+            if let Err(mpsc::error::SendError(action)) = sender.send(action) {
+                // The worker ended (it never does while its sender lives); start another.
+                let (tx, rx) = mpsc::unbounded_channel();
+                tokio::spawn(worker(self.shared.clone(), rx));
+                let _ = tx.send(action);
+                *sender = tx;
+            }
+        }
+    }
+
+    /// Lets the workers of pods no longer known finish their queue and end.
+    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.workers.retain(|uid, _| keep(uid));
+    }
+
+    /// Workers alive.
+    pub fn workers(&self) -> usize {
+        self.workers.len()
+    }
+}
+
+async fn worker(shared: Shared, mut rx: mpsc::UnboundedReceiver<Action>) {
+    while let Some(action) = rx.recv().await {
+        let feedback = execute(&shared, action).await;
+        if let Some(feedback) = feedback {
+            let _ = shared.feedback.send(feedback);
+        }
+    }
+}
+
+fn object_ref(pod: &PodRef) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        name: Some(pod.name.to_string()),
+        namespace: Some(pod.namespace.to_string()),
+        uid: Some(pod.uid.to_string()),
+        ..ObjectReference::default()
+    }
+}
+
+fn api_code(error: &kube::Error) -> Option<u16> {
+    match error {
+        kube::Error::Api(status) => Some(status.code),
+        _ => None,
+    }
+}
+
+async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
+    let m = &shared.counters;
+    match action {
+        Action::Transition { .. } => None,
+        Action::Apply { pod, record } => {
+            let body = json!({
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": &*pod.name, "namespace": &*pod.namespace, "annotations": record.to_annotations()},
+            });
+            let ok = apply(shared, &pod, &body, "apply").await;
+            Some(Feedback::Written { uid: pod.uid, record: Some(record), ok })
+        }
+        Action::Clear { pod } => {
+            let body = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": &*pod.name, "namespace": &*pod.namespace}});
+            let ok = apply(shared, &pod, &body, "clear").await;
+            Some(Feedback::Written { uid: pod.uid, record: None, ok })
+        }
+        Action::Event { pod, reason, note } => {
+            let event = Event {
+                type_: if reason.is_warning() { EventType::Warning } else { EventType::Normal },
+                reason: reason.as_str().into(),
+                note: Some(note),
+                action: match reason {
+                    Reason::Evicting | Reason::EvictionBlocked => "Evict".into(),
+                    _ => "Measure".into(),
+                },
+                secondary: None,
+            };
+            match shared.recorder.publish(&event, &object_ref(&pod)).await {
+                Ok(()) => m.write("event", "ok"),
+                Err(error) => {
+                    m.write("event", "error");
+                    tracing::warn!(%pod, reason = reason.as_str(), %error, "cannot publish event");
+                }
+            }
+            None
+        }
+        Action::Evict { pod, grace_seconds } => {
+            let outcome = match evict(&shared.client, &pod, grace_seconds).await {
+                Ok(()) => EvictOutcome::Accepted,
+                Err(error) => match (api_code(&error), &error) {
+                    (Some(429), kube::Error::Api(status)) => EvictOutcome::Blocked(status.message.clone()),
+                    (Some(404), _) => EvictOutcome::Gone,
+                    _ => EvictOutcome::Failed(error.to_string()),
+                },
+            };
+            let (result, write) = match &outcome {
+                EvictOutcome::Accepted => ("accepted", "ok"),
+                EvictOutcome::Blocked(_) => ("blocked", "blocked"),
+                EvictOutcome::Gone => ("gone", "error"),
+                EvictOutcome::Failed(_) => ("error", "error"),
+            };
+            m.eviction(result);
+            m.write("evict", write);
+            match &outcome {
+                EvictOutcome::Accepted => tracing::info!(%pod, grace_seconds, "eviction requested and accepted"),
+                EvictOutcome::Blocked(message) => tracing::warn!(%pod, %message, "eviction blocked (HTTP 429)"),
+                EvictOutcome::Gone => tracing::info!(%pod, "pod already gone"),
+                EvictOutcome::Failed(message) => tracing::warn!(%pod, %message, "eviction request failed"),
+            }
+            Some(Feedback::Evicted { uid: pod.uid, outcome })
+        }
+    }
+}
+
+/// The eviction body that carries the grace period: a typed `policy/v1 Eviction` (kube 5.0's
+/// `Api::evict` writes `delete_options` in snake case, which the API server ignores, dropping the grace
+/// period).
+pub fn eviction_body(pod: &PodRef, grace_seconds: Option<i64>) -> Eviction {
+    Eviction {
+        metadata: ObjectMeta {
+            name: Some(pod.name.to_string()),
+            namespace: Some(pod.namespace.to_string()),
+            ..ObjectMeta::default()
+        },
+        delete_options: Some(DeleteOptions {
+            grace_period_seconds: grace_seconds.map(|g| g.max(0)),
+            // Only the pod the agent measured, not a new one that took its name (a StatefulSet's).
+            preconditions: Some(Preconditions { uid: Some(pod.uid.to_string()), resource_version: None }),
+            ..DeleteOptions::default()
+        }),
+    }
+}
+
+async fn evict(client: &Client, pod: &PodRef, grace_seconds: Option<i64>) -> Result<(), kube::Error> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), &pod.namespace);
+    let body = eviction_body(pod, grace_seconds);
+    api.create_subresource::<_, serde_json::Value>("eviction", &pod.name, &PostParams::default(), &body)
+        .await
+        .map(|_| ())
+}
+
+async fn apply(shared: &Shared, pod: &PodRef, body: &serde_json::Value, kind: &str) -> bool {
+    let api: Api<Pod> = Api::namespaced(shared.client.clone(), &pod.namespace);
+    // Forced: these annotations are the agent's by contract, whoever touched them last.
+    let params = PatchParams::apply(&shared.field_manager).force();
+    match api.patch(&pod.name, &params, &Patch::Apply(body)).await {
+        Ok(_) => {
+            shared.counters.write(kind, "ok");
+            true
+        }
+        Err(error) => {
+            shared.counters.write(kind, "error");
+            tracing::warn!(%pod, %error, "cannot write the pod's record");
+            false
+        }
+    }
+}

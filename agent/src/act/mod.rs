@@ -1,0 +1,47 @@
+//! Stage 4: carrying decisions out. [`kube`] against the API server (records by server-side apply,
+//! events, evictions); [`log`] as JSON lines (the `standalone` subcommand).
+
+pub mod kube;
+pub mod log;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+
+/// `{result}` of an eviction request.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `accepted`, `blocked`, `gone`, `error`.
+    pub result: String,
+}
+
+/// `{kind, result}` of an API write.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WriteLabels {
+    /// `apply`, `clear`, `event`, `evict`.
+    pub kind: String,
+    /// `ok`, `blocked`, `error`.
+    pub result: String,
+}
+
+/// What the executors count (cheap to clone: the families are shared). [`crate::report::metrics`]
+/// registers them.
+#[derive(Debug, Clone, Default)]
+pub struct Counters {
+    /// Eviction requests by result.
+    pub evictions: Family<ResultLabels, Counter>,
+    /// API writes by kind and result.
+    pub api_writes: Family<WriteLabels, Counter>,
+}
+
+impl Counters {
+    /// Counts one API write.
+    pub fn write(&self, kind: &str, result: &str) {
+        self.api_writes.get_or_create(&WriteLabels { kind: kind.to_owned(), result: result.to_owned() }).inc();
+    }
+
+    /// Counts one eviction request.
+    pub fn eviction(&self, result: &str) {
+        self.evictions.get_or_create(&ResultLabels { result: result.to_owned() }).inc();
+    }
+}

@@ -1,0 +1,19 @@
+//! Stage 2: which pod and container each GPU process belongs to, and what each pod holds.
+//!
+//! - [`cgroup`]: the pure parser of `/proc/<pid>/cgroup` (PID → container → pod UID);
+//! - [`procfs`]: reads and caches it per PID (the only reader of the host's `/proc` here);
+//! - [`pods`]: the node's pods with their budgets, indexed for the join (rebuilt on cache changes);
+//! - [`join`]: each sampled process to its owner;
+//! - [`usage`]: the pure per-pod sum.
+
+pub mod cgroup;
+pub mod join;
+pub mod pods;
+pub mod procfs;
+pub mod usage;
+
+pub use cgroup::{ContainerRef, normalize_uid, parse_cgroup_file, parse_cgroup_path};
+pub use join::Owner;
+pub use pods::{PodTable, PodView};
+pub use procfs::{Lookup, ProcAttributor};
+pub use usage::{Holder, PodUsage, Usage};

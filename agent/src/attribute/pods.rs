@@ -1,0 +1,252 @@
+//! The pods of this node as enforcement needs them, indexed for the PID → pod join, with each pod's
+//! budget resolved. Rebuilt only when the pods or the budgets change, never per sample.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use gpubudget_common::pod_record::{self, PodRecord};
+use gpubudget_common::{Budget, GpuMemoryBudget, SpecError, is_critical, resolve};
+use k8s_openapi::api::core::v1::Pod;
+
+/// Annotation the kubelet puts on the mirror pod of a static pod: the static pod's UID, which is what
+/// its cgroup is named after.
+pub const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
+
+/// A container of a pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContainerView {
+    /// Container ID without the runtime scheme, lowercase.
+    pub id: String,
+    /// Container name.
+    pub name: Arc<str>,
+}
+
+/// What enforcement needs of a pod.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodView {
+    /// `metadata.uid`.
+    pub uid: Arc<str>,
+    /// `metadata.namespace`.
+    pub namespace: Arc<str>,
+    /// `metadata.name`.
+    pub name: Arc<str>,
+    /// `spec.nodeName`.
+    pub node: Option<String>,
+    /// `metadata.labels`.
+    pub labels: BTreeMap<String, String>,
+    /// Critical by priority class or priority (never evicted).
+    pub critical: bool,
+    /// Has a deletion timestamp (being terminated: left alone).
+    pub terminating: bool,
+    /// `spec.terminationGracePeriodSeconds`.
+    pub termination_grace_seconds: Option<i64>,
+    /// Containers with an ID (init, regular and ephemeral).
+    pub containers: Vec<ContainerView>,
+    /// For a mirror pod, the static pod's UID (its cgroups carry that one).
+    pub mirror_of: Option<String>,
+    /// The agent record found in its annotations, if any.
+    pub record: Option<PodRecord>,
+    /// Whether any contract annotation is present.
+    pub has_annotations: bool,
+}
+
+/// Strips `containerd://`, `cri-o://`, `docker://` (any scheme) and lowercases.
+pub fn strip_container_scheme(id: &str) -> String {
+    id.rsplit_once("://").map_or(id, |(_, rest)| rest).to_ascii_lowercase()
+}
+
+impl PodView {
+    /// From a Pod object; `None` without a UID, name or namespace, or when it has finished (Succeeded or
+    /// Failed: no process left to account for).
+    pub fn from_pod(pod: &Pod) -> Option<Self> {
+        let meta = &pod.metadata;
+        let (uid, name, namespace) = (meta.uid.as_deref()?, meta.name.as_deref()?, meta.namespace.as_deref()?);
+        let status = pod.status.as_ref();
+        if matches!(status.and_then(|s| s.phase.as_deref()), Some("Succeeded" | "Failed")) {
+            return None;
+        }
+        let spec = pod.spec.as_ref();
+        let containers = status
+            .into_iter()
+            .flat_map(|s| {
+                s.init_container_statuses
+                    .iter()
+                    .flatten()
+                    .chain(s.container_statuses.iter().flatten())
+                    .chain(s.ephemeral_container_statuses.iter().flatten())
+            })
+            .filter_map(|c| {
+                let id = c.container_id.as_deref().filter(|i| !i.is_empty())?;
+                Some(ContainerView { id: strip_container_scheme(id), name: Arc::from(c.name.as_str()) })
+            })
+            .collect();
+        let annotations = meta.annotations.as_ref();
+        Some(Self {
+            uid: Arc::from(uid.to_ascii_lowercase()),
+            namespace: Arc::from(namespace),
+            name: Arc::from(name),
+            node: spec.and_then(|s| s.node_name.clone()),
+            labels: meta.labels.clone().unwrap_or_default(),
+            critical: is_critical(spec.and_then(|s| s.priority_class_name.as_deref()), spec.and_then(|s| s.priority)),
+            terminating: meta.deletion_timestamp.is_some(),
+            termination_grace_seconds: spec.and_then(|s| s.termination_grace_period_seconds),
+            containers,
+            mirror_of: annotations.and_then(|a| a.get(MIRROR_ANNOTATION)).map(|m| m.to_ascii_lowercase()),
+            record: annotations.and_then(PodRecord::from_annotations),
+            has_annotations: annotations.is_some_and(|a| pod_record::ALL.iter().any(|k| a.contains_key(*k))),
+        })
+    }
+
+    /// The name of the container with this ID.
+    pub fn container_by_id(&self, id: &str) -> Option<&Arc<str>> {
+        self.containers.iter().find(|c| c.id == id).map(|c| &c.name)
+    }
+
+    /// `namespace/name`.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+}
+
+/// The pods of the node, their budgets, and the indexes the join uses.
+#[derive(Debug, Default)]
+pub struct PodTable {
+    /// Pods, in a stable order (namespace, name).
+    pub pods: Vec<PodView>,
+    /// Valid budgets.
+    pub budgets: Vec<Budget>,
+    /// Per pod, the index in `budgets` of the budget that applies.
+    pub budget_of: Vec<Option<usize>>,
+    /// Budgets that failed validation, with why.
+    pub invalid_budgets: Vec<(String, SpecError)>,
+    by_uid: HashMap<String, usize>,
+    by_name: HashMap<(String, String), usize>,
+}
+
+impl PodTable {
+    /// Builds the table. With `node`, pods bound to another node are left out.
+    pub fn build<'a>(
+        pods: impl IntoIterator<Item = PodView>,
+        budgets: impl IntoIterator<Item = &'a GpuMemoryBudget>,
+        node: Option<&str>,
+    ) -> Self {
+        let mut pods: Vec<PodView> =
+            pods.into_iter().filter(|p| node.is_none() || p.node.is_none() || p.node.as_deref() == node).collect();
+        pods.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+        let mut valid = Vec::new();
+        let mut invalid = Vec::new();
+        for b in budgets {
+            match Budget::compile(b) {
+                Ok(budget) => valid.push(budget),
+                Err(e) => invalid.push((b.key(), e)),
+            }
+        }
+        let budget_of = pods
+            .iter()
+            .map(|p| {
+                let r = resolve(&valid, &p.namespace, &p.labels)?;
+                valid.iter().position(|b| std::ptr::eq(b, r.budget))
+            })
+            .collect();
+        let mut by_uid = HashMap::with_capacity(pods.len());
+        let mut by_name = HashMap::with_capacity(pods.len());
+        for (i, p) in pods.iter().enumerate() {
+            by_uid.insert(p.uid.to_string(), i);
+            if let Some(m) = &p.mirror_of {
+                by_uid.entry(m.clone()).or_insert(i);
+            }
+            by_name.insert((p.namespace.to_string(), p.name.to_string()), i);
+        }
+        Self { pods, budgets: valid, budget_of, invalid_budgets: invalid, by_uid, by_name }
+    }
+
+    /// The pod whose UID (or static pod UID) this is.
+    pub fn find_uid(&self, uid: &str) -> Option<usize> {
+        self.by_uid.get(uid).copied()
+    }
+
+    /// The pod `namespace/name`.
+    pub fn find_name(&self, namespace: &str, name: &str) -> Option<usize> {
+        self.by_name.get(&(namespace.to_owned(), name.to_owned())).copied()
+    }
+
+    /// The budget that applies to pod `i`.
+    pub fn budget(&self, i: usize) -> Option<&Budget> {
+        self.budget_of.get(i).copied().flatten().and_then(|b| self.budgets.get(b))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn pod(yaml: &str) -> Pod {
+        serde_yaml::from_str(yaml).expect("pod fixture")
+    }
+
+    #[test]
+    fn reads_what_enforcement_needs() {
+        let p = pod(r#"
+metadata:
+  name: llm-0
+  namespace: team-a
+  uid: 5A1E3C9D-7B2F-4E8A-9C61-0D3F2B7A8E41
+  labels: {app: llm}
+  annotations: {gpubudget.io/state: Over, gpubudget.io/usage-bytes: "9000", gpubudget.io/budget: b, gpubudget.io/node: n1}
+spec:
+  nodeName: n1
+  priorityClassName: system-node-critical
+  terminationGracePeriodSeconds: 45
+  containers: [{name: main}]
+status:
+  containerStatuses:
+  - {name: main, containerID: "containerd://A3F1", image: x, imageID: x, ready: true, restartCount: 0}
+  - {name: sidecar, image: x, imageID: x, ready: false, restartCount: 0}
+"#);
+        let v = PodView::from_pod(&p).expect("view");
+        assert_eq!(&*v.uid, "5a1e3c9d-7b2f-4e8a-9c61-0d3f2b7a8e41");
+        assert!(v.critical && !v.terminating);
+        assert_eq!(v.containers, vec![ContainerView { id: "a3f1".into(), name: Arc::from("main") }]);
+        assert_eq!(v.record.as_ref().map(|r| r.usage_bytes), Some(9000));
+        assert_eq!(v.termination_grace_seconds, Some(45));
+        assert_eq!(strip_container_scheme("cri-o://ABC"), "abc");
+        assert_eq!(strip_container_scheme("docker://x"), "x");
+        assert_eq!(strip_container_scheme("plain"), "plain");
+    }
+
+    #[test]
+    fn joins_by_uid_mirror_and_name_and_resolves_budgets() {
+        let a = pod(
+            "metadata: {name: a, namespace: team-a, uid: u-a, labels: {app: llm}}\nspec: {nodeName: n1, containers: []}",
+        );
+        let b = pod(
+            "metadata: {name: b, namespace: team-a, uid: u-b, annotations: {kubernetes.io/config.mirror: HASH}}\nspec: {nodeName: n1, containers: []}",
+        );
+        let elsewhere = pod("metadata: {name: c, namespace: team-a, uid: u-c}\nspec: {nodeName: n2, containers: []}");
+        let done = pod(
+            "metadata: {name: d, namespace: team-a, uid: u-d}\nspec: {nodeName: n1, containers: []}\nstatus: {phase: Succeeded}",
+        );
+        let budgets: Vec<GpuMemoryBudget> = [
+            "metadata: {name: wide, namespace: team-a}\nspec: {selector: {}, limit: 16Gi}",
+            "metadata: {name: llm, namespace: team-a}\nspec: {selector: {matchLabels: {app: llm}}, limit: 8Gi}",
+            "metadata: {name: broken, namespace: team-a}\nspec: {selector: {}, limit: 8 GiB}",
+        ]
+        .iter()
+        .map(|y| {
+            serde_yaml::from_str(&format!("apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\n{y}"))
+                .expect("budget")
+        })
+        .collect();
+        let views = [a, b, elsewhere, done].iter().filter_map(PodView::from_pod).collect::<Vec<_>>();
+        let table = PodTable::build(views, &budgets, Some("n1"));
+        assert_eq!(table.pods.len(), 2, "other node's and finished pods are left out");
+        let ia = table.find_uid("u-a").expect("a");
+        assert_eq!(table.budget(ia).map(|b| b.name.as_str()), Some("llm"));
+        let ib = table.find_uid("hash").expect("mirror pods join by the static pod's UID");
+        assert_eq!(table.find_uid("u-b"), Some(ib));
+        assert_eq!(table.budget(ib).map(|b| b.name.as_str()), Some("wide"));
+        assert_eq!(table.find_name("team-a", "a"), Some(ia));
+        assert_eq!(table.find_uid("u-c"), None);
+        assert_eq!(table.invalid_budgets.len(), 1);
+    }
+}

@@ -1,0 +1,19 @@
+//! The subcommands: [`run`] (the DaemonSet), [`top`] (GPU memory by pod on this host), [`capture`]
+//! (write a sample file from NVML) and [`standalone`] (enforce files, decisions as JSON lines).
+
+pub mod capture;
+pub mod run;
+pub mod standalone;
+pub mod top;
+
+use crate::cli;
+
+/// Runs a parsed command line.
+pub async fn dispatch(cli: cli::Cli) -> anyhow::Result<()> {
+    match cli.command {
+        cli::Command::Run(args) => run::run(args).await,
+        cli::Command::Top(args) => top::run(args).await,
+        cli::Command::Capture(args) => capture::run(args),
+        cli::Command::Standalone(args) => standalone::run(args).await,
+    }
+}

@@ -1,0 +1,201 @@
+//! `gpubudget-agent run`: the DaemonSet.
+//!
+//! Two reflectors feed the decisions: every `GpuMemoryBudget` (all namespaces) and the pods of this node
+//! only (`fieldSelector=spec.nodeName=<node>`). The loop samples every interval, rebuilds its pod table
+//! only when a cache changed, decides, and hands actions to the [`KubeExecutor`] (which never blocks the
+//! loop). `/ready` is true once the GPU sampler works and both caches have synced; nothing is enforced
+//! before the caches sync.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use anyhow::Context as _;
+use futures::StreamExt as _;
+use gpubudget_common::GpuMemoryBudget;
+use gpubudget_daemon::{Health, serve_admin, shutdown_on_signal};
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::{Api, Client, ResourceExt as _};
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
+use crate::act::kube::KubeExecutor;
+use crate::attribute::ProcAttributor;
+use crate::attribute::pods::{PodTable, PodView};
+use crate::cli::RunArgs;
+use crate::decide::Settings;
+use crate::pipeline::Engine;
+use crate::report::metrics::Metrics;
+use crate::sample::file::RecordedSampler;
+use crate::sample::nvml::NvmlSampler;
+use crate::sample::{SamplerFactory, SamplerSlot};
+
+/// Readiness checks.
+pub const CHECKS: [&str; 3] = ["gpu", "pods", "budgets"];
+
+/// The two caches the agent decides from.
+#[derive(Debug, Clone)]
+pub struct Caches {
+    pods: Store<Pod>,
+    budgets: Store<GpuMemoryBudget>,
+    changes: Arc<AtomicU64>,
+    pods_ready: Arc<AtomicBool>,
+    budgets_ready: Arc<AtomicBool>,
+}
+
+fn spawn_reflector<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    name: &'static str,
+    changes: Arc<AtomicU64>,
+    ready: Arc<AtomicBool>,
+    health: Health,
+    shutdown: CancellationToken,
+) -> Store<K>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+{
+    let (reader, writer) = reflector::store();
+    let stream = watcher(api, config)
+        .default_backoff()
+        // Managed fields are the largest part of most objects and of no use here.
+        .modify(|o: &mut K| o.managed_fields_mut().clear())
+        .reflect(writer);
+    let waiter = reader.clone();
+    tokio::spawn(async move {
+        if waiter.wait_until_ready().await.is_ok() {
+            ready.store(true, Ordering::Release);
+            health.set(name, true);
+            tracing::info!(cache = name, "cache synced");
+        }
+    });
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                event = stream.next() => match event {
+                    Some(Ok(_)) => {
+                        changes.fetch_add(1, Ordering::AcqRel);
+                    }
+                    Some(Err(error)) => tracing::warn!(cache = name, %error, "watch failed; retrying with backoff"),
+                    None => break,
+                },
+            }
+        }
+    });
+    reader
+}
+
+impl Caches {
+    /// Starts the reflectors: all budgets, and the pods of `node`.
+    pub fn start(client: Client, node: &str, health: Health, shutdown: CancellationToken) -> Self {
+        let changes = Arc::new(AtomicU64::new(0));
+        let pods_ready = Arc::new(AtomicBool::new(false));
+        let budgets_ready = Arc::new(AtomicBool::new(false));
+        let pods = spawn_reflector(
+            Api::<Pod>::all(client.clone()),
+            watcher::Config::default().fields(&format!("spec.nodeName={node}")),
+            "pods",
+            changes.clone(),
+            pods_ready.clone(),
+            health.clone(),
+            shutdown.clone(),
+        );
+        let budgets = spawn_reflector(
+            Api::<GpuMemoryBudget>::all(client),
+            watcher::Config::default(),
+            "budgets",
+            changes.clone(),
+            budgets_ready.clone(),
+            health,
+            shutdown,
+        );
+        Self { pods, budgets, changes, pods_ready, budgets_ready }
+    }
+
+    /// Both caches have their first full list.
+    pub fn synced(&self) -> bool {
+        self.pods_ready.load(Ordering::Acquire) && self.budgets_ready.load(Ordering::Acquire)
+    }
+
+    /// A counter that moves on every change of either cache.
+    pub fn generation(&self) -> u64 {
+        self.changes.load(Ordering::Acquire)
+    }
+
+    /// The pod table of `node` now.
+    pub fn table(&self, node: &str) -> PodTable {
+        let pods = self.pods.state();
+        let budgets = self.budgets.state();
+        PodTable::build(pods.iter().filter_map(|p| PodView::from_pod(p)), budgets.iter().map(|b| &**b), Some(node))
+    }
+}
+
+/// The sampler factory for `--sample-file` or NVML.
+pub fn sampler_factory(sample_file: Option<&std::path::Path>) -> SamplerFactory {
+    match sample_file {
+        Some(path) => RecordedSampler::factory(path.to_owned()),
+        None => NvmlSampler::factory(),
+    }
+}
+
+/// The agent's main loop, until `shutdown`.
+pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Metrics, shutdown: CancellationToken) {
+    let node = args.node_name.clone();
+    let caches = Caches::start(client.clone(), &node, health.clone(), shutdown.clone());
+    let mut engine = Engine::new(
+        SamplerSlot::new(sampler_factory(args.sample_file.as_deref())),
+        ProcAttributor::new(&args.sample.proc_root),
+        Settings::new(&node),
+        metrics.clone(),
+    );
+    let (mut executor, mut feedback) = KubeExecutor::new(client, &node, metrics.act.clone());
+    let mut interval = tokio::time::interval(args.sample.interval);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut table = PodTable::default();
+    let mut seen: Option<u64> = None;
+    tracing::info!(%node, interval = ?args.sample.interval, proc_root = %args.sample.proc_root.display(), "agent running");
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            Some(report) = feedback.recv() => {
+                engine.feedback(report);
+                executor.dispatch(engine.take_actions());
+            }
+            _ = interval.tick() => {
+                let synced = caches.synced();
+                if synced {
+                    let generation = caches.generation();
+                    if seen != Some(generation) {
+                        seen = Some(generation);
+                        table = caches.table(&node);
+                        for (budget, error) in &table.invalid_budgets {
+                            tracing::debug!(%budget, %error, "budget not enforced: invalid spec");
+                        }
+                        executor.retain(|uid| table.find_uid(uid).is_some());
+                    }
+                }
+                engine.tick(&table, synced);
+                health.set("gpu", engine.slot.healthy());
+                executor.dispatch(engine.take_actions());
+            }
+        }
+    }
+    tracing::info!("agent stopped");
+}
+
+/// `gpubudget-agent run`.
+pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let shutdown = shutdown_on_signal();
+    let mut registry = Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let health = Health::new(&CHECKS);
+    let admin = tokio::spawn(serve_admin(args.admin_addr, health.clone(), Arc::new(registry), shutdown.clone()));
+    let client = Client::try_default().await.context("cannot configure the Kubernetes client")?;
+    run_with(args, client, health, metrics, shutdown.clone()).await;
+    shutdown.cancel();
+    admin.await.context("admin port task")?.context("admin port")?;
+    Ok(())
+}

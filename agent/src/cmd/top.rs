@@ -1,0 +1,296 @@
+//! `gpubudget-agent top`: GPU memory by pod, container and process on this host. Works without
+//! Kubernetes (pods by UID); with an API server in reach it shows names and budgets.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use gpubudget_common::GpuMemoryBudget;
+use gpubudget_common::quantity::HumanBytes;
+use k8s_openapi::api::core::v1::Pod;
+use kube::{Api, Client, ResourceExt as _};
+use serde::Serialize;
+
+use crate::attribute::ProcAttributor;
+use crate::attribute::pods::{PodTable, PodView};
+use crate::attribute::{Owner, Usage};
+use crate::cli::{Output, TopArgs};
+use crate::sample::{Sampler, Snapshot};
+
+/// A GPU row.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct GpuRow {
+    /// `0`, `0/mig1`.
+    pub gpu: String,
+    /// Product name.
+    pub name: String,
+    /// UUID.
+    pub uuid: String,
+    /// Sum of its processes, bytes.
+    pub used_bytes: u64,
+    /// Its memory, bytes.
+    pub total_bytes: u64,
+}
+
+/// A pod row.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct PodRow {
+    /// `namespace/name`, or the UID when the pod is not known.
+    pub pod: String,
+    /// UID.
+    pub uid: String,
+    /// Bytes over its processes and GPUs.
+    pub used_bytes: u64,
+    /// `namespace/name` of its budget.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub budget: Option<String>,
+    /// The budget's limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit_bytes: Option<u64>,
+}
+
+/// A process row.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct ProcessRow {
+    /// PID.
+    pub pid: Option<u32>,
+    /// GPU label.
+    pub gpu: String,
+    /// Bytes on that GPU.
+    pub bytes: u64,
+    /// `namespace/name`, the pod UID, or empty for no pod.
+    pub pod: String,
+    /// Container name or short ID.
+    pub container: String,
+    /// The process's command name (from `/proc/<pid>/comm`).
+    pub command: String,
+}
+
+/// What `top` shows.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct View {
+    /// When.
+    pub taken_at: String,
+    /// Whether names came from the API server.
+    pub names_from_api: bool,
+    /// GPUs.
+    pub gpus: Vec<GpuRow>,
+    /// Pods, largest first.
+    pub pods: Vec<PodRow>,
+    /// Processes, by pod then largest first.
+    pub processes: Vec<ProcessRow>,
+}
+
+fn command_of(proc_root: &std::path::Path, pid: Option<u32>) -> String {
+    pid.and_then(|p| std::fs::read_to_string(proc_root.join(p.to_string()).join("comm")).ok())
+        .map(|c| c.trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// Builds the view of one sample.
+pub fn build_view(
+    snapshot: &Snapshot,
+    table: &PodTable,
+    usage: &Usage,
+    proc_root: &std::path::Path,
+    names: bool,
+) -> View {
+    let gpus = snapshot
+        .gpus
+        .iter()
+        .enumerate()
+        .map(|(i, g)| GpuRow {
+            gpu: g.label.clone(),
+            name: g.name.clone(),
+            uuid: g.uuid.clone(),
+            used_bytes: snapshot.processes.iter().filter(|p| p.gpu == i).map(|p| p.bytes).sum(),
+            total_bytes: g.total_bytes,
+        })
+        .collect();
+    let mut pods: BTreeMap<String, PodRow> = BTreeMap::new();
+    let mut processes = Vec::new();
+    for (process, owner) in snapshot.processes.iter().zip(&usage.owners) {
+        let (pod, uid, container, budget) = match owner {
+            Owner::Pod { pod, container } => {
+                let view = &table.pods[*pod];
+                let budget = table.budget(*pod).map(|b| (b.key(), b.limit_bytes));
+                (view.key(), view.uid.to_string(), container.as_deref().unwrap_or("").to_owned(), budget)
+            }
+            Owner::UnknownPod { uid, container } => {
+                let short = container.as_deref().map(|c| c.chars().take(12).collect()).unwrap_or_default();
+                (uid.clone(), uid.clone(), short, None)
+            }
+            Owner::NoPod => (String::new(), String::new(), String::new(), None),
+        };
+        if !uid.is_empty() {
+            let row = pods.entry(uid.clone()).or_insert_with(|| PodRow {
+                pod: pod.clone(),
+                uid,
+                used_bytes: 0,
+                budget: budget.as_ref().map(|b| b.0.clone()),
+                limit_bytes: budget.map(|b| b.1),
+            });
+            row.used_bytes += process.bytes;
+        }
+        processes.push(ProcessRow {
+            pid: process.pid,
+            gpu: snapshot.gpus.get(process.gpu).map(|g| g.label.clone()).unwrap_or_default(),
+            bytes: process.bytes,
+            pod,
+            container,
+            command: command_of(proc_root, process.pid),
+        });
+    }
+    let mut pods: Vec<PodRow> = pods.into_values().collect();
+    pods.sort_by(|a, b| b.used_bytes.cmp(&a.used_bytes).then_with(|| a.pod.cmp(&b.pod)));
+    processes.sort_by(|a, b| {
+        (a.pod.is_empty(), &a.pod, std::cmp::Reverse(a.bytes), a.pid).cmp(&(
+            b.pod.is_empty(),
+            &b.pod,
+            std::cmp::Reverse(b.bytes),
+            b.pid,
+        ))
+    });
+    View { taken_at: jiff::Timestamp::now().to_string(), names_from_api: names, gpus, pods, processes }
+}
+
+fn table_text(rows: &[Vec<String>]) -> String {
+    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0))
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let line: Vec<String> = row.iter().enumerate().map(|(c, s)| format!("{s:<w$}", w = widths[c])).collect();
+        let _ = writeln!(out, "{}", line.join("  ").trim_end());
+    }
+    out
+}
+
+/// Renders the view as an aligned table.
+pub fn render_table(view: &View) -> String {
+    let mut out = String::new();
+    let mut gpus = vec![vec!["GPU".to_owned(), "NAME".into(), "USED".into(), "TOTAL".into()]];
+    gpus.extend(view.gpus.iter().map(|g| {
+        vec![g.gpu.clone(), g.name.clone(), HumanBytes(g.used_bytes).to_string(), HumanBytes(g.total_bytes).to_string()]
+    }));
+    out.push_str(&table_text(&gpus));
+    out.push('\n');
+    let mut pods = vec![vec!["POD".to_owned(), "USED".into(), "LIMIT".into(), "BUDGET".into()]];
+    pods.extend(view.pods.iter().map(|p| {
+        vec![
+            p.pod.clone(),
+            HumanBytes(p.used_bytes).to_string(),
+            p.limit_bytes.map_or_else(|| "-".to_owned(), |l| HumanBytes(l).to_string()),
+            p.budget.clone().unwrap_or_else(|| "-".into()),
+        ]
+    }));
+    out.push_str(&table_text(&pods));
+    out.push('\n');
+    let mut procs =
+        vec![vec!["POD".to_owned(), "CONTAINER".into(), "PID".into(), "GPU".into(), "MEMORY".into(), "COMMAND".into()]];
+    procs.extend(view.processes.iter().map(|p| {
+        vec![
+            if p.pod.is_empty() { "(no pod)".to_owned() } else { p.pod.clone() },
+            if p.container.is_empty() { "-".to_owned() } else { p.container.clone() },
+            p.pid.map_or_else(|| "-".to_owned(), |p| p.to_string()),
+            p.gpu.clone(),
+            HumanBytes(p.bytes).to_string(),
+            p.command.clone(),
+        ]
+    }));
+    out.push_str(&table_text(&procs));
+    if !view.names_from_api {
+        out.push_str("\n(no API server: pods are shown by UID)\n");
+    }
+    out
+}
+
+fn hostname() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|h| h.trim().to_owned()).filter(|h| !h.is_empty())
+}
+
+async fn api_table(node: Option<&str>) -> anyhow::Result<PodTable> {
+    let mut pods: Vec<Pod> = list_pods(node).await?;
+    if pods.is_empty() && node.is_some() {
+        // The host name is not always the node name: then every pod (top is interactive, not a hot path).
+        pods = list_pods(None).await?;
+    }
+    let budgets: Vec<GpuMemoryBudget> = list_budgets().await.unwrap_or_default();
+    Ok(PodTable::build(pods.iter().filter_map(PodView::from_pod), &budgets, None))
+}
+
+/// The names of pods, for `top`: the pods of `node` (or all pods) from the API, if it answers quickly.
+async fn list_pods(node: Option<&str>) -> anyhow::Result<Vec<Pod>> {
+    let client = tokio::time::timeout(std::time::Duration::from_secs(3), Client::try_default())
+        .await
+        .context("timed out configuring the Kubernetes client")??;
+    let api: Api<Pod> = Api::all(client);
+    let mut params = kube::api::ListParams::default();
+    if let Some(node) = node {
+        params = params.fields(&format!("spec.nodeName={node}"));
+    }
+    let list = tokio::time::timeout(std::time::Duration::from_secs(3), api.list(&params))
+        .await
+        .context("timed out listing pods")??;
+    Ok(list
+        .items
+        .into_iter()
+        .map(|mut p| {
+            p.managed_fields_mut().clear();
+            p
+        })
+        .collect())
+}
+
+async fn list_budgets() -> anyhow::Result<Vec<GpuMemoryBudget>> {
+    let client = kube::Client::try_default().await?;
+    let api: kube::Api<GpuMemoryBudget> = kube::Api::all(client);
+    let list = tokio::time::timeout(Duration::from_secs(3), api.list(&Default::default())).await??;
+    Ok(list.items)
+}
+
+/// `gpubudget-agent top`.
+pub async fn run(args: TopArgs) -> anyhow::Result<()> {
+    let mut sampler: Box<dyn Sampler> = match &args.sample_file {
+        Some(path) => Box::new(crate::sample::file::RecordedSampler::new(path)?),
+        None => Box::new(crate::sample::nvml::NvmlSampler::new().context("NVML is not available on this host")?),
+    };
+    let (table, names) = if args.no_api {
+        (PodTable::default(), false)
+    } else {
+        let node = args.node_name.clone().or_else(hostname);
+        match api_table(node.as_deref()).await {
+            Ok(t) => (t, true),
+            Err(error) => {
+                tracing::debug!(error = format!("{error:#}"), "no pod names from the API");
+                (PodTable::default(), false)
+            }
+        }
+    };
+    let mut attributor = ProcAttributor::new(&args.sample.proc_root);
+    let mut snapshot = Snapshot::default();
+    let mut usage = Usage::default();
+    let started = Instant::now();
+    let refresh = args.sample.interval.max(Duration::from_secs(1));
+    loop {
+        sampler.sample(&mut snapshot)?;
+        let now_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        usage.compute(&snapshot, &table, &mut attributor, now_ms);
+        let view = build_view(&snapshot, &table, &usage, &args.sample.proc_root, names);
+        let text = match args.output {
+            Output::Table => render_table(&view),
+            Output::Json => serde_json::to_string_pretty(&view)? + "\n",
+        };
+        if args.once {
+            print!("{text}");
+            return Ok(());
+        }
+        print!("\x1b[H\x1b[2J{text}");
+        tokio::select! {
+            () = tokio::time::sleep(refresh) => {}
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+        }
+    }
+}

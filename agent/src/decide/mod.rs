@@ -1,0 +1,661 @@
+//! The enforcement decisions: a pure function from (what the agent remembers, this tick's pods and
+//! usage, the time) to a list of [`Action`]s. The executors (API or standalone) apply them and report back
+//! through [`Enforcer::feedback`]. No I/O here, so every rule is unit-tested.
+//!
+//! Rules:
+//! - the state machine is `gpubudget_common::step`, per pod, on the pod's summed usage;
+//! - **events** on transitions, deduplicated: a reason is not repeated for a pod within
+//!   [`Settings::event_cooldown_ms`]; the state the events speak for survives restarts (seeded from the
+//!   pod's `gpubudget.io/state`), so a restart does not repeat them;
+//! - **records** (annotations, server-side apply): at once on a change of state, budget or eviction time;
+//!   usage alone only when it moved by ≥ [`Settings::usage_change_percent`] and the last write is
+//!   [`Settings::usage_min_interval_ms`] old; nothing in steady state; one write in flight per pod;
+//!   failed writes retried with backoff;
+//! - **eviction**: when the state machine says `Evicting` (it never does for `action: Warn` or critical
+//!   pods), for a pod of this node that is not terminating: one apply carrying state `Evicting` and
+//!   `eviction-requested-at`, then the `EvictingForGpuMemory` event, then the eviction request, in that
+//!   order. One request in flight per pod; HTTP 429 → `GpuMemoryEvictionBlocked` and a retry with
+//!   backoff while still due; an accepted eviction is never requested again for that pod UID. Timers
+//!   start afresh when the agent starts, so a restart can only delay an eviction.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use gpubudget_common::pod_record::PodRecord;
+use gpubudget_common::quantity::HumanBytes;
+use gpubudget_common::{Budget, BudgetAction, BudgetState, Tracker, step};
+
+use crate::attribute::pods::{PodTable, PodView};
+use crate::attribute::{Holder, PodUsage};
+use crate::sample::GpuInfo;
+
+/// The pod an action is about.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PodRef {
+    /// UID.
+    pub uid: Arc<str>,
+    /// Namespace.
+    pub namespace: Arc<str>,
+    /// Name.
+    pub name: Arc<str>,
+}
+
+impl PodRef {
+    fn of(view: &PodView) -> Self {
+        Self { uid: view.uid.clone(), namespace: view.namespace.clone(), name: view.name.clone() }
+    }
+}
+
+impl std::fmt::Display for PodRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Event reasons (PascalCase, as Kubernetes reasons are).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Reason {
+    /// At or above `warnAtPercent` of the limit.
+    NearBudget,
+    /// Over the limit.
+    OverBudget,
+    /// Over the limit for `overLimitSeconds`: eviction requested.
+    Evicting,
+    /// The eviction was refused (HTTP 429: a PodDisruptionBudget).
+    EvictionBlocked,
+    /// Back under the limit (or under the warning threshold).
+    WithinBudget,
+}
+
+impl Reason {
+    /// The event's `reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::NearBudget => "GpuMemoryNearBudget",
+            Reason::OverBudget => "GpuMemoryOverBudget",
+            Reason::Evicting => "EvictingForGpuMemory",
+            Reason::EvictionBlocked => "GpuMemoryEvictionBlocked",
+            Reason::WithinBudget => "GpuMemoryWithinBudget",
+        }
+    }
+
+    /// Warning (true) or Normal.
+    pub fn is_warning(self) -> bool {
+        matches!(self, Reason::NearBudget | Reason::OverBudget | Reason::Evicting | Reason::EvictionBlocked)
+    }
+
+    fn slot(self) -> usize {
+        self as usize
+    }
+}
+
+/// What the executor is asked to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// The pod changed state (logged; the standalone mode's decision lines).
+    Transition {
+        /// The pod.
+        pod: PodRef,
+        /// Previous state.
+        from: BudgetState,
+        /// New state.
+        to: BudgetState,
+        /// Usage, bytes.
+        usage: u64,
+        /// Limit, bytes.
+        limit: u64,
+        /// `namespace/name` of the budget.
+        budget: String,
+    },
+    /// Write the pod's record (server-side apply of the contract annotations).
+    Apply {
+        /// The pod.
+        pod: PodRef,
+        /// The record.
+        record: PodRecord,
+    },
+    /// Remove the agent's annotations (no budget applies any more).
+    Clear {
+        /// The pod.
+        pod: PodRef,
+    },
+    /// Emit an event on the pod.
+    Event {
+        /// The pod.
+        pod: PodRef,
+        /// Why.
+        reason: Reason,
+        /// The message.
+        note: String,
+    },
+    /// Request the pod's eviction (policy/v1 Eviction).
+    Evict {
+        /// The pod.
+        pod: PodRef,
+        /// `deleteOptions.gracePeriodSeconds`, from the budget; `None`: the pod's own.
+        grace_seconds: Option<i64>,
+    },
+}
+
+impl Action {
+    /// The pod the action is about.
+    pub fn pod(&self) -> &PodRef {
+        match self {
+            Action::Transition { pod, .. }
+            | Action::Apply { pod, .. }
+            | Action::Clear { pod }
+            | Action::Event { pod, .. }
+            | Action::Evict { pod, .. } => pod,
+        }
+    }
+}
+
+/// How an eviction request ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EvictOutcome {
+    /// Accepted (the pod is being deleted).
+    Accepted,
+    /// HTTP 429: refused for now (a PodDisruptionBudget). The server's message.
+    Blocked(String),
+    /// The pod no longer exists.
+    Gone,
+    /// Any other failure (retried with backoff). What happened.
+    Failed(String),
+}
+
+/// What an executor reports back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Feedback {
+    /// An [`Action::Apply`] or [`Action::Clear`] finished.
+    Written {
+        /// The pod's UID.
+        uid: Arc<str>,
+        /// The record written (`None` for a clear).
+        record: Option<PodRecord>,
+        /// Whether the API accepted it.
+        ok: bool,
+    },
+    /// An [`Action::Evict`] finished.
+    Evicted {
+        /// The pod's UID.
+        uid: Arc<str>,
+        /// How.
+        outcome: EvictOutcome,
+    },
+}
+
+/// Tunables (the defaults are the write budget).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// This node's name (records carry it; pods of other nodes are never acted on).
+    pub node: String,
+    /// Usage is rewritten only when it moved by at least this percentage of the last written value.
+    pub usage_change_percent: u64,
+    /// … and at most this often per pod.
+    pub usage_min_interval_ms: u64,
+    /// A reason is not repeated for a pod within this.
+    pub event_cooldown_ms: u64,
+    /// First retry delay after a refused eviction (doubles up to `evict_backoff_max_ms`).
+    pub evict_backoff_min_ms: u64,
+    /// Longest retry delay for an eviction.
+    pub evict_backoff_max_ms: u64,
+    /// First retry delay after a failed write (doubles up to `usage_min_interval_ms`).
+    pub write_backoff_min_ms: u64,
+}
+
+impl Settings {
+    /// The defaults for a node.
+    pub fn new(node: impl Into<String>) -> Self {
+        Self {
+            node: node.into(),
+            usage_change_percent: 5,
+            usage_min_interval_ms: 30_000,
+            event_cooldown_ms: 60_000,
+            evict_backoff_min_ms: 5_000,
+            evict_backoff_max_ms: 60_000,
+            write_backoff_min_ms: 1_000,
+        }
+    }
+}
+
+/// The time of a tick: a monotonic clock for rules, wall time for records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Now {
+    /// Monotonic milliseconds (since the agent started).
+    pub mono_ms: u64,
+    /// Wall-clock time.
+    pub wall: jiff::Timestamp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Eviction {
+    Idle,
+    /// Due: the `Evicting` record (with `eviction-requested-at`) is on its way; the request follows once the
+    /// API has it, so the operator can count the eviction even when the pod is gone in a moment.
+    AwaitingRecord,
+    /// A request is out; `attempts` earlier ones were refused or failed.
+    InFlight {
+        attempts: u32,
+    },
+    Blocked {
+        attempts: u32,
+        retry_at: u64,
+    },
+    Done,
+}
+
+/// Whether the API has the record that says this eviction was requested (written by this agent).
+fn record_landed(mem: &PodMemory) -> bool {
+    mem.eviction_requested_at.is_some()
+        && mem.written.as_ref().is_some_and(|w| w.eviction_requested_at == mem.eviction_requested_at)
+}
+
+#[derive(Debug, Clone)]
+struct PodMemory {
+    pod: PodRef,
+    tracker: Tracker,
+    reported: BudgetState,
+    written: Option<PodRecord>,
+    has_annotations: bool,
+    last_write_ms: u64,
+    write_in_flight: bool,
+    write_failures: u32,
+    write_retry_at: u64,
+    eviction: Eviction,
+    eviction_requested_at: Option<String>,
+    last_event_ms: [Option<u64>; 5],
+    /// For messages written from feedback.
+    last_usage: u64,
+    last_limit: u64,
+    last_budget: String,
+    seen: u64,
+}
+
+/// Remembers each pod between ticks and decides what to do.
+#[derive(Debug)]
+pub struct Enforcer {
+    settings: Settings,
+    pods: HashMap<Arc<str>, PodMemory>,
+    generation: u64,
+}
+
+fn percent_changed(old: u64, new: u64, percent: u64) -> bool {
+    let diff = u128::from(old.abs_diff(new));
+    diff * 100 >= u128::from(old) * u128::from(percent) && diff > 0
+}
+
+/// Whether `key` is `budget`'s `namespace/name` (compared without allocating).
+fn is_key(key: &str, budget: &Budget) -> bool {
+    key.len() == budget.namespace.len() + 1 + budget.name.len()
+        && key.starts_with(budget.namespace.as_str())
+        && key.ends_with(budget.name.as_str())
+        && key.as_bytes()[budget.namespace.len()] == b'/'
+}
+
+/// Whole seconds, rounded to the nearest, for messages.
+fn seconds(ms: u64) -> u64 {
+    ms.saturating_add(500) / 1000
+}
+
+/// "trainer (pid 4242, GPU 0) 9.1Gi, sidecar (pid 4300, GPU 1) 100Mi"; the largest first, at most five.
+pub fn holders_summary(holders: &[Holder], gpus: &[GpuInfo]) -> String {
+    let mut sorted: Vec<&Holder> = holders.iter().collect();
+    sorted.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.pid.cmp(&b.pid)));
+    let mut parts: Vec<String> = sorted
+        .iter()
+        .take(5)
+        .map(|h| {
+            let container = h.container.as_deref().unwrap_or("(pod)");
+            let gpu = gpus.get(h.gpu).map_or("?", |g| g.label.as_str());
+            match h.pid {
+                Some(pid) => format!("{container} (pid {pid}, GPU {gpu}) {}", HumanBytes(h.bytes)),
+                None => format!("{container} (GPU {gpu}) {}", HumanBytes(h.bytes)),
+            }
+        })
+        .collect();
+    if sorted.len() > 5 {
+        parts.push(format!("and {} more", sorted.len() - 5));
+    }
+    if parts.is_empty() { "no GPU process".to_owned() } else { parts.join(", ") }
+}
+
+/// Event notes are limited to 1 kB by the API server.
+fn bounded(mut note: String) -> String {
+    const MAX: usize = 1024;
+    if note.len() > MAX {
+        let mut cut = MAX - 3;
+        while !note.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        note.truncate(cut);
+        note.push_str("...");
+    }
+    note
+}
+
+struct Context<'a> {
+    view: &'a PodView,
+    budget: &'a Budget,
+    usage: &'a PodUsage,
+    gpus: &'a [GpuInfo],
+}
+
+impl Context<'_> {
+    fn used_of(&self) -> String {
+        format!(
+            "using {} of {} (budget {})",
+            HumanBytes(self.usage.total),
+            HumanBytes(self.budget.limit_bytes),
+            self.budget.key()
+        )
+    }
+
+    fn held_by(&self) -> String {
+        format!("held by {}", holders_summary(&self.usage.holders, self.gpus))
+    }
+
+    fn grace_text(&self) -> String {
+        match self.budget.eviction_grace_period_seconds {
+            Some(g) => format!("{g}s grace"),
+            None => format!("the pod's {}s grace", self.view.termination_grace_seconds.unwrap_or(30)),
+        }
+    }
+}
+
+impl Enforcer {
+    /// An enforcer with these settings and no memory (a fresh start).
+    pub fn new(settings: Settings) -> Self {
+        Self { settings, pods: HashMap::new(), generation: 0 }
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// The state the agent holds for a pod (for `top` and metrics).
+    pub fn state_of(&self, uid: &str) -> Option<BudgetState> {
+        self.pods.get(uid).filter(|m| !m.last_budget.is_empty()).map(|m| m.tracker.state)
+    }
+
+    /// Pods remembered.
+    pub fn len(&self) -> usize {
+        self.pods.len()
+    }
+
+    /// Whether no pod is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.pods.is_empty()
+    }
+
+    fn event(&self, mem: &mut PodMemory, now: u64, reason: Reason, note: String, out: &mut Vec<Action>) {
+        let slot = &mut mem.last_event_ms[reason.slot()];
+        if slot.is_some_and(|at| now.saturating_sub(at) < self.settings.event_cooldown_ms) {
+            return;
+        }
+        *slot = Some(now);
+        out.push(Action::Event { pod: mem.pod.clone(), reason, note: bounded(note) });
+    }
+
+    /// Decides this tick. `usage` is indexed like `table.pods`; `gpus` are the snapshot's (for messages).
+    pub fn tick(&mut self, now: Now, table: &PodTable, usage: &[PodUsage], gpus: &[GpuInfo], out: &mut Vec<Action>) {
+        self.generation += 1;
+        let empty = PodUsage::default();
+        for (i, view) in table.pods.iter().enumerate() {
+            let pod_usage = usage.get(i).unwrap_or(&empty);
+            match table.budget(i) {
+                Some(budget) => {
+                    let cx = Context { view, budget, usage: pod_usage, gpus };
+                    self.tick_pod(now, &cx, out);
+                }
+                None => self.tick_unbudgeted(now, view, out),
+            }
+        }
+        let generation = self.generation;
+        self.pods.retain(|_, m| m.seen == generation);
+    }
+
+    fn new_memory(&self, now: Now, view: &PodView) -> PodMemory {
+        // What this agent (on this node) recorded before a restart.
+        let record = view.record.clone().filter(|r| r.node == self.settings.node);
+        PodMemory {
+            pod: PodRef::of(view),
+            tracker: Tracker::default(),
+            reported: record.as_ref().map_or(BudgetState::Within, |r| r.state),
+            eviction_requested_at: record.as_ref().and_then(|r| r.eviction_requested_at.clone()),
+            written: record,
+            has_annotations: view.has_annotations,
+            // Conservative: as if just written, so a restart does not rewrite usage at once.
+            last_write_ms: now.mono_ms,
+            write_in_flight: false,
+            write_failures: 0,
+            write_retry_at: 0,
+            eviction: Eviction::Idle,
+            last_event_ms: [None; 5],
+            last_usage: 0,
+            last_limit: 0,
+            last_budget: String::new(),
+            seen: 0,
+        }
+    }
+
+    fn take_memory(&mut self, now: Now, view: &PodView) -> PodMemory {
+        match self.pods.remove(&view.uid) {
+            Some(mut mem) => {
+                mem.pod = PodRef::of(view);
+                mem
+            }
+            None => self.new_memory(now, view),
+        }
+    }
+
+    fn tick_unbudgeted(&mut self, now: Now, view: &PodView, out: &mut Vec<Action>) {
+        let mut mem = self.take_memory(now, view);
+        mem.seen = self.generation;
+        mem.last_budget.clear();
+        mem.tracker = Tracker::default();
+        mem.reported = BudgetState::Within;
+        if matches!(mem.eviction, Eviction::Blocked { .. } | Eviction::AwaitingRecord) {
+            mem.eviction = Eviction::Idle;
+        }
+        // A record of ours with no budget behind it any more: remove it, once.
+        let ours = view.record.as_ref().is_some_and(|r| r.node == self.settings.node) || mem.written.is_some();
+        if ours && mem.has_annotations && !mem.write_in_flight && now.mono_ms >= mem.write_retry_at {
+            mem.write_in_flight = true;
+            out.push(Action::Clear { pod: mem.pod.clone() });
+        }
+        self.pods.insert(view.uid.clone(), mem);
+    }
+
+    fn tick_pod(&mut self, now: Now, cx: &Context<'_>, out: &mut Vec<Action>) {
+        let budget = cx.budget;
+        let view = cx.view;
+        let total = cx.usage.total;
+        let thresholds = budget.thresholds(view.critical);
+        let mut mem = self.take_memory(now, view);
+        mem.seen = self.generation;
+        mem.tracker = step(mem.tracker, &thresholds, now.mono_ms, total);
+        mem.last_usage = total;
+        mem.last_limit = budget.limit_bytes;
+        if !is_key(&mem.last_budget, budget) {
+            mem.last_budget = budget.key();
+        }
+        let state = mem.tracker.state;
+
+        if state != mem.reported {
+            out.push(Action::Transition {
+                pod: mem.pod.clone(),
+                from: mem.reported,
+                to: state,
+                usage: total,
+                limit: budget.limit_bytes,
+                budget: mem.last_budget.clone(),
+            });
+            let event = match (mem.reported, state) {
+                (BudgetState::Within, BudgetState::Near) => Some((
+                    Reason::NearBudget,
+                    format!(
+                        "{}, at or above the {}% warning threshold; {}",
+                        cx.used_of(),
+                        budget.warn_at_percent,
+                        cx.held_by()
+                    ),
+                )),
+                (BudgetState::Within | BudgetState::Near, BudgetState::Over) => {
+                    let then = if budget.action == BudgetAction::Warn {
+                        "action is Warn: the pod is not evicted".to_owned()
+                    } else if view.critical {
+                        "the pod is critical and is never evicted".to_owned()
+                    } else if budget.over_limit_seconds == 0 {
+                        "evicting now".to_owned()
+                    } else {
+                        format!("evicting if it stays over for {}s", budget.over_limit_seconds)
+                    };
+                    Some((Reason::OverBudget, format!("{}; {then}; {}", cx.used_of(), cx.held_by())))
+                }
+                (BudgetState::Over | BudgetState::Evicting, BudgetState::Within | BudgetState::Near) => {
+                    Some((Reason::WithinBudget, format!("back under the limit: {}; {}", cx.used_of(), cx.held_by())))
+                }
+                (BudgetState::Near, BudgetState::Within) => Some((
+                    Reason::WithinBudget,
+                    format!("{}, under the {}% warning threshold again", cx.used_of(), budget.warn_at_percent),
+                )),
+                _ => None,
+            };
+            if let Some((reason, note)) = event {
+                self.event(&mut mem, now.mono_ms, reason, note, out);
+            }
+            mem.reported = state;
+        }
+
+        // Eviction.
+        let evictable = state == BudgetState::Evicting
+            && thresholds.may_evict
+            && budget.action == BudgetAction::Evict
+            && !view.critical
+            && !view.terminating
+            && view.node.as_deref() == Some(self.settings.node.as_str());
+        let mut applied = false;
+        match mem.eviction {
+            Eviction::Idle if evictable => {
+                let at = now.wall.round(jiff::Unit::Second).unwrap_or(now.wall).to_string();
+                mem.eviction_requested_at = Some(at);
+                let record = self.desired(&mem, cx);
+                out.push(Action::Apply { pod: mem.pod.clone(), record });
+                mem.write_in_flight = true;
+                applied = true;
+                let note = format!(
+                    "{} for {}s; evicting with {}; {}",
+                    cx.used_of(),
+                    seconds(mem.tracker.over_for(now.mono_ms)),
+                    cx.grace_text(),
+                    cx.held_by()
+                );
+                // Not subject to the cooldown: one per eviction, and evictions are rare.
+                mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
+                out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::Evicting, note: bounded(note) });
+                mem.eviction = Eviction::AwaitingRecord;
+            }
+            Eviction::AwaitingRecord if evictable && !mem.write_in_flight && record_landed(&mem) => {
+                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: budget.eviction_grace_period_seconds });
+                mem.eviction = Eviction::InFlight { attempts: 0 };
+            }
+            Eviction::AwaitingRecord if state != BudgetState::Evicting => mem.eviction = Eviction::Idle,
+            Eviction::Blocked { retry_at, attempts } if evictable && now.mono_ms >= retry_at => {
+                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: budget.eviction_grace_period_seconds });
+                mem.eviction = Eviction::InFlight { attempts };
+            }
+            Eviction::Blocked { .. } if state != BudgetState::Evicting => mem.eviction = Eviction::Idle,
+            _ => {}
+        }
+
+        // The record: compared field by field, built only when due.
+        if !applied && !mem.write_in_flight && now.mono_ms >= mem.write_retry_at {
+            let due = match &mem.written {
+                None => true,
+                Some(w) => {
+                    w.state != state
+                        || w.budget != budget.name
+                        || w.node != self.settings.node
+                        || w.eviction_requested_at != mem.eviction_requested_at
+                        || (percent_changed(w.usage_bytes, total, self.settings.usage_change_percent)
+                            && now.mono_ms.saturating_sub(mem.last_write_ms) >= self.settings.usage_min_interval_ms)
+                }
+            };
+            if due {
+                out.push(Action::Apply { pod: mem.pod.clone(), record: self.desired(&mem, cx) });
+                mem.write_in_flight = true;
+            }
+        }
+        self.pods.insert(view.uid.clone(), mem);
+    }
+
+    fn desired(&self, mem: &PodMemory, cx: &Context<'_>) -> PodRecord {
+        PodRecord {
+            state: mem.tracker.state,
+            usage_bytes: cx.usage.total,
+            budget: cx.budget.name.clone(),
+            node: self.settings.node.clone(),
+            eviction_requested_at: mem.eviction_requested_at.clone(),
+        }
+    }
+
+    /// Takes an executor's report into account; may emit events (a blocked eviction).
+    pub fn feedback(&mut self, now: Now, feedback: Feedback, out: &mut Vec<Action>) {
+        let (write_min, usage_interval, evict_min, evict_max) = (
+            self.settings.write_backoff_min_ms,
+            self.settings.usage_min_interval_ms,
+            self.settings.evict_backoff_min_ms,
+            self.settings.evict_backoff_max_ms,
+        );
+        match feedback {
+            Feedback::Written { uid, record, ok } => {
+                let Some(mem) = self.pods.get_mut(&uid) else { return };
+                mem.write_in_flight = false;
+                if ok {
+                    mem.has_annotations = record.is_some();
+                    mem.written = record;
+                    mem.last_write_ms = now.mono_ms;
+                    mem.write_failures = 0;
+                    mem.write_retry_at = 0;
+                } else {
+                    mem.write_failures = mem.write_failures.saturating_add(1);
+                    let backoff = write_min
+                        .saturating_mul(1 << mem.write_failures.min(16).saturating_sub(1))
+                        .min(usage_interval.max(write_min));
+                    mem.write_retry_at = now.mono_ms + backoff;
+                }
+            }
+            Feedback::Evicted { uid, outcome } => {
+                let Some(mut mem) = self.pods.remove(&uid) else { return };
+                let attempts = match mem.eviction {
+                    Eviction::Blocked { attempts, .. } | Eviction::InFlight { attempts } => attempts,
+                    Eviction::Idle | Eviction::AwaitingRecord | Eviction::Done => 0,
+                } + 1;
+                let backoff = evict_min.saturating_mul(1 << attempts.min(16).saturating_sub(1)).min(evict_max);
+                match outcome {
+                    EvictOutcome::Accepted | EvictOutcome::Gone => mem.eviction = Eviction::Done,
+                    EvictOutcome::Blocked(message) => {
+                        mem.eviction = Eviction::Blocked { attempts, retry_at: now.mono_ms + backoff };
+                        let note = format!(
+                            "eviction refused: {message}; using {} of {} (budget {}); retrying in {}s",
+                            HumanBytes(mem.last_usage),
+                            HumanBytes(mem.last_limit),
+                            mem.last_budget,
+                            seconds(backoff)
+                        );
+                        self.event(&mut mem, now.mono_ms, Reason::EvictionBlocked, note, out);
+                    }
+                    EvictOutcome::Failed(_) => {
+                        // The executor logged and counted it; retried with backoff.
+                        mem.eviction = Eviction::Blocked { attempts, retry_at: now.mono_ms + backoff };
+                    }
+                }
+                self.pods.insert(uid, mem);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

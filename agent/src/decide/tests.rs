@@ -1,0 +1,426 @@
+use super::*;
+use crate::attribute::pods::PodView;
+use crate::attribute::usage::Holder;
+use gpubudget_common::GpuMemoryBudget;
+use k8s_openapi::api::core::v1::Pod;
+use proptest::prelude::*;
+
+const GI: u64 = 1 << 30;
+const NODE: &str = "gpu-node-1";
+
+fn budget(extra: &str) -> GpuMemoryBudget {
+    serde_yaml::from_str(&format!(
+        "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: llm, namespace: team-a}}\n\
+         spec: {{selector: {{}}, limit: 8Gi{extra}}}"
+    ))
+    .expect("budget")
+}
+
+fn pod(extra_meta: &str, extra_spec: &str) -> PodView {
+    let p: Pod = serde_yaml::from_str(&format!(
+        "metadata: {{name: llm-0, namespace: team-a, uid: uid-1{extra_meta}}}\n\
+         spec: {{nodeName: {NODE}, terminationGracePeriodSeconds: 45, containers: []{extra_spec}}}"
+    ))
+    .expect("pod");
+    PodView::from_pod(&p).expect("view")
+}
+
+fn table(view: PodView, budgets: &[GpuMemoryBudget]) -> PodTable {
+    PodTable::build([view], budgets, Some(NODE))
+}
+
+fn gpus() -> Vec<GpuInfo> {
+    vec![GpuInfo { label: "0".into(), ..GpuInfo::default() }]
+}
+
+fn usage(bytes: u64) -> Vec<PodUsage> {
+    vec![PodUsage {
+        total: bytes,
+        holders: vec![Holder { container: Some(Arc::from("trainer")), pid: Some(4242), gpu: 0, bytes }],
+    }]
+}
+
+fn at(ms: u64) -> Now {
+    Now { mono_ms: ms, wall: jiff::Timestamp::from_second(1_800_000_000 + (ms / 1000) as i64).expect("ts") }
+}
+
+/// Runs ticks, feeding back success for every write and `evict` for every eviction; returns all actions.
+struct Harness {
+    enforcer: Enforcer,
+    table: PodTable,
+    evict: Box<dyn FnMut() -> EvictOutcome>,
+    write_ok: bool,
+}
+
+impl Harness {
+    fn new(view: PodView, budgets: &[GpuMemoryBudget]) -> Self {
+        Self {
+            enforcer: Enforcer::new(Settings::new(NODE)),
+            table: table(view, budgets),
+            evict: Box::new(|| EvictOutcome::Accepted),
+            write_ok: true,
+        }
+    }
+
+    fn tick(&mut self, ms: u64, bytes: u64) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.enforcer.tick(at(ms), &self.table, &usage(bytes), &gpus(), &mut out);
+        let mut feedback = Vec::new();
+        for a in &out {
+            match a {
+                Action::Apply { pod, record } => feedback.push(Feedback::Written {
+                    uid: pod.uid.clone(),
+                    record: Some(record.clone()),
+                    ok: self.write_ok,
+                }),
+                Action::Clear { pod } => {
+                    feedback.push(Feedback::Written { uid: pod.uid.clone(), record: None, ok: self.write_ok })
+                }
+                Action::Evict { pod, .. } => {
+                    feedback.push(Feedback::Evicted { uid: pod.uid.clone(), outcome: (self.evict)() })
+                }
+                _ => {}
+            }
+        }
+        for f in feedback {
+            self.enforcer.feedback(at(ms), f, &mut out);
+        }
+        out
+    }
+
+    /// Ticks every 250 ms from `from` to `to` (inclusive) at a constant usage.
+    fn run(&mut self, from: u64, to: u64, bytes: u64) -> Vec<Action> {
+        (from..=to).step_by(250).flat_map(|ms| self.tick(ms, bytes)).collect()
+    }
+}
+
+fn kinds(actions: &[Action]) -> Vec<String> {
+    actions
+        .iter()
+        .map(|a| match a {
+            Action::Transition { from, to, .. } => format!("{from}->{to}"),
+            Action::Apply { record, .. } => format!("apply:{}", record.state),
+            Action::Clear { .. } => "clear".into(),
+            Action::Event { reason, .. } => reason.as_str().into(),
+            Action::Evict { grace_seconds, .. } => format!("evict:{grace_seconds:?}"),
+        })
+        .collect()
+}
+
+fn evicts(actions: &[Action]) -> usize {
+    actions.iter().filter(|a| matches!(a, Action::Evict { .. })).count()
+}
+
+fn writes(actions: &[Action]) -> usize {
+    actions.iter().filter(|a| matches!(a, Action::Apply { .. } | Action::Clear { .. })).count()
+}
+
+fn notes(actions: &[Action]) -> Vec<&str> {
+    actions.iter().filter_map(|a| if let Action::Event { note, .. } = a { Some(note.as_str()) } else { None }).collect()
+}
+
+#[test]
+fn climbs_to_evicting_in_the_contract_order() {
+    let mut h = Harness::new(pod("", ""), &[budget(", evictionGracePeriodSeconds: 30")]);
+    let first = h.tick(0, GI);
+    assert_eq!(kinds(&first), ["apply:Within"], "a new pod's record is written once");
+    let near = h.tick(250, 7_800_000_000);
+    assert_eq!(kinds(&near), ["Within->Near", "GpuMemoryNearBudget", "apply:Near"]);
+    let over = h.tick(500, 9 * GI);
+    assert_eq!(kinds(&over), ["Near->Over", "GpuMemoryOverBudget", "apply:Over"]);
+    assert!(notes(&over)[0].starts_with("using 9Gi of 8Gi (budget team-a/llm); evicting if it stays over for 10s; held by trainer (pid 4242, GPU 0) 9Gi"), "{:?}", notes(&over));
+    assert!(h.run(750, 10_250, 9 * GI).is_empty(), "nothing while the timer runs");
+    let evicting = h.tick(10_500, 9 * GI);
+    assert_eq!(kinds(&evicting), ["Over->Evicting", "apply:Evicting", "EvictingForGpuMemory"]);
+    let Action::Apply { record, .. } = &evicting[1] else { panic!("apply") };
+    assert_eq!(record.eviction_requested_at.as_deref(), Some("2027-01-15T08:00:10Z"));
+    assert_eq!(record.node, NODE);
+    assert_eq!(
+        notes(&evicting)[0],
+        "using 9Gi of 8Gi (budget team-a/llm) for 10s; evicting with 30s grace; held by trainer (pid 4242, GPU 0) 9Gi"
+    );
+    // The request follows once the record that says so has landed (the harness answers at once).
+    assert_eq!(kinds(&h.tick(10_750, 9 * GI)), ["evict:Some(30)"]);
+    // Accepted: never again, however long it stays over.
+    let after = h.run(11_000, 120_000, 9 * GI);
+    assert_eq!(evicts(&after), 0);
+    assert_eq!(writes(&after), 0, "usage unchanged: no write");
+}
+
+#[test]
+fn grace_defaults_to_the_pods_own() {
+    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
+    let mut out = h.tick(0, 9 * GI);
+    out.extend(h.tick(250, 9 * GI));
+    assert!(kinds(&out).contains(&"evict:None".to_owned()), "{:?}", kinds(&out));
+    assert!(notes(&out).iter().any(|n| n.contains("evicting with the pod's 45s grace")), "{:?}", notes(&out));
+}
+
+#[test]
+fn steady_state_writes_nothing_and_usage_respects_the_write_budget() {
+    let mut h = Harness::new(pod("", ""), &[budget("")]);
+    assert_eq!(writes(&h.tick(0, 4 * GI)), 1);
+    // ±4 % wiggle for ten minutes: no write at all.
+    let wiggle: Vec<Action> =
+        (1..2400u64).flat_map(|i| h.tick(i * 250, if i % 2 == 0 { 4 * GI } else { 4 * GI + 4 * GI / 100 })).collect();
+    assert!(wiggle.is_empty(), "{:?}", kinds(&wiggle));
+    // +10 %: written, but not more than once per 30 s.
+    let t0 = 2400 * 250;
+    let grew = h.run(t0, t0 + 29_750, 4 * GI + 4 * GI / 10);
+    assert_eq!(writes(&grew), 1, "changed by ≥5 % and 30 s since the last write");
+    let more = h.run(t0 + 30_000, t0 + 59_750, 5 * GI);
+    assert_eq!(writes(&more), 1);
+    let Some(Action::Apply { record, .. }) = more.first() else { panic!("{:?}", kinds(&more)) };
+    assert_eq!(record.usage_bytes, 5 * GI);
+}
+
+#[test]
+fn usage_changes_wait_for_the_interval_after_a_state_change() {
+    let mut h = Harness::new(pod("", ""), &[budget(", action: Warn")]);
+    h.tick(0, GI);
+    assert_eq!(writes(&h.tick(250, 2 * GI)), 0, "100 % more, but the last write was 250 ms ago");
+    assert_eq!(writes(&h.tick(30_000, 2 * GI)), 1);
+    assert_eq!(writes(&h.tick(30_250, 9 * GI)), 1, "a state change is written at once");
+}
+
+#[test]
+fn warn_critical_terminating_and_foreign_pods_are_never_evicted() {
+    let cases = [
+        (pod("", ""), budget(", action: Warn, overLimitSeconds: 0")),
+        (pod("", ", priorityClassName: system-node-critical"), budget(", overLimitSeconds: 0")),
+        (pod("", ", priority: 2000000001"), budget(", overLimitSeconds: 0")),
+        (pod(", deletionTimestamp: '2026-01-01T00:00:00Z'", ""), budget(", overLimitSeconds: 0")),
+    ];
+    for (view, b) in cases {
+        let name = format!("{view:?}");
+        let mut h = Harness::new(view, &[b]);
+        let out = h.run(0, 60_000, 20 * GI);
+        assert_eq!(evicts(&out), 0, "{name}");
+        assert!(!notes(&out).iter().any(|n| n.contains("evicting with")), "{name}");
+    }
+    // A pod of another node (as if a watch leaked one) is never acted on.
+    let mut other = pod("", "");
+    other.node = Some("elsewhere".into());
+    let mut enforcer = Enforcer::new(Settings::new(NODE));
+    let t = PodTable::build([other], &[budget(", overLimitSeconds: 0")], None);
+    let mut out = Vec::new();
+    for ms in (0..20_000).step_by(250) {
+        enforcer.tick(at(ms), &t, &usage(20 * GI), &gpus(), &mut out);
+    }
+    assert_eq!(evicts(&out), 0);
+    // Warn and critical messages say so.
+    let mut h = Harness::new(pod("", ""), &[budget(", action: Warn")]);
+    assert!(notes(&h.tick(0, 9 * GI))[0].contains("action is Warn: the pod is not evicted"));
+    let mut h = Harness::new(pod("", ", priorityClassName: system-cluster-critical"), &[budget("")]);
+    assert!(notes(&h.tick(0, 9 * GI))[0].contains("critical and is never evicted"));
+}
+
+#[test]
+fn blocked_evictions_retry_with_backoff_one_at_a_time() {
+    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
+    h.evict =
+        Box::new(|| EvictOutcome::Blocked("Cannot evict pod as it would violate the pod's disruption budget.".into()));
+    assert_eq!(evicts(&h.tick(0, 9 * GI)), 0, "the record first");
+    let first = h.tick(250, 9 * GI);
+    assert_eq!(evicts(&first), 1);
+    let blocked: Vec<&str> = notes(&first).into_iter().filter(|n| n.starts_with("eviction refused")).collect();
+    assert_eq!(
+        blocked,
+        [
+            "eviction refused: Cannot evict pod as it would violate the pod's disruption budget.; using 9Gi of 8Gi (budget team-a/llm); retrying in 5s"
+        ]
+    );
+    assert!(kinds(&first).contains(&"GpuMemoryEvictionBlocked".to_owned()));
+    // Retries at 5 s, 15 s (5+10), 35 s (+20), 75 s (+40), then every 60 s.
+    let mut times = Vec::new();
+    for ms in (500..=200_250).step_by(250) {
+        if evicts(&h.tick(ms, 9 * GI)) > 0 {
+            times.push(ms - 250);
+        }
+    }
+    assert_eq!(times, [5_000, 15_000, 35_000, 75_000, 135_000, 195_000]);
+
+    // One in flight: while a request is out, none other is made.
+    let mut enforcer = Enforcer::new(Settings::new(NODE));
+    let t = table(pod("", ""), &[budget(", overLimitSeconds: 0")]);
+    let mut out = Vec::new();
+    for ms in (0..60_000).step_by(250) {
+        let start = out.len();
+        enforcer.tick(at(ms), &t, &usage(9 * GI), &gpus(), &mut out);
+        // The records land; the eviction request gets no answer.
+        let written: Vec<Feedback> = out[start..]
+            .iter()
+            .filter_map(|a| match a {
+                Action::Apply { pod, record } => {
+                    Some(Feedback::Written { uid: pod.uid.clone(), record: Some(record.clone()), ok: true })
+                }
+                _ => None,
+            })
+            .collect();
+        for f in written {
+            enforcer.feedback(at(ms), f, &mut out);
+        }
+    }
+    assert_eq!(evicts(&out), 1, "no feedback yet: still in flight");
+    out.clear();
+    enforcer.feedback(
+        at(60_000),
+        Feedback::Evicted { uid: Arc::from("uid-1"), outcome: EvictOutcome::Failed("timeout".into()) },
+        &mut out,
+    );
+    assert!(out.is_empty(), "other failures are retried quietly");
+    enforcer.tick(at(64_000), &t, &usage(9 * GI), &gpus(), &mut out);
+    assert_eq!(evicts(&out), 0);
+    enforcer.tick(at(65_000), &t, &usage(9 * GI), &gpus(), &mut out);
+    assert_eq!(evicts(&out), 1);
+}
+
+#[test]
+fn a_blocked_eviction_stops_when_usage_comes_back() {
+    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
+    h.evict = Box::new(|| EvictOutcome::Blocked("PDB".into()));
+    assert_eq!(evicts(&h.tick(0, 9 * GI)), 0);
+    assert_eq!(evicts(&h.tick(250, 9 * GI)), 1);
+    let back = h.tick(500, 2 * GI);
+    assert_eq!(kinds(&back), ["Evicting->Within", "GpuMemoryWithinBudget", "apply:Within"]);
+    assert_eq!(evicts(&h.run(750, 60_000, 2 * GI)), 0);
+    // Over again: the timer and the request start afresh (record first, then the request).
+    assert_eq!(evicts(&h.tick(60_250, 9 * GI)), 0);
+    assert_eq!(evicts(&h.tick(60_500, 9 * GI)), 1);
+}
+
+#[test]
+fn a_restart_repeats_no_event_and_never_evicts_earlier() {
+    let annotations = ", annotations: {gpubudget.io/state: Over, gpubudget.io/usage-bytes: '9663676416', \
+                       gpubudget.io/budget: llm, gpubudget.io/node: gpu-node-1}";
+    let mut h = Harness::new(pod(annotations, ""), &[budget("")]);
+    let first = h.tick(0, 9 * GI);
+    assert!(first.is_empty(), "same state, usage within 5 %: nothing to say or write: {:?}", kinds(&first));
+    assert_eq!(evicts(&h.run(250, 9_750, 9 * GI)), 0, "the timer starts at the restart");
+    assert_eq!(evicts(&h.tick(10_000, 9 * GI)), 0, "due: the record goes first");
+    assert_eq!(evicts(&h.tick(10_250, 9 * GI)), 1);
+    // A record written by another node's agent is not ours: no seeding from it.
+    let foreign = annotations.replace("gpu-node-1", "gpu-node-9");
+    let mut h = Harness::new(pod(&foreign, ""), &[budget("")]);
+    assert_eq!(kinds(&h.tick(0, 9 * GI)), ["Within->Over", "GpuMemoryOverBudget", "apply:Over"]);
+}
+
+#[test]
+fn events_are_not_repeated_within_the_cooldown() {
+    let mut h = Harness::new(pod("", ""), &[budget(", action: Warn")]);
+    let mut out = Vec::new();
+    for i in 0..40u64 {
+        // Over, then well under, every 1.5 s: 40 crossings in a minute.
+        out.extend(h.tick(i * 1500, if i % 2 == 0 { 9 * GI } else { GI }));
+    }
+    let transitions = out.iter().filter(|a| matches!(a, Action::Transition { .. })).count();
+    assert_eq!(transitions, 40, "every crossing is a decision");
+    let over_events = out.iter().filter(|a| matches!(a, Action::Event { reason: Reason::OverBudget, .. })).count();
+    assert_eq!(over_events, 1, "one OverBudget event per minute");
+    assert_eq!(writes(&out), 40, "every state change is written at once");
+}
+
+#[test]
+fn losing_the_budget_clears_the_record_once() {
+    let annotations = ", annotations: {gpubudget.io/state: Near, gpubudget.io/usage-bytes: '1', \
+                       gpubudget.io/budget: llm, gpubudget.io/node: gpu-node-1}";
+    let mut h = Harness::new(pod(annotations, ""), &[]);
+    assert_eq!(kinds(&h.run(0, 5_000, GI)), ["clear"]);
+    // Not ours (no record of this node): left alone.
+    let mut h = Harness::new(pod(&annotations.replace("gpu-node-1", "x"), ""), &[]);
+    assert!(h.run(0, 5_000, GI).is_empty());
+}
+
+#[test]
+fn failed_writes_are_retried_with_backoff() {
+    let mut h = Harness::new(pod("", ""), &[budget("")]);
+    h.write_ok = false;
+    let mut times = Vec::new();
+    for ms in (0..=20_000).step_by(250) {
+        if writes(&h.tick(ms, GI)) > 0 {
+            times.push(ms);
+        }
+    }
+    assert_eq!(times, [0, 1_000, 3_000, 7_000, 15_000]);
+    h.write_ok = true;
+    assert_eq!(writes(&h.run(20_250, 31_000, GI)), 1);
+    assert!(h.run(31_250, 100_000, GI).is_empty());
+}
+
+#[test]
+fn forgets_pods_that_are_gone() {
+    let mut h = Harness::new(pod("", ""), &[budget("")]);
+    h.tick(0, GI);
+    assert_eq!(h.enforcer.len(), 1);
+    let mut out = Vec::new();
+    h.enforcer.tick(at(250), &PodTable::default(), &[], &gpus(), &mut out);
+    assert!(h.enforcer.is_empty() && out.is_empty());
+}
+
+#[test]
+fn notes_stay_under_the_api_limit() {
+    let holders: Vec<Holder> = (0..50)
+        .map(|i| Holder { container: Some(Arc::from("c".repeat(300))), pid: Some(i), gpu: 0, bytes: u64::from(i) })
+        .collect();
+    let summary = holders_summary(&holders, &gpus());
+    assert!(summary.ends_with("and 45 more"), "{summary}");
+    assert!(bounded("é".repeat(2000)).len() <= 1024);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Whatever the usage and the API answers: at most one eviction request in flight; an eviction only
+    /// after every sample of the last overLimitSeconds was over the limit; the Evicting record goes out
+    /// before the first request; nothing for Warn.
+    #[test]
+    fn eviction_invariants(
+        steps in proptest::collection::vec((0u64..12, any::<bool>(), 0u8..4), 1..300),
+        warn in any::<bool>(),
+        delay in 0i64..4,
+    ) {
+        let extra = format!(", overLimitSeconds: {delay}{}", if warn { ", action: Warn" } else { "" });
+        let t = table(pod("", ""), &[budget(&extra)]);
+        let mut enforcer = Enforcer::new(Settings::new(NODE));
+        let mut in_flight = 0usize;
+        let mut now = 0u64;
+        let mut history: Vec<(u64, u64)> = Vec::new();
+        let mut evicting_applied = false;
+        for (gib, answer_now, outcome) in steps {
+            now += 250;
+            let bytes = gib * GI;
+            history.push((now, bytes));
+            let mut out = Vec::new();
+            enforcer.tick(at(now), &t, &usage(bytes), &gpus(), &mut out);
+            for a in &out {
+                match a {
+                    Action::Apply { record, .. } if record.state == BudgetState::Evicting => evicting_applied = true,
+                    Action::Evict { .. } => {
+                        prop_assert!(!warn);
+                        prop_assert!(evicting_applied);
+                        in_flight += 1;
+                        prop_assert!(in_flight <= 1);
+                        let start = history.iter().rev().take_while(|(_, u)| *u > 8 * GI).last().map(|(t, _)| *t);
+                        prop_assert!(start.is_some_and(|s| now - s >= delay as u64 * 1000));
+                    }
+                    _ => {}
+                }
+            }
+            if answer_now && in_flight > 0 {
+                let outcome = match outcome {
+                    0 => EvictOutcome::Accepted,
+                    1 => EvictOutcome::Blocked("pdb".into()),
+                    2 => EvictOutcome::Gone,
+                    _ => EvictOutcome::Failed("x".into()),
+                };
+                in_flight -= 1;
+                enforcer.feedback(at(now), Feedback::Evicted { uid: Arc::from("uid-1"), outcome }, &mut out);
+            }
+            for a in &out {
+                if let Action::Apply { pod, record } = a {
+                    enforcer.feedback(at(now), Feedback::Written { uid: pod.uid.clone(), record: Some(record.clone()), ok: true }, &mut Vec::new());
+                }
+            }
+        }
+    }
+}

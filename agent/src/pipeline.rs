@@ -1,0 +1,103 @@
+//! One tick of the pipeline: sample the GPUs, attribute processes to pods, sum per pod, decide, publish
+//! metrics. Shared by `run` (API executor) and `standalone` (JSON lines); `top` samples and attributes
+//! on its own (it decides nothing and exports nothing).
+
+use std::time::{Duration, Instant};
+
+use crate::attribute::ProcAttributor;
+use crate::attribute::Usage;
+use crate::attribute::pods::PodTable;
+use crate::decide::Enforcer;
+use crate::decide::{Action, Feedback, Now, Settings};
+use crate::report::metrics::{Metrics, SeriesTracker};
+use crate::sample::{SamplerSlot, SlotOutcome, Snapshot};
+
+/// What a tick did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TickReport {
+    /// A sample was taken (and, if asked, decided on).
+    pub sampled: bool,
+    /// Time spent in the sampler (NVML calls, or the sample-file check).
+    pub sample_time: Duration,
+    /// Time for the whole tick (sample, attribution, decisions, metrics).
+    pub tick_time: Duration,
+}
+
+/// The agent's loop state.
+#[derive(Debug)]
+pub struct Engine {
+    /// The GPU sampler (rebuilt with backoff when it fails).
+    pub slot: SamplerSlot,
+    /// PID → container.
+    pub attributor: ProcAttributor,
+    /// The last sample.
+    pub snapshot: Snapshot,
+    /// The last per-pod usage.
+    pub usage: Usage,
+    /// The decisions.
+    pub enforcer: Enforcer,
+    /// Metric families.
+    pub metrics: Metrics,
+    series: SeriesTracker,
+    started: Instant,
+    actions: Vec<Action>,
+}
+
+impl Engine {
+    /// An engine; `started` is the zero of its monotonic clock.
+    pub fn new(slot: SamplerSlot, attributor: ProcAttributor, settings: Settings, metrics: Metrics) -> Self {
+        Self {
+            slot,
+            attributor,
+            snapshot: Snapshot::default(),
+            usage: Usage::default(),
+            enforcer: Enforcer::new(settings),
+            metrics,
+            series: SeriesTracker::default(),
+            started: Instant::now(),
+            actions: Vec::new(),
+        }
+    }
+
+    /// The clock now.
+    pub fn now(&self) -> Now {
+        let mono_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        Now { mono_ms, wall: jiff::Timestamp::now() }
+    }
+
+    /// Samples and, with `enforce`, decides. The actions are in [`Self::take_actions`].
+    pub fn tick(&mut self, table: &PodTable, enforce: bool) -> TickReport {
+        let start = Instant::now();
+        let now = self.now();
+        let outcome = self.slot.sample(start, &mut self.snapshot);
+        let sample_time = start.elapsed();
+        match outcome {
+            SlotOutcome::Sampled => {}
+            SlotOutcome::Failed(error) => {
+                self.metrics.nvml_error(error.call);
+                return TickReport { sampled: false, sample_time, tick_time: start.elapsed() };
+            }
+            SlotOutcome::Waiting => return TickReport { sampled: false, sample_time, tick_time: start.elapsed() },
+        }
+        self.usage.compute(&self.snapshot, table, &mut self.attributor, now.mono_ms);
+        if enforce {
+            self.enforcer.tick(now, table, &self.usage.pods, &self.snapshot.gpus, &mut self.actions);
+        }
+        let enforcer = &self.enforcer;
+        self.series.update(&self.metrics, &self.snapshot, table, &self.usage, |uid| enforcer.state_of(uid));
+        let tick_time = start.elapsed();
+        self.metrics.sample_duration.observe(tick_time.as_secs_f64());
+        TickReport { sampled: true, sample_time, tick_time }
+    }
+
+    /// Takes an executor's report into account.
+    pub fn feedback(&mut self, feedback: Feedback) {
+        let now = self.now();
+        self.enforcer.feedback(now, feedback, &mut self.actions);
+    }
+
+    /// The actions decided since the last call, in order.
+    pub fn take_actions(&mut self) -> std::vec::Drain<'_, Action> {
+        self.actions.drain(..)
+    }
+}

@@ -1,0 +1,285 @@
+//! The agent's Prometheus metrics. Series of pods that are gone are removed. Label sets are built once per
+//! series and cached with the series' gauge, so a steady tick allocates nothing here and sets gauges without
+//! hashing label sets (the family lookups were a third of a tick: docs/performance.md).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use gpubudget_common::BudgetState;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::act::Counters;
+use crate::attribute::Usage;
+use crate::attribute::pods::PodTable;
+use crate::sample::Snapshot;
+
+/// `{namespace, pod, container, gpu}`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ContainerLabels {
+    /// Namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub pod: String,
+    /// Container name (empty when unknown).
+    pub container: String,
+    /// GPU label.
+    pub gpu: String,
+}
+
+/// `{namespace, pod, budget}`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BudgetLabels {
+    /// Namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub pod: String,
+    /// Budget name.
+    pub budget: String,
+}
+
+/// `{namespace, pod, state}`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabels {
+    /// Namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub pod: String,
+    /// `Within`, `Near`, `Over`, `Evicting`.
+    pub state: String,
+}
+
+/// `{call}`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CallLabels {
+    /// The failing call.
+    pub call: String,
+}
+
+/// `{gpu}`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GpuLabels {
+    /// GPU label.
+    pub gpu: String,
+}
+
+/// The metric families (cheap to clone: each is shared).
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    /// `gpubudget_pod_gpu_memory_bytes`.
+    pub pod_memory: Family<ContainerLabels, Gauge>,
+    /// `gpubudget_pod_budget_bytes`.
+    pub pod_budget: Family<BudgetLabels, Gauge>,
+    /// `gpubudget_pod_state`.
+    pub pod_state: Family<StateLabels, Gauge>,
+    /// `gpubudget_evictions_total` and `gpubudget_api_writes_total`, counted by the executor.
+    pub act: Counters,
+    /// `gpubudget_nvml_errors_total`.
+    pub nvml_errors: Family<CallLabels, Counter>,
+    /// `gpubudget_unattributed_bytes`.
+    pub unattributed: Family<GpuLabels, Gauge>,
+    /// `gpubudget_sample_duration_seconds`.
+    pub sample_duration: Histogram,
+}
+
+impl Metrics {
+    /// Creates the families and registers them.
+    pub fn new(registry: &mut Registry) -> Self {
+        let buckets = [0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25];
+        let m = Self {
+            pod_memory: Family::default(),
+            pod_budget: Family::default(),
+            pod_state: Family::default(),
+            act: Counters::default(),
+            nvml_errors: Family::default(),
+            unattributed: Family::default(),
+            sample_duration: Histogram::new(buckets),
+        };
+        registry.register(
+            "gpubudget_pod_gpu_memory_bytes",
+            "GPU memory a pod's container holds on a GPU, as NVML reports it (bytes)",
+            m.pod_memory.clone(),
+        );
+        registry.register(
+            "gpubudget_pod_budget_bytes",
+            "The limit of the budget that applies to the pod (bytes)",
+            m.pod_budget.clone(),
+        );
+        registry.register(
+            "gpubudget_pod_state",
+            "Where the pod stands against its budget: 1 for its current state",
+            m.pod_state.clone(),
+        );
+        registry.register(
+            "gpubudget_evictions",
+            "Eviction requests, by result (accepted, blocked, gone, error)",
+            m.act.evictions.clone(),
+        );
+        registry.register(
+            "gpubudget_api_writes",
+            "Writes to the API server, by kind (apply, clear, event, evict) and result",
+            m.act.api_writes.clone(),
+        );
+        registry.register(
+            "gpubudget_nvml_errors",
+            "Failed NVML calls (or sample-file reads), by call",
+            m.nvml_errors.clone(),
+        );
+        registry.register(
+            "gpubudget_unattributed_bytes",
+            "GPU memory of processes in no known pod, per GPU (bytes)",
+            m.unattributed.clone(),
+        );
+        registry.register(
+            "gpubudget_sample_duration_seconds",
+            "Time to sample, attribute and decide, per tick",
+            m.sample_duration.clone(),
+        );
+        m
+    }
+
+    /// Counts one failed call.
+    pub fn nvml_error(&self, call: &str) {
+        self.nvml_errors.get_or_create(&CallLabels { call: call.to_owned() }).inc();
+    }
+}
+
+type SeriesKey = (Arc<str>, Option<Arc<str>>, usize);
+
+#[derive(Debug)]
+struct PodSeries {
+    budget: BudgetLabels,
+    budget_gauge: Gauge,
+    states: [StateLabels; 4],
+    state_gauges: [Gauge; 4],
+    seen: u64,
+}
+
+/// Keeps the per-pod series in step with the pods, removing those of pods that are gone.
+#[derive(Debug, Default)]
+pub struct SeriesTracker {
+    memory: HashMap<SeriesKey, (ContainerLabels, Gauge, u64)>,
+    sums: HashMap<SeriesKey, u64>,
+    pods: HashMap<Arc<str>, PodSeries>,
+    gpus: Vec<(GpuLabels, Gauge)>,
+    generation: u64,
+}
+
+const STATES: [BudgetState; 4] = [BudgetState::Within, BudgetState::Near, BudgetState::Over, BudgetState::Evicting];
+
+impl SeriesTracker {
+    /// Publishes this tick. `state_of` gives a pod's state (for pods with a budget).
+    pub fn update(
+        &mut self,
+        metrics: &Metrics,
+        snapshot: &Snapshot,
+        table: &PodTable,
+        usage: &Usage,
+        state_of: impl Fn(&str) -> Option<BudgetState>,
+    ) {
+        self.generation += 1;
+        let generation = self.generation;
+
+        // GPU list changed: drop every per-GPU series.
+        if self.gpus.len() != snapshot.gpus.len()
+            || self.gpus.iter().zip(&snapshot.gpus).any(|((l, _), g)| l.gpu != g.label)
+        {
+            for (labels, _) in self.gpus.drain(..) {
+                metrics.unattributed.remove(&labels);
+            }
+            for (_, (labels, _, _)) in self.memory.drain() {
+                metrics.pod_memory.remove(&labels);
+            }
+            self.gpus = snapshot
+                .gpus
+                .iter()
+                .map(|g| {
+                    let labels = GpuLabels { gpu: g.label.clone() };
+                    let gauge = metrics.unattributed.get_or_create(&labels).clone();
+                    (labels, gauge)
+                })
+                .collect();
+        }
+        for ((_, gauge), bytes) in self.gpus.iter().zip(&usage.unattributed) {
+            gauge.set(i64::try_from(*bytes).unwrap_or(i64::MAX));
+        }
+
+        self.sums.clear();
+        for (i, pod_usage) in usage.pods.iter().enumerate() {
+            let Some(view) = table.pods.get(i) else { continue };
+            for h in &pod_usage.holders {
+                *self.sums.entry((view.uid.clone(), h.container.clone(), h.gpu)).or_insert(0) += h.bytes;
+            }
+        }
+        for (key, bytes) in &self.sums {
+            let entry = self.memory.entry(key.clone()).or_insert_with(|| {
+                let view = table.find_uid(&key.0).map(|i| &table.pods[i]);
+                let labels = ContainerLabels {
+                    namespace: view.map(|v| v.namespace.to_string()).unwrap_or_default(),
+                    pod: view.map(|v| v.name.to_string()).unwrap_or_default(),
+                    container: key.1.as_deref().unwrap_or_default().to_owned(),
+                    gpu: snapshot.gpus.get(key.2).map(|g| g.label.clone()).unwrap_or_default(),
+                };
+                let gauge = metrics.pod_memory.get_or_create(&labels).clone();
+                (labels, gauge, 0)
+            });
+            entry.2 = generation;
+            entry.1.set(i64::try_from(*bytes).unwrap_or(i64::MAX));
+        }
+        self.memory.retain(|_, (labels, _, seen)| {
+            let keep = *seen == generation;
+            if !keep {
+                metrics.pod_memory.remove(labels);
+            }
+            keep
+        });
+
+        for (i, view) in table.pods.iter().enumerate() {
+            let (Some(budget), Some(state)) = (table.budget(i), state_of(&view.uid)) else { continue };
+            let series = self.pods.entry(view.uid.clone()).or_insert_with(|| {
+                let state = |s: BudgetState| StateLabels {
+                    namespace: view.namespace.to_string(),
+                    pod: view.name.to_string(),
+                    state: s.as_str().to_owned(),
+                };
+                let budget_labels = BudgetLabels {
+                    namespace: view.namespace.to_string(),
+                    pod: view.name.to_string(),
+                    budget: budget.name.clone(),
+                };
+                let states = STATES.map(state);
+                PodSeries {
+                    budget_gauge: metrics.pod_budget.get_or_create(&budget_labels).clone(),
+                    budget: budget_labels,
+                    state_gauges: std::array::from_fn(|k| metrics.pod_state.get_or_create(&states[k]).clone()),
+                    states,
+                    seen: 0,
+                }
+            });
+            if series.budget.budget != budget.name {
+                metrics.pod_budget.remove(&series.budget);
+                series.budget.budget.clone_from(&budget.name);
+                series.budget_gauge = metrics.pod_budget.get_or_create(&series.budget).clone();
+            }
+            series.seen = generation;
+            series.budget_gauge.set(i64::try_from(budget.limit_bytes).unwrap_or(i64::MAX));
+            for (gauge, s) in series.state_gauges.iter().zip(STATES) {
+                gauge.set(i64::from(s == state));
+            }
+        }
+        self.pods.retain(|_, series| {
+            let keep = series.seen == generation;
+            if !keep {
+                metrics.pod_budget.remove(&series.budget);
+                for labels in &series.states {
+                    metrics.pod_state.remove(labels);
+                }
+            }
+            keep
+        });
+    }
+}

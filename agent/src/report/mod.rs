@@ -1,0 +1,3 @@
+//! Stage 5: what the agent exports about each tick ([`metrics`]).
+
+pub mod metrics;

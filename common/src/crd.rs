@@ -1,0 +1,215 @@
+//! The `GpuMemoryBudget` API (`gpubudget.io/v1alpha1`).
+//!
+//! Doc comments here become the schema descriptions that `kubectl explain gmb.spec` prints, so they are
+//! written for the person reading that output.
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+/// The most pods listed in `status.topPods`.
+pub const TOP_PODS_MAX: usize = 10;
+/// How many evicted pod UIDs `status.countedEvictions` remembers, so an eviction is counted once.
+pub const COUNTED_EVICTIONS_MAX: usize = 100;
+
+/// A GPU memory budget for the pods its selector matches, enforced by the gpubudget agent on each node.
+///
+/// Usage is what NVML reports for a pod's processes: for PyTorch that is the caching allocator's reserved
+/// pool plus the CUDA context of each process (about 0.5 GiB on an H100), not
+/// `torch.cuda.memory_allocated()`. Size the limit for that.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "gpubudget.io",
+    version = "v1alpha1",
+    kind = "GpuMemoryBudget",
+    plural = "gpumemorybudgets",
+    singular = "gpumemorybudget",
+    shortname = "gmb",
+    category = "gpubudget",
+    doc = "A GPU memory budget: a limit on the GPU memory each pod its selector matches may hold, enforced by the gpubudget agent on each node (warn, wait out overLimitSeconds, evict). Usage is what NVML reports for the pod's processes: for PyTorch the caching allocator's reserved pool plus about 0.5 GiB of CUDA context per process, not torch.cuda.memory_allocated().",
+    namespaced,
+    status = "GpuMemoryBudgetStatus",
+    derive = "PartialEq",
+    printcolumn = r#"{"name":"Limit","type":"string","jsonPath":".spec.limit","description":"GPU memory one pod may hold"}"#,
+    printcolumn = r#"{"name":"Action","type":"string","jsonPath":".spec.action","description":"Evict or Warn"}"#,
+    printcolumn = r#"{"name":"Matched","type":"integer","jsonPath":".status.matchedPods","description":"Pods the selector matches"}"#,
+    printcolumn = r#"{"name":"Over","type":"integer","jsonPath":".status.podsOverBudget","description":"Matched pods over the limit now"}"#,
+    printcolumn = r#"{"name":"Evicted","type":"integer","jsonPath":".status.evictions","description":"Pods this budget has evicted"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuMemoryBudgetSpec {
+    /// Which pods in this namespace the budget applies to: a standard label selector. `{}` selects every
+    /// pod in the namespace. A pod matched by several budgets gets the one with the smallest limit.
+    #[x_kube(validation = Rule::new("!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn', 'Exists', 'DoesNotExist'])").message("selector.matchExpressions[].operator must be one of In, NotIn, Exists, DoesNotExist"))]
+    #[x_kube(validation = Rule::new("!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['Exists', 'DoesNotExist'] ? (!has(e.values) || size(e.values) == 0) : (has(e.values) && size(e.values) > 0))").message("selector.matchExpressions[].values must be non-empty for In and NotIn, and empty for Exists and DoesNotExist"))]
+    #[schemars(schema_with = "bounded_label_selector")]
+    pub selector: LabelSelector,
+
+    /// The GPU memory one pod may hold, summed over all its containers, processes and GPUs, as a
+    /// Kubernetes quantity (8Gi, 500Mi, 8589934592). Counted as NVML counts it: the framework's reserved
+    /// pool plus about 0.5 GiB of CUDA context per process.
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("limit must be a positive quantity of bytes, such as 8Gi, 500Mi or 8589934592"))]
+    pub limit: Quantity,
+
+    /// Percent of the limit at which the pod is reported as near its budget (an event and a status
+    /// count, never an eviction). 1 to 100; default 90.
+    #[serde(default = "default_warn_at_percent")]
+    #[schemars(range(min = 1, max = 100))]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 100").message("warnAtPercent must be between 1 and 100"))]
+    pub warn_at_percent: i32,
+
+    /// What to do when a pod stays over its limit for `overLimitSeconds`: `Evict` (the default) asks the
+    /// API server to evict the pod, honouring PodDisruptionBudgets; `Warn` only records events and status.
+    #[serde(default)]
+    pub action: BudgetAction,
+
+    /// How long usage must stay over the limit, without a single sample at or under it, before the
+    /// action is taken. Seconds, 0 or more; default 10.
+    #[serde(default = "default_over_limit_seconds")]
+    #[schemars(range(min = 0))]
+    #[x_kube(validation = Rule::new("self >= 0").message("overLimitSeconds must be 0 or more"))]
+    pub over_limit_seconds: i64,
+
+    /// Termination grace period, in seconds, given to a pod this budget evicts. Unset: the pod's own
+    /// `terminationGracePeriodSeconds`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    #[x_kube(validation = Rule::new("self >= 0").message("evictionGracePeriodSeconds must be 0 or more"))]
+    pub eviction_grace_period_seconds: Option<i64>,
+}
+
+/// What the agent does with a pod that stays over its budget.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, schemars::JsonSchema)]
+pub enum BudgetAction {
+    /// Evict the pod through the Eviction API (PodDisruptionBudgets apply).
+    #[default]
+    Evict,
+    /// Audit only: events and status, never an eviction.
+    Warn,
+}
+
+impl std::fmt::Display for BudgetAction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BudgetAction::Evict => "Evict",
+            BudgetAction::Warn => "Warn",
+        })
+    }
+}
+
+fn default_warn_at_percent() -> i32 {
+    90
+}
+
+fn default_over_limit_seconds() -> i64 {
+    10
+}
+
+/// The standard LabelSelector schema with bounds on its lists, so the API server can cost the CEL rules.
+fn bounded_label_selector(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    let mut schema = generator.subschema_for::<LabelSelector>();
+    if let Some(reference) = schema.get("$ref").and_then(|r| r.as_str()).map(str::to_owned) {
+        // Inline the definition so the bounds below can be attached to it.
+        let name = reference.rsplit('/').next().unwrap_or_default().to_owned();
+        if let Some(def) = generator.definitions().get(&name) {
+            schema = schemars::Schema::try_from(def.clone()).unwrap_or(schema);
+        }
+    }
+    let bounds = serde_json::json!({"maxItems": 32, "items": {"maxItems": 256}});
+    if let Some(expressions) =
+        schema.get_mut("properties").and_then(|p| p.get_mut("matchExpressions")).and_then(|m| m.as_object_mut())
+    {
+        expressions.insert("maxItems".into(), bounds["maxItems"].clone());
+        if let Some(values) = expressions
+            .get_mut("items")
+            .and_then(|i| i.get_mut("properties"))
+            .and_then(|p| p.get_mut("values"))
+            .and_then(|v| v.as_object_mut())
+        {
+            values.insert("maxItems".into(), bounds["items"]["maxItems"].clone());
+        }
+    }
+    schema
+}
+
+/// What the operator observed for a budget.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuMemoryBudgetStatus {
+    /// The `metadata.generation` this status was computed for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Pods the selector matches whose budget this is (after resolving overlaps).
+    #[serde(default)]
+    pub matched_pods: i64,
+    /// Matched pods at or above `warnAtPercent` of the limit.
+    #[serde(default)]
+    pub pods_near_budget: i64,
+    /// Matched pods over the limit, including those being evicted.
+    #[serde(default)]
+    pub pods_over_budget: i64,
+    /// Pods this budget has evicted since it was created (each pod counted once).
+    #[serde(default)]
+    pub evictions: i64,
+    /// The most recent eviction this budget caused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_eviction: Option<EvictionRecord>,
+    /// The matched pods with the highest GPU memory usage, highest first (at most 10).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 10))]
+    pub top_pods: Vec<TopPod>,
+    /// UIDs of recently evicted pods already counted in `evictions`, newest last (bookkeeping that keeps
+    /// the count exact across operator restarts; at most 100).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 100))]
+    pub counted_evictions: Vec<String>,
+    /// `Ready` (the spec is valid and enforced) and `Overlapping` (some matched pod is also matched by
+    /// another budget).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// One eviction caused by a budget.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EvictionRecord {
+    /// The evicted pod's name.
+    pub pod: String,
+    /// The node it ran on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// When the agent asked for the eviction (RFC 3339).
+    pub time: String,
+    /// GPU memory the pod held then, as a quantity.
+    pub usage: String,
+}
+
+/// A matched pod and what it holds.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TopPod {
+    /// Pod name.
+    pub name: String,
+    /// Node the pod runs on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// GPU memory the pod holds, human readable (`9.2Gi`).
+    pub usage: String,
+    /// GPU memory the pod holds, in bytes.
+    pub usage_bytes: i64,
+    /// Where the pod stands against the limit.
+    pub state: crate::state::BudgetState,
+}
+
+impl GpuMemoryBudget {
+    /// `namespace/name`, the way messages name a budget.
+    pub fn key(&self) -> String {
+        format!(
+            "{}/{}",
+            self.metadata.namespace.as_deref().unwrap_or_default(),
+            self.metadata.name.as_deref().unwrap_or_default()
+        )
+    }
+}

@@ -1,0 +1,9 @@
+//! gpubudget in one process, on any machine: the in-memory API (gpubudget-testkit, served over HTTP on
+//! 127.0.0.1 so `kubectl` can talk to it), the operator, the agent, and GPU usage replayed from the H100
+//! recording through a kubelet-shaped `/proc`.
+//!
+//! - [`stack`]: the harness (also what the in-process tests run on);
+//! - [`scenario`]: the demo's budgets, pods and usage over time, and what it prints.
+
+pub mod scenario;
+pub mod stack;
