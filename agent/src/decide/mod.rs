@@ -18,6 +18,8 @@
 //!   backoff while still due; an accepted eviction is never requested again for that pod UID. Timers
 //!   start afresh when the agent starts, so a restart can only delay an eviction.
 
+pub mod pressure;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 

@@ -1,0 +1,312 @@
+//! GPU memory pressure, per GPU: the signal and the choice of the pod to evict. Pure: the caller gives the
+//! device's free and total bytes, the time, and the pods using the GPU; nothing here reads a device or logs.
+//!
+//! The model is the kubelet's node-pressure eviction for RAM (`memory.available`):
+//! - a **hard** threshold: free memory under it is pressure at once;
+//! - an optional **soft** threshold: free memory under it for its grace period is pressure;
+//! - a **transition period**: the signal ends only once free memory has stayed above the thresholds that
+//!   long, so it does not flap;
+//! - while under pressure, **one** pod at a time per GPU is evicted, the one most over its budget (bytes
+//!   above its limit); only pods over their budget are candidates: a pod within its budget is the
+//!   neighbour being protected and is never evicted for pressure.
+
+/// A threshold on a GPU's free memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Threshold {
+    /// Free bytes.
+    Bytes(u64),
+    /// Percent of the GPU's memory (0–100).
+    Percent(u8),
+}
+
+impl Threshold {
+    /// The threshold in bytes on a GPU of `total` bytes.
+    pub fn bytes(self, total: u64) -> u64 {
+        match self {
+            Self::Bytes(b) => b,
+            Self::Percent(p) => u64::try_from(u128::from(total) * u128::from(p.min(100)) / 100).unwrap_or(u64::MAX),
+        }
+    }
+
+    /// Parses `2Gi`, `2147483648` or `5%`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        if let Some(p) = text.strip_suffix('%') {
+            return match p.trim().parse::<u8>() {
+                Ok(p) if p <= 100 => Ok(Self::Percent(p)),
+                _ => Err(format!("{text:?}: a percentage must be a whole number from 0 to 100")),
+            };
+        }
+        gpubudget_common::quantity::parse_bytes(text)
+            .map(Self::Bytes)
+            .map_err(|e| format!("{text:?}: expected bytes (2Gi, 2147483648) or a percentage (5%): {e}"))
+    }
+}
+
+/// How the signal is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PressureSettings {
+    /// Free memory under this is pressure at once. `None`: no hard threshold.
+    pub hard: Option<Threshold>,
+    /// Free memory under this for `soft_grace_ms` is pressure.
+    pub soft: Option<Threshold>,
+    /// How long the soft threshold must hold.
+    pub soft_grace_ms: u64,
+    /// How long free memory must stay above the thresholds before the signal ends.
+    pub transition_ms: u64,
+}
+
+impl PressureSettings {
+    /// Pressure eviction off.
+    pub const OFF: Self = Self { hard: None, soft: None, soft_grace_ms: 0, transition_ms: 0 };
+
+    /// Whether any threshold is set.
+    pub fn enabled(&self) -> bool {
+        self.hard.is_some() || self.soft.is_some()
+    }
+}
+
+/// Which threshold put a GPU under pressure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    /// The hard threshold.
+    Hard,
+    /// The soft threshold, held for its grace.
+    Soft,
+}
+
+/// One GPU's signal between samples.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Signal {
+    /// Under pressure since, and why.
+    pub active: Option<(u64, Cause)>,
+    /// The soft threshold has been crossed since (not yet for its grace).
+    soft_since: Option<u64>,
+    /// Free memory has been above the thresholds since (while active).
+    clear_since: Option<u64>,
+}
+
+/// What one sample did to a GPU's signal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// Nothing new.
+    None,
+    /// Pressure began.
+    Began(Cause),
+    /// Pressure ended (free memory stayed above the thresholds for the transition period).
+    Ended,
+}
+
+impl Signal {
+    /// Whether the GPU is under pressure.
+    pub fn active(&self) -> bool {
+        self.active.is_some()
+    }
+
+    /// Takes one sample of the GPU: `free` of `total` bytes at `now_ms` (monotonic).
+    pub fn observe(&mut self, settings: &PressureSettings, free: u64, total: u64, now_ms: u64) -> Change {
+        let under = |t: Option<Threshold>| t.is_some_and(|t| free < t.bytes(total));
+        let hard = under(settings.hard);
+        let soft = under(settings.soft);
+        if soft {
+            self.soft_since.get_or_insert(now_ms);
+        } else {
+            self.soft_since = None;
+        }
+        let soft_held = self.soft_since.is_some_and(|since| now_ms.saturating_sub(since) >= settings.soft_grace_ms);
+        let cause = if hard {
+            Some(Cause::Hard)
+        } else if soft_held {
+            Some(Cause::Soft)
+        } else {
+            None
+        };
+        match (self.active, cause) {
+            (None, Some(cause)) => {
+                self.active = Some((now_ms, cause));
+                self.clear_since = None;
+                Change::Began(cause)
+            }
+            (Some(_), Some(_)) => {
+                self.clear_since = None;
+                Change::None
+            }
+            (Some(_), None) => {
+                // Above the hard threshold and not held under the soft one: ends after the transition
+                // period, counted from the first sample above.
+                let below_soft = soft;
+                if below_soft {
+                    self.clear_since = None;
+                    return Change::None;
+                }
+                let since = *self.clear_since.get_or_insert(now_ms);
+                if now_ms.saturating_sub(since) >= settings.transition_ms {
+                    *self = Self::default();
+                    Change::Ended
+                } else {
+                    Change::None
+                }
+            }
+            (None, None) => Change::None,
+        }
+    }
+}
+
+/// A pod using a GPU under pressure, as the choice needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    /// `namespace/name`: the last tie-break, so the choice does not depend on input order.
+    pub key: String,
+    /// The pod's usage over all its GPUs (what its budget counts).
+    pub usage: u64,
+    /// Its budget's limit; `None` for a pod without a budget (never evicted for pressure).
+    pub limit: Option<u64>,
+    /// Its bytes on this GPU (what evicting it frees here).
+    pub on_gpu: u64,
+    /// May be evicted at all: not critical, not static, its budget's action is `Evict`, not already
+    /// terminating.
+    pub evictable: bool,
+}
+
+impl Candidate {
+    /// Bytes above the budget; 0 within it or without one.
+    pub fn over(&self) -> u64 {
+        self.limit.map_or(0, |limit| self.usage.saturating_sub(limit))
+    }
+}
+
+/// The pod to evict for pressure on one GPU: among the evictable pods over their budget that hold memory on
+/// it, the one most over (bytes above its budget); ties: more bytes on this GPU, then the key that sorts
+/// first. `None` when no pod qualifies: the budgets on this GPU add up to more than it holds, or the memory
+/// is held by pods that may not be evicted.
+pub fn choose(candidates: &[Candidate]) -> Option<usize> {
+    candidates
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.evictable && c.over() > 0 && c.on_gpu > 0)
+        .max_by(|(_, a), (_, b)| a.over().cmp(&b.over()).then(a.on_gpu.cmp(&b.on_gpu)).then_with(|| b.key.cmp(&a.key)))
+        .map(|(i, _)| i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const GI: u64 = 1 << 30;
+    const TOTAL: u64 = 80 * GI;
+
+    fn settings() -> PressureSettings {
+        PressureSettings {
+            hard: Some(Threshold::Bytes(2 * GI)),
+            soft: Some(Threshold::Percent(10)),
+            soft_grace_ms: 5_000,
+            transition_ms: 10_000,
+        }
+    }
+
+    #[test]
+    fn thresholds_parse_and_scale() {
+        assert_eq!(Threshold::parse("2Gi"), Ok(Threshold::Bytes(2 * GI)));
+        assert_eq!(Threshold::parse("5%"), Ok(Threshold::Percent(5)));
+        assert_eq!(Threshold::Percent(5).bytes(TOTAL), 4 * GI);
+        assert!(Threshold::parse("101%").unwrap_err().contains("0 to 100"));
+        assert!(Threshold::parse("lots").unwrap_err().contains("expected bytes"));
+    }
+
+    #[test]
+    fn hard_acts_at_once_soft_after_its_grace_and_the_end_waits_out_the_transition() {
+        let s = settings();
+        let mut g = Signal::default();
+        assert_eq!(g.observe(&s, 20 * GI, TOTAL, 0), Change::None);
+        // Under the soft threshold (8Gi): not yet.
+        assert_eq!(g.observe(&s, 7 * GI, TOTAL, 1_000), Change::None);
+        assert_eq!(g.observe(&s, 7 * GI, TOTAL, 5_999), Change::None);
+        assert_eq!(g.observe(&s, 7 * GI, TOTAL, 6_000), Change::Began(Cause::Soft));
+        // Back above: still under pressure for the transition period.
+        assert_eq!(g.observe(&s, 20 * GI, TOTAL, 7_000), Change::None);
+        assert!(g.active());
+        // A dip under the soft threshold restarts the transition.
+        assert_eq!(g.observe(&s, 7 * GI, TOTAL, 12_000), Change::None);
+        assert_eq!(g.observe(&s, 20 * GI, TOTAL, 13_000), Change::None);
+        assert_eq!(g.observe(&s, 20 * GI, TOTAL, 22_999), Change::None);
+        assert_eq!(g.observe(&s, 20 * GI, TOTAL, 23_000), Change::Ended);
+        // Under the hard threshold (2Gi): at once.
+        assert_eq!(g.observe(&s, GI, TOTAL, 24_000), Change::Began(Cause::Hard));
+    }
+
+    #[test]
+    fn off_never_signals() {
+        let mut g = Signal::default();
+        assert_eq!(g.observe(&PressureSettings::OFF, 0, TOTAL, 0), Change::None);
+        assert!(!g.active());
+    }
+
+    fn candidate(key: &str, usage: u64, limit: Option<u64>, on_gpu: u64, evictable: bool) -> Candidate {
+        Candidate { key: key.into(), usage, limit, on_gpu, evictable }
+    }
+
+    #[test]
+    fn the_most_over_pod_is_chosen_and_pods_within_or_protected_never_are() {
+        let pods = [
+            candidate("a/within", 30 * GI, Some(40 * GI), 30 * GI, true),
+            candidate("a/little-over", 9 * GI, Some(8 * GI), 9 * GI, true),
+            candidate("a/most-over", 20 * GI, Some(8 * GI), 20 * GI, true),
+            candidate("a/no-budget", 40 * GI, None, 40 * GI, true),
+            candidate("kube-system/critical", 60 * GI, Some(GI), 60 * GI, false),
+        ];
+        assert_eq!(choose(&pods), Some(2));
+        assert_eq!(choose(&pods[..2]), Some(1));
+        assert_eq!(choose(&[pods[0].clone(), pods[3].clone(), pods[4].clone()]), None);
+    }
+
+    proptest! {
+        /// Never a pod within its budget, without one, or protected; always one of the most over; the answer
+        /// does not depend on the order of the pods.
+        #[test]
+        fn choice_rules(pods in proptest::collection::vec(
+            (0u64..64, proptest::option::of(0u64..64), 0u64..8, any::<bool>()), 0..12), rotate in 0usize..12) {
+            let pods: Vec<Candidate> = pods.iter().enumerate()
+                .map(|(i, (u, l, g, e))| candidate(&format!("ns/p{i}"), u * GI, l.map(|l| l * GI), g * GI, *e))
+                .collect();
+            let chosen = choose(&pods);
+            if let Some(i) = chosen {
+                let c = &pods[i];
+                prop_assert!(c.evictable && c.limit.is_some() && c.usage > c.limit.unwrap_or(u64::MAX) && c.on_gpu > 0);
+                let best = pods.iter().filter(|p| p.evictable && p.over() > 0 && p.on_gpu > 0).map(Candidate::over).max();
+                prop_assert_eq!(Some(c.over()), best);
+            } else {
+                prop_assert!(!pods.iter().any(|p| p.evictable && p.over() > 0 && p.on_gpu > 0));
+            }
+            let mut rotated = pods.clone();
+            if !rotated.is_empty() {
+                let k = rotate % rotated.len();
+                rotated.rotate_left(k);
+            }
+            prop_assert_eq!(choose(&rotated).map(|i| rotated[i].key.clone()), chosen.map(|i| pods[i].key.clone()));
+        }
+
+        /// The signal is on whenever free memory is under the hard threshold, and never ends sooner than the
+        /// transition period after the last sample under a threshold.
+        #[test]
+        fn signal_rules(frees in proptest::collection::vec(0u64..80, 1..60)) {
+            let s = settings();
+            let mut g = Signal::default();
+            let mut last_under: Option<u64> = None;
+            for (i, free) in frees.iter().enumerate() {
+                let now = i as u64 * 250;
+                let change = g.observe(&s, free * GI, TOTAL, now);
+                if free * GI < 2 * GI {
+                    prop_assert!(g.active());
+                }
+                if free * GI < 8 * GI {
+                    last_under = Some(now);
+                }
+                if change == Change::Ended {
+                    let last = last_under.expect("it began under a threshold");
+                    prop_assert!(now - last >= s.transition_ms);
+                }
+            }
+        }
+    }
+}
