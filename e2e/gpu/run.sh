@@ -194,7 +194,7 @@ nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits > 
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits > "$WORK/smi2.csv"
 cmp -s "$WORK/smi.csv" "$WORK/smi2.csv" || say "note: nvidia-smi changed during the comparison"
 "$AGENT" top --once --no-api > "$WORK/top.txt"
-"$AGENT" record --attribute --output "$WORK/sample.json"
+"$AGENT" capture --attribute --output "$WORK/sample.json"
 cat "$WORK/top.txt"
 
 # --- 5. (b): crossings --------------------------------------------------------------------------------------
