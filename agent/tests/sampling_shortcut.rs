@@ -263,8 +263,8 @@ fn named_cases() {
     ];
     let o = run(&events);
     assert!(o.worst <= INTERVAL, "{o:?}");
-    // Steady state: one list per `max_age` (every 8th sample at 250 ms with 2 s), the rest skipped.
+    // Steady state: one list per `max_age` (every 12th sample at 250 ms with 3 s), the rest skipped.
     let o = run(&quiet(40).collect::<Vec<_>>());
-    assert_eq!(MAX_AGE, Duration::from_secs(2));
-    assert_eq!((o.lists, o.skips), (5, 35), "{o:?}");
+    assert_eq!(MAX_AGE, Duration::from_secs(3));
+    assert_eq!((o.lists, o.skips), (4, 36), "{o:?}");
 }

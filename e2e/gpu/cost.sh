@@ -4,6 +4,7 @@
 #
 #   cargo build -p gpubudget-agent --release && mkdir -p .carry && cp target/release/gpubudget-agent .carry/
 #   OUT=/tmp/out GPUBUDGET_AGENT=.carry/gpubudget-agent bash e2e/gpu/cost.sh
+#   GPUS=2 COUNTS="0 128" ... bash e2e/gpu/cost.sh      # two GPUs, 2 × 64 processes
 #
 # For N = 0, 16, 64 PyTorch processes (each holding a small tensor and sleeping), it runs
 # `gpubudget-agent standalone --interval 250ms` (no pods, no budgets: sampling and the tick alone) in each
@@ -24,6 +25,7 @@ COUNTS=${COUNTS:-"0 16 64"}
 MODES=${MODES:-"always gated never"}
 WARM=${WARM:-2}
 WINDOW=${WINDOW:-18}
+GPUS=${GPUS:-1}
 WORK=$(mktemp -d /tmp/gpubudget-cost.XXXX)
 mkdir -p "$OUT"
 PIDS=()
@@ -43,7 +45,7 @@ cleanup() {
 trap cleanup EXIT
 
 [ -x "$AGENT" ] || { say "no agent binary at $AGENT"; exit 1; }
-GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
+GPU="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1) (x$(nvidia-smi -L | wc -l); processes spread over $GPUS)"
 : > "$WORK/pods.yaml"
 : > "$WORK/budgets.yaml"
 
@@ -54,7 +56,8 @@ grow_to() { # n: start processes until n run, wait until all are ready
   local n=$1
   while [ "${#PIDS[@]}" -lt "$n" ]; do
     local i=${#PIDS[@]}
-    python3 -u e2e/gpu/workload.py hold --gib 0.0625 > "$WORK/w$i.log" 2>&1 &
+    # Spread over the GPUs: process i on GPU i mod $GPUS (GPUS=2 for the two-GPU check, COUNTS="0 128").
+    CUDA_VISIBLE_DEVICES=$((i % GPUS)) python3 -u e2e/gpu/workload.py hold --gib 0.0625 > "$WORK/w$i.log" 2>&1 &
     PIDS+=($!)
   done
   for _ in $(seq 1 600); do

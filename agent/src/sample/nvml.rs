@@ -8,21 +8,22 @@
 //! NVML's process lists cost about 75 µs per process per sample on an H100 (nvml-wrapper asks twice per
 //! list, count then fill), while `memory_info` costs about 7 µs whatever the count. So each unit's lists
 //! are read only when its [`RefreshGate`] says so: whenever the unit's used bytes (`memory_info`) differ
-//! from those at its last list, and at least every [`RefreshGate::DEFAULT_MAX_AGE`] (2 s) regardless.
+//! from those at its last list, and at least every [`RefreshGate::DEFAULT_MAX_AGE`] (3 s) regardless.
 //! Between lists the unit's previous per-process figures are carried unchanged. The graphics list is read
 //! with every list on units that have reported a graphics process; on the others, on the first list, on
-//! every [`RefreshGate::GRAPHICS_EVERY`]th periodic list (10 s), and when the used bytes moved but the
+//! every [`RefreshGate::GRAPHICS_EVERY`]th periodic list (15 s), and when the used bytes moved but the
 //! compute list did not.
 //!
 //! **Bound.** A change that moves the unit's used bytes (a process appearing, exiting, growing or
 //! shrinking, which is how a budget is crossed) is seen at the next sample, as before. A change that
 //! leaves the used bytes exactly as they were (bytes moving between processes, PID reuse with the same
-//! footprint) is seen within `max_age + one interval` (2 s + 250 ms with the defaults). A first graphics
+//! footprint) is seen within `max_age + one interval` (3 s + 250 ms with the defaults). A first graphics
 //! process on a unit that never had one is seen at the next sample when it alone moved the used bytes,
-//! and within `GRAPHICS_EVERY × max_age + one interval` (10.25 s) otherwise. 2 s rather than 1 s: on an
-//! H100 with 64 processes one compute list costs about 4 ms of CPU, so the agent took 0.50 % of a core
-//! with a list every second and 0.28–0.30 % every 2 s (docs/performance.md, issue 13). `GPUBUDGET_NVML_REFRESH` chooses the mode: `gated` (default;
-//! `gated:1s` sets `max_age`),
+//! and within `GRAPHICS_EVERY × max_age + one interval` (15.25 s) otherwise. 3 s: one compute list of 64
+//! processes costs about 4 ms of CPU, so on an H100 a list every 1 s took 0.50 % of a core and every 2 s
+//! 0.28–0.30 %; on two H200s with 64 processes each, every 2 s took 0.51–0.61 % and every 3 s 0.41–0.44 %
+//! (docs/performance.md, issue 13). `GPUBUDGET_NVML_REFRESH` chooses the mode: `gated` (default;
+//! `gated:2s` sets `max_age`),
 //! `always` (both lists every sample, as before the gate), or `never` (only `memory_info`: no processes
 //! are reported; for measuring the floor, never for enforcement).
 
@@ -68,9 +69,9 @@ pub struct RefreshGate {
 
 impl RefreshGate {
     /// The default longest time between two full lists.
-    pub const DEFAULT_MAX_AGE: Duration = Duration::from_secs(2);
+    pub const DEFAULT_MAX_AGE: Duration = Duration::from_secs(3);
     /// On a unit that has never had a graphics process, the graphics list is read on every this many
-    /// periodic lists (every 10 s with the default `max_age`), on the first, and when the device total
+    /// periodic lists (every 15 s with the default `max_age`), on the first, and when the device total
     /// moved but the compute list did not.
     pub const GRAPHICS_EVERY: u32 = 5;
 
