@@ -4,6 +4,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::decide::Settings;
+use crate::decide::pressure::{PressureSettings, Threshold};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use gpubudget_daemon::LogFormat;
 
@@ -43,6 +45,66 @@ pub struct SampleArgs {
     pub interval: Duration,
 }
 
+/// GPU memory pressure eviction (docs/agent.md, "Pressure"): the kubelet's node-pressure eviction, per GPU.
+#[derive(Debug, Clone, Args)]
+pub struct PressureArgs {
+    /// Free memory on a GPU under this is pressure at once: bytes ("4Gi") or a percentage of the GPU ("5%");
+    /// "off" disables the hard threshold.
+    #[arg(long, env = "GPUBUDGET_PRESSURE_HARD", default_value = "5%", value_parser = parse_threshold)]
+    pub pressure_hard: MaybeThreshold,
+    /// Free memory under this for --pressure-soft-grace is pressure ("off": no soft threshold).
+    #[arg(long, env = "GPUBUDGET_PRESSURE_SOFT", default_value = "off", value_parser = parse_threshold)]
+    pub pressure_soft: MaybeThreshold,
+    /// How long the soft threshold must hold.
+    #[arg(long, env = "GPUBUDGET_PRESSURE_SOFT_GRACE", default_value = "10s", value_parser = parse_duration)]
+    pub pressure_soft_grace: Duration,
+    /// How long free memory must stay above the thresholds before the pressure ends.
+    #[arg(long, env = "GPUBUDGET_PRESSURE_TRANSITION", default_value = "10s", value_parser = parse_duration)]
+    pub pressure_transition: Duration,
+    /// Termination grace of a pod evicted for pressure, seconds (its budget's evictionGracePeriodSeconds,
+    /// when lower, wins).
+    #[arg(long, env = "GPUBUDGET_PRESSURE_GRACE_SECONDS", default_value_t = 5, value_parser = clap::value_parser!(i64).range(0..=3600))]
+    pub pressure_grace_seconds: i64,
+}
+
+impl Default for PressureArgs {
+    fn default() -> Self {
+        Self {
+            pressure_hard: MaybeThreshold(Some(Threshold::Percent(5))),
+            pressure_soft: MaybeThreshold(None),
+            pressure_soft_grace: Duration::from_secs(10),
+            pressure_transition: Duration::from_secs(10),
+            pressure_grace_seconds: 5,
+        }
+    }
+}
+
+impl PressureArgs {
+    /// The decision settings.
+    pub fn apply(&self, settings: &mut Settings) {
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        settings.pressure = PressureSettings {
+            hard: self.pressure_hard.0,
+            soft: self.pressure_soft.0,
+            soft_grace_ms: ms(self.pressure_soft_grace),
+            transition_ms: ms(self.pressure_transition),
+        };
+        settings.pressure_grace_seconds = self.pressure_grace_seconds;
+    }
+}
+
+/// A pressure threshold, or none ("off").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaybeThreshold(pub Option<Threshold>);
+
+/// Parses a threshold, or "off".
+pub fn parse_threshold(text: &str) -> Result<MaybeThreshold, String> {
+    match text.trim() {
+        "off" | "" => Ok(MaybeThreshold(None)),
+        other => Threshold::parse(other).map(|t| MaybeThreshold(Some(t))),
+    }
+}
+
 /// `run`.
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
@@ -57,6 +119,8 @@ pub struct RunArgs {
     /// Replay this sample file instead of NVML (re-read when it changes).
     #[arg(long, env = "GPUBUDGET_SAMPLE_FILE")]
     pub sample_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub pressure: PressureArgs,
 }
 
 impl RunArgs {
@@ -68,6 +132,7 @@ impl RunArgs {
             sample: SampleArgs { proc_root, interval },
             admin_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             sample_file: Some(sample_file),
+            pressure: PressureArgs::default(),
         }
     }
 }
@@ -87,6 +152,10 @@ pub struct TopArgs {
     /// Print once and exit.
     #[arg(long)]
     pub once: bool,
+    /// A GPU whose free memory is under this is shown as under pressure (as the agent's
+    /// --pressure-hard; "off": never).
+    #[arg(long, env = "GPUBUDGET_PRESSURE_HARD", default_value = "5%", value_parser = parse_threshold)]
+    pub pressure_hard: MaybeThreshold,
     /// Output format.
     #[arg(long, value_enum, default_value = "table")]
     pub output: Output,
@@ -145,6 +214,8 @@ pub struct StandaloneArgs {
     /// Also write a "usage" line per pod with a budget whenever its usage changes.
     #[arg(long)]
     pub log_usage: bool,
+    #[command(flatten)]
+    pub pressure: PressureArgs,
 }
 
 /// Parses "250ms", "1s", "1.5s", "2m", "1h".

@@ -82,9 +82,18 @@ impl Engine {
         self.usage.compute(&self.snapshot, table, &mut self.attributor, now.mono_ms);
         if enforce {
             self.enforcer.tick(now, table, &self.usage.pods, &self.snapshot.gpus, &mut self.actions);
+            let (gpus, used) = (&self.snapshot.gpus, &self.snapshot.used);
+            self.enforcer.pressure(now, table, &self.usage.pods, gpus, used, &mut self.actions);
         }
         let enforcer = &self.enforcer;
-        self.series.update(&self.metrics, &self.snapshot, table, &self.usage, |uid| enforcer.state_of(uid));
+        self.series.update(
+            &self.metrics,
+            &self.snapshot,
+            table,
+            &self.usage,
+            |uid| enforcer.state_of(uid),
+            |gpu| enforcer.under_pressure(gpu),
+        );
         let tick_time = start.elapsed();
         self.metrics.sample_duration.observe(tick_time.as_secs_f64());
         TickReport { sampled: true, sample_time, tick_time }

@@ -52,6 +52,7 @@ fn cgroup(uid: &str, cid: &str) -> String {
 
 fn snapshot(processes: &[(u32, u64)]) -> Snapshot {
     Snapshot {
+        used: Vec::new(),
         gpus: vec![GpuInfo { label: "0".into(), ..GpuInfo::default() }],
         processes: processes
             .iter()

@@ -450,7 +450,7 @@ impl World {
                     let outcome = self.rng.below(4) as u8;
                     self.pending.push(Pending::Evict { uid: pod.uid.clone(), due, outcome });
                 }
-                Action::Transition { .. } | Action::Event { .. } => {}
+                Action::Transition { .. } | Action::Event { .. } | Action::NodeEvent { .. } => {}
             }
         }
         Ok(())

@@ -28,6 +28,7 @@ struct Shared {
     client: Client,
     recorder: Recorder,
     field_manager: String,
+    node: String,
     counters: Counters,
     feedback: mpsc::UnboundedSender<Feedback>,
 }
@@ -53,6 +54,7 @@ impl KubeExecutor {
             recorder: Recorder::new(client.clone(), reporter),
             client,
             field_manager: gpubudget_common::pod_record::agent_field_manager(node),
+            node: node.to_owned(),
             counters,
             feedback: tx,
         };
@@ -66,7 +68,8 @@ impl KubeExecutor {
                 tracing::info!(%pod, from = from.as_str(), to = to.as_str(), usage, limit, %budget, "state changed");
                 continue;
             }
-            let uid = action.pod().uid.clone();
+            // Events on the Node have no pod: they share one worker, keyed by the empty UID.
+            let uid = action.pod().map_or_else(|| Arc::from(""), |pod| pod.uid.clone());
             let sender = self.workers.entry(uid).or_insert_with(|| {
                 let (tx, rx) = mpsc::unbounded_channel();
                 tokio::spawn(worker(self.shared.clone(), rx));
@@ -154,6 +157,29 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
                 Err(error) => {
                     m.write("event", "error");
                     tracing::warn!(%pod, reason = reason.as_str(), %error, "cannot publish event");
+                }
+            }
+            None
+        }
+        Action::NodeEvent { reason, note } => {
+            let event = Event {
+                type_: if reason.is_warning() { EventType::Warning } else { EventType::Normal },
+                reason: reason.as_str().into(),
+                note: Some(note),
+                action: "Measure".into(),
+                secondary: None,
+            };
+            let node = ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Node".into()),
+                name: Some(shared.node.clone()),
+                ..ObjectReference::default()
+            };
+            match shared.recorder.publish(&event, &node).await {
+                Ok(()) => m.write("event", "ok"),
+                Err(error) => {
+                    m.write("event", "error");
+                    tracing::warn!(node = %shared.node, reason = reason.as_str(), %error, "cannot publish event");
                 }
             }
             None

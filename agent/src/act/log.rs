@@ -17,8 +17,10 @@ pub fn timestamp_fields(now: jiff::Timestamp) -> (String, f64) {
 /// One line for an action.
 pub fn action_line(action: &Action, now: jiff::Timestamp) -> Value {
     let (ts, ts_unix) = timestamp_fields(now);
-    let pod = action.pod();
-    let mut line = json!({"ts": ts, "ts_unix": ts_unix, "pod": pod.to_string(), "uid": &*pod.uid});
+    let mut line = match action.pod() {
+        Some(pod) => json!({"ts": ts, "ts_unix": ts_unix, "pod": pod.to_string(), "uid": &*pod.uid}),
+        None => json!({"ts": ts, "ts_unix": ts_unix}),
+    };
     let extra = match action {
         Action::Transition { from, to, usage, limit, budget, .. } => json!({
             "kind": "transition", "from": from.as_str(), "to": to.as_str(),
@@ -31,6 +33,10 @@ pub fn action_line(action: &Action, now: jiff::Timestamp) -> Value {
             "type": if reason.is_warning() { "Warning" } else { "Normal" }, "note": note,
         }),
         Action::Evict { grace_seconds, .. } => json!({"kind": "evict", "grace_period_seconds": grace_seconds}),
+        Action::NodeEvent { reason, note } => json!({
+            "kind": "node_event", "reason": reason.as_str(),
+            "type": if reason.is_warning() { "Warning" } else { "Normal" }, "note": note,
+        }),
     };
     if let (Some(line), Some(extra)) = (line.as_object_mut(), extra.as_object()) {
         line.extend(extra.clone());
@@ -74,7 +80,7 @@ impl<W: Write> LogExecutor<W> {
                 Action::Evict { pod, .. } => {
                     feedback.push(Feedback::Evicted { uid: pod.uid, outcome: EvictOutcome::Accepted });
                 }
-                Action::Transition { .. } | Action::Event { .. } => {}
+                Action::Transition { .. } | Action::Event { .. } | Action::NodeEvent { .. } => {}
             }
         }
         Ok(feedback)

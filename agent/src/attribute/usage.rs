@@ -120,6 +120,7 @@ mod tests {
         let other = "0c6b2f1e-3d4a-4b5c-8d9e-0f1a2b3c4d5e";
         write_fake_process(dir.path(), 13, 1, &format!("0::/kubepods/pod{other}/{a}\n")).expect("fixture");
         let snapshot = Snapshot {
+            used: Vec::new(),
             gpus: gpus(2),
             processes: vec![
                 ProcessSample { gpu: 0, pid: Some(10), bytes: 100, direct: None },
@@ -165,6 +166,7 @@ mod tests {
             let dir = tempfile::tempdir().expect("tempdir");
             let mut attributor = ProcAttributor::new(dir.path());
             let snapshot = Snapshot {
+                used: Vec::new(),
                 gpus: gpus(3),
                 processes: samples.iter().map(|(gpu, bytes, mine)| ProcessSample {
                     gpu: *gpu,

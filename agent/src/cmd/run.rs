@@ -148,7 +148,11 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
     let mut engine = Engine::new(
         SamplerSlot::new(sampler_factory(args.sample_file.as_deref())),
         ProcAttributor::new(&args.sample.proc_root),
-        Settings::new(&node),
+        {
+            let mut settings = Settings::new(&node);
+            args.pressure.apply(&mut settings);
+            settings
+        },
         metrics.clone(),
     );
     let (mut executor, mut feedback) = KubeExecutor::new(client, &node, metrics.act.clone());

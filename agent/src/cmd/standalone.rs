@@ -125,7 +125,11 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
     let mut engine = Engine::new(
         SamplerSlot::new(crate::cmd::run::sampler_factory(args.sample_file.as_deref())),
         ProcAttributor::new(&args.sample.proc_root),
-        Settings::new(&node),
+        {
+            let mut settings = Settings::new(&node);
+            args.pressure.apply(&mut settings);
+            settings
+        },
         Metrics::new(&mut registry),
     );
     let (ts, ts_unix) = timestamp_fields(jiff::Timestamp::now());

@@ -16,6 +16,7 @@ use crate::attribute::ProcAttributor;
 use crate::attribute::pods::{PodTable, PodView};
 use crate::attribute::{Owner, Usage};
 use crate::cli::{Output, TopArgs};
+use crate::decide::pressure::Threshold;
 use crate::sample::{Sampler, Snapshot};
 
 /// A GPU row.
@@ -31,6 +32,11 @@ pub struct GpuRow {
     pub used_bytes: u64,
     /// Its memory, bytes.
     pub total_bytes: u64,
+    /// Free memory as the device reports it (total minus its used bytes), when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub free_bytes: Option<u64>,
+    /// Free memory is under the hard pressure threshold.
+    pub pressure: bool,
 }
 
 /// A pod row.
@@ -95,6 +101,7 @@ pub fn build_view(
     usage: &Usage,
     proc_root: &std::path::Path,
     names: bool,
+    pressure_hard: Option<Threshold>,
 ) -> View {
     let gpus = snapshot
         .gpus
@@ -106,6 +113,14 @@ pub fn build_view(
             uuid: g.uuid.clone(),
             used_bytes: snapshot.processes.iter().filter(|p| p.gpu == i).map(|p| p.bytes).sum(),
             total_bytes: g.total_bytes,
+            free_bytes: snapshot.used.get(i).copied().flatten().map(|u| g.total_bytes.saturating_sub(u)),
+            pressure: snapshot
+                .used
+                .get(i)
+                .copied()
+                .flatten()
+                .zip(pressure_hard)
+                .is_some_and(|(u, t)| g.total_bytes.saturating_sub(u) < t.bytes(g.total_bytes)),
         })
         .collect();
     let mut pods: BTreeMap<String, PodRow> = BTreeMap::new();
@@ -171,9 +186,17 @@ fn table_text(rows: &[Vec<String>]) -> String {
 /// Renders the view as an aligned table.
 pub fn render_table(view: &View) -> String {
     let mut out = String::new();
-    let mut gpus = vec![vec!["GPU".to_owned(), "NAME".into(), "USED".into(), "TOTAL".into()]];
+    let mut gpus = vec![vec!["GPU".to_owned(), "NAME".into(), "USED".into(), "TOTAL".into(), "FREE".into()]];
     gpus.extend(view.gpus.iter().map(|g| {
-        vec![g.gpu.clone(), g.name.clone(), HumanBytes(g.used_bytes).to_string(), HumanBytes(g.total_bytes).to_string()]
+        let free = g.free_bytes.map_or_else(|| "-".to_owned(), |f| HumanBytes(f).to_string());
+        let free = if g.pressure { format!("{free} (memory pressure)") } else { free };
+        vec![
+            g.gpu.clone(),
+            g.name.clone(),
+            HumanBytes(g.used_bytes).to_string(),
+            HumanBytes(g.total_bytes).to_string(),
+            free,
+        ]
     }));
     out.push_str(&table_text(&gpus));
     out.push('\n');
@@ -278,7 +301,7 @@ pub async fn run(args: TopArgs) -> anyhow::Result<()> {
         sampler.sample(&mut snapshot)?;
         let now_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
         usage.compute(&snapshot, &table, &mut attributor, now_ms);
-        let view = build_view(&snapshot, &table, &usage, &args.sample.proc_root, names);
+        let view = build_view(&snapshot, &table, &usage, &args.sample.proc_root, names, args.pressure_hard.0);
         let text = match args.output {
             Output::Table => render_table(&view),
             Output::Json => serde_json::to_string_pretty(&view)? + "\n",

@@ -130,6 +130,13 @@ pub enum Action {
         /// The message.
         note: String,
     },
+    /// Emit an event on this node's Node object (GPU memory pressure).
+    NodeEvent {
+        /// Why.
+        reason: pressure::NodeReason,
+        /// The message.
+        note: String,
+    },
     /// Request the pod's eviction (policy/v1 Eviction).
     Evict {
         /// The pod.
@@ -140,14 +147,15 @@ pub enum Action {
 }
 
 impl Action {
-    /// The pod the action is about.
-    pub fn pod(&self) -> &PodRef {
+    /// The pod the action is about; `None` for an event on the node.
+    pub fn pod(&self) -> Option<&PodRef> {
         match self {
             Action::Transition { pod, .. }
             | Action::Apply { pod, .. }
             | Action::Clear { pod }
             | Action::Event { pod, .. }
-            | Action::Evict { pod, .. } => pod,
+            | Action::Evict { pod, .. } => Some(pod),
+            Action::NodeEvent { .. } => None,
         }
     }
 }
@@ -203,6 +211,10 @@ pub struct Settings {
     pub evict_backoff_max_ms: u64,
     /// First retry delay after a failed write (doubles up to `usage_min_interval_ms`).
     pub write_backoff_min_ms: u64,
+    /// The GPU memory pressure signal ([`pressure`]); off: budgets alone.
+    pub pressure: pressure::PressureSettings,
+    /// Termination grace of a pressure eviction, seconds; a budget's `evictionGracePeriodSeconds` caps it.
+    pub pressure_grace_seconds: i64,
 }
 
 impl Settings {
@@ -216,6 +228,8 @@ impl Settings {
             evict_backoff_min_ms: 5_000,
             evict_backoff_max_ms: 60_000,
             write_backoff_min_ms: 1_000,
+            pressure: pressure::PressureSettings::OFF,
+            pressure_grace_seconds: 5,
         }
     }
 }
@@ -246,6 +260,16 @@ enum Eviction {
     Done,
 }
 
+/// Marks the "overcommitted" event as sent for this pressure episode; whether it already was.
+fn gpu_told(gpu: &mut GpuPressure) -> bool {
+    std::mem::replace(&mut gpu.told_overcommitted, true)
+}
+
+/// The state a pod's record says: `Evicting` while evicted for pressure, else the state machine's.
+fn record_state(mem: &PodMemory) -> BudgetState {
+    if mem.pressure.is_some() { BudgetState::Evicting } else { mem.tracker.state }
+}
+
 /// Whether the API has the record that says this eviction was requested (written by this agent).
 fn record_landed(mem: &PodMemory) -> bool {
     mem.eviction_requested_at.is_some()
@@ -271,6 +295,8 @@ struct PodMemory {
     last_limit: u64,
     last_budget: String,
     seen: u64,
+    /// The GPU whose memory pressure this pod is being evicted for.
+    pressure: Option<usize>,
 }
 
 /// Remembers each pod between ticks and decides what to do.
@@ -279,6 +305,16 @@ pub struct Enforcer {
     settings: Settings,
     pods: HashMap<Arc<str>, PodMemory>,
     generation: u64,
+    /// Per GPU of the snapshot: the pressure signal.
+    gpus: Vec<GpuPressure>,
+}
+
+/// One GPU's memory pressure between ticks.
+#[derive(Debug, Clone, Default)]
+struct GpuPressure {
+    signal: pressure::Signal,
+    /// The "budgets add up to more than the GPU" event was sent for this episode.
+    told_overcommitted: bool,
 }
 
 fn percent_changed(old: u64, new: u64, percent: u64) -> bool {
@@ -367,7 +403,7 @@ impl Context<'_> {
 impl Enforcer {
     /// An enforcer with these settings and no memory (a fresh start).
     pub fn new(settings: Settings) -> Self {
-        Self { settings, pods: HashMap::new(), generation: 0 }
+        Self { settings, pods: HashMap::new(), generation: 0, gpus: Vec::new() }
     }
 
     /// The settings.
@@ -438,6 +474,7 @@ impl Enforcer {
             last_limit: 0,
             last_budget: String::new(),
             seen: 0,
+            pressure: None,
         }
     }
 
@@ -530,9 +567,13 @@ impl Enforcer {
             mem.reported = state;
         }
 
-        // Eviction.
-        let evictable = state == BudgetState::Evicting
-            && thresholds.may_evict
+        // Eviction: by the budget's timer, or for memory pressure on a GPU (only while still over the limit).
+        if mem.pressure.is_some() && total <= budget.limit_bytes && !matches!(mem.eviction, Eviction::InFlight { .. }) {
+            mem.pressure = None;
+        }
+        let due = state == BudgetState::Evicting || mem.pressure.is_some();
+        let evictable = due
+            && (thresholds.may_evict || mem.pressure.is_some())
             && budget.action == BudgetAction::Evict
             && !view.critical
             && !view.terminating
@@ -559,19 +600,20 @@ impl Enforcer {
                 mem.eviction = Eviction::AwaitingRecord;
             }
             Eviction::AwaitingRecord if evictable && !mem.write_in_flight && record_landed(&mem) => {
-                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: budget.eviction_grace_period_seconds });
+                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: self.grace(&mem, budget) });
                 mem.eviction = Eviction::InFlight { attempts: 0 };
             }
-            Eviction::AwaitingRecord if state != BudgetState::Evicting => mem.eviction = Eviction::Idle,
+            Eviction::AwaitingRecord if !due => mem.eviction = Eviction::Idle,
             Eviction::Blocked { retry_at, attempts } if evictable && now.mono_ms >= retry_at => {
-                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: budget.eviction_grace_period_seconds });
+                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: self.grace(&mem, budget) });
                 mem.eviction = Eviction::InFlight { attempts };
             }
-            Eviction::Blocked { .. } if state != BudgetState::Evicting => mem.eviction = Eviction::Idle,
+            Eviction::Blocked { .. } if !due => mem.eviction = Eviction::Idle,
             _ => {}
         }
 
         // The record: compared field by field, built only when due.
+        let state = record_state(&mem);
         if !applied && !mem.write_in_flight && now.mono_ms >= mem.write_retry_at {
             let due = match &mem.written {
                 None => true,
@@ -592,13 +634,182 @@ impl Enforcer {
         self.pods.insert(view.uid.clone(), mem);
     }
 
+    /// The grace period of an eviction: the budget's, or for pressure the agent's capped by the budget's.
+    fn grace(&self, mem: &PodMemory, budget: &Budget) -> Option<i64> {
+        match mem.pressure {
+            Some(_) => Some(
+                budget
+                    .eviction_grace_period_seconds
+                    .map_or(self.settings.pressure_grace_seconds, |cap| cap.min(self.settings.pressure_grace_seconds)),
+            ),
+            None => budget.eviction_grace_period_seconds,
+        }
+    }
+
     fn desired(&self, mem: &PodMemory, cx: &Context<'_>) -> PodRecord {
         PodRecord {
-            state: mem.tracker.state,
+            state: record_state(mem),
             usage_bytes: cx.usage.total,
             budget: cx.budget.name.clone(),
             node: self.settings.node.clone(),
             eviction_requested_at: mem.eviction_requested_at.clone(),
+        }
+    }
+
+    /// Whether GPU `gpu` (index in the snapshot) is under memory pressure.
+    pub fn under_pressure(&self, gpu: usize) -> bool {
+        self.gpus.get(gpu).is_some_and(|g| g.signal.active())
+    }
+
+    /// The pressure step of a tick, after [`Self::tick`] with the same inputs: each GPU's signal from its
+    /// used bytes (`used`, per GPU; `None`: unknown, no signal), events on the Node when it begins and ends,
+    /// and while it lasts one eviction at a time per GPU: the evictable pod most over its budget among those
+    /// holding memory on it ([`pressure::choose`]), without waiting for `overLimitSeconds`. Pods within
+    /// their budget, without one, with a `Warn` budget, critical or static are never chosen. While a pod
+    /// this agent is evicting still holds memory on the GPU, no other is chosen (the kubelet's "wait for
+    /// reclaim").
+    pub fn pressure(
+        &mut self,
+        now: Now,
+        table: &PodTable,
+        usage: &[PodUsage],
+        gpus: &[GpuInfo],
+        used: &[Option<u64>],
+        out: &mut Vec<Action>,
+    ) {
+        if !self.settings.pressure.enabled() {
+            return;
+        }
+        self.gpus.resize_with(gpus.len(), GpuPressure::default);
+        let empty = PodUsage::default();
+        for (g, info) in gpus.iter().enumerate() {
+            let Some(used) = used.get(g).copied().flatten().filter(|_| info.total_bytes > 0) else { continue };
+            let (free, total) = (info.total_bytes.saturating_sub(used), info.total_bytes);
+            let settings = self.settings.pressure;
+            let gpu = &mut self.gpus[g];
+            match gpu.signal.observe(&settings, free, total, now.mono_ms) {
+                pressure::Change::Began(cause) => {
+                    let (name, threshold) = match cause {
+                        pressure::Cause::Hard => ("hard", settings.hard),
+                        pressure::Cause::Soft => ("soft", settings.soft),
+                    };
+                    let threshold = threshold.map_or(0, |t| t.bytes(total));
+                    let note = format!(
+                        "GPU {}: {} free of {}, under the {name} threshold ({}); evicting pods over their budgets on it, the most over first, one at a time",
+                        info.label,
+                        HumanBytes(free),
+                        HumanBytes(total),
+                        HumanBytes(threshold)
+                    );
+                    out.push(Action::NodeEvent { reason: pressure::NodeReason::Pressure, note });
+                }
+                pressure::Change::Ended => {
+                    gpu.told_overcommitted = false;
+                    let note = format!(
+                        "GPU {}: {} free of {}, above the thresholds for {}s",
+                        info.label,
+                        HumanBytes(free),
+                        HumanBytes(total),
+                        seconds(settings.transition_ms)
+                    );
+                    out.push(Action::NodeEvent { reason: pressure::NodeReason::PressureEnded, note });
+                }
+                pressure::Change::None => {}
+            }
+            if !gpu.signal.breached() {
+                continue;
+            }
+            let on_gpu = |i: usize| -> u64 {
+                usage.get(i).unwrap_or(&empty).holders.iter().filter(|h| h.gpu == g).map(|h| h.bytes).sum()
+            };
+            // Wait for reclaim: a pod this agent is evicting still holds memory here.
+            let reclaiming = table.pods.iter().enumerate().any(|(i, view)| {
+                on_gpu(i) > 0
+                    && self.pods.get(&view.uid).is_some_and(|m| {
+                        matches!(m.eviction, Eviction::AwaitingRecord | Eviction::InFlight { .. } | Eviction::Done)
+                            || m.pressure.is_some()
+                    })
+            });
+            if reclaiming {
+                continue;
+            }
+            let mut candidates = Vec::new();
+            for (i, view) in table.pods.iter().enumerate() {
+                let bytes = on_gpu(i);
+                if bytes == 0 {
+                    continue;
+                }
+                let budget = table.budget(i);
+                let evictable = budget.is_some_and(|b| b.action == BudgetAction::Evict)
+                    && !view.critical
+                    && !view.terminating
+                    && view.mirror_of.is_none()
+                    && view.node.as_deref() == Some(self.settings.node.as_str())
+                    && self
+                        .pods
+                        .get(&view.uid)
+                        .is_some_and(|m| matches!(m.eviction, Eviction::Idle | Eviction::Blocked { .. }));
+                candidates.push((
+                    i,
+                    pressure::Candidate {
+                        key: format!("{}/{}", view.namespace, view.name),
+                        usage: usage.get(i).unwrap_or(&empty).total,
+                        limit: budget.map(|b| b.limit_bytes),
+                        on_gpu: bytes,
+                        evictable,
+                    },
+                ));
+            }
+            let choice: Vec<pressure::Candidate> = candidates.iter().map(|(_, c)| c.clone()).collect();
+            match pressure::choose(&choice) {
+                Some(c) => {
+                    let i = candidates[c].0;
+                    let (view, budget) = (&table.pods[i], table.budget(i));
+                    let (Some(budget), Some(mut mem)) = (budget, self.pods.remove(&view.uid)) else { continue };
+                    let cx = Context { view, budget, usage: usage.get(i).unwrap_or(&empty), gpus };
+                    mem.pressure = Some(g);
+                    let at = now.wall.round(jiff::Unit::Second).unwrap_or(now.wall).to_string();
+                    mem.eviction_requested_at = Some(at);
+                    out.push(Action::Apply { pod: mem.pod.clone(), record: self.desired(&mem, &cx) });
+                    mem.write_in_flight = true;
+                    let note = format!(
+                        "{}; GPU {} is under memory pressure ({} free of {}) and this pod is the most over its budget there: evicting with {}s grace; {}",
+                        cx.used_of(),
+                        info.label,
+                        HumanBytes(free),
+                        HumanBytes(total),
+                        self.grace(&mem, budget).unwrap_or_default(),
+                        cx.held_by()
+                    );
+                    mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
+                    out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::Evicting, note: bounded(note) });
+                    mem.eviction = Eviction::AwaitingRecord;
+                    self.pods.insert(view.uid.clone(), mem);
+                }
+                None if !gpu_told(&mut self.gpus[g]) => {
+                    let mut pods: Vec<String> = candidates
+                        .iter()
+                        .take(5)
+                        .map(|(_, c)| {
+                            let limit =
+                                c.limit.map_or_else(|| "no budget".to_owned(), |l| format!("limit {}", HumanBytes(l)));
+                            format!("{} {} ({limit})", c.key, HumanBytes(c.on_gpu))
+                        })
+                        .collect();
+                    if candidates.len() > 5 {
+                        pods.push(format!("and {} more", candidates.len() - 5));
+                    }
+                    let note = format!(
+                        "GPU {}: {} free of {} and no pod on it may be evicted for pressure: none is over its budget (or those over it are critical, static or Warn); the budgets of the pods using it add up to more than it holds: {}",
+                        info.label,
+                        HumanBytes(free),
+                        HumanBytes(total),
+                        pods.join(", ")
+                    );
+                    out.push(Action::NodeEvent { reason: pressure::NodeReason::Overcommitted, note: bounded(note) });
+                }
+                None => {}
+            }
         }
     }
 

@@ -10,6 +10,33 @@
 //!   above its limit); only pods over their budget are candidates: a pod within its budget is the
 //!   neighbour being protected and is never evicted for pressure.
 
+/// Why an event on the Node is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NodeReason {
+    /// A GPU came under memory pressure.
+    Pressure,
+    /// It is no longer.
+    PressureEnded,
+    /// Under pressure, but no pod on the GPU is over its budget: the budgets add up to more than it holds.
+    Overcommitted,
+}
+
+impl NodeReason {
+    /// The event's `reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pressure => "GpuMemoryPressure",
+            Self::PressureEnded => "GpuMemoryPressureEnded",
+            Self::Overcommitted => "GpuMemoryBudgetsOvercommitted",
+        }
+    }
+
+    /// Warning (true) or Normal.
+    pub fn is_warning(self) -> bool {
+        self != Self::PressureEnded
+    }
+}
+
 /// A threshold on a GPU's free memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Threshold {
@@ -84,6 +111,8 @@ pub struct Signal {
     soft_since: Option<u64>,
     /// Free memory has been above the thresholds since (while active).
     clear_since: Option<u64>,
+    /// The last sample was under a threshold (hard, or soft held for its grace).
+    breached: bool,
 }
 
 /// What one sample did to a GPU's signal.
@@ -98,9 +127,15 @@ pub enum Change {
 }
 
 impl Signal {
-    /// Whether the GPU is under pressure.
+    /// Whether the GPU is under pressure (the signal, transition period included).
     pub fn active(&self) -> bool {
         self.active.is_some()
+    }
+
+    /// Whether the last sample was under a threshold: evictions are decided only then, not while the signal
+    /// merely waits out its transition period (as the kubelet evicts only while a threshold is met).
+    pub fn breached(&self) -> bool {
+        self.breached
     }
 
     /// Takes one sample of the GPU: `free` of `total` bytes at `now_ms` (monotonic).
@@ -121,6 +156,7 @@ impl Signal {
         } else {
             None
         };
+        self.breached = cause.is_some();
         match (self.active, cause) {
             (None, Some(cause)) => {
                 self.active = Some((now_ms, cause));

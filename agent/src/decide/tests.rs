@@ -103,6 +103,7 @@ fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Clear { .. } => "clear".into(),
             Action::Event { reason, .. } => reason.as_str().into(),
             Action::Evict { grace_seconds, .. } => format!("evict:{grace_seconds:?}"),
+            Action::NodeEvent { reason, .. } => format!("node:{}", reason.as_str()),
         })
         .collect()
 }
@@ -422,5 +423,207 @@ proptest! {
                 }
             }
         }
+    }
+}
+
+mod pressure_eviction {
+    //! Pressure on a GPU evicts the pod most over its budget at once, one at a time, and never a pod within
+    //! its budget, without one, critical or static.
+
+    use super::*;
+    use crate::decide::pressure::{NodeReason, PressureSettings, Threshold};
+
+    const TOTAL: u64 = 80 * GI;
+
+    fn budgets() -> Vec<GpuMemoryBudget> {
+        ["grower: {limit: 8Gi, sel: grower}", "big: {limit: 40Gi, sel: n}", "warn: {limit: 1Gi, sel: w}"]
+            .iter()
+            .map(|spec| {
+                let (name, rest) = spec.split_once(": ").expect("spec");
+                let limit = rest.split("limit: ").nth(1).and_then(|r| r.split(',').next()).expect("limit");
+                let sel = rest.split("sel: ").nth(1).and_then(|r| r.strip_suffix('}')).expect("sel");
+                let action = if name == "warn" { "Warn" } else { "Evict" };
+                serde_yaml::from_str(&format!(
+                    "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: {name}, namespace: team-a}}\n\
+                     spec: {{selector: {{matchLabels: {{app: {sel}}}}}, limit: {limit}, action: {action}, overLimitSeconds: 600}}"
+                ))
+                .expect("budget")
+            })
+            .collect()
+    }
+
+    fn view(name: &str, app: &str, extra_meta: &str, extra_spec: &str) -> PodView {
+        let p: Pod = serde_yaml::from_str(&format!(
+            "metadata: {{name: {name}, namespace: team-a, uid: uid-{name}, labels: {{app: {app}}}{extra_meta}}}\n\
+             spec: {{nodeName: {NODE}, terminationGracePeriodSeconds: 3600, containers: []{extra_spec}}}"
+        ))
+        .expect("pod");
+        PodView::from_pod(&p).expect("view")
+    }
+
+    struct Node {
+        enforcer: Enforcer,
+        table: PodTable,
+    }
+
+    impl Node {
+        fn new(views: Vec<PodView>) -> Self {
+            let mut settings = Settings::new(NODE);
+            settings.pressure = PressureSettings {
+                hard: Some(Threshold::Bytes(4 * GI)),
+                soft: None,
+                soft_grace_ms: 0,
+                transition_ms: 1_000,
+            };
+            Self { enforcer: Enforcer::new(settings), table: PodTable::build(views, &budgets(), Some(NODE)) }
+        }
+
+        /// One tick: `bytes` per pod (table order) on GPU 0, the device's used bytes the sum plus `extra`;
+        /// every write and eviction succeeds.
+        fn tick(&mut self, ms: u64, bytes: &[u64], extra: u64) -> Vec<Action> {
+            let usage: Vec<PodUsage> = bytes
+                .iter()
+                .map(|&b| PodUsage {
+                    total: b,
+                    holders: if b == 0 {
+                        vec![]
+                    } else {
+                        vec![Holder { container: None, pid: Some(1), gpu: 0, bytes: b }]
+                    },
+                })
+                .collect();
+            let gpus = vec![GpuInfo { label: "0".into(), total_bytes: TOTAL, ..GpuInfo::default() }];
+            let used = [Some(bytes.iter().sum::<u64>() + extra)];
+            let mut out = Vec::new();
+            self.enforcer.tick(at(ms), &self.table, &usage, &gpus, &mut out);
+            self.enforcer.pressure(at(ms), &self.table, &usage, &gpus, &used, &mut out);
+            let feedback: Vec<Feedback> = out
+                .iter()
+                .filter_map(|a| match a {
+                    Action::Apply { pod, record } => {
+                        Some(Feedback::Written { uid: pod.uid.clone(), record: Some(record.clone()), ok: true })
+                    }
+                    Action::Evict { pod, .. } => {
+                        Some(Feedback::Evicted { uid: pod.uid.clone(), outcome: EvictOutcome::Accepted })
+                    }
+                    _ => None,
+                })
+                .collect();
+            for f in feedback {
+                self.enforcer.feedback(at(ms), f, &mut out);
+            }
+            out
+        }
+    }
+
+    fn evicted(actions: &[Action]) -> Vec<(String, Option<i64>)> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Evict { pod, grace_seconds } => Some((pod.name.to_string(), *grace_seconds)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn node_events(actions: &[Action]) -> Vec<NodeReason> {
+        actions
+            .iter()
+            .filter_map(|a| if let Action::NodeEvent { reason, .. } = a { Some(*reason) } else { None })
+            .collect()
+    }
+
+    #[test]
+    fn the_most_over_pod_is_evicted_at_once_with_the_pressure_grace_and_the_record_says_evicting() {
+        let mut node = Node::new(vec![view("grower", "grower", "", ""), view("neighbour", "n", "", "")]);
+        // 20Gi of an 8Gi budget and 30Gi of a 40Gi one: 50Gi used, no pressure.
+        let quiet = node.tick(0, &[20 * GI, 30 * GI], 0);
+        assert!(evicted(&quiet).is_empty() && node_events(&quiet).is_empty(), "{quiet:#?}");
+        // The grower climbs to 47Gi: 77Gi used, 3Gi free, under the 4Gi hard threshold. overLimitSeconds (600)
+        // is not waited for.
+        let first = node.tick(250, &[47 * GI, 30 * GI], 0);
+        assert_eq!(node_events(&first), [NodeReason::Pressure]);
+        assert!(node.enforcer.under_pressure(0));
+        let record = first.iter().find_map(|a| match a {
+            Action::Apply { pod, record } if &*pod.name == "grower" => Some(record.clone()),
+            _ => None,
+        });
+        assert_eq!(record.map(|r| r.state), Some(BudgetState::Evicting), "{first:#?}");
+        let note = first
+            .iter()
+            .find_map(|a| match a {
+                Action::Event { reason: Reason::Evicting, note, .. } => Some(note.clone()),
+                _ => None,
+            })
+            .expect("an eviction event");
+        assert!(note.contains("under memory pressure") && note.contains("most over its budget"), "{note}");
+        // The request follows once the record landed; the pressure grace (5 s) applies, not the pod's 3600 s.
+        let second = node.tick(500, &[47 * GI, 30 * GI], 0);
+        assert_eq!(evicted(&second), [("grower".to_owned(), Some(5))]);
+        // The neighbour within its budget is never touched, even while pressure lasts.
+        let later: Vec<Action> = (3..20).flat_map(|k| node.tick(k * 250, &[47 * GI, 30 * GI], 0)).collect();
+        assert!(evicted(&later).is_empty(), "{later:#?}");
+        // The grower's processes exit: free memory comes back; the signal ends after the transition period.
+        let back: Vec<Action> = (20..30).flat_map(|k| node.tick(k * 250, &[0, 30 * GI], 0)).collect();
+        assert_eq!(node_events(&back), [NodeReason::PressureEnded]);
+    }
+
+    #[test]
+    fn one_at_a_time_per_gpu_while_the_first_still_holds_memory() {
+        let mut node = Node::new(vec![view("grower", "grower", "", ""), view("second", "grower", "", "")]);
+        // Two pods over the 8Gi budget: 40Gi (32 over) and 37Gi (29 over); 77Gi used.
+        let a = node.tick(0, &[40 * GI, 37 * GI], 0);
+        let b = node.tick(250, &[40 * GI, 37 * GI], 0);
+        assert_eq!(evicted(&[a, b].concat()), [("grower".to_owned(), Some(5))]);
+        // The first still terminates (holds its memory): no second eviction however long it takes.
+        let waiting: Vec<Action> = (2..40).flat_map(|k| node.tick(k * 250, &[40 * GI, 37 * GI], 0)).collect();
+        assert!(evicted(&waiting).is_empty(), "{waiting:#?}");
+        // Its memory is reclaimed but the GPU is still short (the second grows to 77Gi): now the second.
+        let next: Vec<Action> = (40..43).flat_map(|k| node.tick(k * 250, &[0, 77 * GI], 0)).collect();
+        assert_eq!(evicted(&next), [("second".to_owned(), Some(5))]);
+    }
+
+    #[test]
+    fn within_budget_warn_critical_static_and_unbudgeted_pods_are_never_evicted_and_the_node_is_told_once() {
+        let views = vec![
+            view("neighbour", "n", "", ""),
+            view("audit", "w", "", ""),
+            view("critical", "grower", "", ", priorityClassName: system-node-critical"),
+            view("static", "grower", ", annotations: {kubernetes.io/config.mirror: abc}", ""),
+            view("nobudget", "none", "", ""),
+        ];
+        let mut node = Node::new(views);
+        let bytes = [39 * GI, 10 * GI, 10 * GI, 10 * GI, 9 * GI];
+        let all: Vec<Action> = (0..20).flat_map(|k| node.tick(k * 250, &bytes, 0)).collect();
+        assert!(evicted(&all).is_empty(), "{all:#?}");
+        assert_eq!(node_events(&all), [NodeReason::Pressure, NodeReason::Overcommitted]);
+        let note = all
+            .iter()
+            .find_map(|a| match a {
+                Action::NodeEvent { reason: NodeReason::Overcommitted, note } => Some(note.clone()),
+                _ => None,
+            })
+            .expect("told");
+        assert!(note.contains("add up to more than it holds") && note.contains("team-a/neighbour"), "{note}");
+    }
+
+    #[test]
+    fn off_by_default() {
+        let mut node = Node::new(vec![view("grower", "grower", "", "")]);
+        node.enforcer.settings.pressure = PressureSettings::OFF;
+        let all: Vec<Action> = (0..10).flat_map(|k| node.tick(k * 250, &[79 * GI], 0)).collect();
+        assert!(evicted(&all).is_empty() && node_events(&all).is_empty());
+        assert_eq!(Settings::new(NODE).pressure, PressureSettings::OFF);
+    }
+
+    #[test]
+    fn a_budget_grace_caps_the_pressure_grace() {
+        let mut node = Node::new(vec![view("grower", "grower", "", "")]);
+        node.enforcer.settings.pressure_grace_seconds = 30;
+        let mut b = budgets();
+        b[0].spec.eviction_grace_period_seconds = Some(2);
+        node.table = PodTable::build(vec![view("grower", "grower", "", "")], &b, Some(NODE));
+        let all: Vec<Action> = (0..3).flat_map(|k| node.tick(k * 250, &[78 * GI], 0)).collect();
+        assert_eq!(evicted(&all), [("grower".to_owned(), Some(2))]);
     }
 }

@@ -82,6 +82,10 @@ pub struct Metrics {
     pub nvml_errors: Family<CallLabels, Counter>,
     /// `gpubudget_unattributed_bytes`.
     pub unattributed: Family<GpuLabels, Gauge>,
+    /// `gpubudget_gpu_free_bytes`.
+    pub gpu_free: Family<GpuLabels, Gauge>,
+    /// `gpubudget_gpu_memory_pressure`.
+    pub gpu_pressure: Family<GpuLabels, Gauge>,
     /// `gpubudget_sample_duration_seconds`.
     pub sample_duration: Histogram,
 }
@@ -97,6 +101,8 @@ impl Metrics {
             act: Counters::default(),
             nvml_errors: Family::default(),
             unattributed: Family::default(),
+            gpu_free: Family::default(),
+            gpu_pressure: Family::default(),
             sample_duration: Histogram::new(buckets),
         };
         registry.register(
@@ -130,6 +136,16 @@ impl Metrics {
             m.nvml_errors.clone(),
         );
         registry.register(
+            "gpubudget_gpu_free_bytes",
+            "Free memory of a GPU as the device reports it (total minus used, bytes)",
+            m.gpu_free.clone(),
+        );
+        registry.register(
+            "gpubudget_gpu_memory_pressure",
+            "1 while a GPU is under memory pressure (free memory under the agent's threshold), else 0",
+            m.gpu_pressure.clone(),
+        );
+        registry.register(
             "gpubudget_unattributed_bytes",
             "GPU memory of processes in no known pod, per GPU (bytes)",
             m.unattributed.clone(),
@@ -159,20 +175,30 @@ struct PodSeries {
     seen: u64,
 }
 
+/// One GPU's series.
+#[derive(Debug)]
+struct GpuSeries {
+    labels: GpuLabels,
+    unattributed: Gauge,
+    free: Gauge,
+    pressure: Gauge,
+}
+
 /// Keeps the per-pod series in step with the pods, removing those of pods that are gone.
 #[derive(Debug, Default)]
 pub struct SeriesTracker {
     memory: HashMap<SeriesKey, (ContainerLabels, Gauge, u64)>,
     sums: HashMap<SeriesKey, u64>,
     pods: HashMap<Arc<str>, PodSeries>,
-    gpus: Vec<(GpuLabels, Gauge)>,
+    gpus: Vec<GpuSeries>,
     generation: u64,
 }
 
 const STATES: [BudgetState; 4] = [BudgetState::Within, BudgetState::Near, BudgetState::Over, BudgetState::Evicting];
 
 impl SeriesTracker {
-    /// Publishes this tick. `state_of` gives a pod's state (for pods with a budget).
+    /// Publishes this tick. `state_of` gives a pod's state (for pods with a budget), `under_pressure`
+    /// whether a GPU (snapshot index) is under memory pressure.
     pub fn update(
         &mut self,
         metrics: &Metrics,
@@ -180,16 +206,19 @@ impl SeriesTracker {
         table: &PodTable,
         usage: &Usage,
         state_of: impl Fn(&str) -> Option<BudgetState>,
+        under_pressure: impl Fn(usize) -> bool,
     ) {
         self.generation += 1;
         let generation = self.generation;
 
         // GPU list changed: drop every per-GPU series.
         if self.gpus.len() != snapshot.gpus.len()
-            || self.gpus.iter().zip(&snapshot.gpus).any(|((l, _), g)| l.gpu != g.label)
+            || self.gpus.iter().zip(&snapshot.gpus).any(|(s, g)| s.labels.gpu != g.label)
         {
-            for (labels, _) in self.gpus.drain(..) {
-                metrics.unattributed.remove(&labels);
+            for s in self.gpus.drain(..) {
+                metrics.unattributed.remove(&s.labels);
+                metrics.gpu_free.remove(&s.labels);
+                metrics.gpu_pressure.remove(&s.labels);
             }
             for (_, (labels, _, _)) in self.memory.drain() {
                 metrics.pod_memory.remove(&labels);
@@ -199,13 +228,22 @@ impl SeriesTracker {
                 .iter()
                 .map(|g| {
                     let labels = GpuLabels { gpu: g.label.clone() };
-                    let gauge = metrics.unattributed.get_or_create(&labels).clone();
-                    (labels, gauge)
+                    GpuSeries {
+                        unattributed: metrics.unattributed.get_or_create(&labels).clone(),
+                        free: metrics.gpu_free.get_or_create(&labels).clone(),
+                        pressure: metrics.gpu_pressure.get_or_create(&labels).clone(),
+                        labels,
+                    }
                 })
                 .collect();
         }
-        for ((_, gauge), bytes) in self.gpus.iter().zip(&usage.unattributed) {
-            gauge.set(i64::try_from(*bytes).unwrap_or(i64::MAX));
+        for (g, series) in self.gpus.iter().enumerate() {
+            let bytes = usage.unattributed.get(g).copied().unwrap_or(0);
+            series.unattributed.set(i64::try_from(bytes).unwrap_or(i64::MAX));
+            if let (Some(Some(used)), Some(info)) = (snapshot.used.get(g), snapshot.gpus.get(g)) {
+                series.free.set(i64::try_from(info.total_bytes.saturating_sub(*used)).unwrap_or(i64::MAX));
+            }
+            series.pressure.set(i64::from(under_pressure(g)));
         }
 
         self.sums.clear();

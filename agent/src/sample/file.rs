@@ -66,6 +66,9 @@ pub struct SampleGpu {
     /// Memory of the GPU, bytes.
     #[serde(default, deserialize_with = "bytes")]
     pub memory_total_bytes: u64,
+    /// Memory the device says is used (`memory_info`), bytes; absent: unknown (no pressure signal).
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "opt_bytes")]
+    pub memory_used_bytes: Option<u64>,
     /// Processes on the whole GPU (MIG disabled).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub processes: Vec<SampleProcess>,
@@ -85,6 +88,9 @@ pub struct SampleMig {
     /// Memory of the instance, bytes.
     #[serde(default, deserialize_with = "bytes")]
     pub memory_total_bytes: u64,
+    /// Memory the instance says is used, bytes; absent: unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "opt_bytes")]
+    pub memory_used_bytes: Option<u64>,
     /// Its processes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub processes: Vec<SampleProcess>,
@@ -129,6 +135,10 @@ fn bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     }
 }
 
+fn opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    bytes(d).map(Some)
+}
+
 impl SampleProcess {
     fn direct(&self) -> Result<Option<DirectOwner>, String> {
         let pod = match (&self.pod_uid, &self.namespace, &self.pod) {
@@ -161,16 +171,20 @@ impl SampleFile {
     pub fn to_snapshot(&self) -> Result<Snapshot, String> {
         let mut snapshot = Snapshot::default();
         for gpu in &self.gpus {
-            let units: Vec<(Option<u32>, &str, u64, &[SampleProcess])> = if gpu.mig.is_empty() {
-                vec![(None, gpu.uuid.as_str(), gpu.memory_total_bytes, &gpu.processes)]
+            type Unit<'a> = (Option<u32>, &'a str, u64, Option<u64>, &'a [SampleProcess]);
+            let units: Vec<Unit<'_>> = if gpu.mig.is_empty() {
+                vec![(None, gpu.uuid.as_str(), gpu.memory_total_bytes, gpu.memory_used_bytes, &gpu.processes)]
             } else {
                 gpu.mig
                     .iter()
-                    .map(|m| (Some(m.index), m.uuid.as_str(), m.memory_total_bytes, &m.processes[..]))
+                    .map(|m| {
+                        (Some(m.index), m.uuid.as_str(), m.memory_total_bytes, m.memory_used_bytes, &m.processes[..])
+                    })
                     .collect()
             };
-            for (mig, uuid, total, processes) in units {
+            for (mig, uuid, total, used, processes) in units {
                 let slot = snapshot.gpus.len();
+                snapshot.used.push(used);
                 snapshot.gpus.push(GpuInfo {
                     index: gpu.index,
                     mig,
@@ -211,12 +225,14 @@ impl SampleFile {
                 None => {
                     gpu.uuid.clone_from(&info.uuid);
                     gpu.memory_total_bytes = info.total_bytes;
+                    gpu.memory_used_bytes = snapshot.used.get(slot).copied().flatten();
                     gpu.processes = processes;
                 }
                 Some(m) => gpu.mig.push(SampleMig {
                     index: m,
                     uuid: info.uuid.clone(),
                     memory_total_bytes: info.total_bytes,
+                    memory_used_bytes: snapshot.used.get(slot).copied().flatten(),
                     processes,
                 }),
             }
@@ -317,6 +333,7 @@ impl Sampler for RecordedSampler {
             out.gpus.clone_from(&self.current.gpus);
         }
         out.processes.clone_from(&self.current.processes);
+        out.used.clone_from(&self.current.used);
         Ok(())
     }
 
@@ -379,6 +396,7 @@ mod tests {
     fn round_trips_a_snapshot() {
         let snap = SampleFile::parse(EXAMPLE).expect("parses").to_snapshot().expect("snapshot");
         let pids_only = Snapshot {
+            used: Vec::new(),
             gpus: snap.gpus.clone(),
             processes: snap.processes.iter().filter(|p| p.direct.is_none()).cloned().collect(),
         };

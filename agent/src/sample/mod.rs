@@ -79,6 +79,9 @@ pub struct Snapshot {
     pub gpus: Vec<GpuInfo>,
     /// Processes, in GPU order.
     pub processes: Vec<ProcessSample>,
+    /// Per GPU (same indexes as `gpus`): the bytes the device says are used (`memory_info`), when the
+    /// sampler knows them (a sample file may not say). The pressure signal reads them.
+    pub used: Vec<Option<u64>>,
 }
 
 /// A failed sampling call, named after the NVML call.

@@ -284,12 +284,13 @@ impl NvmlSampler {
                 None => parent,
             };
             let unit = &mut self.units[gpu];
+            // Read in every mode: the pressure signal needs it.
+            let used = device.memory_info().map_err(|e| error("memory_info", e))?.used;
+            out.used[gpu] = Some(used);
             let decision = match self.mode {
                 RefreshMode::Always => Refresh::Full,
-                RefreshMode::Never | RefreshMode::Gated(_) => {
-                    let used = device.memory_info().map_err(|e| error("memory_info", e))?.used;
-                    if self.mode == RefreshMode::Never { Refresh::Skip } else { unit.gate.decide(used, Instant::now()) }
-                }
+                RefreshMode::Never => Refresh::Skip,
+                RefreshMode::Gated(_) => unit.gate.decide(used, Instant::now()),
             };
             match decision {
                 Refresh::Skip => self.stats.skips += 1,
@@ -408,6 +409,8 @@ impl Sampler for NvmlSampler {
         if out.gpus != self.gpus {
             out.gpus.clone_from(&self.gpus);
         }
+        out.used.clear();
+        out.used.resize(self.gpus.len(), None);
         let result = self.sample_units(out);
         if result.is_err() {
             // A unit whose gate said "list" may not have been listed: list every unit next time.
