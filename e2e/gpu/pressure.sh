@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Pressure eviction on a real GPU (issue 14). Run as root on a host with an NVIDIA GPU, cgroup v2, python3 + torch:
+#
+#   cargo build -p gpubudget-agent --release && mkdir -p .carry && cp target/release/gpubudget-agent .carry/
+#   OUT=/tmp/out GPUBUDGET_AGENT=.carry/gpubudget-agent bash e2e/gpu/pressure.sh
+#
+# Two pods in kubelet-shaped cgroups (as e2e/gpu/run.sh makes them), the agent in standalone mode at 250 ms:
+#   team-n/neighbour  budget 40Gi; cycles 16 GiB: allocate, hold 1 s, free and empty_cache, 0.5 s, again
+#   team-g/grower     budget 8Gi (overLimitSeconds 600: the budget's own timer never fires in a run); jumps to
+#                     JUMP GiB (default: the card's memory less 28 GiB), then climbs at RATE GiB/s
+# For each RATE (RATES, GiB/s) the case runs twice: pressure eviction off (--pressure-hard off) and on (the
+# default hard threshold, 5 % of the GPU; pressure grace GRACE s). The script stands in for the kubelet: when
+# the agent decides to evict the grower it sends SIGTERM to its processes at once and SIGKILL after the grace.
+# Measured per case: when the neighbour first met CUDA OOM (seconds after the grower's jump); with pressure on,
+# the free memory when the eviction was decided (the agent's event) and the time from the free memory crossing
+# the threshold (the grower's own mem_get_info after each chunk) to the decision. Table last; logs in $OUT.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+OUT=${OUT:-$(mktemp -d /tmp/gpubudget-pressure-out.XXXX)}
+AGENT=${GPUBUDGET_AGENT:-.carry/gpubudget-agent}
+RATES=${RATES:-"0.25 1 4"}
+JUMP=${JUMP:-}  # default: the card's memory less 28 GiB (about 7 GiB of climbing before the 5 % threshold)
+GRACE=${GRACE:-2}
+NODE=gpu-e2e
+CG=/sys/fs/cgroup
+WORK=$(mktemp -d /tmp/gpubudget-pressure.XXXX)
+mkdir -p "$OUT"
+PIDS=()
+CGROUPS=()
+
+say() { printf '[%s] %s\n' "$(date +%H:%M:%S.%N | cut -c1-12)" "$*" >&2; }
+fail() { say "FAIL: $*"; exit 1; }
+stop_all() {
+  for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  PIDS=()
+}
+cleanup() {
+  set +e
+  stop_all
+  cp -f "$WORK"/*.jsonl "$WORK/results.txt" "$OUT/" 2>/dev/null
+  tar -C "$WORK" -czf "$OUT/logs.tgz" . 2>/dev/null
+  for dir in $(printf '%s\n' "${CGROUPS[@]}" | sort -r); do rmdir "$dir" 2>/dev/null; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+[ "$(id -u)" = 0 ] || fail "run as root (cgroups are created under $CG)"
+[ -x "$AGENT" ] || fail "no agent binary at $AGENT"
+GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
+TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+JUMP=${JUMP:-$(( TOTAL_MIB / 1024 - 28 ))}
+
+cid() { printf '%s' "$1" | sha256sum | cut -c1-64; }
+declare -A UID_OF=([team-n/neighbour]=1a2b3c4d-0000-4000-8000-000000000001 [team-g/grower]=1a2b3c4d-0000-4000-8000-000000000002)
+BURSTABLE=$CG/kubepods.slice/kubepods-burstable.slice
+for d in $CG/kubepods.slice "$BURSTABLE"; do [ -d "$d" ] || { mkdir "$d"; CGROUPS+=("$d"); }; done
+pod_dir() { local uid=${UID_OF[$1]}; echo "$BURSTABLE/kubepods-burstable-pod${uid//-/_}.slice"; }
+scope() { echo "$(pod_dir "$1")/cri-containerd-$(cid "$1").scope"; }
+: > "$WORK/pods.yaml"
+for pod in team-n/neighbour team-g/grower; do
+  for d in "$(pod_dir "$pod")" "$(scope "$pod")"; do [ -d "$d" ] || { mkdir "$d"; CGROUPS+=("$d"); }; done
+  cat >> "$WORK/pods.yaml" <<EOF
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: ${pod#*/}, namespace: ${pod%/*}, uid: ${UID_OF[$pod]}, labels: {app: ${pod#*/}}}
+spec: {nodeName: $NODE, terminationGracePeriodSeconds: 3600, containers: [{name: main, image: pytorch}]}
+status:
+  phase: Running
+  containerStatuses: [{name: main, containerID: 'containerd://$(cid "$pod")', image: pytorch, imageID: pytorch, ready: true, restartCount: 0}]
+EOF
+done
+cat > "$WORK/budgets.yaml" <<'EOF'
+apiVersion: gpubudget.io/v1alpha1
+kind: GpuMemoryBudget
+metadata: {name: serving, namespace: team-n}
+spec: {selector: {}, limit: 40Gi}
+---
+apiVersion: gpubudget.io/v1alpha1
+kind: GpuMemoryBudget
+metadata: {name: batch, namespace: team-g}
+spec: {selector: {}, limit: 8Gi, overLimitSeconds: 600}
+EOF
+
+start() { # name pod args...
+  local name=$1 pod=$2; shift 2
+  sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$(scope "$pod")" python3 -u e2e/gpu/pressure.py "$@" > "$WORK/$CASE-$name.jsonl" 2>"$WORK/$CASE-$name.err" &
+  PIDS+=($!)
+  eval "PID_$name=$!"
+}
+
+run_case() { # rate on|off
+  local rate=$1 mode=$2 hard
+  CASE="r${rate}-$mode"
+  hard=$([ "$mode" = on ] && echo 5% || echo off)
+  start neighbour team-n/neighbour neighbour --gib 16 --hold 1 --pause 0.5
+  for _ in $(seq 1 120); do grep -q '"ready"' "$WORK/$CASE-neighbour.jsonl" 2>/dev/null && break; sleep 0.5; done
+  "$AGENT" standalone --budgets "$WORK/budgets.yaml" --pods "$WORK/pods.yaml" --node-name "$NODE" --interval 250ms \
+    --pressure-hard "$hard" --pressure-grace-seconds "$GRACE" --output "$WORK/$CASE-agent.jsonl" 2> "$WORK/$CASE-agent.err" &
+  local agent=$!
+  PIDS+=($agent)
+  sleep 2
+  start grower team-g/grower grower --jump-gib "$JUMP" --rate "$rate"
+  local t0 deadline evicted=""
+  t0=$(date +%s.%N)
+  # Long enough to fill the card at this rate, then some.
+  deadline=$(python3 -c "print($t0 + 20 + 14 / $rate)")
+  while python3 -c "import sys,time; sys.exit(0 if time.time() < $deadline else 1)"; do
+    if [ -z "$evicted" ] && grep -q '"kind":"evict".*team-g/grower\|team-g/grower.*"kind":"evict"' "$WORK/$CASE-agent.jsonl" 2>/dev/null; then
+      evicted=$(date +%s.%N)
+      # The kubelet's part: SIGTERM at once, SIGKILL after the grace.
+      kill -TERM "$PID_grower" 2>/dev/null || true
+      ( sleep "$GRACE"; kill -KILL "$PID_grower" 2>/dev/null || true ) &
+      say "$CASE: grower evicted; terminating it"
+    fi
+    if [ "$mode" = off ] && grep -q '"oom"' "$WORK/$CASE-neighbour.jsonl"; then
+      sleep 2; break
+    fi
+    if [ -n "$evicted" ] && python3 -c "import sys,time; sys.exit(0 if time.time() > $evicted + $GRACE + 6 else 1)"; then
+      break
+    fi
+    sleep 0.05
+  done
+  stop_all
+  say "$CASE done"
+}
+
+{ echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"; echo "gpu: $GPU"; echo "agent: $("$AGENT" --version)"
+  echo "torch: $(python3 -c 'import torch; print(torch.__version__)')"; echo "rates: $RATES GiB/s, jump $JUMP GiB, pressure grace $GRACE s"; } > "$WORK/results.txt"
+for rate in $RATES; do
+  for mode in off on; do run_case "$rate" "$mode"; done
+done
+
+python3 - "$WORK" "$RATES" >> "$WORK/results.txt" <<'PY'
+import json, re, sys, glob, os
+work, rates = sys.argv[1], sys.argv[2].split()
+GIB = 1 << 30
+def lines(path):
+    try:
+        return [json.loads(l) for l in open(path) if l.strip().startswith("{")]
+    except FileNotFoundError:
+        return []
+print()
+print("| rate | pressure eviction | neighbour's first CUDA OOM (s after the jump) | eviction decided (s after the jump) | free memory at the decision | threshold crossed → decision |")
+print("| --- | --- | --- | --- | --- | --- |")
+for rate in rates:
+    for mode in ("off", "on"):
+        case = f"r{rate}-{mode}"
+        n, g, a = (lines(f"{work}/{case}-{x}.jsonl") for x in ("neighbour", "grower", "agent"))
+        jump = next((e for e in g if e["event"] == "jumped"), None)
+        if not jump:
+            print(f"| {rate} GiB/s | {mode} | (grower never started) | | | |"); continue
+        t0, total = jump["t"], jump["total"]
+        threshold = total * 5 // 100
+        oom = next((e["t"] - t0 for e in n if e["event"] == "oom" and e["t"] >= t0), None)
+        ev = next((e for e in a if e.get("kind") == "event" and e.get("reason") == "EvictingForGpuMemory" and "grower" in e.get("pod", "")), None)
+        decided = ev["ts_unix"] - t0 if ev else None
+        free = None
+        if ev:
+            m = re.search(r"\(([0-9.]+)(Ki|Mi|Gi|Ti)? free of", ev.get("note", ""))
+            if m:
+                free = f"{m.group(1)}{m.group(2) or ''}"
+        crossed = next((e["t"] for e in g if e["event"] in ("grew", "oom") and e.get("free", total) < threshold), None)
+        lag = f"{ev['ts_unix'] - crossed:.3f} s" if ev and crossed else "–"
+        f = lambda x: "never" if x is None else f"{x:.1f}"
+        print(f"| {rate} GiB/s | {mode} | {f(oom)} | {f(decided) if mode == 'on' else '–'} | {free or '–'} | {lag if mode == 'on' else '–'} |")
+PY
+cat "$WORK/results.txt"
