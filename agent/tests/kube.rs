@@ -365,3 +365,43 @@ async fn a_restart_repeats_nothing_and_never_evicts_earlier() {
     assert_eq!(llm_writes_before, ["Evicting"]);
     second.stop().await;
 }
+
+/// 200 pods of one node writing their first records at once, each request answered after 50 ms: at most
+/// `MAX_WRITES_IN_FLIGHT` requests are in flight together (on a real API server each is one HTTP/1.1
+/// connection: 1 000 pods opened 1 004 connections before the bound), and every pod still gets its record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_writes_are_bounded_in_flight_and_every_pod_gets_its_record() {
+    use gpubudget_agent::act::kube::MAX_WRITES_IN_FLIGHT;
+    const PODS: usize = 200;
+    let fake = FakeApi::new();
+    let mut yaml = String::from(
+        "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: all, namespace: team-a}\n\
+         spec: {selector: {}, limit: 8Gi}\n",
+    );
+    for i in 0..PODS {
+        yaml.push_str(&format!(
+            "---\napiVersion: v1\nkind: Pod\nmetadata: {{name: p-{i}, namespace: team-a}}\n\
+             spec: {{nodeName: {NODE}, containers: [{{name: main, image: x}}]}}\nstatus: {{phase: Running}}\n"
+        ));
+    }
+    fake.apply_yaml(&yaml).expect("pods and budget");
+    fake.set_latency(Duration::from_millis(50));
+    fake.reset_max_in_flight();
+    let usage: Vec<(String, u64)> = (0..PODS).map(|i| (format!("p-{i}"), GI)).collect();
+    let usage: Vec<(&str, &str, &str, u64)> = usage.iter().map(|(p, b)| ("team-a", p.as_str(), "main", *b)).collect();
+    let agent = start(fake, &usage).await;
+    let f = &agent.fake;
+    let recorded = |f: &FakeApi| {
+        f.list("pods", Some("team-a"))
+            .iter()
+            .filter(|p| p["metadata"]["annotations"]["gpubudget.io/state"].is_string())
+            .count()
+    };
+    // 200 writes, 8 at a time, 50 ms each: about 1.3 s.
+    assert!(f.wait_until(Duration::from_secs(30), |f| recorded(f) == PODS).await, "{} of {PODS} recorded", recorded(f));
+    // The two watches are answered at once and stream; the writes are the rest.
+    let max = f.max_in_flight();
+    assert!(max <= MAX_WRITES_IN_FLIGHT + 2, "{max} requests in flight at once");
+    assert!(max >= MAX_WRITES_IN_FLIGHT, "the bound is used: {max}");
+    agent.stop().await;
+}

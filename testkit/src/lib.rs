@@ -200,11 +200,18 @@ impl tower::Service<Request<kube::client::Body>> for FakeService {
         Box::pin(async move {
             let (parts, body) = request.into_parts();
             let bytes = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-            let latency = shared.lock().latency;
+            let latency = {
+                let mut state = shared.lock();
+                state.in_flight += 1;
+                state.max_in_flight = state.max_in_flight.max(state.in_flight);
+                state.latency
+            };
             if !latency.is_zero() {
                 tokio::time::sleep(latency).await;
             }
-            Ok(server::respond(&mut shared.lock(), Request::from_parts(parts, bytes)))
+            let mut state = shared.lock();
+            state.in_flight -= 1;
+            Ok(server::respond(&mut state, Request::from_parts(parts, bytes)))
         })
     }
 }
@@ -427,6 +434,19 @@ impl FakeApi {
     /// Delays every answer by `latency`.
     pub fn set_latency(&self, latency: Duration) {
         self.state().latency = latency;
+    }
+
+    /// The most requests answered at once (each counted from its arrival until its answer starts; with
+    /// [`Self::set_latency`], that is at least the latency) since the fake began or the last
+    /// [`Self::reset_max_in_flight`].
+    pub fn max_in_flight(&self) -> usize {
+        self.state().max_in_flight
+    }
+
+    /// Starts [`Self::max_in_flight`] afresh.
+    pub fn reset_max_in_flight(&self) {
+        let mut state = self.state();
+        state.max_in_flight = state.in_flight;
     }
 
     /// Ends every open watch stream cleanly, as an API server restart or a load balancer would. Clients

@@ -233,6 +233,9 @@ pub(crate) struct State {
     /// Warnings for the request being served (`Warning` headers).
     pub(crate) warnings: Vec<String>,
     pub(crate) latency: Duration,
+    /// Requests being answered now, and the most at once since the last reset.
+    pub(crate) in_flight: usize,
+    pub(crate) max_in_flight: usize,
 }
 
 impl Default for State {
@@ -259,6 +262,8 @@ impl Default for State {
             evictions: Vec::new(),
             warnings: Vec::new(),
             latency: Duration::ZERO,
+            in_flight: 0,
+            max_in_flight: 0,
         }
     }
 }

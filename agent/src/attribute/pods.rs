@@ -108,6 +108,65 @@ impl PodView {
     }
 }
 
+/// Keeps of a pod only what [`PodView::from_pod`] reads, for the agent's pod cache: its name, namespace,
+/// UID, labels, deletion timestamp, the `gpubudget.io/` and mirror annotations; the spec's node, priority
+/// and grace period; the status' phase and each container's name and ID. Everything else (managed fields,
+/// `kubectl.kubernetes.io/last-applied-configuration`, containers, volumes, env, conditions, container
+/// states) is dropped as the watch delivers it, so a cache of 1 000 pods costs what 1 000 `PodView`s need.
+pub fn slim_pod(pod: &mut Pod) {
+    use k8s_openapi::api::core::v1::{ContainerStatus, PodSpec, PodStatus};
+    let meta = &mut pod.metadata;
+    meta.managed_fields = None;
+    meta.owner_references = None;
+    meta.finalizers = None;
+    meta.generate_name = None;
+    if let Some(annotations) = meta.annotations.as_mut() {
+        annotations.retain(|k, _| k.starts_with("gpubudget.io/") || k == MIRROR_ANNOTATION);
+    }
+    if let Some(spec) = pod.spec.as_mut() {
+        *spec = PodSpec {
+            node_name: spec.node_name.take(),
+            priority_class_name: spec.priority_class_name.take(),
+            priority: spec.priority,
+            termination_grace_period_seconds: spec.termination_grace_period_seconds,
+            ..PodSpec::default()
+        };
+    }
+    if let Some(status) = pod.status.as_mut() {
+        let slim = |statuses: Option<Vec<ContainerStatus>>| {
+            statuses.map(|s| {
+                s.into_iter()
+                    .map(|c| ContainerStatus {
+                        name: c.name,
+                        container_id: c.container_id,
+                        ..ContainerStatus::default()
+                    })
+                    .collect()
+            })
+        };
+        *status = PodStatus {
+            phase: status.phase.take(),
+            init_container_statuses: slim(status.init_container_statuses.take()),
+            container_statuses: slim(status.container_statuses.take()),
+            ephemeral_container_statuses: slim(status.ephemeral_container_statuses.take()),
+            ..PodStatus::default()
+        };
+    }
+}
+
+/// Keeps of a budget only what [`Budget::compile`] reads: its name, namespace, UID and spec. The status
+/// (conditions, top pods, up to 100 counted evictions), annotations (`last-applied-configuration`: the whole
+/// object again), labels and managed fields are the operator's business.
+pub fn slim_budget(budget: &mut GpuMemoryBudget) {
+    let meta = &mut budget.metadata;
+    meta.managed_fields = None;
+    meta.annotations = None;
+    meta.labels = None;
+    meta.owner_references = None;
+    meta.finalizers = None;
+    budget.status = None;
+}
+
 /// The pods of the node, their budgets, and the indexes the join uses.
 #[derive(Debug, Default)]
 pub struct PodTable {
@@ -212,6 +271,77 @@ status:
         assert_eq!(strip_container_scheme("cri-o://ABC"), "abc");
         assert_eq!(strip_container_scheme("docker://x"), "x");
         assert_eq!(strip_container_scheme("plain"), "plain");
+    }
+
+    #[test]
+    fn the_slim_cache_reads_the_same_as_the_full_objects() {
+        let full = pod(r#"
+metadata:
+  name: llm-0
+  namespace: team-a
+  uid: 5a1e3c9d-7b2f-4e8a-9c61-0d3f2b7a8e41
+  generateName: llm-
+  deletionTimestamp: "2026-01-01T00:00:00Z"
+  labels: {app: llm}
+  annotations:
+    gpubudget.io/state: Evicting
+    gpubudget.io/usage-bytes: "9000"
+    gpubudget.io/budget: b
+    gpubudget.io/node: n1
+    gpubudget.io/eviction-requested-at: "2026-01-01T00:00:00Z"
+    kubernetes.io/config.mirror: HASH
+    kubectl.kubernetes.io/last-applied-configuration: '{"a very": "long copy of the pod"}'
+  ownerReferences: [{apiVersion: apps/v1, kind: StatefulSet, name: llm, uid: x}]
+  finalizers: [example.com/f]
+  managedFields: [{manager: kubectl, operation: Apply, apiVersion: v1}]
+spec:
+  nodeName: n1
+  priority: 2000001000
+  priorityClassName: system-node-critical
+  terminationGracePeriodSeconds: 45
+  containers: [{name: main, image: vllm, env: [{name: A, value: b}], args: [serve, --a-long-list]}]
+  initContainers: [{name: init, image: busybox}]
+  volumes: [{name: v, emptyDir: {}}]
+status:
+  phase: Running
+  podIP: 10.0.0.1
+  conditions: [{type: Ready, status: "True"}]
+  initContainerStatuses:
+  - {name: init, containerID: "containerd://B1", image: busybox, imageID: x, ready: false, restartCount: 0, state: {terminated: {exitCode: 0}}}
+  containerStatuses:
+  - {name: main, containerID: "containerd://A3F1", image: vllm, imageID: x, ready: true, restartCount: 2, state: {running: {}}}
+  - {name: sidecar, image: x, imageID: x, ready: false, restartCount: 0}
+"#);
+        let mut slim = full.clone();
+        slim_pod(&mut slim);
+        assert_eq!(PodView::from_pod(&slim), PodView::from_pod(&full));
+        let view = PodView::from_pod(&slim).expect("view");
+        assert!(view.critical && view.terminating && view.record.is_some() && view.mirror_of.is_some());
+        assert_eq!(view.containers.len(), 2);
+        assert!(slim.metadata.managed_fields.is_none() && slim.metadata.owner_references.is_none());
+        assert_eq!(slim.metadata.annotations.as_ref().map(BTreeMap::len), Some(6), "the record and the mirror");
+        assert!(slim.spec.as_ref().is_some_and(|s| s.containers.is_empty() && s.volumes.is_none()));
+        assert!(slim.status.as_ref().is_some_and(|s| s.conditions.is_none() && s.pod_ip.is_none()));
+        let full_size = serde_json::to_string(&full).expect("json").len();
+        let slim_size = serde_json::to_string(&slim).expect("json").len();
+        assert!(slim_size * 3 < full_size * 2, "{slim_size} of {full_size} bytes");
+        // A finished pod stays finished.
+        let mut done =
+            pod("metadata: {name: d, namespace: a, uid: u}\nspec: {containers: []}\nstatus: {phase: Failed}");
+        slim_pod(&mut done);
+        assert!(PodView::from_pod(&done).is_none());
+
+        let budget: GpuMemoryBudget = serde_yaml::from_str(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: llm, namespace: team-a, uid: u, \
+             annotations: {kubectl.kubernetes.io/last-applied-configuration: x}, labels: {a: b}}\n\
+             spec: {selector: {matchLabels: {app: llm}}, limit: 8Gi, evictionGracePeriodSeconds: 30}\n\
+             status: {matchedPods: 3, evictions: 7}",
+        )
+        .expect("budget");
+        let mut slim = budget.clone();
+        slim_budget(&mut slim);
+        assert!(slim.status.is_none() && slim.metadata.annotations.is_none());
+        assert_eq!(Budget::compile(&slim).ok(), Budget::compile(&budget).ok());
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! `gpubudget-agent run`: the DaemonSet.
 //!
 //! Two reflectors feed the decisions: every `GpuMemoryBudget` (all namespaces) and the pods of this node
-//! only (`fieldSelector=spec.nodeName=<node>`). The loop samples every interval, rebuilds its pod table
+//! only (`fieldSelector=spec.nodeName=<node>`), each object cut down to what the decisions read as it arrives
+//! (`slim_pod`, `slim_budget`: no status of budgets, no spec of pods beyond node, priority and grace). The loop samples every interval, rebuilds its pod table
 //! only when a cache changed, decides, and hands actions to the [`KubeExecutor`] (which never blocks the
 //! loop). `/ready` is true once the GPU sampler works and both caches have synced; nothing is enforced
 //! before the caches sync.
@@ -16,13 +17,13 @@ use gpubudget_daemon::{Health, serve_admin, shutdown_on_signal};
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
-use kube::{Api, Client, ResourceExt as _};
+use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
 use crate::act::kube::KubeExecutor;
 use crate::attribute::ProcAttributor;
-use crate::attribute::pods::{PodTable, PodView};
+use crate::attribute::pods::{PodTable, PodView, slim_budget, slim_pod};
 use crate::cli::RunArgs;
 use crate::decide::Settings;
 use crate::pipeline::Engine;
@@ -44,6 +45,23 @@ pub struct Caches {
     budgets_ready: Arc<AtomicBool>,
 }
 
+/// What the agent's caches keep of an object.
+trait Slim {
+    fn slim(&mut self);
+}
+
+impl Slim for Pod {
+    fn slim(&mut self) {
+        slim_pod(self);
+    }
+}
+
+impl Slim for GpuMemoryBudget {
+    fn slim(&mut self) {
+        slim_budget(self);
+    }
+}
+
 fn spawn_reflector<K>(
     api: Api<K>,
     config: watcher::Config,
@@ -54,13 +72,20 @@ fn spawn_reflector<K>(
     shutdown: CancellationToken,
 ) -> Store<K>
 where
-    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    K: kube::Resource<DynamicType = ()>
+        + Slim
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
 {
     let (reader, writer) = reflector::store();
     let stream = watcher(api, config)
         .default_backoff()
-        // Managed fields are the largest part of most objects and of no use here.
-        .modify(|o: &mut K| o.managed_fields_mut().clear())
+        // Only what the decisions read is kept (managed fields alone are the largest part of most objects).
+        .modify(K::slim)
         .reflect(writer);
     let waiter = reader.clone();
     tokio::spawn(async move {

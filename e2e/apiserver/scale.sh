@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# The agent's footprint against a real kube-apiserver (docs/performance.md): 1 000 budgets in the cluster, then
+# an agent with 110 pods on its node and one with 1 000, each started fresh so it writes every pod's first
+# record at once. Prints the agent's resident memory (peak and settled) and its TCP connections to the API
+# server (most at once while writing, and 5 s after), and how long until every pod had its record.
+#
+#   KUBECONFIG=/tmp/realk8s/run/kubeconfig e2e/apiserver/scale.sh [POD COUNTS...]   # default: 110 1000
+#
+# Environment: GPUBUDGET_E2E_BIN (default target/release), HELM, GPUBUDGET_E2E_BUDGETS (default 1000),
+# GPUBUDGET_E2E_KEEP=1. The agent runs with the chart's RBAC and admission policies and a node-bound token,
+# as in run.sh; its budgets are all Within (no events, no evictions): what is measured is the records.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+[ -n "${KUBECONFIG:-}" ] || { echo "KUBECONFIG (the admin's) is not set" >&2; exit 1; }
+BIN=${GPUBUDGET_E2E_BIN:-$REPO/target/release}
+HELM=${HELM:-$(command -v helm || find /tmp/gpubudget-ci-cache/helm -type f -name helm 2>/dev/null | head -n1 || true)}
+BUDGETS=${GPUBUDGET_E2E_BUDGETS:-1000}
+COUNTS=("$@")
+[ "${#COUNTS[@]}" -gt 0 ] || COUNTS=(110 1000)
+ID=$(date +%s | tail -c 5)$RANDOM
+ID=${ID:0:7}
+NS=gpubudget-scale-$ID
+RELEASE=gpubudget-scale-$ID
+TEAMS=10
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpubudget-apiserver-scale.XXXXXX")
+SERVER=$(kubectl config view --minify -o jsonpath='{.clusters[0].cluster.server}')
+API_PORT=${SERVER##*:}
+API_PORT=${API_PORT%%/*}
+ADMIN=127.0.0.1:$((20000 + RANDOM % 20000))
+OPERATOR_ADMIN=127.0.0.1:$((20000 + RANDOM % 20000))
+AGENT_PID="" OPERATOR_PID=""
+START=$SECONDS
+say() { printf '\n=== [%3ds] %s\n' "$((SECONDS - START))" "$*"; }
+info() { printf '    %s\n' "$*"; }
+cleanup() {
+  local rc=$?
+  [ -z "$AGENT_PID" ] || kill "$AGENT_PID" 2>/dev/null || true
+  [ -z "$OPERATOR_PID" ] || kill "$OPERATOR_PID" 2>/dev/null || true
+  if [ "${GPUBUDGET_E2E_KEEP:-0}" != 1 ]; then
+    kubectl delete validatingadmissionpolicybinding,validatingadmissionpolicy,clusterrolebinding,clusterrole \
+      -l "app.kubernetes.io/instance=$RELEASE" --ignore-not-found >/dev/null 2>&1 || true
+    for t in $(seq 0 $((TEAMS - 1))); do kubectl delete namespace "$NS-t$t" --wait=false >/dev/null 2>&1 || true; done
+    kubectl delete namespace "$NS" --wait=false >/dev/null 2>&1 || true
+    kubectl delete nodes -l "e2e.gpubudget.io/run=$ID" >/dev/null 2>&1 || true
+    rm -rf "$WORK"
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+
+say "CRD, the chart's RBAC and admission policies; $BUDGETS budgets in $TEAMS namespaces"
+kubectl apply -f "$REPO/crds/gpumemorybudgets.gpubudget.io.yaml" >/dev/null
+kubectl wait --for=condition=Established crd/gpumemorybudgets.gpubudget.io --timeout=60s >/dev/null
+kubectl create namespace "$NS" >/dev/null
+"$HELM" template "$RELEASE" "$REPO/charts/gpubudget" -n "$NS" --kube-version 1.33.0 \
+  | yq -y 'select(.kind == "ServiceAccount" or .kind == "ClusterRole" or .kind == "ClusterRoleBinding"
+                  or .kind == "ValidatingAdmissionPolicy" or .kind == "ValidatingAdmissionPolicyBinding")' \
+  | kubectl apply -f - >/dev/null
+for t in $(seq 0 $((TEAMS - 1))); do kubectl create namespace "$NS-t$t" >/dev/null; done
+# Budget i: namespace t(i % TEAMS), selects app=app-(i / TEAMS); the limits are far above the usage.
+python3 - "$NS" "$TEAMS" "$BUDGETS" > "$WORK/budgets.json" <<'EOF'
+import json, sys
+ns, teams, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+items = [{"apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
+          "metadata": {"name": f"budget-{i}", "namespace": f"{ns}-t{i % teams}"},
+          "spec": {"selector": {"matchLabels": {"app": f"app-{i // teams}"}}, "limit": "40Gi",
+                   "evictionGracePeriodSeconds": 30}} for i in range(n)]
+print(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
+EOF
+T0=$SECONDS
+kubectl create -f "$WORK/budgets.json" >/dev/null
+info "$BUDGETS budgets created in $((SECONDS - T0)) s"
+
+# The operator runs throughout (its ServiceAccount's token), so the budgets carry a status as they would in a
+# cluster, and the agents' budget watches see its writes.
+kubectl config view --raw --minify > "$WORK/operator.kubeconfig"
+KUBECONFIG=$WORK/operator.kubeconfig kubectl config set-credentials scale-operator \
+  --token="$(kubectl create token "$RELEASE-operator" -n "$NS" --duration=1h)" >/dev/null
+KUBECONFIG=$WORK/operator.kubeconfig kubectl config set-context --current --user=scale-operator >/dev/null
+T0=$SECONDS
+KUBECONFIG=$WORK/operator.kubeconfig POD_NAMESPACE=$NS RUST_LOG=info "$BIN/gpubudget-operator" run \
+  --admin-addr "$OPERATOR_ADMIN" > "$WORK/operator.log" 2>&1 &
+OPERATOR_PID=$!
+with_status() { kubectl get gmb -A -o json | jq '[.items[] | select(.status.observedGeneration != null)] | length'; }
+until [ "$(with_status)" -ge "$BUDGETS" ]; do
+  [ $((SECONDS - T0)) -lt 600 ] || { echo "FAIL: budgets without status after 600 s: $(with_status) of $BUDGETS" >&2; exit 1; }
+  sleep 1
+done
+info "operator: every budget has a status $((SECONDS - T0)) s after its start; RSS $(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' "/proc/$OPERATOR_PID/status") MiB"
+
+# measure LABEL PODS: a node with PODS pods (pod j: namespace t(j % TEAMS), app=app-((j / TEAMS) % (BUDGETS/TEAMS)))
+# and a fresh agent bound to it.
+measure() {
+  local label=$1 pods=$2 node="gpubudget-scale-$ID-$1"
+  say "$label: $pods pods on node $node"
+  kubectl create -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Node
+metadata: {name: $node, labels: {e2e.gpubudget.io/run: "$ID"}}
+EOF
+  python3 - "$NS" "$TEAMS" "$BUDGETS" "$pods" "$node" "$WORK/pods-$label.json" "$WORK/sample-$label.json" <<'EOF'
+import json, sys
+ns, teams, budgets, n, node, pods_out, sample_out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6], sys.argv[7]
+per_team = max(1, budgets // teams)
+items, procs = [], []
+for j in range(n):
+    pns, name = f"{ns}-t{j % teams}", f"{node}-p{j}"
+    items.append({"apiVersion": "v1", "kind": "Pod",
+                  "metadata": {"name": name, "namespace": pns, "labels": {"app": f"app-{(j // teams) % per_team}"}},
+                  "spec": {"nodeName": node, "terminationGracePeriodSeconds": 30,
+                           "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]}})
+    procs.append({"namespace": pns, "pod": name, "container": "main", "used_bytes": (1 + j % 8) << 30})
+json.dump({"apiVersion": "v1", "kind": "List", "items": items}, open(pods_out, "w"))
+json.dump({"version": 1, "gpus": [{"index": 0, "uuid": "GPU-scale", "name": "replayed", "memory_total_bytes": 85520809984,
+           "processes": procs}]}, open(sample_out, "w"))
+EOF
+  local t0=$SECONDS
+  kubectl create -f "$WORK/pods-$label.json" >/dev/null
+  info "$pods pods created in $((SECONDS - t0)) s"
+  local token
+  token=$(kubectl create token "$RELEASE-agent" -n "$NS" --duration=1h --bound-object-kind Node --bound-object-name "$node")
+  kubectl config view --raw --minify > "$WORK/agent-$label.kubeconfig"
+  KUBECONFIG=$WORK/agent-$label.kubeconfig kubectl config set-credentials scale-agent --token="$token" >/dev/null
+  KUBECONFIG=$WORK/agent-$label.kubeconfig kubectl config set-context --current --user=scale-agent >/dev/null
+  mkdir -p "$WORK/proc"
+  local started=$SECONDS
+  KUBECONFIG=$WORK/agent-$label.kubeconfig RUST_LOG=info "$BIN/gpubudget-agent" run --node-name "$node" \
+    --proc-root "$WORK/proc" --sample-file "$WORK/sample-$label.json" --interval 250ms --admin-addr "$ADMIN" \
+    > "$WORK/agent-$label.log" 2>&1 &
+  AGENT_PID=$!
+  # Sample every 200 ms until every pod has its record: RSS, connections to the API server.
+  local max_conn=0 conn rss=0 done_at="" applies=0 deadline=$((SECONDS + 300))
+  while [ "$SECONDS" -lt "$deadline" ]; do
+    conn=$(ss -tnpH state established "( dport = :$API_PORT )" 2>/dev/null | grep -c "pid=$AGENT_PID," || true)
+    [ "$conn" -le "$max_conn" ] || max_conn=$conn
+    applies=$(curl -fsS "http://$ADMIN/metrics" 2>/dev/null | sed -n 's/^gpubudget_api_writes_total{kind="apply",result="ok"} \([0-9]*\).*/\1/p' || true)
+    if [ "${applies:-0}" -ge "$pods" ]; then done_at=$((SECONDS - started)); break; fi
+    sleep 0.2
+  done
+  local peak_during
+  peak_during=$(awk '/VmHWM/ {print $2}' "/proc/$AGENT_PID/status")
+  sleep 5
+  conn=$(ss -tnpH state established "( dport = :$API_PORT )" 2>/dev/null | grep -c "pid=$AGENT_PID," || true)
+  rss=$(awk '/VmRSS/ {print $2}' "/proc/$AGENT_PID/status")
+  local recorded
+  recorded=$(kubectl get pods -A --field-selector "spec.nodeName=$node" -o json \
+    | jq '[.items[] | select(.metadata.annotations["gpubudget.io/state"] != null)] | length')
+  local errors
+  errors=$(curl -fsS "http://$ADMIN/metrics" | sed -n 's/^gpubudget_api_writes_total{kind="apply",result="error"} \([0-9]*\).*/\1/p')
+  printf '    RESULT %-6s pods=%-5s budgets=%s records=%s/%s in %ss  peak_rss=%.1fMiB  rss_5s_after=%.1fMiB  max_conns=%s  conns_5s_after=%s  apply_errors=%s\n' \
+    "$label" "$pods" "$BUDGETS" "$recorded" "$pods" "${done_at:-timeout}" "$(echo "$peak_during / 1024" | bc -l)" \
+    "$(echo "$rss / 1024" | bc -l)" "$max_conn" "$conn" "${errors:-0}" | tee -a "$WORK/results.txt"
+  kill "$AGENT_PID"
+  wait "$AGENT_PID" 2>/dev/null || true
+  AGENT_PID=""
+}
+for n in "${COUNTS[@]}"; do measure "n$n" "$n"; done
+say "results ($BIN)"
+cat "$WORK/results.txt"
+info "operator RSS at the end: $(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' "/proc/$OPERATOR_PID/status") MiB"
