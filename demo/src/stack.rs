@@ -106,7 +106,14 @@ impl Stack {
     pub fn set_usage(&self, processes: &[(u32, u64)]) {
         let processes: Vec<Value> =
             processes.iter().map(|(pid, bytes)| json!({"pid": pid, "used_bytes": bytes})).collect();
-        self.write_sample(processes);
+        self.write_sample(processes, None);
+    }
+
+    /// [`Self::set_usage`], with the device's own used bytes (`memory_info`: what the pressure signal reads).
+    pub fn set_usage_and_device(&self, processes: &[(u32, u64)], device_used: u64) {
+        let processes: Vec<Value> =
+            processes.iter().map(|(pid, bytes)| json!({"pid": pid, "used_bytes": bytes})).collect();
+        self.write_sample(processes, Some(device_used));
     }
 
     /// Usage charged to pods by name, `(namespace, pod, container, bytes)`: no `/proc` involved.
@@ -115,13 +122,17 @@ impl Stack {
             .iter()
             .map(|(ns, pod, c, bytes)| json!({"namespace": ns, "pod": pod, "container": c, "used_bytes": bytes}))
             .collect();
-        self.write_sample(processes);
+        self.write_sample(processes, None);
     }
 
     /// Written to a temporary file and renamed, so the agent never reads half a file.
-    fn write_sample(&self, processes: Vec<Value>) {
-        let sample = json!({"version": 1, "gpus": [{"index": 0, "uuid": GPU_UUID, "name": GPU_NAME,
-            "memory_total_bytes": GPU_TOTAL, "processes": processes}]});
+    fn write_sample(&self, processes: Vec<Value>, device_used: Option<u64>) {
+        let mut gpu = json!({"index": 0, "uuid": GPU_UUID, "name": GPU_NAME, "memory_total_bytes": GPU_TOTAL,
+            "processes": processes});
+        if let Some(used) = device_used {
+            gpu["memory_used_bytes"] = used.into();
+        }
+        let sample = json!({"version": 1, "gpus": [gpu]});
         let path = self.sample_path();
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, sample.to_string()).expect("sample written");

@@ -252,3 +252,47 @@ async fn overlapping_story_the_smallest_budget_applies_and_both_say_so() {
     println!("{}", stack.transcript("team-b", &["llm-b-0"]));
     stack.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pressure_story_the_gpu_fills_and_the_pod_most_over_its_budget_goes_at_once() {
+    let stack = Stack::new(kubelet_like_api());
+    let fake = &stack.fake;
+    // The budget's own timer would wait 10 minutes: only pressure can act within the test.
+    put_example(fake, "llm-inference.yaml", "team-a", |b| b["spec"]["overLimitSeconds"] = 600.into());
+    put_example(fake, "training-warn.yaml", "team-a", |b| b["spec"]["limit"] = "60Gi".into());
+    let grower = put_pod(fake, "team-a", "llm-0", json!({"app": "llm"}), LLM_CID);
+    let cid = "2a".repeat(32);
+    let neighbour = put_pod(fake, "team-a", "finetune-0", json!({"job-type": "finetune"}), &cid);
+    stack.process(4242, &grower, LLM_CID);
+    stack.process(5150, &neighbour, &cid);
+    // 20Gi (over its 8Gi budget) and 30Gi (within 60Gi): 50Gi of the H100's 79.6Gi used, no pressure.
+    stack.set_usage_and_device(&[(4242, 20 * GI), (5150, 30 * GI)], 50 * GI);
+    let stack = stack.started().await;
+    let fake = &stack.fake;
+    stack.event("team-a", "llm-0", "GpuMemoryOverBudget", Duration::from_secs(5)).await;
+
+    // The grower climbs to 47Gi: 77Gi used, under the default hard threshold (5 %, about 4Gi free).
+    stack.set_usage_and_device(&[(4242, 47 * GI), (5150, 30 * GI)], 77 * GI);
+    let evicting = stack.event("team-a", "llm-0", "EvictingForGpuMemory", Duration::from_secs(5)).await;
+    assert!(evicting.message.contains("under memory pressure"), "{}", evicting.message);
+    assert!(evicting.message.contains("most over its budget"), "{}", evicting.message);
+    let node: Vec<Value> = fake
+        .list("events.events.k8s.io", None)
+        .into_iter()
+        .filter(|e| e["regarding"]["kind"] == "Node" && e["regarding"]["name"] == NODE)
+        .collect();
+    assert!(
+        node.iter().any(|e| e["reason"] == "GpuMemoryPressure" && e["type"] == "Warning"),
+        "an event on the Node: {node:#?}"
+    );
+    assert!(fake.wait_until(Duration::from_secs(5), |f| f.evictions().len() == 1).await);
+    let evictions = fake.evictions();
+    assert_eq!(evictions[0]["metadata"]["name"], "llm-0");
+    assert_eq!(evictions[0]["deleteOptions"]["gracePeriodSeconds"], 5, "the pressure grace, not the pod's 60 s");
+    // The neighbour within its budget is protected, not evicted; the budget counts the eviction.
+    let status = stack.status_until("team-a", "llm-inference", "EVICTED 1", |s| s.evictions == 1).await;
+    assert_eq!(status.last_eviction.map(|e| e.pod), Some("llm-0".to_owned()));
+    assert_eq!(fake.evictions().len(), 1);
+    assert!(fake.get("pods", "team-a", "finetune-0").is_some_and(|p| p["metadata"]["deletionTimestamp"].is_null()));
+    stack.stop().await;
+}
