@@ -47,9 +47,9 @@ pub struct GpuMemoryBudgetSpec {
     #[schemars(schema_with = "bounded_label_selector")]
     pub selector: LabelSelector,
 
-    /// The GPU memory one pod may hold, summed over all its containers, processes and GPUs, as a
-    /// Kubernetes quantity (8Gi, 500Mi, 8589934592). Counted as NVML counts it: the framework's reserved
-    /// pool plus about 0.5 GiB of CUDA context per process.
+    /// A quantity of bytes (8Gi, 500Mi or 8589934592): the GPU memory one pod may hold, summed over all its
+    /// containers, processes and GPUs. Counted as NVML counts it: the framework's reserved pool plus about
+    /// 0.5 GiB of CUDA context per process.
     #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("limit must be a positive quantity of bytes, such as 8Gi, 500Mi or 8589934592"))]
     pub limit: Quantity,
 
