@@ -254,13 +254,16 @@ process 4104 "$NS_B" llm-b
 process 4105 "$NS_B" other-b
 process 4106 "$NS_A" remote-a                           # sampled here, but its pod is not on this node
 
-# write_sample EVICT_A EVICT_B TRAINER LLM_B: what NVML reports (bytes per process), written atomically.
+# write_sample EVICT_A EVICT_B TRAINER LLM_B [OTHER_B [DEVICE_USED]]: what NVML reports (bytes per process, and
+# the device's used bytes when given: the pressure signal), written atomically.
 write_sample() {
+  local other=${5:-2147483648} used=""
+  [ -n "${6:-}" ] && used="\"memory_used_bytes\": $6,"
   cat > "$WORK/sample.tmp" <<EOF
 {"version": 1, "gpus": [{"index": 0, "uuid": "GPU-e2e00000-0000-0000-0000-000000000000", "name": "replayed e2e GPU",
- "memory_total_bytes": 85520809984, "processes": [
+ "memory_total_bytes": 85520809984, $used "processes": [
   {"pid": 4101, "used_bytes": $1}, {"pid": 4102, "used_bytes": $2}, {"pid": 4103, "used_bytes": $3},
-  {"pid": 4104, "used_bytes": $4}, {"pid": 4105, "used_bytes": 2147483648}, {"pid": 4106, "used_bytes": 53687091200}]}]}
+  {"pid": 4104, "used_bytes": $4}, {"pid": 4105, "used_bytes": $other}, {"pid": 4106, "used_bytes": 53687091200}]}]}
 EOF
   mv "$WORK/sample.tmp" "$WORK/sample.json"
 }
@@ -523,5 +526,24 @@ ACCEPTED=$(grep "eviction requested and accepted" "$WORK/agent-$AGENT_RUNS.log" 
 [ "$ACCEPTED" = 1 ] || die "$ACCEPTED accepted evictions of llm-b"
 kubectl get gmb -A | grep -E "^NAMESPACE|$ID" | sed 's/^/    /'
 
+say "pressure: the GPU fills (2.6 GiB free of 79.6, under the 5 % threshold); other-b, 25Gi of its 20Gi budget, goes at once"
+node_event_seen() { [ "$(kubectl get events -A --field-selector "involvedObject.kind=Node,involvedObject.name=$NODE,reason=$1" -o json | jq '.items | length')" -gt 0 ]; }
+write_sample 0 0 $((45 * GI)) 0 $((25 * GI)) $((77 * GI))
+wait_for "GpuMemoryPressure on node $NODE" node_event_seen GpuMemoryPressure
+PRESSURE_AT=$SECONDS
+wait_for "other-b terminating" terminating "$NS_B" other-b
+info "evicted $((SECONDS - PRESSURE_AT))s after the Node event (team-b-default's overLimitSeconds is 10 s)"
+[ "$(kubectl get pod other-b -n "$NS_B" -o jsonpath='{.metadata.deletionGracePeriodSeconds}')" = 5 ] \
+  || die "other-b's grace is $(kubectl get pod other-b -n "$NS_B" -o jsonpath='{.metadata.deletionGracePeriodSeconds}'), not the pressure grace 5"
+event_messages "$NS_B" other-b EvictingForGpuMemory | grep -q "under memory pressure" \
+  || die "other-b's eviction event does not say pressure: $(event_messages "$NS_B" other-b EvictingForGpuMemory)"
+info "$(event_messages "$NS_B" other-b EvictingForGpuMemory | head -n1 | cut -c1-200)"
+terminating "$NS_A" trainer && die "trainer (Warn budget) was evicted for pressure"
+wait_for "team-b-default ($NS_B) EVICTED 1" status_is "$NS_B" team-b-default evictions 1
+write_sample 0 0 $((45 * GI)) 0 0 $((45 * GI))
+rm -rf "$WORK/proc/4105"
+kubectl delete pod other-b -n "$NS_B" --grace-period=0 --force >/dev/null 2>&1
+wait_for "GpuMemoryPressureEnded on node $NODE (after the 10 s transition)" node_event_seen GpuMemoryPressureEnded
+
 FAILED=0
-say "PASS: records, events, Evict with the budget's grace, Warn, overlaps, node restriction both ways, operator down and back, agent restart mid-grace ($((SECONDS - START)) s)"
+say "PASS: records, events, Evict with the budget's grace, Warn, overlaps, node restriction both ways, operator down and back, agent restart mid-grace, pressure eviction ($((SECONDS - START)) s)"
