@@ -580,7 +580,7 @@ fn the_oracle_catches_an_early_eviction() {
     let pod = gpubudget_agent::decide::PodRef { uid: uid.clone(), namespace: "team-a".into(), name: "p".into() };
     let mut allowed = HashMap::new();
     allowed.insert(uid, Err("over only since 0".to_owned()));
-    let err = world.check(&[Action::Evict { pod, grace_seconds: None }], &allowed).expect_err("caught");
+    let err = world.check(&[Action::Evict { pod, grace_seconds: None, recorded: true }], &allowed).expect_err("caught");
     assert!(err.to_string().contains("wrongful eviction"), "{err}");
 }
 

@@ -158,7 +158,10 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
             }
             None
         }
-        Action::Evict { pod, grace_seconds } => {
+        Action::Evict { pod, grace_seconds, recorded } => {
+            if !recorded {
+                m.evictions_without_record.inc();
+            }
             let outcome = match evict(&shared.client, &pod, grace_seconds).await {
                 Ok(()) => EvictOutcome::Accepted,
                 Err(error) => match (api_code(&error), &error) {

@@ -32,6 +32,8 @@ pub struct Counters {
     pub evictions: Family<ResultLabels, Counter>,
     /// API writes by kind and result.
     pub api_writes: Family<WriteLabels, Counter>,
+    /// Eviction requests sent before their `Evicting` record landed (the wait for it ran out).
+    pub evictions_without_record: Counter,
 }
 
 impl Counters {

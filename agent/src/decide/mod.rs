@@ -14,7 +14,9 @@
 //! - **eviction**: when the state machine says `Evicting` (it never does for `action: Warn` or critical
 //!   pods), for a pod of this node that is not terminating: one apply carrying state `Evicting` and
 //!   `eviction-requested-at`, then the `EvictingForGpuMemory` event, then the eviction request, in that
-//!   order. One request in flight per pod; HTTP 429 → `GpuMemoryEvictionBlocked` and a retry with
+//!   order; the request waits for that record at most [`Settings::record_wait_attempts`] failed writes or
+//!   [`Settings::record_wait_ms`], then goes ahead without it (`GpuMemoryEvictionRecordFailed`). One request
+//!   in flight per pod; HTTP 429 → `GpuMemoryEvictionBlocked` and a retry with
 //!   backoff while still due; an accepted eviction is never requested again for that pod UID. Timers
 //!   start afresh when the agent starts, so a restart can only delay an eviction.
 
@@ -65,6 +67,8 @@ pub enum Reason {
     EvictionBlocked,
     /// Back under the limit (or under the warning threshold).
     WithinBudget,
+    /// The `Evicting` record could not be written in time: the eviction goes ahead without it.
+    RecordNotWritten,
 }
 
 impl Reason {
@@ -76,12 +80,20 @@ impl Reason {
             Reason::Evicting => "EvictingForGpuMemory",
             Reason::EvictionBlocked => "GpuMemoryEvictionBlocked",
             Reason::WithinBudget => "GpuMemoryWithinBudget",
+            Reason::RecordNotWritten => "GpuMemoryEvictionRecordFailed",
         }
     }
 
     /// Warning (true) or Normal.
     pub fn is_warning(self) -> bool {
-        matches!(self, Reason::NearBudget | Reason::OverBudget | Reason::Evicting | Reason::EvictionBlocked)
+        matches!(
+            self,
+            Reason::NearBudget
+                | Reason::OverBudget
+                | Reason::Evicting
+                | Reason::EvictionBlocked
+                | Reason::RecordNotWritten
+        )
     }
 
     fn slot(self) -> usize {
@@ -134,6 +146,9 @@ pub enum Action {
         pod: PodRef,
         /// `deleteOptions.gracePeriodSeconds`, from the budget; `None`: the pod's own.
         grace_seconds: Option<i64>,
+        /// Whether the API has the `Evicting` record (false: the wait for it ran out, see
+        /// [`Settings::record_wait_attempts`]); counted in `gpubudget_evictions_without_record_total`.
+        recorded: bool,
     },
 }
 
@@ -201,6 +216,12 @@ pub struct Settings {
     pub evict_backoff_max_ms: u64,
     /// First retry delay after a failed write (doubles up to `usage_min_interval_ms`).
     pub write_backoff_min_ms: u64,
+    /// The eviction waits for its `Evicting` record at most this many failed writes …
+    pub record_wait_attempts: u32,
+    /// … and at most this long after it became due; then it goes ahead without the record (an event says
+    /// so), and the record is retried while the pod terminates. A write the tenant can break (annotations
+    /// filling the 256 KiB limit, a webhook refusing the update) cannot hold the eviction back.
+    pub record_wait_ms: u64,
 }
 
 impl Settings {
@@ -214,6 +235,8 @@ impl Settings {
             evict_backoff_min_ms: 5_000,
             evict_backoff_max_ms: 60_000,
             write_backoff_min_ms: 1_000,
+            record_wait_attempts: 3,
+            record_wait_ms: 30_000,
         }
     }
 }
@@ -230,9 +253,14 @@ pub struct Now {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Eviction {
     Idle,
-    /// Due: the `Evicting` record (with `eviction-requested-at`) is on its way; the request follows once the
-    /// API has it, so the operator can count the eviction even when the pod is gone in a moment.
-    AwaitingRecord,
+    /// Due since `since` (monotonic ms): the `Evicting` record (with `eviction-requested-at`) is on its way;
+    /// the request follows once the API has it, so the operator can count the eviction even when the pod is
+    /// gone in a moment; or, when `failed` writes reach [`Settings::record_wait_attempts`] or the wait
+    /// [`Settings::record_wait_ms`], without it.
+    AwaitingRecord {
+        since: u64,
+        failed: u32,
+    },
     /// A request is out; `attempts` earlier ones were refused or failed.
     InFlight {
         attempts: u32,
@@ -263,7 +291,7 @@ struct PodMemory {
     write_retry_at: u64,
     eviction: Eviction,
     eviction_requested_at: Option<String>,
-    last_event_ms: [Option<u64>; 5],
+    last_event_ms: [Option<u64>; 6],
     /// For messages written from feedback.
     last_usage: u64,
     last_limit: u64,
@@ -431,7 +459,7 @@ impl Enforcer {
             write_failures: 0,
             write_retry_at: 0,
             eviction: Eviction::Idle,
-            last_event_ms: [None; 5],
+            last_event_ms: [None; 6],
             last_usage: 0,
             last_limit: 0,
             last_budget: String::new(),
@@ -455,7 +483,7 @@ impl Enforcer {
         mem.last_budget.clear();
         mem.tracker = Tracker::default();
         mem.reported = BudgetState::Within;
-        if matches!(mem.eviction, Eviction::Blocked { .. } | Eviction::AwaitingRecord) {
+        if matches!(mem.eviction, Eviction::Blocked { .. } | Eviction::AwaitingRecord { .. }) {
             mem.eviction = Eviction::Idle;
         }
         // A record of ours with no budget behind it any more: remove it, once.
@@ -554,15 +582,42 @@ impl Enforcer {
                 // Not subject to the cooldown: one per eviction, and evictions are rare.
                 mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
                 out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::Evicting, note: bounded(note) });
-                mem.eviction = Eviction::AwaitingRecord;
+                mem.eviction = Eviction::AwaitingRecord { since: now.mono_ms, failed: 0 };
             }
-            Eviction::AwaitingRecord if evictable && !mem.write_in_flight && record_landed(&mem) => {
-                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: budget.eviction_grace_period_seconds });
+            Eviction::AwaitingRecord { .. } if evictable && !mem.write_in_flight && record_landed(&mem) => {
+                out.push(Action::Evict {
+                    pod: mem.pod.clone(),
+                    grace_seconds: budget.eviction_grace_period_seconds,
+                    recorded: true,
+                });
                 mem.eviction = Eviction::InFlight { attempts: 0 };
             }
-            Eviction::AwaitingRecord if state != BudgetState::Evicting => mem.eviction = Eviction::Idle,
+            Eviction::AwaitingRecord { since, failed }
+                if evictable
+                    && (failed >= self.settings.record_wait_attempts
+                        || now.mono_ms.saturating_sub(since) >= self.settings.record_wait_ms) =>
+            {
+                let note = format!(
+                    "the Evicting record could not be written ({failed} failed attempts in {}s); evicting without \
+                     it, and writing it while the pod terminates: until it lands, the budget's eviction count \
+                     misses this eviction",
+                    seconds(now.mono_ms.saturating_sub(since))
+                );
+                self.event(&mut mem, now.mono_ms, Reason::RecordNotWritten, note, out);
+                out.push(Action::Evict {
+                    pod: mem.pod.clone(),
+                    grace_seconds: budget.eviction_grace_period_seconds,
+                    recorded: false,
+                });
+                mem.eviction = Eviction::InFlight { attempts: 0 };
+            }
+            Eviction::AwaitingRecord { .. } if state != BudgetState::Evicting => mem.eviction = Eviction::Idle,
             Eviction::Blocked { retry_at, attempts } if evictable && now.mono_ms >= retry_at => {
-                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: budget.eviction_grace_period_seconds });
+                out.push(Action::Evict {
+                    pod: mem.pod.clone(),
+                    grace_seconds: budget.eviction_grace_period_seconds,
+                    recorded: record_landed(&mem),
+                });
                 mem.eviction = Eviction::InFlight { attempts };
             }
             Eviction::Blocked { .. } if state != BudgetState::Evicting => mem.eviction = Eviction::Idle,
@@ -619,6 +674,9 @@ impl Enforcer {
                     mem.write_failures = 0;
                     mem.write_retry_at = 0;
                 } else {
+                    if let Eviction::AwaitingRecord { failed, .. } = &mut mem.eviction {
+                        *failed = failed.saturating_add(1);
+                    }
                     mem.write_failures = mem.write_failures.saturating_add(1);
                     let backoff = write_min
                         .saturating_mul(1 << mem.write_failures.min(16).saturating_sub(1))
@@ -630,7 +688,7 @@ impl Enforcer {
                 let Some(mut mem) = self.pods.remove(&uid) else { return };
                 let attempts = match mem.eviction {
                     Eviction::Blocked { attempts, .. } | Eviction::InFlight { attempts } => attempts,
-                    Eviction::Idle | Eviction::AwaitingRecord | Eviction::Done => 0,
+                    Eviction::Idle | Eviction::AwaitingRecord { .. } | Eviction::Done => 0,
                 } + 1;
                 let backoff = evict_min.saturating_mul(1 << attempts.min(16).saturating_sub(1)).min(evict_max);
                 match outcome {

@@ -347,6 +347,68 @@ fn failed_writes_are_retried_with_backoff() {
     assert!(h.run(31_250, 100_000, GI).is_empty());
 }
 
+/// A record write the tenant can break (#11: annotations filling 256 KiB, a webhook refusing the update) does
+/// not hold the eviction: after 3 failed attempts it goes ahead without the record, says so, and the record
+/// is still retried while the pod terminates.
+#[test]
+fn the_eviction_waits_for_its_record_three_attempts_only() {
+    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
+    h.tick(0, GI);
+    h.write_ok = false;
+    let mut evicted_at = None;
+    let mut all = Vec::new();
+    for ms in (250..=40_000).step_by(250) {
+        let out = h.tick(ms, 9 * GI);
+        if evicts(&out) > 0 {
+            evicted_at.get_or_insert(ms);
+        }
+        all.extend(out);
+    }
+    // Attempts at 250 (due), 1 250, 3 250 (backoff 1 s, 2 s): the request follows the third failure.
+    assert_eq!(evicted_at, Some(3_500), "{:?}", kinds(&all));
+    assert_eq!(evicts(&all), 1, "one request");
+    let evict = all.iter().find(|a| matches!(a, Action::Evict { .. })).expect("evict");
+    assert!(matches!(evict, Action::Evict { recorded: false, .. }), "{evict:?}");
+    let failed: Vec<&str> = all
+        .iter()
+        .filter_map(|a| match a {
+            Action::Event { reason: Reason::RecordNotWritten, note, .. } => Some(note.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed.len(), 1, "{:?}", kinds(&all));
+    assert!(failed[0].starts_with("the Evicting record could not be written (3 failed attempts in 3s)"), "{failed:?}");
+    // The record is still retried after the eviction (backoff up to 30 s), and lands once the API takes it.
+    let retries =
+        all.iter().skip_while(|a| !matches!(a, Action::Evict { .. })).filter(|a| matches!(a, Action::Apply { .. }));
+    assert!(retries.count() >= 2);
+    h.write_ok = true;
+    let out = h.run(40_250, 75_000, 9 * GI);
+    let landed: Vec<_> = out.iter().filter(|a| matches!(a, Action::Apply { .. })).collect();
+    assert_eq!(landed.len(), 1, "{:?}", kinds(&out));
+    let Action::Apply { record, .. } = landed[0] else { unreachable!() };
+    assert_eq!((record.state, record.eviction_requested_at.is_some()), (BudgetState::Evicting, true));
+}
+
+/// A write that hangs rather than fails: the eviction waits for it 30 s at most.
+#[test]
+fn the_eviction_waits_for_its_record_thirty_seconds_at_most() {
+    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
+    h.tick(0, GI);
+    // The Evicting apply goes out and no answer comes.
+    let mut out = Vec::new();
+    h.enforcer.tick(at(250), &h.table, &usage(9 * GI), &gpus(), &mut out);
+    assert_eq!(kinds(&out), ["Within->Evicting", "apply:Evicting", "EvictingForGpuMemory"]);
+    for ms in (500..30_250).step_by(250) {
+        out.clear();
+        h.enforcer.tick(at(ms), &h.table, &usage(9 * GI), &gpus(), &mut out);
+        assert_eq!(evicts(&out), 0, "{ms} ms");
+    }
+    out.clear();
+    h.enforcer.tick(at(30_250), &h.table, &usage(9 * GI), &gpus(), &mut out);
+    assert_eq!(kinds(&out), ["GpuMemoryEvictionRecordFailed", "evict:None"]);
+}
+
 #[test]
 fn forgets_pods_that_are_gone() {
     let mut h = Harness::new(pod("", ""), &[budget("")]);
