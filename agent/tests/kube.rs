@@ -187,6 +187,40 @@ async fn a_blocked_eviction_is_told_and_retried() {
     agent.stop().await;
 }
 
+/// A PodDisruptionBudget that never allows the disruption holds the memory for as long as it refuses (#11):
+/// unless the budget sets `blockedEvictionTimeoutSeconds`. Here evictions are refused with a 500 (what two
+/// PodDisruptionBudgets on one pod get), which is told like a 429; after 2 s of refusals the pod is deleted,
+/// with the budget's grace period and its UID as a precondition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evictions_refused_past_the_blocked_timeout_delete_the_pod_with_grace() {
+    let budget = budgets(0).replace(
+        "overLimitSeconds: 0, evictionGracePeriodSeconds: 30}",
+        "overLimitSeconds: 0, evictionGracePeriodSeconds: 30, blockedEvictionTimeoutSeconds: 2}",
+    );
+    assert!(budget.contains("blockedEvictionTimeoutSeconds: 2"), "{budget}");
+    let fake = fake_with(&budget);
+    fake.set_graceful_pod_deletion(true);
+    fake.fail_next(Verb::Create, "pods/eviction", 1_000, 500);
+    let agent = start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
+    let f = &agent.fake;
+    let reasons = |f: &FakeApi| f.events_for("team-a", "llm-0").into_iter().map(|e| e.reason).collect::<Vec<_>>();
+    assert!(
+        f.wait_until(WAIT, |f| reasons(f).iter().any(|r| r == "GpuMemoryEvictionBlocked")).await,
+        "a 500 is told: {:?}",
+        reasons(f)
+    );
+    assert!(f.wait_until(WAIT, |f| f.count(Verb::Delete, "pods") == 1).await, "deleted: {:?}", writes(f));
+    let pod = f.get("pods", "team-a", "llm-0").expect("terminating, not gone");
+    assert_eq!(pod["metadata"]["deletionGracePeriodSeconds"], 30, "{pod:#}");
+    let delete = f.requests().into_iter().find(|r| r.verb == Verb::Delete && r.resource == "pods").expect("delete");
+    let body = delete.body.expect("delete options");
+    assert_eq!(body["preconditions"]["uid"], pod["metadata"]["uid"], "{body:#}");
+    assert!(reasons(f).iter().any(|r| r == "DeletingForGpuMemory"), "{:?}", reasons(f));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(f.count(Verb::Delete, "pods"), 1, "one delete");
+    agent.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warn_critical_and_other_nodes_pods_are_never_evicted() {
     let fake = fake_with(&budgets(0));

@@ -96,6 +96,7 @@ impl BudgetModel {
             },
             over_limit_seconds: self.over_limit_s as i64,
             eviction_grace_period_seconds: None,
+            blocked_eviction_timeout_seconds: None,
         };
         let mut b = GpuMemoryBudget::new(&self.name, spec);
         b.metadata.namespace = Some("team-a".into());
@@ -428,7 +429,8 @@ impl World {
                     let (due, ok) = (self.mono + self.rng.below(1500), self.rng.chance(85));
                     self.pending.push(Pending::Write { uid: pod.uid.clone(), record: None, due, ok });
                 }
-                Action::Evict { pod, .. } => {
+                // A delete after refused evictions is an eviction to the oracle: the same checks.
+                Action::Evict { pod, .. } | Action::Delete { pod, .. } => {
                     self.evictions += 1;
                     match allowed.get(&pod.uid) {
                         Some(Ok(())) => {}

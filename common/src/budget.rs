@@ -35,6 +35,18 @@ pub enum SpecError {
         /// The value written.
         value: i64,
     },
+    /// A seconds field is outside its bounds.
+    #[error("spec.{field}: {value} is not between {min} and {max}")]
+    SecondsOutOfRange {
+        /// The field's name.
+        field: &'static str,
+        /// The value written.
+        value: i64,
+        /// Smallest allowed.
+        min: i64,
+        /// Largest allowed.
+        max: i64,
+    },
     /// The object has no name or namespace.
     #[error("metadata: a GpuMemoryBudget needs a name and a namespace")]
     Unnamed,
@@ -61,6 +73,8 @@ pub struct Budget {
     pub over_limit_seconds: u64,
     /// `spec.evictionGracePeriodSeconds`.
     pub eviction_grace_period_seconds: Option<i64>,
+    /// `spec.blockedEvictionTimeoutSeconds`: refused evictions this long → delete the pod. `None`: never.
+    pub blocked_eviction_timeout_seconds: Option<u64>,
 }
 
 impl Budget {
@@ -87,6 +101,18 @@ impl Budget {
         if let Some(grace) = spec.eviction_grace_period_seconds.filter(|g| *g < 0) {
             return Err(SpecError::NegativeSeconds { field: "evictionGracePeriodSeconds", value: grace });
         }
+        let blocked_eviction_timeout_seconds = match spec.blocked_eviction_timeout_seconds {
+            None => None,
+            Some(value @ 0..=86_400) => Some(value.unsigned_abs()),
+            Some(value) => {
+                return Err(SpecError::SecondsOutOfRange {
+                    field: "blockedEvictionTimeoutSeconds",
+                    value,
+                    min: 0,
+                    max: 86_400,
+                });
+            }
+        };
         Ok(Self {
             namespace: namespace.to_owned(),
             name: name.to_owned(),
@@ -97,6 +123,7 @@ impl Budget {
             action: spec.action,
             over_limit_seconds,
             eviction_grace_period_seconds: spec.eviction_grace_period_seconds,
+            blocked_eviction_timeout_seconds,
         })
     }
 

@@ -78,6 +78,16 @@ pub struct GpuMemoryBudgetSpec {
     #[schemars(range(min = 0))]
     #[x_kube(validation = Rule::new("self >= 0").message("evictionGracePeriodSeconds must be 0 or more"))]
     pub eviction_grace_period_seconds: Option<i64>,
+
+    /// How long evictions may be refused (a PodDisruptionBudget with no disruption allowed, two
+    /// PodDisruptionBudgets selecting the pod, any other refusal) before the agent deletes the pod instead,
+    /// with the same grace period, as the kubelet's node-pressure eviction does. Seconds, 0 to 86400.
+    /// Unset (the default): PodDisruptionBudgets are always respected, and a pod they protect may hold its
+    /// memory for as long as they refuse.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 86400))]
+    #[x_kube(validation = Rule::new("self >= 0 && self <= 86400").message("blockedEvictionTimeoutSeconds must be between 0 and 86400 (a day)"))]
+    pub blocked_eviction_timeout_seconds: Option<i64>,
 }
 
 /// What the agent does with a pod that stays over its budget.

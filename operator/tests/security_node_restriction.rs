@@ -204,10 +204,14 @@ fn the_agent_may_change_nothing_but_its_annotations() {
 }
 
 #[test]
-fn the_agent_may_not_create_or_delete_pods_nor_act_without_a_node_bound_token() {
+fn the_agent_may_delete_only_its_own_nodes_pods_never_create_nor_act_without_a_node_bound_token() {
     let p = policy("pods");
-    let verdict = admit(&p, request(AGENT, Some(NODE), "DELETE"), Json::Null, pod(NODE));
-    assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("never DELETE")), "{verdict:?}");
+    // DELETE: the fallback after evictions were refused for blockedEvictionTimeoutSeconds (#11).
+    assert_eq!(admit(&p, request(AGENT, Some(NODE), "DELETE"), Json::Null, pod(NODE)), Verdict::Allowed);
+    let verdict = admit(&p, request(AGENT, Some(NODE), "DELETE"), Json::Null, pod("gpu-node-2"));
+    assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("not on its node")), "{verdict:?}");
+    let verdict = admit(&p, request(AGENT, None, "DELETE"), Json::Null, pod(NODE));
+    assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("carries no node")), "{verdict:?}");
     let verdict = admit(&p, request(AGENT, Some(NODE), "CREATE"), pod(NODE), Json::Null);
     assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("never CREATE")), "{verdict:?}");
     // A token without the node claim (a legacy secret token, or Kubernetes < 1.32).

@@ -31,6 +31,7 @@ pub fn action_line(action: &Action, now: jiff::Timestamp) -> Value {
             "type": if reason.is_warning() { "Warning" } else { "Normal" }, "note": note,
         }),
         Action::Evict { grace_seconds, .. } => json!({"kind": "evict", "grace_period_seconds": grace_seconds}),
+        Action::Delete { grace_seconds, .. } => json!({"kind": "delete", "grace_period_seconds": grace_seconds}),
     };
     if let (Some(line), Some(extra)) = (line.as_object_mut(), extra.as_object()) {
         line.extend(extra.clone());
@@ -71,7 +72,7 @@ impl<W: Write> LogExecutor<W> {
                     feedback.push(Feedback::Written { uid: pod.uid, record: Some(record), ok: true });
                 }
                 Action::Clear { pod } => feedback.push(Feedback::Written { uid: pod.uid, record: None, ok: true }),
-                Action::Evict { pod, .. } => {
+                Action::Evict { pod, .. } | Action::Delete { pod, .. } => {
                     feedback.push(Feedback::Evicted { uid: pod.uid, outcome: EvictOutcome::Accepted });
                 }
                 Action::Transition { .. } | Action::Event { .. } => {}

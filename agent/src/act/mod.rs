@@ -18,7 +18,7 @@ pub struct ResultLabels {
 /// `{kind, result}` of an API write.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WriteLabels {
-    /// `apply`, `clear`, `event`, `evict`.
+    /// `apply`, `clear`, `event`, `evict`, `delete`.
     pub kind: String,
     /// `ok`, `blocked`, `error`.
     pub result: String,

@@ -69,6 +69,8 @@ pub enum Reason {
     WithinBudget,
     /// The `Evicting` record could not be written in time: the eviction goes ahead without it.
     RecordNotWritten,
+    /// Evictions were refused for `blockedEvictionTimeoutSeconds`: the pod is deleted instead.
+    Deleting,
 }
 
 impl Reason {
@@ -81,6 +83,7 @@ impl Reason {
             Reason::EvictionBlocked => "GpuMemoryEvictionBlocked",
             Reason::WithinBudget => "GpuMemoryWithinBudget",
             Reason::RecordNotWritten => "GpuMemoryEvictionRecordFailed",
+            Reason::Deleting => "DeletingForGpuMemory",
         }
     }
 
@@ -93,8 +96,12 @@ impl Reason {
                 | Reason::Evicting
                 | Reason::EvictionBlocked
                 | Reason::RecordNotWritten
+                | Reason::Deleting
         )
     }
+
+    /// How many reasons there are.
+    const COUNT: usize = 7;
 
     fn slot(self) -> usize {
         self as usize
@@ -140,6 +147,14 @@ pub enum Action {
         /// The message.
         note: String,
     },
+    /// Delete the pod (UID precondition) with this grace period: evictions were refused for the budget's
+    /// `blockedEvictionTimeoutSeconds`. Answered like an eviction ([`Feedback::Evicted`]).
+    Delete {
+        /// The pod.
+        pod: PodRef,
+        /// `gracePeriodSeconds`, as for the eviction.
+        grace_seconds: Option<i64>,
+    },
     /// Request the pod's eviction (policy/v1 Eviction).
     Evict {
         /// The pod.
@@ -160,7 +175,8 @@ impl Action {
             | Action::Apply { pod, .. }
             | Action::Clear { pod }
             | Action::Event { pod, .. }
-            | Action::Evict { pod, .. } => pod,
+            | Action::Evict { pod, .. }
+            | Action::Delete { pod, .. } => pod,
         }
     }
 }
@@ -261,15 +277,22 @@ enum Eviction {
         since: u64,
         failed: u32,
     },
-    /// A request is out; `attempts` earlier ones were refused or failed.
+    /// A request is out; `attempts` earlier ones were refused or failed, the first at `refused_since`.
     InFlight {
         attempts: u32,
+        refused_since: Option<u64>,
     },
     Blocked {
         attempts: u32,
         retry_at: u64,
+        refused_since: u64,
     },
     Done,
+}
+
+/// Whether evictions were refused for the budget's `blockedEvictionTimeoutSeconds` (never when unset).
+fn blocked_too_long(budget: &Budget, refused_since: u64, now: u64) -> bool {
+    budget.blocked_eviction_timeout_seconds.is_some_and(|t| now.saturating_sub(refused_since) >= t.saturating_mul(1000))
 }
 
 /// Whether the API has the record that says this eviction was requested (written by this agent).
@@ -291,7 +314,7 @@ struct PodMemory {
     write_retry_at: u64,
     eviction: Eviction,
     eviction_requested_at: Option<String>,
-    last_event_ms: [Option<u64>; 6],
+    last_event_ms: [Option<u64>; Reason::COUNT],
     /// For messages written from feedback.
     last_usage: u64,
     last_limit: u64,
@@ -459,7 +482,7 @@ impl Enforcer {
             write_failures: 0,
             write_retry_at: 0,
             eviction: Eviction::Idle,
-            last_event_ms: [None; 6],
+            last_event_ms: [None; Reason::COUNT],
             last_usage: 0,
             last_limit: 0,
             last_budget: String::new(),
@@ -590,7 +613,7 @@ impl Enforcer {
                     grace_seconds: budget.eviction_grace_period_seconds,
                     recorded: true,
                 });
-                mem.eviction = Eviction::InFlight { attempts: 0 };
+                mem.eviction = Eviction::InFlight { attempts: 0, refused_since: None };
             }
             Eviction::AwaitingRecord { since, failed }
                 if evictable
@@ -609,16 +632,28 @@ impl Enforcer {
                     grace_seconds: budget.eviction_grace_period_seconds,
                     recorded: false,
                 });
-                mem.eviction = Eviction::InFlight { attempts: 0 };
+                mem.eviction = Eviction::InFlight { attempts: 0, refused_since: None };
             }
             Eviction::AwaitingRecord { .. } if state != BudgetState::Evicting => mem.eviction = Eviction::Idle,
-            Eviction::Blocked { retry_at, attempts } if evictable && now.mono_ms >= retry_at => {
-                out.push(Action::Evict {
-                    pod: mem.pod.clone(),
-                    grace_seconds: budget.eviction_grace_period_seconds,
-                    recorded: record_landed(&mem),
-                });
-                mem.eviction = Eviction::InFlight { attempts };
+            Eviction::Blocked { retry_at, attempts, refused_since }
+                if evictable && (now.mono_ms >= retry_at || blocked_too_long(budget, refused_since, now.mono_ms)) =>
+            {
+                let grace_seconds = budget.eviction_grace_period_seconds;
+                if blocked_too_long(budget, refused_since, now.mono_ms) {
+                    let note = format!(
+                        "evictions refused for {}s (blockedEvictionTimeoutSeconds {}): deleting the pod with {}, as \
+                         the kubelet's node-pressure eviction does; {}",
+                        seconds(now.mono_ms.saturating_sub(refused_since)),
+                        budget.blocked_eviction_timeout_seconds.unwrap_or_default(),
+                        cx.grace_text(),
+                        cx.used_of()
+                    );
+                    self.event(&mut mem, now.mono_ms, Reason::Deleting, note, out);
+                    out.push(Action::Delete { pod: mem.pod.clone(), grace_seconds });
+                } else {
+                    out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds, recorded: record_landed(&mem) });
+                }
+                mem.eviction = Eviction::InFlight { attempts, refused_since: Some(refused_since) };
             }
             Eviction::Blocked { .. } if state != BudgetState::Evicting => mem.eviction = Eviction::Idle,
             _ => {}
@@ -686,15 +721,20 @@ impl Enforcer {
             }
             Feedback::Evicted { uid, outcome } => {
                 let Some(mut mem) = self.pods.remove(&uid) else { return };
-                let attempts = match mem.eviction {
-                    Eviction::Blocked { attempts, .. } | Eviction::InFlight { attempts } => attempts,
-                    Eviction::Idle | Eviction::AwaitingRecord { .. } | Eviction::Done => 0,
-                } + 1;
+                let (attempts, refused_since) = match mem.eviction {
+                    Eviction::Blocked { attempts, refused_since, .. } => (attempts, Some(refused_since)),
+                    Eviction::InFlight { attempts, refused_since } => (attempts, refused_since),
+                    Eviction::Idle | Eviction::AwaitingRecord { .. } | Eviction::Done => (0, None),
+                };
+                let attempts = attempts + 1;
+                let refused_since = refused_since.unwrap_or(now.mono_ms);
                 let backoff = evict_min.saturating_mul(1 << attempts.min(16).saturating_sub(1)).min(evict_max);
                 match outcome {
                     EvictOutcome::Accepted | EvictOutcome::Gone => mem.eviction = Eviction::Done,
-                    EvictOutcome::Blocked(message) => {
-                        mem.eviction = Eviction::Blocked { attempts, retry_at: now.mono_ms + backoff };
+                    // Every refusal is told (a PodDisruptionBudget's 429, the 500 of two PodDisruptionBudgets,
+                    // a webhook's denial, a timeout): a silent failure would hide a pod holding its memory.
+                    EvictOutcome::Blocked(message) | EvictOutcome::Failed(message) => {
+                        mem.eviction = Eviction::Blocked { attempts, retry_at: now.mono_ms + backoff, refused_since };
                         let note = format!(
                             "eviction refused: {message}; using {} of {} (budget {}); retrying in {}s",
                             HumanBytes(mem.last_usage),
@@ -703,10 +743,6 @@ impl Enforcer {
                             seconds(backoff)
                         );
                         self.event(&mut mem, now.mono_ms, Reason::EvictionBlocked, note, out);
-                    }
-                    EvictOutcome::Failed(_) => {
-                        // The executor logged and counted it; retried with backoff.
-                        mem.eviction = Eviction::Blocked { attempts, retry_at: now.mono_ms + backoff };
                     }
                 }
                 self.pods.insert(uid, mem);

@@ -79,6 +79,10 @@ impl Harness {
                 Action::Evict { pod, .. } => {
                     feedback.push(Feedback::Evicted { uid: pod.uid.clone(), outcome: (self.evict)() })
                 }
+                // No PodDisruptionBudget stops a delete.
+                Action::Delete { pod, .. } => {
+                    feedback.push(Feedback::Evicted { uid: pod.uid.clone(), outcome: EvictOutcome::Accepted })
+                }
                 _ => {}
             }
         }
@@ -103,6 +107,7 @@ fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Clear { .. } => "clear".into(),
             Action::Event { reason, .. } => reason.as_str().into(),
             Action::Evict { grace_seconds, .. } => format!("evict:{grace_seconds:?}"),
+            Action::Delete { grace_seconds, .. } => format!("delete:{grace_seconds:?}"),
         })
         .collect()
 }
@@ -268,11 +273,58 @@ fn blocked_evictions_retry_with_backoff_one_at_a_time() {
         Feedback::Evicted { uid: Arc::from("uid-1"), outcome: EvictOutcome::Failed("timeout".into()) },
         &mut out,
     );
-    assert!(out.is_empty(), "other failures are retried quietly");
+    assert_eq!(kinds(&out), ["GpuMemoryEvictionBlocked"], "every refusal is told");
+    assert!(notes(&out)[0].starts_with("eviction refused: timeout;"), "{:?}", notes(&out));
+    out.clear();
     enforcer.tick(at(64_000), &t, &usage(9 * GI), &gpus(), &mut out);
     assert_eq!(evicts(&out), 0);
     enforcer.tick(at(65_000), &t, &usage(9 * GI), &gpus(), &mut out);
     assert_eq!(evicts(&out), 1);
+}
+
+/// A PodDisruptionBudget that never allows a disruption (`maxUnavailable: 0`, or two of them: the API's
+/// 500) holds the memory for as long as it refuses, unless the budget sets `blockedEvictionTimeoutSeconds`:
+/// once evictions were refused that long, the pod is deleted with the eviction's grace period (#11).
+#[test]
+fn evictions_refused_past_the_timeout_delete_the_pod() {
+    let mut h = Harness::new(
+        pod("", ""),
+        &[budget(", overLimitSeconds: 0, evictionGracePeriodSeconds: 20, blockedEvictionTimeoutSeconds: 60")],
+    );
+    h.evict = Box::new(|| {
+        EvictOutcome::Blocked(
+            "This pod has more than one PodDisruptionBudget, which the eviction subresource does not support.".into(),
+        )
+    });
+    h.tick(0, 9 * GI);
+    let mut all = Vec::new();
+    let mut deleted_at = None;
+    for ms in (250..=120_000).step_by(250) {
+        let out = h.tick(ms, 9 * GI);
+        if out.iter().any(|a| matches!(a, Action::Delete { .. })) {
+            deleted_at.get_or_insert(ms);
+        }
+        all.extend(out);
+    }
+    // Refused first at 250 ms; retries at 5 s, 15 s, 35 s; deleted at 60 s after the first refusal, between
+    // two retries (the backoff does not postpone it).
+    assert_eq!(deleted_at, Some(60_250), "{:?}", kinds(&all));
+    assert_eq!(all.iter().filter(|a| matches!(a, Action::Delete { .. })).count(), 1);
+    let delete = all.iter().position(|a| matches!(a, Action::Delete { .. })).expect("delete");
+    assert_eq!(kinds(&all[delete - 1..=delete]), ["DeletingForGpuMemory", "delete:Some(20)"]);
+    assert!(
+        notes(&all[delete - 1..delete])[0].starts_with(
+            "evictions refused for 60s (blockedEvictionTimeoutSeconds 60): deleting the pod with 20s grace"
+        ),
+        "{:?}",
+        notes(&all[delete - 1..delete])
+    );
+    assert_eq!(evicts(&all), 4, "refused at 0.25, 5.25, 15.25, 35.25 s");
+    // Without the field, PodDisruptionBudgets are respected for ever.
+    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
+    h.evict = Box::new(|| EvictOutcome::Blocked("pdb".into()));
+    let all = h.run(0, 600_000, 9 * GI);
+    assert!(!all.iter().any(|a| matches!(a, Action::Delete { .. })), "{:?}", kinds(&all));
 }
 
 #[test]
