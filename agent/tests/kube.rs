@@ -221,6 +221,24 @@ async fn evictions_refused_past_the_blocked_timeout_delete_the_pod_with_grace() 
     agent.stop().await;
 }
 
+/// The pod's own grace period cannot hold the memory (#11): a pod asking for an hour, under a budget that
+/// sets no `evictionGracePeriodSeconds`, is evicted with 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pods_own_long_grace_period_is_capped_at_30s() {
+    let budget = budgets(0).replace(", evictionGracePeriodSeconds: 30}", "}");
+    let fake = fake_with(&budget);
+    fake.modify("pods", "team-a", "llm-0", |p| p["spec"]["terminationGracePeriodSeconds"] = Value::from(3600))
+        .expect("pod");
+    fake.set_graceful_pod_deletion(true);
+    let agent = start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
+    let f = &agent.fake;
+    assert!(f.wait_until(WAIT, |f| !f.evictions().is_empty()).await, "evicted: {:?}", writes(f));
+    assert_eq!(f.evictions()[0]["deleteOptions"]["gracePeriodSeconds"], 30, "{:#}", f.evictions()[0]);
+    let pod = f.get("pods", "team-a", "llm-0").expect("terminating");
+    assert_eq!(pod["metadata"]["deletionGracePeriodSeconds"], 30, "{pod:#}");
+    agent.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warn_critical_and_other_nodes_pods_are_never_evicted() {
     let fake = fake_with(&budgets(0));

@@ -72,11 +72,13 @@ pub struct GpuMemoryBudgetSpec {
     #[x_kube(validation = Rule::new("self >= 0").message("overLimitSeconds must be 0 or more"))]
     pub over_limit_seconds: i64,
 
-    /// Termination grace period, in seconds, given to a pod this budget evicts. Unset: the pod's own
-    /// `terminationGracePeriodSeconds`.
+    /// Termination grace period, in seconds, given to a pod this budget evicts: 1 or more (0, which would
+    /// kill the pod at once without its shutdown, is refused). Unset: the pod's own
+    /// `terminationGracePeriodSeconds`, capped at 30 (a pod cannot hold the memory for the hour its own
+    /// grace period may ask for).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 0))]
-    #[x_kube(validation = Rule::new("self >= 0").message("evictionGracePeriodSeconds must be 0 or more"))]
+    #[schemars(range(min = 1))]
+    #[x_kube(validation = Rule::new("self >= 1").message("evictionGracePeriodSeconds must be 1 or more (0 would kill the pod without its shutdown); leave it unset for the pod's own terminationGracePeriodSeconds, capped at 30"))]
     pub eviction_grace_period_seconds: Option<i64>,
 
     /// How long evictions may be refused (a PodDisruptionBudget with no disruption allowed, two

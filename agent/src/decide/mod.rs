@@ -159,7 +159,7 @@ pub enum Action {
     Evict {
         /// The pod.
         pod: PodRef,
-        /// `deleteOptions.gracePeriodSeconds`, from the budget; `None`: the pod's own.
+        /// `deleteOptions.gracePeriodSeconds` ([`Budget::eviction_grace_seconds`]); `None`: the pod's own.
         grace_seconds: Option<i64>,
         /// Whether the API has the `Evicting` record (false: the wait for it ran out, see
         /// [`Settings::record_wait_attempts`]); counted in `gpubudget_evictions_without_record_total`.
@@ -405,10 +405,18 @@ impl Context<'_> {
         format!("held by {}", holders_summary(&self.usage.holders, self.gpus))
     }
 
+    /// The grace period of an eviction (or delete) of this pod: [`Budget::eviction_grace_seconds`].
+    fn grace_seconds(&self) -> Option<i64> {
+        Some(self.budget.eviction_grace_seconds(self.view.termination_grace_seconds))
+    }
+
     fn grace_text(&self) -> String {
+        let grace = self.budget.eviction_grace_seconds(self.view.termination_grace_seconds);
+        let own = self.view.termination_grace_seconds.unwrap_or(30);
         match self.budget.eviction_grace_period_seconds {
-            Some(g) => format!("{g}s grace"),
-            None => format!("the pod's {}s grace", self.view.termination_grace_seconds.unwrap_or(30)),
+            Some(_) => format!("{grace}s grace"),
+            None if grace == own => format!("the pod's {grace}s grace"),
+            None => format!("{grace}s grace (the pod asks for {own}s; capped when the budget sets none)"),
         }
     }
 }
@@ -608,11 +616,7 @@ impl Enforcer {
                 mem.eviction = Eviction::AwaitingRecord { since: now.mono_ms, failed: 0 };
             }
             Eviction::AwaitingRecord { .. } if evictable && !mem.write_in_flight && record_landed(&mem) => {
-                out.push(Action::Evict {
-                    pod: mem.pod.clone(),
-                    grace_seconds: budget.eviction_grace_period_seconds,
-                    recorded: true,
-                });
+                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: cx.grace_seconds(), recorded: true });
                 mem.eviction = Eviction::InFlight { attempts: 0, refused_since: None };
             }
             Eviction::AwaitingRecord { since, failed }
@@ -627,18 +631,14 @@ impl Enforcer {
                     seconds(now.mono_ms.saturating_sub(since))
                 );
                 self.event(&mut mem, now.mono_ms, Reason::RecordNotWritten, note, out);
-                out.push(Action::Evict {
-                    pod: mem.pod.clone(),
-                    grace_seconds: budget.eviction_grace_period_seconds,
-                    recorded: false,
-                });
+                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: cx.grace_seconds(), recorded: false });
                 mem.eviction = Eviction::InFlight { attempts: 0, refused_since: None };
             }
             Eviction::AwaitingRecord { .. } if state != BudgetState::Evicting => mem.eviction = Eviction::Idle,
             Eviction::Blocked { retry_at, attempts, refused_since }
                 if evictable && (now.mono_ms >= retry_at || blocked_too_long(budget, refused_since, now.mono_ms)) =>
             {
-                let grace_seconds = budget.eviction_grace_period_seconds;
+                let grace_seconds = cx.grace_seconds();
                 if blocked_too_long(budget, refused_since, now.mono_ms) {
                     let note = format!(
                         "evictions refused for {}s (blockedEvictionTimeoutSeconds {}): deleting the pod with {}, as \

@@ -153,12 +153,27 @@ fn climbs_to_evicting_in_the_contract_order() {
 }
 
 #[test]
-fn grace_defaults_to_the_pods_own() {
-    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
-    let mut out = h.tick(0, 9 * GI);
-    out.extend(h.tick(250, 9 * GI));
-    assert!(kinds(&out).contains(&"evict:None".to_owned()), "{:?}", kinds(&out));
-    assert!(notes(&out).iter().any(|n| n.contains("evicting with the pod's 45s grace")), "{:?}", notes(&out));
+fn grace_defaults_to_the_pods_own_capped_at_30s() {
+    let grace = |pod_grace: &str| {
+        let mut view = pod("", "");
+        view.termination_grace_seconds = pod_grace.parse().ok();
+        let mut h = Harness::new(view, &[budget(", overLimitSeconds: 0")]);
+        let mut out = h.tick(0, 9 * GI);
+        out.extend(h.tick(250, 9 * GI));
+        let evict = kinds(&out).into_iter().find(|k| k.starts_with("evict:")).expect("evicted");
+        let note = notes(&out).into_iter().find(|n| n.contains("evicting with")).expect("note").to_owned();
+        (evict, note)
+    };
+    let (evict, note) = grace("20");
+    assert_eq!(evict, "evict:Some(20)");
+    assert!(note.contains("evicting with the pod's 20s grace"), "{note}");
+    // #11: a pod asking for an hour does not hold its memory for an hour.
+    let (evict, note) = grace("3600");
+    assert_eq!(evict, "evict:Some(30)");
+    assert!(
+        note.contains("evicting with 30s grace (the pod asks for 3600s; capped when the budget sets none)"),
+        "{note}"
+    );
 }
 
 #[test]
@@ -458,7 +473,7 @@ fn the_eviction_waits_for_its_record_thirty_seconds_at_most() {
     }
     out.clear();
     h.enforcer.tick(at(30_250), &h.table, &usage(9 * GI), &gpus(), &mut out);
-    assert_eq!(kinds(&out), ["GpuMemoryEvictionRecordFailed", "evict:None"]);
+    assert_eq!(kinds(&out), ["GpuMemoryEvictionRecordFailed", "evict:Some(30)"]);
 }
 
 #[test]
