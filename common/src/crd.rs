@@ -65,8 +65,9 @@ pub struct GpuMemoryBudgetSpec {
     #[serde(default)]
     pub action: BudgetAction,
 
-    /// How long usage must stay over the limit, without a single sample at or under it, before the
-    /// action is taken. Seconds, 0 or more; default 10.
+    /// How long usage must be over the limit before the action is taken. Seconds, 0 or more; default 10.
+    /// Dips do not reset it: time at or under the limit takes back half as much, so an unbroken run acts
+    /// after exactly this long and a pod over more than a third of the time acts eventually.
     #[serde(default = "default_over_limit_seconds")]
     #[schemars(range(min = 0))]
     #[x_kube(validation = Rule::new("self >= 0").message("overLimitSeconds must be 0 or more"))]

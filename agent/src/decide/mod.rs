@@ -606,7 +606,7 @@ impl Enforcer {
                 let note = format!(
                     "{} for {}s; evicting with {}; {}",
                     cx.used_of(),
-                    seconds(mem.tracker.over_for(now.mono_ms)),
+                    seconds(mem.tracker.over_for()),
                     cx.grace_text(),
                     cx.held_by()
                 );
