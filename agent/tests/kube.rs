@@ -221,6 +221,31 @@ async fn evictions_refused_past_the_blocked_timeout_delete_the_pod_with_grace() 
     agent.stop().await;
 }
 
+/// A budget switched from Warn to Evict while its pod has long been over the limit (#11 scenario 6): the
+/// period starts afresh at the edit (`GpuMemoryBudgetChanged`), so the eviction comes a full
+/// `overLimitSeconds` after it, not on the next sample.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switching_warn_to_evict_starts_the_period_afresh() {
+    let warn = budgets(1).replace("action: Evict, overLimitSeconds: 1,", "action: Warn, overLimitSeconds: 1,");
+    assert!(warn.contains("action: Warn, overLimitSeconds: 1,"), "{warn}");
+    let fake = fake_with(&warn);
+    let agent = start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
+    let f = &agent.fake;
+    let state = |f: &FakeApi| annotations(f, "team-a", "llm-0").get("gpubudget.io/state").cloned();
+    assert!(f.wait_until(WAIT, |f| state(f) == Some(Value::from("Over"))).await, "{:?}", writes(f));
+    // Time passes over the limit under Warn: twice the period.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let edited = std::time::Instant::now();
+    f.modify("gpumemorybudgets", "team-a", "llm-inference", |b| b["spec"]["action"] = Value::from("Evict"))
+        .expect("budget");
+    assert!(f.wait_until(WAIT, |f| !f.evictions().is_empty()).await, "evicted: {:?}", writes(f));
+    assert!(edited.elapsed() >= Duration::from_secs(1), "evicted {:?} after the edit", edited.elapsed());
+    let events = f.events_for("team-a", "llm-0");
+    let changed = events.iter().find(|e| e.reason == "GpuMemoryBudgetChanged").expect("told");
+    assert!(changed.message.contains("action Warn → Evict"), "{}", changed.message);
+    agent.stop().await;
+}
+
 /// The pod's own grace period cannot hold the memory (#11): a pod asking for an hour, under a budget that
 /// sets no `evictionGracePeriodSeconds`, is evicted with 30 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

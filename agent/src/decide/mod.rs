@@ -71,6 +71,8 @@ pub enum Reason {
     RecordNotWritten,
     /// Evictions were refused for `blockedEvictionTimeoutSeconds`: the pod is deleted instead.
     Deleting,
+    /// The budget's action or `overLimitSeconds` changed while the pod was over: the period starts afresh.
+    BudgetChanged,
 }
 
 impl Reason {
@@ -84,6 +86,7 @@ impl Reason {
             Reason::WithinBudget => "GpuMemoryWithinBudget",
             Reason::RecordNotWritten => "GpuMemoryEvictionRecordFailed",
             Reason::Deleting => "DeletingForGpuMemory",
+            Reason::BudgetChanged => "GpuMemoryBudgetChanged",
         }
     }
 
@@ -101,7 +104,7 @@ impl Reason {
     }
 
     /// How many reasons there are.
-    const COUNT: usize = 7;
+    const COUNT: usize = 8;
 
     fn slot(self) -> usize {
         self as usize
@@ -305,6 +308,9 @@ fn record_landed(mem: &PodMemory) -> bool {
 struct PodMemory {
     pod: PodRef,
     tracker: Tracker,
+    /// The action and `overLimitSeconds` of the budget the tracker counted under: a change starts the
+    /// period afresh (an edit never acts on time already spent over the limit).
+    policy: Option<(BudgetAction, u64)>,
     reported: BudgetState,
     written: Option<PodRecord>,
     has_annotations: bool,
@@ -480,6 +486,7 @@ impl Enforcer {
         PodMemory {
             pod: PodRef::of(view),
             tracker: Tracker::default(),
+            policy: None,
             reported: record.as_ref().map_or(BudgetState::Within, |r| r.state),
             eviction_requested_at: record.as_ref().and_then(|r| r.eviction_requested_at.clone()),
             written: record,
@@ -513,6 +520,7 @@ impl Enforcer {
         mem.seen = self.generation;
         mem.last_budget.clear();
         mem.tracker = Tracker::default();
+        mem.policy = None;
         mem.reported = BudgetState::Within;
         if matches!(mem.eviction, Eviction::Blocked { .. } | Eviction::AwaitingRecord { .. }) {
             mem.eviction = Eviction::Idle;
@@ -533,6 +541,26 @@ impl Enforcer {
         let thresholds = budget.thresholds(view.critical);
         let mut mem = self.take_memory(now, view);
         mem.seen = self.generation;
+        // A budget edit (Warn → Evict, a shorter overLimitSeconds) or a move to a budget that acts otherwise
+        // does not act on the time already spent over the limit: the period starts afresh, and is told.
+        let policy = (budget.action, budget.over_limit_seconds);
+        if let Some(old) = mem.policy.filter(|old| *old != policy) {
+            if mem.tracker.state.is_over() {
+                let note = format!(
+                    "budget {} changed (action {} → {}, overLimitSeconds {} → {}): the over-limit period starts \
+                     afresh; {}",
+                    budget.key(),
+                    old.0,
+                    policy.0,
+                    old.1,
+                    policy.1,
+                    cx.used_of()
+                );
+                self.event(&mut mem, now.mono_ms, Reason::BudgetChanged, note, out);
+            }
+            mem.tracker = Tracker { state: mem.tracker.state, ..Tracker::default() };
+        }
+        mem.policy = Some(policy);
         mem.tracker = step(mem.tracker, &thresholds, now.mono_ms, total);
         mem.last_usage = total;
         mem.last_limit = budget.limit_bytes;

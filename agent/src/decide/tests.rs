@@ -342,6 +342,35 @@ fn evictions_refused_past_the_timeout_delete_the_pod() {
     assert!(!all.iter().any(|a| matches!(a, Action::Delete { .. })), "{:?}", kinds(&all));
 }
 
+/// #11 scenario 6: a budget edit does not act on time already spent over the limit. Switching Warn → Evict,
+/// or lowering overLimitSeconds, while a pod has been over for a minute, starts the period afresh (an
+/// event says so) instead of evicting on the next sample.
+#[test]
+fn a_budget_edit_starts_the_period_afresh() {
+    for (before, after) in [
+        (", action: Warn, overLimitSeconds: 10", ", action: Evict, overLimitSeconds: 10"),
+        (", overLimitSeconds: 600", ", overLimitSeconds: 10"),
+    ] {
+        let mut h = Harness::new(pod("", ""), &[budget(before)]);
+        let out = h.run(0, 60_000, 9 * GI);
+        assert_eq!(evicts(&out), 0, "{before}");
+        h.table = table(pod("", ""), &[budget(after)]);
+        let edited = h.tick(60_250, 9 * GI);
+        assert_eq!(evicts(&edited), 0, "{before} → {after}: {:?}", kinds(&edited));
+        assert!(kinds(&edited).contains(&"GpuMemoryBudgetChanged".to_owned()), "{:?}", kinds(&edited));
+        let note = notes(&edited).into_iter().find(|n| n.starts_with("budget team-a/llm changed")).expect("note");
+        assert!(note.contains("the over-limit period starts afresh"), "{note}");
+        // A full overLimitSeconds after the edit, not before.
+        assert_eq!(evicts(&h.run(60_500, 70_000, 9 * GI)), 0, "{before} → {after}");
+        assert_eq!(evicts(&h.run(70_250, 70_500, 9 * GI)), 1, "{before} → {after}");
+    }
+    // An edit while under the limit has nothing to say.
+    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 10")]);
+    h.run(0, 5_000, 2 * GI);
+    h.table = table(pod("", ""), &[budget(", overLimitSeconds: 5")]);
+    assert!(!kinds(&h.tick(5_250, 2 * GI)).contains(&"GpuMemoryBudgetChanged".to_owned()));
+}
+
 #[test]
 fn a_blocked_eviction_stops_when_usage_comes_back() {
     let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
