@@ -221,6 +221,57 @@ async fn evictions_refused_past_the_blocked_timeout_delete_the_pod_with_grace() 
     agent.stop().await;
 }
 
+/// Static pods (#11 scenario 7): evicting (or deleting) a mirror pod deletes only the mirror, and the kubelet
+/// keeps running the static pod. So they are treated like critical pods: told, never evicted. And every pod
+/// write the agent makes (records, evictions) carries the pod's UID as a precondition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_pods_are_never_evicted_and_every_pod_write_names_the_uid() {
+    let fake = fake_with(&budgets(0));
+    fake.apply_yaml(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: static-0, namespace: team-a, labels: {app: small}, \
+         annotations: {kubernetes.io/config.mirror: 0123456789abcdef0123456789abcdef}}\n\
+         spec: {nodeName: gpu-node-1, containers: [{name: main, image: x}]}\n",
+    )
+    .expect("mirror pod");
+    let usage = [("team-a", "static-0", "main", 9 * GI), ("team-a", "small-0", "main", 9 * GI)];
+    let agent = start(fake, &usage).await;
+    let f = &agent.fake;
+    assert!(f.wait_until(WAIT, |f| f.evictions().len() == 1).await, "small-0 is evicted: {:?}", writes(f));
+    let over = |f: &FakeApi| f.events_for("team-a", "static-0").into_iter().find(|e| e.reason == "GpuMemoryOverBudget");
+    assert!(f.wait_until(WAIT, |f| over(f).is_some()).await, "{:?}", f.events_for("team-a", "static-0"));
+    assert!(over(f).expect("event").message.contains("static pod"), "{:?}", over(f));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(f.evictions().len(), 1, "only small-0: {:?}", f.evictions());
+    assert_eq!(f.evictions()[0]["metadata"]["name"], "small-0");
+    assert_eq!(
+        annotations(f, "team-a", "static-0").get("gpubudget.io/state"),
+        Some(&Value::from("Over")),
+        "recorded, never Evicting"
+    );
+    // Every pod write names the pod's UID.
+    let uid = |name: &str| f.get("pods", "team-a", name).map(|p| p["metadata"]["uid"].clone());
+    let mut checked = 0;
+    for r in f
+        .requests()
+        .into_iter()
+        .filter(|r| r.resource == "pods" && !matches!(r.verb, Verb::Get | Verb::List | Verb::Watch))
+    {
+        let name = r.name.clone().expect("a named pod");
+        let body = r.body.expect("a body");
+        let named = match r.subresource.as_deref() {
+            Some("eviction") => body["deleteOptions"]["preconditions"]["uid"].clone(),
+            _ => body["metadata"]["uid"].clone(),
+        };
+        if let Some(live) = uid(&name) {
+            assert_eq!(named, live, "{} {}: {body:#}", r.method, r.path);
+        }
+        assert!(named.is_string(), "{} {}: {body:#}", r.method, r.path);
+        checked += 1;
+    }
+    assert!(checked >= 4, "{checked} pod writes");
+    agent.stop().await;
+}
+
 /// A budget switched from Warn to Evict while its pod has long been over the limit (#11 scenario 6): the
 /// period starts afresh at the edit (`GpuMemoryBudgetChanged`), so the eviction comes a full
 /// `overLimitSeconds` after it, not on the next sample.

@@ -125,16 +125,19 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
     match action {
         Action::Transition { .. } => None,
         Action::Apply { pod, record } => {
+            // `metadata.uid` is a precondition: the API server refuses (409) a write to a pod that took the name.
             let body = json!({
                 "apiVersion": "v1",
                 "kind": "Pod",
-                "metadata": {"name": &*pod.name, "namespace": &*pod.namespace, "annotations": record.to_annotations()},
+                "metadata": {"name": &*pod.name, "namespace": &*pod.namespace, "uid": &*pod.uid,
+                             "annotations": record.to_annotations()},
             });
             let ok = apply(shared, &pod, &body, "apply").await;
             Some(Feedback::Written { uid: pod.uid, record: Some(record), ok })
         }
         Action::Clear { pod } => {
-            let body = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": &*pod.name, "namespace": &*pod.namespace}});
+            let body = json!({"apiVersion": "v1", "kind": "Pod",
+                              "metadata": {"name": &*pod.name, "namespace": &*pod.namespace, "uid": &*pod.uid}});
             let ok = apply(shared, &pod, &body, "clear").await;
             Some(Feedback::Written { uid: pod.uid, record: None, ok })
         }

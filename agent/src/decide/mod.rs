@@ -538,7 +538,7 @@ impl Enforcer {
         let budget = cx.budget;
         let view = cx.view;
         let total = cx.usage.total;
-        let thresholds = budget.thresholds(view.critical);
+        let thresholds = budget.thresholds(view.never_evicted().is_some());
         let mut mem = self.take_memory(now, view);
         mem.seen = self.generation;
         // A budget edit (Warn → Evict, a shorter overLimitSeconds) or a move to a budget that acts otherwise
@@ -591,8 +591,8 @@ impl Enforcer {
                 (BudgetState::Within | BudgetState::Near, BudgetState::Over) => {
                     let then = if budget.action == BudgetAction::Warn {
                         "action is Warn: the pod is not evicted".to_owned()
-                    } else if view.critical {
-                        "the pod is critical and is never evicted".to_owned()
+                    } else if let Some(why) = view.never_evicted() {
+                        why.to_owned()
                     } else if budget.over_limit_seconds == 0 {
                         "evicting now".to_owned()
                     } else {
@@ -619,7 +619,7 @@ impl Enforcer {
         let evictable = state == BudgetState::Evicting
             && thresholds.may_evict
             && budget.action == BudgetAction::Evict
-            && !view.critical
+            && view.never_evicted().is_none()
             && !view.terminating
             && view.node.as_deref() == Some(self.settings.node.as_str());
         let mut applied = false;

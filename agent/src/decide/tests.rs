@@ -210,6 +210,11 @@ fn warn_critical_terminating_and_foreign_pods_are_never_evicted() {
         (pod("", ", priorityClassName: system-node-critical"), budget(", overLimitSeconds: 0")),
         (pod("", ", priority: 2000000001"), budget(", overLimitSeconds: 0")),
         (pod(", deletionTimestamp: '2026-01-01T00:00:00Z'", ""), budget(", overLimitSeconds: 0")),
+        // A static pod's mirror (#11): evicting it would delete only the mirror.
+        (
+            pod(", annotations: {kubernetes.io/config.mirror: 0123456789abcdef0123456789abcdef}", ""),
+            budget(", overLimitSeconds: 0"),
+        ),
     ];
     for (view, b) in cases {
         let name = format!("{view:?}");
@@ -233,6 +238,8 @@ fn warn_critical_terminating_and_foreign_pods_are_never_evicted() {
     assert!(notes(&h.tick(0, 9 * GI))[0].contains("action is Warn: the pod is not evicted"));
     let mut h = Harness::new(pod("", ", priorityClassName: system-cluster-critical"), &[budget("")]);
     assert!(notes(&h.tick(0, 9 * GI))[0].contains("critical and is never evicted"));
+    let mut h = Harness::new(pod(", annotations: {kubernetes.io/config.mirror: abc}", ""), &[budget("")]);
+    assert!(notes(&h.tick(0, 9 * GI))[0].contains("static pod (evicting its mirror would delete only the mirror)"));
 }
 
 #[test]
