@@ -272,6 +272,29 @@ async fn static_pods_are_never_evicted_and_every_pod_write_names_the_uid() {
     agent.stop().await;
 }
 
+/// Counts that lie (#11): an eviction refused by a PodDisruptionBudget, then the pod back under its limit.
+/// No eviction happened, so the record drops `eviction-requested-at`: a later deletion of the pod (a
+/// rollout) is not counted by the operator as an eviction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_eviction_leaves_no_request_time_once_the_pod_is_back_under() {
+    let fake = fake_with(&budgets(0));
+    fake.block_all_evictions();
+    let agent = start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
+    let f = &agent.fake;
+    let requested = |f: &FakeApi| annotations(f, "team-a", "llm-0").contains_key("gpubudget.io/eviction-requested-at");
+    assert!(f.wait_until(WAIT, |f| f.count(Verb::Create, "pods/eviction") >= 1).await, "{:?}", writes(f));
+    assert!(f.wait_until(WAIT, requested).await, "the request was recorded");
+    agent.set_named_usage(&[("team-a", "llm-0", "trainer", 2 * GI)]);
+    assert!(
+        f.wait_until(WAIT, |f| !requested(f)
+            && annotations(f, "team-a", "llm-0").get("gpubudget.io/state") == Some(&Value::from("Within")))
+            .await,
+        "{:?}",
+        annotations(f, "team-a", "llm-0")
+    );
+    agent.stop().await;
+}
+
 /// A budget switched from Warn to Evict while its pod has long been over the limit (#11 scenario 6): the
 /// period starts afresh at the edit (`GpuMemoryBudgetChanged`), so the eviction comes a full
 /// `overLimitSeconds` after it, not on the next sample.

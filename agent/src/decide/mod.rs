@@ -662,7 +662,12 @@ impl Enforcer {
                 out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: cx.grace_seconds(), recorded: false });
                 mem.eviction = Eviction::InFlight { attempts: 0, refused_since: None };
             }
-            Eviction::AwaitingRecord { .. } if state != BudgetState::Evicting => mem.eviction = Eviction::Idle,
+            // Back under before any request was accepted: no eviction happened, so the record must not say one
+            // was asked for (the operator would count a later, unrelated deletion of the pod as one).
+            Eviction::AwaitingRecord { .. } if state != BudgetState::Evicting => {
+                mem.eviction = Eviction::Idle;
+                mem.eviction_requested_at = None;
+            }
             Eviction::Blocked { retry_at, attempts, refused_since }
                 if evictable && (now.mono_ms >= retry_at || blocked_too_long(budget, refused_since, now.mono_ms)) =>
             {
@@ -683,7 +688,10 @@ impl Enforcer {
                 }
                 mem.eviction = Eviction::InFlight { attempts, refused_since: Some(refused_since) };
             }
-            Eviction::Blocked { .. } if state != BudgetState::Evicting => mem.eviction = Eviction::Idle,
+            Eviction::Blocked { .. } if state != BudgetState::Evicting => {
+                mem.eviction = Eviction::Idle;
+                mem.eviction_requested_at = None;
+            }
             _ => {}
         }
 
@@ -763,8 +771,15 @@ impl Enforcer {
                     // a webhook's denial, a timeout): a silent failure would hide a pod holding its memory.
                     EvictOutcome::Blocked(message) | EvictOutcome::Failed(message) => {
                         mem.eviction = Eviction::Blocked { attempts, retry_at: now.mono_ms + backoff, refused_since };
+                        // The eviction check of nodeRestriction (the operator's webhook) refusing or unreachable.
+                        let check = if message.contains("webhook") {
+                            " (the eviction check of nodeRestriction, served by the gpubudget operator, refused it or \
+                             could not be reached: is the operator up?)"
+                        } else {
+                            ""
+                        };
                         let note = format!(
-                            "eviction refused: {message}; using {} of {} (budget {}); retrying in {}s",
+                            "eviction refused: {message}{check}; using {} of {} (budget {}); retrying in {}s",
                             HumanBytes(mem.last_usage),
                             HumanBytes(mem.last_limit),
                             mem.last_budget,

@@ -378,6 +378,21 @@ fn a_budget_edit_starts_the_period_afresh() {
     assert!(!kinds(&h.tick(5_250, 2 * GI)).contains(&"GpuMemoryBudgetChanged".to_owned()));
 }
 
+/// #11: the eviction check (nodeRestriction's webhook) refusing or unreachable is named as such.
+#[test]
+fn an_unreachable_eviction_check_is_named() {
+    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
+    h.evict = Box::new(|| {
+        EvictOutcome::Failed(
+            "Internal error occurred: failed calling webhook \"evictions.gpubudget.io\": connection refused".into(),
+        )
+    });
+    let out = h.run(0, 500, 9 * GI);
+    let blocked: Vec<&str> = notes(&out).into_iter().filter(|n| n.starts_with("eviction refused")).collect();
+    assert_eq!(blocked.len(), 1, "{:?}", kinds(&out));
+    assert!(blocked[0].contains("could not be reached: is the operator up?"), "{blocked:?}");
+}
+
 #[test]
 fn a_blocked_eviction_stops_when_usage_comes_back() {
     let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
@@ -386,6 +401,10 @@ fn a_blocked_eviction_stops_when_usage_comes_back() {
     assert_eq!(evicts(&h.tick(250, 9 * GI)), 1);
     let back = h.tick(500, 2 * GI);
     assert_eq!(kinds(&back), ["Evicting->Within", "GpuMemoryWithinBudget", "apply:Within"]);
+    // #11: no eviction happened, so the record no longer says one was requested (a later deletion of the
+    // pod for another reason must not be counted as an eviction).
+    let Action::Apply { record, .. } = &back[2] else { panic!("apply") };
+    assert_eq!(record.eviction_requested_at, None);
     assert_eq!(evicts(&h.run(750, 60_000, 2 * GI)), 0);
     // Over again: the timer and the request start afresh (record first, then the request).
     assert_eq!(evicts(&h.tick(60_250, 9 * GI)), 0);
