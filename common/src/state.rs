@@ -11,7 +11,7 @@
 //! - the action is due when the pod is over the limit now and the bank is full.
 //!
 //! So an unbroken run over the limit is due after exactly `overLimitSeconds`, as before; a pod that is over
-//! more than a third of the time is due eventually (over 95 % of the time: after about 1.05 ×
+//! more than a third of the time is due eventually (over 95 % of the time: after about 1.08 ×
 //! `overLimitSeconds`); and nothing is due before the pod was over for `overLimitSeconds` in total. The
 //! promise (what `agent/tests/no_wrongful_eviction.rs` checks): due at `t` only if over at `t` and, for some
 //! earlier sample `s`, time over in `[s, t]` − ½ × time at or under in `[s, t]` ≥ `overLimitSeconds`.
