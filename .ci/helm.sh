@@ -217,6 +217,18 @@ for name in ("default", "all-features", "no-node-restriction"):
     check(leader in ("true", "false"), f"{name}: leader election is true|false")
     if dep["spec"]["replicas"] > 1:
         check(leader == "true", f"{name}: leader election on with {dep['spec']['replicas']} replicas")
+    # The eviction check's availability (#11): a PDB and a spread across nodes whenever there are replicas to
+    # spare, both selecting exactly the operator's pods.
+    pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    plabels = dep["spec"]["template"]["metadata"]["labels"]
+    if dep["spec"]["replicas"] > 1:
+        check(len(pdbs) == 1 and pdbs[0]["spec"]["maxUnavailable"] < dep["spec"]["replicas"], f"{name}: operator PDB")
+        check(all(plabels.get(k) == v for k, v in pdbs[0]["spec"]["selector"]["matchLabels"].items()), f"{name}: PDB selects the operator")
+        spread = dep["spec"]["template"]["spec"].get("topologySpreadConstraints", [])
+        check(len(spread) == 1 and spread[0]["topologyKey"] == "kubernetes.io/hostname", f"{name}: operator spread across nodes")
+        check(all(plabels.get(k) == v for k, v in spread[0]["labelSelector"]["matchLabels"].items()), f"{name}: spread selects the operator")
+    else:
+        check(not pdbs, f"{name}: no PDB for a single operator replica (it would block every drain)")
     roles = [d for d in docs if d["kind"] == "Role"]
     check((leader == "true") == bool(roles), f"{name}: Lease Role exactly when leader election is on")
     # Node restriction: webhook → operator Service → container port; cert files; agent username.

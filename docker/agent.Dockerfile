@@ -19,6 +19,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 FROM debian:bookworm-slim
 COPY --from=build /out/gpubudget-agent /usr/local/bin/gpubudget-agent
 # Non-root (the chart sets the same): reading /proc/<pid>/cgroup and NVML need no root (docs/operations.md).
-USER 65532:65532
+# A UID of its own (the chart's default too): see charts/gpubudget/values.yaml agent.podSecurityContext.
+USER 64001:64001
 ENTRYPOINT ["/usr/local/bin/gpubudget-agent"]
 CMD ["run"]

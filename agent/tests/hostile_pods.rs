@@ -198,3 +198,38 @@ fn a_forged_record_neither_evicts_early_nor_prevents_eviction() {
     }
     assert_eq!(tick(&mut enforcer, 10_000, &table, &usage), ["a"], "only the pod over its budget, on time");
 }
+
+/// A container that may write its own cgroup subtree creates, under its container's cgroup, a cgroup that
+/// names its neighbour's pod (or a made-up pod) and moves its CUDA process there (#11). The memory is still
+/// its own: the outermost pod on the path is the one the kubelet made. The neighbour is not charged nor
+/// evicted; the tenant is.
+#[test]
+fn a_nested_cgroup_naming_a_neighbour_is_charged_to_its_own_pod() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let own = cgroup(UID_A, CID_A);
+    let own = own.trim_end();
+    // Names the neighbour (b) and its container.
+    let at_neighbour = format!("{own}/kubepods-pod{}.slice/cri-containerd-{CID_B}.scope\n", UID_B.replace('-', "_"));
+    write_fake_process(dir.path(), 100, 1, &at_neighbour).expect("fixture");
+    // Names a pod that does not exist (charged to no one, before #11).
+    write_fake_process(
+        dir.path(),
+        101,
+        1,
+        &format!("{own}/kubepods/pod00000000-0000-0000-0000-000000000000/0123456789ab\n"),
+    )
+    .expect("fixture");
+    let table = PodTable::build(
+        [pod(UID_A, "a", CID_A, &[]), pod(UID_B, "b", CID_B, &[])],
+        &[budget("b", "8Gi", "{}")],
+        Some(NODE),
+    );
+    let mut attributor = ProcAttributor::new(dir.path());
+    let mut usage = Usage::default();
+    usage.compute(&snapshot(&[(100, 6 * GI), (101, 3 * GI)]), &table, &mut attributor, 0);
+    assert_eq!((usage.pods[0].total, usage.pods[1].total), (9 * GI, 0), "both processes are a's");
+    assert_eq!(usage.unattributed, [0], "nothing is charged to no one");
+    let mut enforcer = Enforcer::new(Settings::new(NODE));
+    assert!(tick(&mut enforcer, 0, &table, &usage).is_empty());
+    assert_eq!(tick(&mut enforcer, 10_000, &table, &usage), ["a"], "the tenant is evicted, not its neighbour");
+}

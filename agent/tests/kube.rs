@@ -187,6 +187,157 @@ async fn a_blocked_eviction_is_told_and_retried() {
     agent.stop().await;
 }
 
+/// A PodDisruptionBudget that never allows the disruption holds the memory for as long as it refuses (#11):
+/// unless the budget sets `blockedEvictionTimeoutSeconds`. Here evictions are refused with a 500 (what two
+/// PodDisruptionBudgets on one pod get), which is told like a 429; after 2 s of refusals the pod is deleted,
+/// with the budget's grace period and its UID as a precondition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evictions_refused_past_the_blocked_timeout_delete_the_pod_with_grace() {
+    let budget = budgets(0).replace(
+        "overLimitSeconds: 0, evictionGracePeriodSeconds: 30}",
+        "overLimitSeconds: 0, evictionGracePeriodSeconds: 30, blockedEvictionTimeoutSeconds: 2}",
+    );
+    assert!(budget.contains("blockedEvictionTimeoutSeconds: 2"), "{budget}");
+    let fake = fake_with(&budget);
+    fake.set_graceful_pod_deletion(true);
+    fake.fail_next(Verb::Create, "pods/eviction", 1_000, 500);
+    let agent = start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
+    let f = &agent.fake;
+    let reasons = |f: &FakeApi| f.events_for("team-a", "llm-0").into_iter().map(|e| e.reason).collect::<Vec<_>>();
+    assert!(
+        f.wait_until(WAIT, |f| reasons(f).iter().any(|r| r == "GpuMemoryEvictionBlocked")).await,
+        "a 500 is told: {:?}",
+        reasons(f)
+    );
+    assert!(f.wait_until(WAIT, |f| f.count(Verb::Delete, "pods") == 1).await, "deleted: {:?}", writes(f));
+    let pod = f.get("pods", "team-a", "llm-0").expect("terminating, not gone");
+    assert_eq!(pod["metadata"]["deletionGracePeriodSeconds"], 30, "{pod:#}");
+    let delete = f.requests().into_iter().find(|r| r.verb == Verb::Delete && r.resource == "pods").expect("delete");
+    let body = delete.body.expect("delete options");
+    assert_eq!(body["preconditions"]["uid"], pod["metadata"]["uid"], "{body:#}");
+    assert!(reasons(f).iter().any(|r| r == "DeletingForGpuMemory"), "{:?}", reasons(f));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(f.count(Verb::Delete, "pods"), 1, "one delete");
+    agent.stop().await;
+}
+
+/// Static pods (#11 scenario 7): evicting (or deleting) a mirror pod deletes only the mirror, and the kubelet
+/// keeps running the static pod. So they are treated like critical pods: told, never evicted. And every pod
+/// write the agent makes (records, evictions) carries the pod's UID as a precondition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_pods_are_never_evicted_and_every_pod_write_names_the_uid() {
+    let fake = fake_with(&budgets(0));
+    fake.apply_yaml(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: static-0, namespace: team-a, labels: {app: small}, \
+         annotations: {kubernetes.io/config.mirror: 0123456789abcdef0123456789abcdef}}\n\
+         spec: {nodeName: gpu-node-1, containers: [{name: main, image: x}]}\n",
+    )
+    .expect("mirror pod");
+    let usage = [("team-a", "static-0", "main", 9 * GI), ("team-a", "small-0", "main", 9 * GI)];
+    let agent = start(fake, &usage).await;
+    let f = &agent.fake;
+    assert!(f.wait_until(WAIT, |f| f.evictions().len() == 1).await, "small-0 is evicted: {:?}", writes(f));
+    let over = |f: &FakeApi| f.events_for("team-a", "static-0").into_iter().find(|e| e.reason == "GpuMemoryOverBudget");
+    assert!(f.wait_until(WAIT, |f| over(f).is_some()).await, "{:?}", f.events_for("team-a", "static-0"));
+    assert!(over(f).expect("event").message.contains("static pod"), "{:?}", over(f));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(f.evictions().len(), 1, "only small-0: {:?}", f.evictions());
+    assert_eq!(f.evictions()[0]["metadata"]["name"], "small-0");
+    assert_eq!(
+        annotations(f, "team-a", "static-0").get("gpubudget.io/state"),
+        Some(&Value::from("Over")),
+        "recorded, never Evicting"
+    );
+    // Every pod write names the pod's UID.
+    let uid = |name: &str| f.get("pods", "team-a", name).map(|p| p["metadata"]["uid"].clone());
+    let mut checked = 0;
+    for r in f
+        .requests()
+        .into_iter()
+        .filter(|r| r.resource == "pods" && !matches!(r.verb, Verb::Get | Verb::List | Verb::Watch))
+    {
+        let name = r.name.clone().expect("a named pod");
+        let body = r.body.expect("a body");
+        let named = match r.subresource.as_deref() {
+            Some("eviction") => body["deleteOptions"]["preconditions"]["uid"].clone(),
+            _ => body["metadata"]["uid"].clone(),
+        };
+        if let Some(live) = uid(&name) {
+            assert_eq!(named, live, "{} {}: {body:#}", r.method, r.path);
+        }
+        assert!(named.is_string(), "{} {}: {body:#}", r.method, r.path);
+        checked += 1;
+    }
+    assert!(checked >= 4, "{checked} pod writes");
+    agent.stop().await;
+}
+
+/// Counts that lie (#11): an eviction refused by a PodDisruptionBudget, then the pod back under its limit.
+/// No eviction happened, so the record drops `eviction-requested-at`: a later deletion of the pod (a
+/// rollout) is not counted by the operator as an eviction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_eviction_leaves_no_request_time_once_the_pod_is_back_under() {
+    let fake = fake_with(&budgets(0));
+    fake.block_all_evictions();
+    let agent = start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
+    let f = &agent.fake;
+    let requested = |f: &FakeApi| annotations(f, "team-a", "llm-0").contains_key("gpubudget.io/eviction-requested-at");
+    assert!(f.wait_until(WAIT, |f| f.count(Verb::Create, "pods/eviction") >= 1).await, "{:?}", writes(f));
+    assert!(f.wait_until(WAIT, requested).await, "the request was recorded");
+    agent.set_named_usage(&[("team-a", "llm-0", "trainer", 2 * GI)]);
+    assert!(
+        f.wait_until(WAIT, |f| !requested(f)
+            && annotations(f, "team-a", "llm-0").get("gpubudget.io/state") == Some(&Value::from("Within")))
+            .await,
+        "{:?}",
+        annotations(f, "team-a", "llm-0")
+    );
+    agent.stop().await;
+}
+
+/// A budget switched from Warn to Evict while its pod has long been over the limit (#11 scenario 6): the
+/// period starts afresh at the edit (`GpuMemoryBudgetChanged`), so the eviction comes a full
+/// `overLimitSeconds` after it, not on the next sample.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switching_warn_to_evict_starts_the_period_afresh() {
+    let warn = budgets(1).replace("action: Evict, overLimitSeconds: 1,", "action: Warn, overLimitSeconds: 1,");
+    assert!(warn.contains("action: Warn, overLimitSeconds: 1,"), "{warn}");
+    let fake = fake_with(&warn);
+    let agent = start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
+    let f = &agent.fake;
+    let state = |f: &FakeApi| annotations(f, "team-a", "llm-0").get("gpubudget.io/state").cloned();
+    assert!(f.wait_until(WAIT, |f| state(f) == Some(Value::from("Over"))).await, "{:?}", writes(f));
+    // Time passes over the limit under Warn: twice the period.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let edited = std::time::Instant::now();
+    f.modify("gpumemorybudgets", "team-a", "llm-inference", |b| b["spec"]["action"] = Value::from("Evict"))
+        .expect("budget");
+    assert!(f.wait_until(WAIT, |f| !f.evictions().is_empty()).await, "evicted: {:?}", writes(f));
+    assert!(edited.elapsed() >= Duration::from_secs(1), "evicted {:?} after the edit", edited.elapsed());
+    let events = f.events_for("team-a", "llm-0");
+    let changed = events.iter().find(|e| e.reason == "GpuMemoryBudgetChanged").expect("told");
+    assert!(changed.message.contains("action Warn → Evict"), "{}", changed.message);
+    agent.stop().await;
+}
+
+/// The pod's own grace period cannot hold the memory (#11): a pod asking for an hour, under a budget that
+/// sets no `evictionGracePeriodSeconds`, is evicted with 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pods_own_long_grace_period_is_capped_at_30s() {
+    let budget = budgets(0).replace(", evictionGracePeriodSeconds: 30}", "}");
+    let fake = fake_with(&budget);
+    fake.modify("pods", "team-a", "llm-0", |p| p["spec"]["terminationGracePeriodSeconds"] = Value::from(3600))
+        .expect("pod");
+    fake.set_graceful_pod_deletion(true);
+    let agent = start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
+    let f = &agent.fake;
+    assert!(f.wait_until(WAIT, |f| !f.evictions().is_empty()).await, "evicted: {:?}", writes(f));
+    assert_eq!(f.evictions()[0]["deleteOptions"]["gracePeriodSeconds"], 30, "{:#}", f.evictions()[0]);
+    let pod = f.get("pods", "team-a", "llm-0").expect("terminating");
+    assert_eq!(pod["metadata"]["deletionGracePeriodSeconds"], 30, "{pod:#}");
+    agent.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warn_critical_and_other_nodes_pods_are_never_evicted() {
     let fake = fake_with(&budgets(0));

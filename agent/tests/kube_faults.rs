@@ -83,6 +83,49 @@ async fn failed_record_writes_are_retried_and_the_eviction_is_neither_early_nor_
     agent.stop().await;
 }
 
+/// A record write the tenant can break (#11): every write to the pod is refused (422, as for annotations
+/// filling the 256 KiB limit, or a webhook rejecting the update). The eviction waits for its `Evicting`
+/// record 3 failed attempts only, then goes ahead, with a `GpuMemoryEvictionRecordFailed` event and
+/// `gpubudget_evictions_without_record_total`; the record is retried while the pod terminates and, once the
+/// API takes it, the operator counts the eviction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_the_tenant_breaks_delays_the_eviction_a_bounded_time_only() {
+    let fake = fake_with(&budget("8Gi", 1));
+    fake.fail_next(Verb::Patch, "pods", 1_000_000, 422);
+    let mut agent = start(fake, 9 * GI);
+    agent.start_operator();
+    let f = &agent.fake;
+    assert!(
+        f.wait_until(Duration::from_secs(15), |f| f.count(Verb::Create, "pods/eviction") == 1).await,
+        "evicted although its record cannot be written"
+    );
+    assert!(annotation(f, "gpubudget.io/state").is_none(), "no record landed");
+    let events = f.events_for("team-a", "llm-0");
+    let failed: Vec<_> = events.iter().filter(|e| e.reason == "GpuMemoryEvictionRecordFailed").collect();
+    assert_eq!(failed.len(), 1, "{events:#?}");
+    assert!(events.iter().any(|e| e.reason == "EvictingForGpuMemory"), "{events:#?}");
+    let metrics = agent.agent_metrics();
+    assert_eq!(metric(&metrics, "gpubudget_evictions_without_record_total"), 1.0, "{metrics}");
+    assert_eq!(metric(&metrics, r#"gpubudget_evictions_total{result="accepted"}"#), 1.0, "{metrics}");
+    // The API takes writes again while the pod terminates: the record lands and the eviction is counted.
+    f.clear_faults();
+    assert!(
+        f.wait_until(Duration::from_secs(40), |f| annotation(f, "gpubudget.io/eviction-requested-at").is_some()).await,
+        "the record lands while the pod terminates"
+    );
+    assert!(
+        f.wait_until(WAIT, |f| {
+            f.typed::<gpubudget_common::GpuMemoryBudget>("team-a", "llm")
+                .and_then(|b| b.status)
+                .is_some_and(|s| s.evictions == 1)
+        })
+        .await,
+        "the operator counts it"
+    );
+    assert_eq!(f.count(Verb::Create, "pods/eviction"), 1, "one request");
+    agent.stop().await;
+}
+
 /// A 500 (or a timeout-like failure) on the eviction request: counted, retried after the backoff, once,
 /// and only while the pod is still over its budget.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

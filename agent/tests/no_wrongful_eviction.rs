@@ -10,9 +10,11 @@
 //!
 //! - the pod is bound to this node, not critical, not terminating, and its budget (the smallest limit
 //!   among those selecting it, computed by the oracle) says `action: Evict`;
-//! - every sample the running agent took of the pod during the last `overLimitSeconds` was over the
-//!   limit in force at that sample, and the unbroken run of such samples is at least `overLimitSeconds`
-//!   long (a restart starts it afresh, so a restart can only delay);
+//! - the promise of `common::state` (#11: dips no longer reset the timer): the sample the eviction follows
+//!   was over the limit in force, and for some earlier sample `s` of the running agent, the time over the
+//!   limit in `[s, now]` minus half the time at or under it is at least `overLimitSeconds` (each sample
+//!   holding until the next; over or not by the limit in force at that sample). Computed from the whole
+//!   sample history, not from a bank. A restart starts the history afresh, so a restart can only delay;
 //! - no second request while one is in flight, and none at all once one was accepted (even after a
 //!   restart);
 //! - the `Evicting` record was applied first, in the same agent's life.
@@ -96,6 +98,7 @@ impl BudgetModel {
             },
             over_limit_seconds: self.over_limit_s as i64,
             eviction_grace_period_seconds: None,
+            blocked_eviction_timeout_seconds: None,
         };
         let mut b = GpuMemoryBudget::new(&self.name, spec);
         b.metadata.namespace = Some("team-a".into());
@@ -161,8 +164,8 @@ fn usage_value(rng: &mut Rng) -> u64 {
 /// What the oracle knows about a pod during one agent's life.
 #[derive(Debug, Default, Clone)]
 struct Seen {
-    /// First sample of the current unbroken run of samples over the limit in force at each sample.
-    over_since: Option<u64>,
+    /// Every sample the running agent took of the pod: its time and whether it was over the limit in force.
+    samples: Vec<(u64, bool)>,
     evicting_applied: bool,
 }
 
@@ -428,7 +431,8 @@ impl World {
                     let (due, ok) = (self.mono + self.rng.below(1500), self.rng.chance(85));
                     self.pending.push(Pending::Write { uid: pod.uid.clone(), record: None, due, ok });
                 }
-                Action::Evict { pod, .. } => {
+                // A delete after refused evictions is an eviction to the oracle: the same checks.
+                Action::Evict { pod, .. } | Action::Delete { pod, .. } => {
                     self.evictions += 1;
                     match allowed.get(&pod.uid) {
                         Some(Ok(())) => {}
@@ -470,20 +474,24 @@ impl World {
             let seen = self.seen.entry(pod.uid.clone()).or_default();
             let budget = applicable(&self.budgets, &pod.labels);
             let over = budget.is_some_and(|b| pod.usage > b.limit);
-            seen.over_since = if over { Some(seen.over_since.unwrap_or(self.mono)) } else { None };
+            seen.samples.push((self.mono, over));
             let verdict = match budget {
                 None => Err("no budget selects it".to_owned()),
                 Some(b) if !b.evict => Err(format!("its budget {} is action: Warn", b.name)),
                 Some(_) if pod.critical => Err("it is critical".to_owned()),
                 Some(_) if pod.terminating => Err("it is terminating".to_owned()),
                 Some(_) if pod.node.as_deref() != Some(NODE) => Err(format!("it is on node {:?}", pod.node)),
-                Some(b) => match seen.over_since {
-                    None => Err(format!("usage {} is not over {}", pod.usage, b.limit)),
-                    Some(since) if self.mono - since < b.over_limit_s * 1000 => {
-                        Err(format!("over only since {since} (now {}), overLimitSeconds {}", self.mono, b.over_limit_s))
+                Some(b) if !over => Err(format!("usage {} is not over {}", pod.usage, b.limit)),
+                Some(b) => {
+                    if gpubudget_common::state::due_is_justified(&seen.samples, b.over_limit_s * 1000) {
+                        Ok(())
+                    } else {
+                        Err(format!(
+                            "over − ½ under < overLimitSeconds {} in every window (now {}): {:?}",
+                            b.over_limit_s, self.mono, seen.samples
+                        ))
                     }
-                    Some(_) => Ok(()),
-                },
+                }
             };
             allowed.insert(pod.uid.clone(), verdict);
         }
@@ -580,7 +588,7 @@ fn the_oracle_catches_an_early_eviction() {
     let pod = gpubudget_agent::decide::PodRef { uid: uid.clone(), namespace: "team-a".into(), name: "p".into() };
     let mut allowed = HashMap::new();
     allowed.insert(uid, Err("over only since 0".to_owned()));
-    let err = world.check(&[Action::Evict { pod, grace_seconds: None }], &allowed).expect_err("caught");
+    let err = world.check(&[Action::Evict { pod, grace_seconds: None, recorded: true }], &allowed).expect_err("caught");
     assert!(err.to_string().contains("wrongful eviction"), "{err}");
 }
 

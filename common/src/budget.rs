@@ -35,10 +35,36 @@ pub enum SpecError {
         /// The value written.
         value: i64,
     },
+    /// A seconds field is under its minimum.
+    #[error("spec.{field}: {value} is less than {min}")]
+    SecondsBelow {
+        /// The field's name.
+        field: &'static str,
+        /// The value written.
+        value: i64,
+        /// Smallest allowed.
+        min: i64,
+    },
+    /// A seconds field is outside its bounds.
+    #[error("spec.{field}: {value} is not between {min} and {max}")]
+    SecondsOutOfRange {
+        /// The field's name.
+        field: &'static str,
+        /// The value written.
+        value: i64,
+        /// Smallest allowed.
+        min: i64,
+        /// Largest allowed.
+        max: i64,
+    },
     /// The object has no name or namespace.
     #[error("metadata: a GpuMemoryBudget needs a name and a namespace")]
     Unnamed,
 }
+
+/// The longest grace period a pod's own `terminationGracePeriodSeconds` gets when the budget sets no
+/// `evictionGracePeriodSeconds`: a pod asking for an hour would hold its memory for that hour.
+pub const DEFAULT_EVICTION_GRACE_CAP_SECONDS: i64 = 30;
 
 /// A validated budget, ready for matching and enforcement.
 #[derive(Debug, Clone, PartialEq)]
@@ -61,6 +87,8 @@ pub struct Budget {
     pub over_limit_seconds: u64,
     /// `spec.evictionGracePeriodSeconds`.
     pub eviction_grace_period_seconds: Option<i64>,
+    /// `spec.blockedEvictionTimeoutSeconds`: refused evictions this long → delete the pod. `None`: never.
+    pub blocked_eviction_timeout_seconds: Option<u64>,
 }
 
 impl Budget {
@@ -84,9 +112,21 @@ impl Budget {
             .ok_or(SpecError::WarnAtPercent(spec.warn_at_percent))?;
         let over_limit_seconds = u64::try_from(spec.over_limit_seconds)
             .map_err(|_| SpecError::NegativeSeconds { field: "overLimitSeconds", value: spec.over_limit_seconds })?;
-        if let Some(grace) = spec.eviction_grace_period_seconds.filter(|g| *g < 0) {
-            return Err(SpecError::NegativeSeconds { field: "evictionGracePeriodSeconds", value: grace });
+        if let Some(grace) = spec.eviction_grace_period_seconds.filter(|g| *g < 1) {
+            return Err(SpecError::SecondsBelow { field: "evictionGracePeriodSeconds", value: grace, min: 1 });
         }
+        let blocked_eviction_timeout_seconds = match spec.blocked_eviction_timeout_seconds {
+            None => None,
+            Some(value @ 0..=86_400) => Some(value.unsigned_abs()),
+            Some(value) => {
+                return Err(SpecError::SecondsOutOfRange {
+                    field: "blockedEvictionTimeoutSeconds",
+                    value,
+                    min: 0,
+                    max: 86_400,
+                });
+            }
+        };
         Ok(Self {
             namespace: namespace.to_owned(),
             name: name.to_owned(),
@@ -97,7 +137,18 @@ impl Budget {
             action: spec.action,
             over_limit_seconds,
             eviction_grace_period_seconds: spec.eviction_grace_period_seconds,
+            blocked_eviction_timeout_seconds,
         })
+    }
+
+    /// The grace period (seconds) for evicting a pod whose own `terminationGracePeriodSeconds` is
+    /// `pod_grace`: the budget's `evictionGracePeriodSeconds`, else the pod's own (30 when unset) capped at
+    /// [`DEFAULT_EVICTION_GRACE_CAP_SECONDS`] and at least 1 (0 would kill it without its shutdown).
+    pub fn eviction_grace_seconds(&self, pod_grace: Option<i64>) -> i64 {
+        match self.eviction_grace_period_seconds {
+            Some(grace) => grace,
+            None => pod_grace.unwrap_or(30).clamp(1, DEFAULT_EVICTION_GRACE_CAP_SECONDS),
+        }
     }
 
     /// `namespace/name`.
@@ -189,6 +240,21 @@ mod tests {
         assert!(!b.thresholds(true).may_evict, "critical pods are never evicted");
     }
 
+    /// #11: the pod's own grace period (an hour, say) cannot hold the memory: unset, it is capped at 30 s.
+    #[test]
+    fn eviction_grace_is_the_budgets_or_the_pods_capped() {
+        let base = "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: b, namespace: n}\nspec:\n  selector: {}\n  limit: 1Gi\n";
+        let unset = budget(base).expect("budget");
+        assert_eq!(unset.eviction_grace_seconds(Some(3_600)), 30);
+        assert_eq!(unset.eviction_grace_seconds(Some(45)), 30);
+        assert_eq!(unset.eviction_grace_seconds(Some(10)), 10);
+        assert_eq!(unset.eviction_grace_seconds(None), 30);
+        assert_eq!(unset.eviction_grace_seconds(Some(0)), 1, "never 0: that kills without a shutdown");
+        let set = budget(&format!("{base}  evictionGracePeriodSeconds: 120\n")).expect("budget");
+        assert_eq!(set.eviction_grace_seconds(Some(3_600)), 120, "the budget's own, as written");
+        assert_eq!(set.eviction_grace_seconds(Some(5)), 120);
+    }
+
     #[test]
     fn spec_errors_name_the_field() {
         let base = "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: b, namespace: n}\nspec:\n  selector: {}\n";
@@ -199,6 +265,8 @@ mod tests {
             ("  limit: 1Gi\n  warnAtPercent: 101\n", "spec.warnAtPercent"),
             ("  limit: 1Gi\n  overLimitSeconds: -1\n", "spec.overLimitSeconds"),
             ("  limit: 1Gi\n  evictionGracePeriodSeconds: -5\n", "spec.evictionGracePeriodSeconds"),
+            ("  limit: 1Gi\n  evictionGracePeriodSeconds: 0\n", "spec.evictionGracePeriodSeconds"),
+            ("  limit: 1Gi\n  blockedEvictionTimeoutSeconds: 86401\n", "spec.blockedEvictionTimeoutSeconds"),
         ];
         for (tail, field) in cases {
             let err = budget(&format!("{base}{tail}")).expect_err(tail);

@@ -65,19 +65,32 @@ pub struct GpuMemoryBudgetSpec {
     #[serde(default)]
     pub action: BudgetAction,
 
-    /// How long usage must stay over the limit, without a single sample at or under it, before the
-    /// action is taken. Seconds, 0 or more; default 10.
+    /// How long usage must be over the limit before the action is taken. Seconds, 0 or more; default 10.
+    /// Dips do not reset it: time at or under the limit takes back half as much, so an unbroken run acts
+    /// after exactly this long and a pod over more than a third of the time acts eventually.
     #[serde(default = "default_over_limit_seconds")]
     #[schemars(range(min = 0))]
     #[x_kube(validation = Rule::new("self >= 0").message("overLimitSeconds must be 0 or more"))]
     pub over_limit_seconds: i64,
 
-    /// Termination grace period, in seconds, given to a pod this budget evicts. Unset: the pod's own
-    /// `terminationGracePeriodSeconds`.
+    /// Termination grace period, in seconds, given to a pod this budget evicts: 1 or more (0, which would
+    /// kill the pod at once without its shutdown, is refused). Unset: the pod's own
+    /// `terminationGracePeriodSeconds`, capped at 30 (a pod cannot hold the memory for the hour its own
+    /// grace period may ask for).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 0))]
-    #[x_kube(validation = Rule::new("self >= 0").message("evictionGracePeriodSeconds must be 0 or more"))]
+    #[schemars(range(min = 1))]
+    #[x_kube(validation = Rule::new("self >= 1").message("evictionGracePeriodSeconds must be 1 or more (0 would kill the pod without its shutdown); leave it unset for the pod's own terminationGracePeriodSeconds, capped at 30"))]
     pub eviction_grace_period_seconds: Option<i64>,
+
+    /// How long evictions may be refused (a PodDisruptionBudget with no disruption allowed, two
+    /// PodDisruptionBudgets selecting the pod, any other refusal) before the agent deletes the pod instead,
+    /// with the same grace period, as the kubelet's node-pressure eviction does. Seconds, 0 to 86400.
+    /// Unset (the default): PodDisruptionBudgets are always respected, and a pod they protect may hold its
+    /// memory for as long as they refuse.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 86400))]
+    #[x_kube(validation = Rule::new("self >= 0 && self <= 86400").message("blockedEvictionTimeoutSeconds must be between 0 and 86400 (a day)"))]
+    pub blocked_eviction_timeout_seconds: Option<i64>,
 }
 
 /// What the agent does with a pod that stays over its budget.

@@ -204,10 +204,14 @@ fn the_agent_may_change_nothing_but_its_annotations() {
 }
 
 #[test]
-fn the_agent_may_not_create_or_delete_pods_nor_act_without_a_node_bound_token() {
+fn the_agent_may_delete_only_its_own_nodes_pods_never_create_nor_act_without_a_node_bound_token() {
     let p = policy("pods");
-    let verdict = admit(&p, request(AGENT, Some(NODE), "DELETE"), Json::Null, pod(NODE));
-    assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("never DELETE")), "{verdict:?}");
+    // DELETE: the fallback after evictions were refused for blockedEvictionTimeoutSeconds (#11).
+    assert_eq!(admit(&p, request(AGENT, Some(NODE), "DELETE"), Json::Null, pod(NODE)), Verdict::Allowed);
+    let verdict = admit(&p, request(AGENT, Some(NODE), "DELETE"), Json::Null, pod("gpu-node-2"));
+    assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("not on its node")), "{verdict:?}");
+    let verdict = admit(&p, request(AGENT, None, "DELETE"), Json::Null, pod(NODE));
+    assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("carries no node")), "{verdict:?}");
     let verdict = admit(&p, request(AGENT, Some(NODE), "CREATE"), pod(NODE), Json::Null);
     assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("never CREATE")), "{verdict:?}");
     // A token without the node claim (a legacy secret token, or Kubernetes < 1.32).
@@ -236,9 +240,34 @@ fn the_agents_events_must_name_its_own_node() {
     let p = policy("events");
     let event = |instance: &str| {
         json!({"apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"name": "e", "namespace": "team-a"},
-               "reportingController": "gpubudget-agent", "reportingInstance": instance, "reason": "GpuMemoryOverBudget"})
+               "reportingController": "gpubudget-agent", "reportingInstance": instance, "reason": "GpuMemoryOverBudget",
+               "regarding": {"apiVersion": "v1", "kind": "Pod", "namespace": "team-a", "name": "p"}})
     };
     assert_eq!(admit(&p, request(AGENT, Some(NODE), "CREATE"), event(NODE), Json::Null), Verdict::Allowed);
+    // #11 hardening: about a pod of the event's namespace, or its own Node; nothing else.
+    let about = |kind: &str, namespace: Option<&str>, name: &str| {
+        let mut e = event(NODE);
+        e["regarding"] = json!({"kind": kind, "name": name});
+        if let Some(ns) = namespace {
+            e["regarding"]["namespace"] = json!(ns);
+        }
+        e
+    };
+    let own_node = about("Node", None, NODE);
+    assert_eq!(admit(&p, request(AGENT, Some(NODE), "CREATE"), own_node, Json::Null), Verdict::Allowed);
+    for (what, e) in [
+        ("another node", about("Node", None, "gpu-node-2")),
+        ("a pod of another namespace", about("Pod", Some("team-b"), "p")),
+        ("a budget", about("GpuMemoryBudget", Some("team-a"), "b")),
+        ("nothing", {
+            let mut e = event(NODE);
+            e.as_object_mut().unwrap().remove("regarding");
+            e
+        }),
+    ] {
+        let verdict = admit(&p, request(AGENT, Some(NODE), "CREATE"), e, Json::Null);
+        assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("may be about pods")), "{what}: {verdict:?}");
+    }
     let verdict = admit(&p, request(AGENT, Some(NODE), "CREATE"), event("gpu-node-2"), Json::Null);
     assert!(matches!(&verdict, Verdict::Denied(m) if m.contains("reportingInstance")), "{verdict:?}");
     let mut foreign = event(NODE);

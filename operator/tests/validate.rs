@@ -38,7 +38,9 @@ fn broken_examples_fail_with_the_expected_messages() {
         "team-a/percent-too-high: spec.warnAtPercent: warnAtPercent must be between 1 and 100",
         "team-a/percent-zero: spec.warnAtPercent: warnAtPercent must be between 1 and 100",
         "team-a/negative-seconds: spec.overLimitSeconds: overLimitSeconds must be 0 or more",
-        "team-a/negative-grace: spec.evictionGracePeriodSeconds: evictionGracePeriodSeconds must be 0 or more",
+        "team-a/negative-grace: spec.evictionGracePeriodSeconds: evictionGracePeriodSeconds must be 1 or more",
+        "team-a/zero-grace: spec.evictionGracePeriodSeconds: evictionGracePeriodSeconds must be 1 or more (0 would kill the pod without its shutdown)",
+        "team-a/blocked-timeout-too-long: spec.blockedEvictionTimeoutSeconds: blockedEvictionTimeoutSeconds must be between 0 and 86400",
         "team-a/bad-action: spec.action: \"Kill\" is not one of \"Evict\", \"Warn\"",
         "team-a/bad-operator: spec.selector: selector.matchExpressions[].operator must be one of In, NotIn, Exists, DoesNotExist",
         "team-a/in-without-values: spec.selector: selector.matchExpressions[].values must be non-empty for In and NotIn",
@@ -63,11 +65,11 @@ fn non_yaml_and_other_kinds() {
         .any(|p| p.field == "apiVersion"));
 }
 
-fn spec_doc(limit: &str, percent: i64, seconds: i64, grace: i64) -> String {
+fn spec_doc(limit: &str, percent: i64, seconds: i64, grace: i64, blocked: i64) -> String {
     format!(
         "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: p, namespace: n}}\n\
          spec: {{selector: {{}}, limit: {limit:?}, warnAtPercent: {percent}, overLimitSeconds: {seconds}, \
-         evictionGracePeriodSeconds: {grace}}}\n"
+         evictionGracePeriodSeconds: {grace}, blockedEvictionTimeoutSeconds: {blocked}}}\n"
     )
 }
 
@@ -86,9 +88,10 @@ proptest! {
         percent in -5i64..110,
         seconds in -3i64..3,
         grace in -3i64..3,
+        blocked in prop_oneof![-3i64..3, 86_398i64..86_403],
     ) {
         let checker = Checker::new();
-        let problems = checker.check_yaml(&spec_doc(&limit, percent, seconds, grace));
+        let problems = checker.check_yaml(&spec_doc(&limit, percent, seconds, grace, blocked));
         prop_assert!(problems.iter().all(|p| p.source != Source::Structure), "{problems:?}");
         let fields = |source: Source| {
             let mut f: Vec<String> = problems.iter().filter(|p| p.source == source).map(|p| p.field.clone()).collect();

@@ -581,6 +581,15 @@ impl State {
             }
         }
         let existing = self.get(&call.gr, call.ns(), call.name()).cloned();
+        // A `metadata.uid` in the configuration is a precondition, as the API server's update makes it.
+        let uid = meta_str(&config, "uid");
+        if let Some(live) = existing.as_ref().filter(|l| !uid.is_empty() && meta_str(l, "uid") != uid) {
+            let why = format!(
+                "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
+                meta_str(live, "uid")
+            );
+            return Err(conflict(&call.gr, call.name(), &why));
+        }
         let rv = meta_str(&config, "resourceVersion");
         if !rv.is_empty() && existing.as_ref().is_none_or(|l| meta_str(l, "resourceVersion") != rv) {
             return Err(conflict(&call.gr, call.name(), MODIFIED));

@@ -298,6 +298,25 @@ async fn metadata_watcher_and_reflector() {
     assert!(fake.wait_until(WAIT, |_| reader.state().len() == 2).await);
 }
 
+/// A `metadata.uid` in an applied configuration is a precondition: a pod that took the name is not written.
+#[tokio::test]
+async fn apply_with_a_uid_is_refused_for_another_pod_of_that_name() {
+    let fake = FakeApi::new();
+    fake.apply_yaml("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n").unwrap();
+    let uid = fake.get("pods", "default", "p").unwrap()["metadata"]["uid"].as_str().unwrap().to_owned();
+    let pods: Api<Pod> = Api::default_namespaced(fake.client());
+    let body = |uid: &str| {
+        json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "p", "uid": uid, "annotations": {"gpubudget.io/state": "Over"}}})
+    };
+    pods.patch("p", &PatchParams::apply("m"), &Patch::Apply(&body(&uid))).await.expect("same pod");
+    let err = pods.patch("p", &PatchParams::apply("m"), &Patch::Apply(&body("other"))).await.expect_err("replaced");
+    assert!(
+        matches!(&err, kube::Error::Api(s) if s.code == 409 && s.message.contains("Precondition failed: UID")),
+        "{err}"
+    );
+}
+
 #[tokio::test]
 async fn server_side_apply_of_objects_and_status() {
     let fake = FakeApi::new();

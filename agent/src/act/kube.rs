@@ -15,7 +15,7 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::api::policy::v1::Eviction;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta, Preconditions};
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client};
 use serde_json::json;
@@ -142,16 +142,19 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
     match action {
         Action::Transition { .. } => None,
         Action::Apply { pod, record } => {
+            // `metadata.uid` is a precondition: the API server refuses (409) a write to a pod that took the name.
             let body = json!({
                 "apiVersion": "v1",
                 "kind": "Pod",
-                "metadata": {"name": &*pod.name, "namespace": &*pod.namespace, "annotations": record.to_annotations()},
+                "metadata": {"name": &*pod.name, "namespace": &*pod.namespace, "uid": &*pod.uid,
+                             "annotations": record.to_annotations()},
             });
             let ok = apply(shared, &pod, &body, "apply").await;
             Some(Feedback::Written { uid: pod.uid, record: Some(record), ok })
         }
         Action::Clear { pod } => {
-            let body = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": &*pod.name, "namespace": &*pod.namespace}});
+            let body = json!({"apiVersion": "v1", "kind": "Pod",
+                              "metadata": {"name": &*pod.name, "namespace": &*pod.namespace, "uid": &*pod.uid}});
             let ok = apply(shared, &pod, &body, "clear").await;
             Some(Feedback::Written { uid: pod.uid, record: None, ok })
         }
@@ -198,11 +201,18 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
             }
             None
         }
-        Action::Evict { pod, grace_seconds } => {
+        Action::Evict { pod, grace_seconds, recorded } => {
+            if !recorded {
+                m.evictions_without_record.inc();
+            }
             let outcome = match evict(&shared.client, &pod, grace_seconds).await {
                 Ok(()) => EvictOutcome::Accepted,
                 Err(error) => match (api_code(&error), &error) {
                     (Some(429), kube::Error::Api(status)) => EvictOutcome::Blocked(status.message.clone()),
+                    // Two PodDisruptionBudgets select the pod: the API server refuses with a 500.
+                    (Some(500), kube::Error::Api(status)) if status.message.contains("PodDisruptionBudget") => {
+                        EvictOutcome::Blocked(status.message.clone())
+                    }
                     (Some(404), _) => EvictOutcome::Gone,
                     _ => EvictOutcome::Failed(error.to_string()),
                 },
@@ -220,6 +230,32 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
                 EvictOutcome::Blocked(message) => tracing::warn!(%pod, %message, "eviction blocked (HTTP 429)"),
                 EvictOutcome::Gone => tracing::info!(%pod, "pod already gone"),
                 EvictOutcome::Failed(message) => tracing::warn!(%pod, %message, "eviction request failed"),
+            }
+            Some(Feedback::Evicted { uid: pod.uid, outcome })
+        }
+        Action::Delete { pod, grace_seconds } => {
+            let api: Api<Pod> = Api::namespaced(shared.client.clone(), &pod.namespace);
+            let params = DeleteParams {
+                grace_period_seconds: grace_seconds.and_then(|g| u32::try_from(g.max(0)).ok()),
+                // Only the pod the agent measured.
+                preconditions: Some(kube::api::Preconditions {
+                    uid: Some(pod.uid.to_string()),
+                    resource_version: None,
+                }),
+                ..DeleteParams::default()
+            };
+            let outcome = match api.delete(&pod.name, &params).await {
+                Ok(_) => EvictOutcome::Accepted,
+                // Gone, or another pod took the name (the UID precondition).
+                Err(error) if matches!(api_code(&error), Some(404 | 409)) => EvictOutcome::Gone,
+                Err(error) => EvictOutcome::Failed(error.to_string()),
+            };
+            m.write("delete", if outcome == EvictOutcome::Accepted { "ok" } else { "error" });
+            match &outcome {
+                EvictOutcome::Accepted => {
+                    tracing::warn!(%pod, grace_seconds, "evictions refused too long: pod deleted")
+                }
+                other => tracing::warn!(%pod, ?other, "delete after refused evictions did not go through"),
             }
             Some(Feedback::Evicted { uid: pod.uid, outcome })
         }

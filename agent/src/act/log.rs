@@ -37,6 +37,7 @@ pub fn action_line(action: &Action, now: jiff::Timestamp) -> Value {
             "kind": "node_event", "reason": reason.as_str(),
             "type": if reason.is_warning() { "Warning" } else { "Normal" }, "note": note,
         }),
+        Action::Delete { grace_seconds, .. } => json!({"kind": "delete", "grace_period_seconds": grace_seconds}),
     };
     if let (Some(line), Some(extra)) = (line.as_object_mut(), extra.as_object()) {
         line.extend(extra.clone());
@@ -77,7 +78,7 @@ impl<W: Write> LogExecutor<W> {
                     feedback.push(Feedback::Written { uid: pod.uid, record: Some(record), ok: true });
                 }
                 Action::Clear { pod } => feedback.push(Feedback::Written { uid: pod.uid, record: None, ok: true }),
-                Action::Evict { pod, .. } => {
+                Action::Evict { pod, .. } | Action::Delete { pod, .. } => {
                     feedback.push(Feedback::Evicted { uid: pod.uid, outcome: EvictOutcome::Accepted });
                 }
                 Action::Transition { .. } | Action::Event { .. } | Action::NodeEvent { .. } => {}

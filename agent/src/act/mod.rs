@@ -18,7 +18,7 @@ pub struct ResultLabels {
 /// `{kind, result}` of an API write.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WriteLabels {
-    /// `apply`, `clear`, `event`, `evict`.
+    /// `apply`, `clear`, `event`, `evict`, `delete`.
     pub kind: String,
     /// `ok`, `blocked`, `error`.
     pub result: String,
@@ -32,6 +32,8 @@ pub struct Counters {
     pub evictions: Family<ResultLabels, Counter>,
     /// API writes by kind and result.
     pub api_writes: Family<WriteLabels, Counter>,
+    /// Eviction requests sent before their `Evicting` record landed (the wait for it ran out).
+    pub evictions_without_record: Counter,
 }
 
 impl Counters {

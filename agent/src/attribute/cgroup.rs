@@ -13,9 +13,13 @@
 //!   `…/kubepods-besteffort-pod<UID>.slice:cri-containerd:<container>` (slice, prefix and name in one
 //!   segment).
 //!
-//! The container is the segment right under the pod's: `cri-containerd-<id>.scope`, `crio-<id>.scope`,
-//! `docker-<id>.scope`, or a bare `<id>` (cgroupfs). Deeper leaves (`…/<id>/init`, crun's
-//! `…/crio-<id>.scope/container`) are ignored. `crio-conmon-<id>.scope` is CRI-O's monitor process: it
+//! The owner is the **outermost** pod on the path: the pod whose cgroup the kubelet made. A container that
+//! may write its own cgroup subtree can create `…/cri-containerd-<id>.scope/kubepods-pod<other UID>.slice/…`
+//! under its container and move a process there; that process is still its container's.
+//!
+//! The container is the segment right under that pod's: `cri-containerd-<id>.scope`, `crio-<id>.scope`,
+//! `docker-<id>.scope`, or a bare `<id>` (cgroupfs). Anything deeper (`…/<id>/init`, crun's
+//! `…/crio-<id>.scope/container`, a tenant's own subtree with whatever names) belongs to that container. `crio-conmon-<id>.scope` is CRI-O's monitor process: it
 //! belongs to the pod but to no container.
 //!
 //! Paths may be relative to the reader's cgroup namespace: an agent in its own cgroup namespace (the
@@ -55,9 +59,11 @@ pub fn parse_cgroup_file(content: &str) -> Option<ContainerRef> {
 /// Parses one cgroup path (the third field of a line).
 pub fn parse_cgroup_path(path: &str) -> Option<ContainerRef> {
     let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty() && *s != "." && *s != "..").collect();
-    // The innermost pod segment wins: a process of a node nested in a pod is attributed to the nested pod,
-    // which the outer node's agent does not know, so it stays unattributed rather than misattributed.
-    let (index, pod) = segments.iter().enumerate().rev().find_map(|(i, s)| pod_in_segment(s).map(|p| (i, p)))?;
+    // The OUTERMOST pod segment wins. That is the cgroup the kubelet of this node made; everything below a
+    // container's cgroup is the container's own subtree, which a container allowed to write it can fill
+    // with any names, a neighbour's pod UID or a made-up one included. Taking an inner segment would let
+    // it charge its memory to the neighbour, or to no one (docs/security.md, "Hostile pods").
+    let (index, pod) = segments.iter().enumerate().find_map(|(i, s)| pod_in_segment(s).map(|p| (i, p)))?;
     let container_id = match pod.inline_container {
         Some(id) => Some(id),
         None => segments.get(index + 1).and_then(|s| container_in_segment(s)),
@@ -201,6 +207,31 @@ mod tests {
         expect("/kubepods/burstable/podnot-a-uid/abc", None, None);
     }
 
+    /// A container that writes its own cgroup subtree and names a neighbour's pod (or a made-up one) in it
+    /// is still charged: the outermost pod is the kubelet's, the segment under it the container.
+    #[test]
+    fn a_subtree_under_a_container_belongs_to_that_container() {
+        let u = UID.replace('-', "_");
+        let other = "9f8e7d6c-5b4a-4938-8271-605f4e3d2c1b";
+        let o = other.replace('-', "_");
+        let other_cid = "b".repeat(64);
+        let own = format!(
+            "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice/cri-containerd-{CID}.scope"
+        );
+        for nested in [
+            format!("/kubepods-pod{o}.slice/cri-containerd-{other_cid}.scope"),
+            format!("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{o}.slice/crio-{other_cid}.scope"),
+            format!("/pod{other}/{other_cid}"),
+            format!("/kubepods/pod{other}"),
+            "/kubepods-pod0123456789abcdef0123456789abcdef.slice/docker-cafecafecafe.scope".to_owned(),
+            format!("/x/y/kubepods-pod{o}.slice:cri-containerd:{other_cid}"),
+        ] {
+            expect(&format!("{own}{nested}"), Some(UID), Some(CID));
+            expect(&format!("/../..{own}{nested}"), Some(UID), Some(CID));
+            expect(&format!("/kubepods/burstable/pod{UID}/{CID}{nested}"), Some(UID), Some(CID));
+        }
+    }
+
     #[test]
     fn v1_prefers_a_line_with_a_container() {
         let content = format!(
@@ -290,6 +321,36 @@ mod tests {
             let got = parse_cgroup_file(&format!("0::{path}\n")).expect("parsed");
             prop_assert_eq!(got.pod_uid, uid);
             prop_assert_eq!(got.container_id, Some(cid));
+        }
+
+        /// Whatever a container writes below its own cgroup (segments naming other pods and containers,
+        /// noise), the answer is that container's pod and container.
+        #[test]
+        fn a_containers_subtree_never_changes_the_owner(
+            uid in "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+            cid in "[0-9a-f]{64}",
+            systemd in any::<bool>(),
+            below in proptest::collection::vec(
+                prop_oneof![
+                    "pod[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+                    "kubepods-pod[0-9a-f]{8}_[0-9a-f]{4}_[0-9a-f]{4}_[0-9a-f]{4}_[0-9a-f]{12}\\.slice",
+                    "kubepods-burstable-pod[0-9a-f]{32}\\.slice(:cri-containerd:[0-9a-f]{64})?",
+                    "(cri-containerd-|crio-|docker-)?[0-9a-f]{12,64}(\\.scope)?",
+                    Just("kubepods".to_owned()), Just("..".to_owned()), Just("init".to_owned()),
+                    "[a-z0-9_.:-]{1,20}",
+                ],
+                1..8,
+            ),
+        ) {
+            let own = if systemd {
+                format!("/kubepods.slice/kubepods-pod{}.slice/cri-containerd-{cid}.scope", uid.replace('-', "_"))
+            } else {
+                format!("/kubepods/besteffort/pod{uid}/{cid}")
+            };
+            let path = format!("{own}/{}", below.join("/"));
+            let got = parse_cgroup_file(&format!("0::{path}\n")).expect("parsed");
+            prop_assert_eq!(got.pod_uid, uid, "{}", path);
+            prop_assert_eq!(got.container_id, Some(cid), "{}", path);
         }
     }
 }

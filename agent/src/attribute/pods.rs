@@ -56,6 +56,20 @@ pub fn strip_container_scheme(id: &str) -> String {
 }
 
 impl PodView {
+    /// Why this pod is never evicted, if it is: critical (by priority class or priority, which admission
+    /// controls), or a static pod's mirror (`kubernetes.io/config.mirror`): evicting or deleting a mirror
+    /// deletes only the mirror, the kubelet runs the static pod on (#11). A pod created through the API with
+    /// that annotation is not run by any kubelet, so it holds no GPU memory to protect.
+    pub fn never_evicted(&self) -> Option<&'static str> {
+        if self.critical {
+            Some("the pod is critical and is never evicted")
+        } else if self.mirror_of.is_some() {
+            Some("the pod is a static pod (evicting its mirror would delete only the mirror) and is never evicted")
+        } else {
+            None
+        }
+    }
+
     /// From a Pod object; `None` without a UID, name or namespace, or when it has finished (Succeeded or
     /// Failed: no process left to account for).
     pub fn from_pod(pod: &Pod) -> Option<Self> {

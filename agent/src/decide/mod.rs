@@ -14,7 +14,9 @@
 //! - **eviction**: when the state machine says `Evicting` (it never does for `action: Warn` or critical
 //!   pods), for a pod of this node that is not terminating: one apply carrying state `Evicting` and
 //!   `eviction-requested-at`, then the `EvictingForGpuMemory` event, then the eviction request, in that
-//!   order. One request in flight per pod; HTTP 429 → `GpuMemoryEvictionBlocked` and a retry with
+//!   order; the request waits for that record at most [`Settings::record_wait_attempts`] failed writes or
+//!   [`Settings::record_wait_ms`], then goes ahead without it (`GpuMemoryEvictionRecordFailed`). One request
+//!   in flight per pod; HTTP 429 → `GpuMemoryEvictionBlocked` and a retry with
 //!   backoff while still due; an accepted eviction is never requested again for that pod UID. Timers
 //!   start afresh when the agent starts, so a restart can only delay an eviction.
 
@@ -67,6 +69,12 @@ pub enum Reason {
     EvictionBlocked,
     /// Back under the limit (or under the warning threshold).
     WithinBudget,
+    /// The `Evicting` record could not be written in time: the eviction goes ahead without it.
+    RecordNotWritten,
+    /// Evictions were refused for `blockedEvictionTimeoutSeconds`: the pod is deleted instead.
+    Deleting,
+    /// The budget's action or `overLimitSeconds` changed while the pod was over: the period starts afresh.
+    BudgetChanged,
 }
 
 impl Reason {
@@ -78,13 +86,27 @@ impl Reason {
             Reason::Evicting => "EvictingForGpuMemory",
             Reason::EvictionBlocked => "GpuMemoryEvictionBlocked",
             Reason::WithinBudget => "GpuMemoryWithinBudget",
+            Reason::RecordNotWritten => "GpuMemoryEvictionRecordFailed",
+            Reason::Deleting => "DeletingForGpuMemory",
+            Reason::BudgetChanged => "GpuMemoryBudgetChanged",
         }
     }
 
     /// Warning (true) or Normal.
     pub fn is_warning(self) -> bool {
-        matches!(self, Reason::NearBudget | Reason::OverBudget | Reason::Evicting | Reason::EvictionBlocked)
+        matches!(
+            self,
+            Reason::NearBudget
+                | Reason::OverBudget
+                | Reason::Evicting
+                | Reason::EvictionBlocked
+                | Reason::RecordNotWritten
+                | Reason::Deleting
+        )
     }
+
+    /// How many reasons there are.
+    const COUNT: usize = 8;
 
     fn slot(self) -> usize {
         self as usize
@@ -137,12 +159,23 @@ pub enum Action {
         /// The message.
         note: String,
     },
+    /// Delete the pod (UID precondition) with this grace period: evictions were refused for the budget's
+    /// `blockedEvictionTimeoutSeconds`. Answered like an eviction ([`Feedback::Evicted`]).
+    Delete {
+        /// The pod.
+        pod: PodRef,
+        /// `gracePeriodSeconds`, as for the eviction.
+        grace_seconds: Option<i64>,
+    },
     /// Request the pod's eviction (policy/v1 Eviction).
     Evict {
         /// The pod.
         pod: PodRef,
-        /// `deleteOptions.gracePeriodSeconds`, from the budget; `None`: the pod's own.
+        /// `deleteOptions.gracePeriodSeconds` ([`Budget::eviction_grace_seconds`]); `None`: the pod's own.
         grace_seconds: Option<i64>,
+        /// Whether the API has the `Evicting` record (false: the wait for it ran out, see
+        /// [`Settings::record_wait_attempts`]); counted in `gpubudget_evictions_without_record_total`.
+        recorded: bool,
     },
 }
 
@@ -154,7 +187,8 @@ impl Action {
             | Action::Apply { pod, .. }
             | Action::Clear { pod }
             | Action::Event { pod, .. }
-            | Action::Evict { pod, .. } => Some(pod),
+            | Action::Evict { pod, .. }
+            | Action::Delete { pod, .. } => Some(pod),
             Action::NodeEvent { .. } => None,
         }
     }
@@ -215,6 +249,12 @@ pub struct Settings {
     pub pressure: pressure::PressureSettings,
     /// Termination grace of a pressure eviction, seconds; a budget's `evictionGracePeriodSeconds` caps it.
     pub pressure_grace_seconds: i64,
+    /// The eviction waits for its `Evicting` record at most this many failed writes …
+    pub record_wait_attempts: u32,
+    /// … and at most this long after it became due; then it goes ahead without the record (an event says
+    /// so), and the record is retried while the pod terminates. A write the tenant can break (annotations
+    /// filling the 256 KiB limit, a webhook refusing the update) cannot hold the eviction back.
+    pub record_wait_ms: u64,
 }
 
 impl Settings {
@@ -230,6 +270,8 @@ impl Settings {
             write_backoff_min_ms: 1_000,
             pressure: pressure::PressureSettings::OFF,
             pressure_grace_seconds: 5,
+            record_wait_attempts: 3,
+            record_wait_ms: 30_000,
         }
     }
 }
@@ -246,16 +288,23 @@ pub struct Now {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Eviction {
     Idle,
-    /// Due: the `Evicting` record (with `eviction-requested-at`) is on its way; the request follows once the
-    /// API has it, so the operator can count the eviction even when the pod is gone in a moment.
-    AwaitingRecord,
-    /// A request is out; `attempts` earlier ones were refused or failed.
+    /// Due since `since` (monotonic ms): the `Evicting` record (with `eviction-requested-at`) is on its way;
+    /// the request follows once the API has it, so the operator can count the eviction even when the pod is
+    /// gone in a moment; or, when `failed` writes reach [`Settings::record_wait_attempts`] or the wait
+    /// [`Settings::record_wait_ms`], without it.
+    AwaitingRecord {
+        since: u64,
+        failed: u32,
+    },
+    /// A request is out; `attempts` earlier ones were refused or failed, the first at `refused_since`.
     InFlight {
         attempts: u32,
+        refused_since: Option<u64>,
     },
     Blocked {
         attempts: u32,
         retry_at: u64,
+        refused_since: u64,
     },
     Done,
 }
@@ -270,6 +319,11 @@ fn record_state(mem: &PodMemory) -> BudgetState {
     if mem.pressure.is_some() { BudgetState::Evicting } else { mem.tracker.state }
 }
 
+/// Whether evictions were refused for the budget's `blockedEvictionTimeoutSeconds` (never when unset).
+fn blocked_too_long(budget: &Budget, refused_since: u64, now: u64) -> bool {
+    budget.blocked_eviction_timeout_seconds.is_some_and(|t| now.saturating_sub(refused_since) >= t.saturating_mul(1000))
+}
+
 /// Whether the API has the record that says this eviction was requested (written by this agent).
 fn record_landed(mem: &PodMemory) -> bool {
     mem.eviction_requested_at.is_some()
@@ -280,6 +334,9 @@ fn record_landed(mem: &PodMemory) -> bool {
 struct PodMemory {
     pod: PodRef,
     tracker: Tracker,
+    /// The action and `overLimitSeconds` of the budget the tracker counted under: a change starts the
+    /// period afresh (an edit never acts on time already spent over the limit).
+    policy: Option<(BudgetAction, u64)>,
     reported: BudgetState,
     written: Option<PodRecord>,
     has_annotations: bool,
@@ -289,7 +346,7 @@ struct PodMemory {
     write_retry_at: u64,
     eviction: Eviction,
     eviction_requested_at: Option<String>,
-    last_event_ms: [Option<u64>; 5],
+    last_event_ms: [Option<u64>; Reason::COUNT],
     /// For messages written from feedback.
     last_usage: u64,
     last_limit: u64,
@@ -392,10 +449,18 @@ impl Context<'_> {
         format!("held by {}", holders_summary(&self.usage.holders, self.gpus))
     }
 
+    /// The grace period of an eviction (or delete) of this pod: [`Budget::eviction_grace_seconds`].
+    fn grace_seconds(&self) -> Option<i64> {
+        Some(self.budget.eviction_grace_seconds(self.view.termination_grace_seconds))
+    }
+
     fn grace_text(&self) -> String {
+        let grace = self.budget.eviction_grace_seconds(self.view.termination_grace_seconds);
+        let own = self.view.termination_grace_seconds.unwrap_or(30);
         match self.budget.eviction_grace_period_seconds {
-            Some(g) => format!("{g}s grace"),
-            None => format!("the pod's {}s grace", self.view.termination_grace_seconds.unwrap_or(30)),
+            Some(_) => format!("{grace}s grace"),
+            None if grace == own => format!("the pod's {grace}s grace"),
+            None => format!("{grace}s grace (the pod asks for {own}s; capped when the budget sets none)"),
         }
     }
 }
@@ -459,6 +524,7 @@ impl Enforcer {
         PodMemory {
             pod: PodRef::of(view),
             tracker: Tracker::default(),
+            policy: None,
             reported: record.as_ref().map_or(BudgetState::Within, |r| r.state),
             eviction_requested_at: record.as_ref().and_then(|r| r.eviction_requested_at.clone()),
             written: record,
@@ -469,7 +535,7 @@ impl Enforcer {
             write_failures: 0,
             write_retry_at: 0,
             eviction: Eviction::Idle,
-            last_event_ms: [None; 5],
+            last_event_ms: [None; Reason::COUNT],
             last_usage: 0,
             last_limit: 0,
             last_budget: String::new(),
@@ -493,8 +559,9 @@ impl Enforcer {
         mem.seen = self.generation;
         mem.last_budget.clear();
         mem.tracker = Tracker::default();
+        mem.policy = None;
         mem.reported = BudgetState::Within;
-        if matches!(mem.eviction, Eviction::Blocked { .. } | Eviction::AwaitingRecord) {
+        if matches!(mem.eviction, Eviction::Blocked { .. } | Eviction::AwaitingRecord { .. }) {
             mem.eviction = Eviction::Idle;
         }
         // A record of ours with no budget behind it any more: remove it, once.
@@ -510,9 +577,29 @@ impl Enforcer {
         let budget = cx.budget;
         let view = cx.view;
         let total = cx.usage.total;
-        let thresholds = budget.thresholds(view.critical);
+        let thresholds = budget.thresholds(view.never_evicted().is_some());
         let mut mem = self.take_memory(now, view);
         mem.seen = self.generation;
+        // A budget edit (Warn → Evict, a shorter overLimitSeconds) or a move to a budget that acts otherwise
+        // does not act on the time already spent over the limit: the period starts afresh, and is told.
+        let policy = (budget.action, budget.over_limit_seconds);
+        if let Some(old) = mem.policy.filter(|old| *old != policy) {
+            if mem.tracker.state.is_over() {
+                let note = format!(
+                    "budget {} changed (action {} → {}, overLimitSeconds {} → {}): the over-limit period starts \
+                     afresh; {}",
+                    budget.key(),
+                    old.0,
+                    policy.0,
+                    old.1,
+                    policy.1,
+                    cx.used_of()
+                );
+                self.event(&mut mem, now.mono_ms, Reason::BudgetChanged, note, out);
+            }
+            mem.tracker = Tracker { state: mem.tracker.state, ..Tracker::default() };
+        }
+        mem.policy = Some(policy);
         mem.tracker = step(mem.tracker, &thresholds, now.mono_ms, total);
         mem.last_usage = total;
         mem.last_limit = budget.limit_bytes;
@@ -543,8 +630,8 @@ impl Enforcer {
                 (BudgetState::Within | BudgetState::Near, BudgetState::Over) => {
                     let then = if budget.action == BudgetAction::Warn {
                         "action is Warn: the pod is not evicted".to_owned()
-                    } else if view.critical {
-                        "the pod is critical and is never evicted".to_owned()
+                    } else if let Some(why) = view.never_evicted() {
+                        why.to_owned()
                     } else if budget.over_limit_seconds == 0 {
                         "evicting now".to_owned()
                     } else {
@@ -575,7 +662,7 @@ impl Enforcer {
         let evictable = due
             && (thresholds.may_evict || mem.pressure.is_some())
             && budget.action == BudgetAction::Evict
-            && !view.critical
+            && view.never_evicted().is_none()
             && !view.terminating
             && view.node.as_deref() == Some(self.settings.node.as_str());
         let mut applied = false;
@@ -590,25 +677,64 @@ impl Enforcer {
                 let note = format!(
                     "{} for {}s; evicting with {}; {}",
                     cx.used_of(),
-                    seconds(mem.tracker.over_for(now.mono_ms)),
+                    seconds(mem.tracker.over_for()),
                     cx.grace_text(),
                     cx.held_by()
                 );
                 // Not subject to the cooldown: one per eviction, and evictions are rare.
                 mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
                 out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::Evicting, note: bounded(note) });
-                mem.eviction = Eviction::AwaitingRecord;
+                mem.eviction = Eviction::AwaitingRecord { since: now.mono_ms, failed: 0 };
             }
-            Eviction::AwaitingRecord if evictable && !mem.write_in_flight && record_landed(&mem) => {
-                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: self.grace(&mem, budget) });
-                mem.eviction = Eviction::InFlight { attempts: 0 };
+            Eviction::AwaitingRecord { .. } if evictable && !mem.write_in_flight && record_landed(&mem) => {
+                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: self.grace(&mem, cx), recorded: true });
+                mem.eviction = Eviction::InFlight { attempts: 0, refused_since: None };
             }
-            Eviction::AwaitingRecord if !due => mem.eviction = Eviction::Idle,
-            Eviction::Blocked { retry_at, attempts } if evictable && now.mono_ms >= retry_at => {
-                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: self.grace(&mem, budget) });
-                mem.eviction = Eviction::InFlight { attempts };
+            Eviction::AwaitingRecord { since, failed }
+                if evictable
+                    && (failed >= self.settings.record_wait_attempts
+                        || now.mono_ms.saturating_sub(since) >= self.settings.record_wait_ms) =>
+            {
+                let note = format!(
+                    "the Evicting record could not be written ({failed} failed attempts in {}s); evicting without \
+                     it, and writing it while the pod terminates: until it lands, the budget's eviction count \
+                     misses this eviction",
+                    seconds(now.mono_ms.saturating_sub(since))
+                );
+                self.event(&mut mem, now.mono_ms, Reason::RecordNotWritten, note, out);
+                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: self.grace(&mem, cx), recorded: false });
+                mem.eviction = Eviction::InFlight { attempts: 0, refused_since: None };
             }
-            Eviction::Blocked { .. } if !due => mem.eviction = Eviction::Idle,
+            // Back under before any request was accepted: no eviction happened, so the record must not say one
+            // was asked for (the operator would count a later, unrelated deletion of the pod as one).
+            Eviction::AwaitingRecord { .. } if !due => {
+                mem.eviction = Eviction::Idle;
+                mem.eviction_requested_at = None;
+            }
+            Eviction::Blocked { retry_at, attempts, refused_since }
+                if evictable && (now.mono_ms >= retry_at || blocked_too_long(budget, refused_since, now.mono_ms)) =>
+            {
+                let grace_seconds = self.grace(&mem, cx);
+                if blocked_too_long(budget, refused_since, now.mono_ms) {
+                    let note = format!(
+                        "evictions refused for {}s (blockedEvictionTimeoutSeconds {}): deleting the pod with {}, as \
+                         the kubelet's node-pressure eviction does; {}",
+                        seconds(now.mono_ms.saturating_sub(refused_since)),
+                        budget.blocked_eviction_timeout_seconds.unwrap_or_default(),
+                        cx.grace_text(),
+                        cx.used_of()
+                    );
+                    self.event(&mut mem, now.mono_ms, Reason::Deleting, note, out);
+                    out.push(Action::Delete { pod: mem.pod.clone(), grace_seconds });
+                } else {
+                    out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds, recorded: record_landed(&mem) });
+                }
+                mem.eviction = Eviction::InFlight { attempts, refused_since: Some(refused_since) };
+            }
+            Eviction::Blocked { .. } if !due => {
+                mem.eviction = Eviction::Idle;
+                mem.eviction_requested_at = None;
+            }
             _ => {}
         }
 
@@ -635,14 +761,14 @@ impl Enforcer {
     }
 
     /// The grace period of an eviction: the budget's, or for pressure the agent's capped by the budget's.
-    fn grace(&self, mem: &PodMemory, budget: &Budget) -> Option<i64> {
+    fn grace(&self, mem: &PodMemory, cx: &Context<'_>) -> Option<i64> {
         match mem.pressure {
             Some(_) => Some(
-                budget
+                cx.budget
                     .eviction_grace_period_seconds
                     .map_or(self.settings.pressure_grace_seconds, |cap| cap.min(self.settings.pressure_grace_seconds)),
             ),
-            None => budget.eviction_grace_period_seconds,
+            None => cx.grace_seconds(),
         }
     }
 
@@ -666,8 +792,9 @@ impl Enforcer {
     /// and while it lasts one eviction at a time per GPU: the evictable pod most over its budget among those
     /// holding memory on it ([`pressure::choose`]), without waiting for `overLimitSeconds`. Pods within
     /// their budget, without one, with a `Warn` budget, critical or static are never chosen. While a pod
-    /// this agent is evicting still holds memory on the GPU, no other is chosen (the kubelet's "wait for
-    /// reclaim").
+    /// this agent is evicting (record on its way, request out, or accepted) still holds memory on the GPU,
+    /// no other is chosen (the kubelet's "wait for reclaim"); one whose eviction is refused (a
+    /// PodDisruptionBudget) retries on its own and does not hold the GPU's turn.
     pub fn pressure(
         &mut self,
         now: Now,
@@ -726,8 +853,10 @@ impl Enforcer {
             let reclaiming = table.pods.iter().enumerate().any(|(i, view)| {
                 on_gpu(i) > 0
                     && self.pods.get(&view.uid).is_some_and(|m| {
-                        matches!(m.eviction, Eviction::AwaitingRecord | Eviction::InFlight { .. } | Eviction::Done)
-                            || m.pressure.is_some()
+                        matches!(
+                            m.eviction,
+                            Eviction::AwaitingRecord { .. } | Eviction::InFlight { .. } | Eviction::Done
+                        )
                     })
             });
             if reclaiming {
@@ -748,7 +877,9 @@ impl Enforcer {
                     && self
                         .pods
                         .get(&view.uid)
-                        .is_some_and(|m| matches!(m.eviction, Eviction::Idle | Eviction::Blocked { .. }));
+                        // Not one whose eviction is under way or refused: a refused one retries on its own and
+                        // does not hold the GPU's turn (the next most-over pod is chosen).
+                        .is_some_and(|m| m.eviction == Eviction::Idle);
                 candidates.push((
                     i,
                     pressure::Candidate {
@@ -778,12 +909,12 @@ impl Enforcer {
                         info.label,
                         HumanBytes(free),
                         HumanBytes(total),
-                        self.grace(&mem, budget).unwrap_or_default(),
+                        self.grace(&mem, &cx).unwrap_or_default(),
                         cx.held_by()
                     );
                     mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
                     out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::Evicting, note: bounded(note) });
-                    mem.eviction = Eviction::AwaitingRecord;
+                    mem.eviction = Eviction::AwaitingRecord { since: now.mono_ms, failed: 0 };
                     self.pods.insert(view.uid.clone(), mem);
                 }
                 None if !gpu_told(&mut self.gpus[g]) => {
@@ -832,6 +963,9 @@ impl Enforcer {
                     mem.write_failures = 0;
                     mem.write_retry_at = 0;
                 } else {
+                    if let Eviction::AwaitingRecord { failed, .. } = &mut mem.eviction {
+                        *failed = failed.saturating_add(1);
+                    }
                     mem.write_failures = mem.write_failures.saturating_add(1);
                     let backoff = write_min
                         .saturating_mul(1 << mem.write_failures.min(16).saturating_sub(1))
@@ -841,27 +975,35 @@ impl Enforcer {
             }
             Feedback::Evicted { uid, outcome } => {
                 let Some(mut mem) = self.pods.remove(&uid) else { return };
-                let attempts = match mem.eviction {
-                    Eviction::Blocked { attempts, .. } | Eviction::InFlight { attempts } => attempts,
-                    Eviction::Idle | Eviction::AwaitingRecord | Eviction::Done => 0,
-                } + 1;
+                let (attempts, refused_since) = match mem.eviction {
+                    Eviction::Blocked { attempts, refused_since, .. } => (attempts, Some(refused_since)),
+                    Eviction::InFlight { attempts, refused_since } => (attempts, refused_since),
+                    Eviction::Idle | Eviction::AwaitingRecord { .. } | Eviction::Done => (0, None),
+                };
+                let attempts = attempts + 1;
+                let refused_since = refused_since.unwrap_or(now.mono_ms);
                 let backoff = evict_min.saturating_mul(1 << attempts.min(16).saturating_sub(1)).min(evict_max);
                 match outcome {
                     EvictOutcome::Accepted | EvictOutcome::Gone => mem.eviction = Eviction::Done,
-                    EvictOutcome::Blocked(message) => {
-                        mem.eviction = Eviction::Blocked { attempts, retry_at: now.mono_ms + backoff };
+                    // Every refusal is told (a PodDisruptionBudget's 429, the 500 of two PodDisruptionBudgets,
+                    // a webhook's denial, a timeout): a silent failure would hide a pod holding its memory.
+                    EvictOutcome::Blocked(message) | EvictOutcome::Failed(message) => {
+                        mem.eviction = Eviction::Blocked { attempts, retry_at: now.mono_ms + backoff, refused_since };
+                        // The eviction check of nodeRestriction (the operator's webhook) refusing or unreachable.
+                        let check = if message.contains("webhook") {
+                            " (the eviction check of nodeRestriction, served by the gpubudget operator, refused it or \
+                             could not be reached: is the operator up?)"
+                        } else {
+                            ""
+                        };
                         let note = format!(
-                            "eviction refused: {message}; using {} of {} (budget {}); retrying in {}s",
+                            "eviction refused: {message}{check}; using {} of {} (budget {}); retrying in {}s",
                             HumanBytes(mem.last_usage),
                             HumanBytes(mem.last_limit),
                             mem.last_budget,
                             seconds(backoff)
                         );
                         self.event(&mut mem, now.mono_ms, Reason::EvictionBlocked, note, out);
-                    }
-                    EvictOutcome::Failed(_) => {
-                        // The executor logged and counted it; retried with backoff.
-                        mem.eviction = Eviction::Blocked { attempts, retry_at: now.mono_ms + backoff };
                     }
                 }
                 self.pods.insert(uid, mem);

@@ -79,6 +79,10 @@ impl Harness {
                 Action::Evict { pod, .. } => {
                     feedback.push(Feedback::Evicted { uid: pod.uid.clone(), outcome: (self.evict)() })
                 }
+                // No PodDisruptionBudget stops a delete.
+                Action::Delete { pod, .. } => {
+                    feedback.push(Feedback::Evicted { uid: pod.uid.clone(), outcome: EvictOutcome::Accepted })
+                }
                 _ => {}
             }
         }
@@ -104,6 +108,7 @@ fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Event { reason, .. } => reason.as_str().into(),
             Action::Evict { grace_seconds, .. } => format!("evict:{grace_seconds:?}"),
             Action::NodeEvent { reason, .. } => format!("node:{}", reason.as_str()),
+            Action::Delete { grace_seconds, .. } => format!("delete:{grace_seconds:?}"),
         })
         .collect()
 }
@@ -149,12 +154,27 @@ fn climbs_to_evicting_in_the_contract_order() {
 }
 
 #[test]
-fn grace_defaults_to_the_pods_own() {
-    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
-    let mut out = h.tick(0, 9 * GI);
-    out.extend(h.tick(250, 9 * GI));
-    assert!(kinds(&out).contains(&"evict:None".to_owned()), "{:?}", kinds(&out));
-    assert!(notes(&out).iter().any(|n| n.contains("evicting with the pod's 45s grace")), "{:?}", notes(&out));
+fn grace_defaults_to_the_pods_own_capped_at_30s() {
+    let grace = |pod_grace: &str| {
+        let mut view = pod("", "");
+        view.termination_grace_seconds = pod_grace.parse().ok();
+        let mut h = Harness::new(view, &[budget(", overLimitSeconds: 0")]);
+        let mut out = h.tick(0, 9 * GI);
+        out.extend(h.tick(250, 9 * GI));
+        let evict = kinds(&out).into_iter().find(|k| k.starts_with("evict:")).expect("evicted");
+        let note = notes(&out).into_iter().find(|n| n.contains("evicting with")).expect("note").to_owned();
+        (evict, note)
+    };
+    let (evict, note) = grace("20");
+    assert_eq!(evict, "evict:Some(20)");
+    assert!(note.contains("evicting with the pod's 20s grace"), "{note}");
+    // #11: a pod asking for an hour does not hold its memory for an hour.
+    let (evict, note) = grace("3600");
+    assert_eq!(evict, "evict:Some(30)");
+    assert!(
+        note.contains("evicting with 30s grace (the pod asks for 3600s; capped when the budget sets none)"),
+        "{note}"
+    );
 }
 
 #[test]
@@ -191,6 +211,11 @@ fn warn_critical_terminating_and_foreign_pods_are_never_evicted() {
         (pod("", ", priorityClassName: system-node-critical"), budget(", overLimitSeconds: 0")),
         (pod("", ", priority: 2000000001"), budget(", overLimitSeconds: 0")),
         (pod(", deletionTimestamp: '2026-01-01T00:00:00Z'", ""), budget(", overLimitSeconds: 0")),
+        // A static pod's mirror (#11): evicting it would delete only the mirror.
+        (
+            pod(", annotations: {kubernetes.io/config.mirror: 0123456789abcdef0123456789abcdef}", ""),
+            budget(", overLimitSeconds: 0"),
+        ),
     ];
     for (view, b) in cases {
         let name = format!("{view:?}");
@@ -214,6 +239,8 @@ fn warn_critical_terminating_and_foreign_pods_are_never_evicted() {
     assert!(notes(&h.tick(0, 9 * GI))[0].contains("action is Warn: the pod is not evicted"));
     let mut h = Harness::new(pod("", ", priorityClassName: system-cluster-critical"), &[budget("")]);
     assert!(notes(&h.tick(0, 9 * GI))[0].contains("critical and is never evicted"));
+    let mut h = Harness::new(pod(", annotations: {kubernetes.io/config.mirror: abc}", ""), &[budget("")]);
+    assert!(notes(&h.tick(0, 9 * GI))[0].contains("static pod (evicting its mirror would delete only the mirror)"));
 }
 
 #[test]
@@ -269,11 +296,102 @@ fn blocked_evictions_retry_with_backoff_one_at_a_time() {
         Feedback::Evicted { uid: Arc::from("uid-1"), outcome: EvictOutcome::Failed("timeout".into()) },
         &mut out,
     );
-    assert!(out.is_empty(), "other failures are retried quietly");
+    assert_eq!(kinds(&out), ["GpuMemoryEvictionBlocked"], "every refusal is told");
+    assert!(notes(&out)[0].starts_with("eviction refused: timeout;"), "{:?}", notes(&out));
+    out.clear();
     enforcer.tick(at(64_000), &t, &usage(9 * GI), &gpus(), &mut out);
     assert_eq!(evicts(&out), 0);
     enforcer.tick(at(65_000), &t, &usage(9 * GI), &gpus(), &mut out);
     assert_eq!(evicts(&out), 1);
+}
+
+/// A PodDisruptionBudget that never allows a disruption (`maxUnavailable: 0`, or two of them: the API's
+/// 500) holds the memory for as long as it refuses, unless the budget sets `blockedEvictionTimeoutSeconds`:
+/// once evictions were refused that long, the pod is deleted with the eviction's grace period (#11).
+#[test]
+fn evictions_refused_past_the_timeout_delete_the_pod() {
+    let mut h = Harness::new(
+        pod("", ""),
+        &[budget(", overLimitSeconds: 0, evictionGracePeriodSeconds: 20, blockedEvictionTimeoutSeconds: 60")],
+    );
+    h.evict = Box::new(|| {
+        EvictOutcome::Blocked(
+            "This pod has more than one PodDisruptionBudget, which the eviction subresource does not support.".into(),
+        )
+    });
+    h.tick(0, 9 * GI);
+    let mut all = Vec::new();
+    let mut deleted_at = None;
+    for ms in (250..=120_000).step_by(250) {
+        let out = h.tick(ms, 9 * GI);
+        if out.iter().any(|a| matches!(a, Action::Delete { .. })) {
+            deleted_at.get_or_insert(ms);
+        }
+        all.extend(out);
+    }
+    // Refused first at 250 ms; retries at 5 s, 15 s, 35 s; deleted at 60 s after the first refusal, between
+    // two retries (the backoff does not postpone it).
+    assert_eq!(deleted_at, Some(60_250), "{:?}", kinds(&all));
+    assert_eq!(all.iter().filter(|a| matches!(a, Action::Delete { .. })).count(), 1);
+    let delete = all.iter().position(|a| matches!(a, Action::Delete { .. })).expect("delete");
+    assert_eq!(kinds(&all[delete - 1..=delete]), ["DeletingForGpuMemory", "delete:Some(20)"]);
+    assert!(
+        notes(&all[delete - 1..delete])[0].starts_with(
+            "evictions refused for 60s (blockedEvictionTimeoutSeconds 60): deleting the pod with 20s grace"
+        ),
+        "{:?}",
+        notes(&all[delete - 1..delete])
+    );
+    assert_eq!(evicts(&all), 4, "refused at 0.25, 5.25, 15.25, 35.25 s");
+    // Without the field, PodDisruptionBudgets are respected for ever.
+    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
+    h.evict = Box::new(|| EvictOutcome::Blocked("pdb".into()));
+    let all = h.run(0, 600_000, 9 * GI);
+    assert!(!all.iter().any(|a| matches!(a, Action::Delete { .. })), "{:?}", kinds(&all));
+}
+
+/// #11 scenario 6: a budget edit does not act on time already spent over the limit. Switching Warn → Evict,
+/// or lowering overLimitSeconds, while a pod has been over for a minute, starts the period afresh (an
+/// event says so) instead of evicting on the next sample.
+#[test]
+fn a_budget_edit_starts_the_period_afresh() {
+    for (before, after) in [
+        (", action: Warn, overLimitSeconds: 10", ", action: Evict, overLimitSeconds: 10"),
+        (", overLimitSeconds: 600", ", overLimitSeconds: 10"),
+    ] {
+        let mut h = Harness::new(pod("", ""), &[budget(before)]);
+        let out = h.run(0, 60_000, 9 * GI);
+        assert_eq!(evicts(&out), 0, "{before}");
+        h.table = table(pod("", ""), &[budget(after)]);
+        let edited = h.tick(60_250, 9 * GI);
+        assert_eq!(evicts(&edited), 0, "{before} → {after}: {:?}", kinds(&edited));
+        assert!(kinds(&edited).contains(&"GpuMemoryBudgetChanged".to_owned()), "{:?}", kinds(&edited));
+        let note = notes(&edited).into_iter().find(|n| n.starts_with("budget team-a/llm changed")).expect("note");
+        assert!(note.contains("the over-limit period starts afresh"), "{note}");
+        // A full overLimitSeconds after the edit, not before.
+        assert_eq!(evicts(&h.run(60_500, 70_000, 9 * GI)), 0, "{before} → {after}");
+        assert_eq!(evicts(&h.run(70_250, 70_500, 9 * GI)), 1, "{before} → {after}");
+    }
+    // An edit while under the limit has nothing to say.
+    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 10")]);
+    h.run(0, 5_000, 2 * GI);
+    h.table = table(pod("", ""), &[budget(", overLimitSeconds: 5")]);
+    assert!(!kinds(&h.tick(5_250, 2 * GI)).contains(&"GpuMemoryBudgetChanged".to_owned()));
+}
+
+/// #11: the eviction check (nodeRestriction's webhook) refusing or unreachable is named as such.
+#[test]
+fn an_unreachable_eviction_check_is_named() {
+    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
+    h.evict = Box::new(|| {
+        EvictOutcome::Failed(
+            "Internal error occurred: failed calling webhook \"evictions.gpubudget.io\": connection refused".into(),
+        )
+    });
+    let out = h.run(0, 500, 9 * GI);
+    let blocked: Vec<&str> = notes(&out).into_iter().filter(|n| n.starts_with("eviction refused")).collect();
+    assert_eq!(blocked.len(), 1, "{:?}", kinds(&out));
+    assert!(blocked[0].contains("could not be reached: is the operator up?"), "{blocked:?}");
 }
 
 #[test]
@@ -284,6 +402,10 @@ fn a_blocked_eviction_stops_when_usage_comes_back() {
     assert_eq!(evicts(&h.tick(250, 9 * GI)), 1);
     let back = h.tick(500, 2 * GI);
     assert_eq!(kinds(&back), ["Evicting->Within", "GpuMemoryWithinBudget", "apply:Within"]);
+    // #11: no eviction happened, so the record no longer says one was requested (a later deletion of the
+    // pod for another reason must not be counted as an eviction).
+    let Action::Apply { record, .. } = &back[2] else { panic!("apply") };
+    assert_eq!(record.eviction_requested_at, None);
     assert_eq!(evicts(&h.run(750, 60_000, 2 * GI)), 0);
     // Over again: the timer and the request start afresh (record first, then the request).
     assert_eq!(evicts(&h.tick(60_250, 9 * GI)), 0);
@@ -348,6 +470,68 @@ fn failed_writes_are_retried_with_backoff() {
     assert!(h.run(31_250, 100_000, GI).is_empty());
 }
 
+/// A record write the tenant can break (#11: annotations filling 256 KiB, a webhook refusing the update) does
+/// not hold the eviction: after 3 failed attempts it goes ahead without the record, says so, and the record
+/// is still retried while the pod terminates.
+#[test]
+fn the_eviction_waits_for_its_record_three_attempts_only() {
+    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
+    h.tick(0, GI);
+    h.write_ok = false;
+    let mut evicted_at = None;
+    let mut all = Vec::new();
+    for ms in (250..=40_000).step_by(250) {
+        let out = h.tick(ms, 9 * GI);
+        if evicts(&out) > 0 {
+            evicted_at.get_or_insert(ms);
+        }
+        all.extend(out);
+    }
+    // Attempts at 250 (due), 1 250, 3 250 (backoff 1 s, 2 s): the request follows the third failure.
+    assert_eq!(evicted_at, Some(3_500), "{:?}", kinds(&all));
+    assert_eq!(evicts(&all), 1, "one request");
+    let evict = all.iter().find(|a| matches!(a, Action::Evict { .. })).expect("evict");
+    assert!(matches!(evict, Action::Evict { recorded: false, .. }), "{evict:?}");
+    let failed: Vec<&str> = all
+        .iter()
+        .filter_map(|a| match a {
+            Action::Event { reason: Reason::RecordNotWritten, note, .. } => Some(note.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed.len(), 1, "{:?}", kinds(&all));
+    assert!(failed[0].starts_with("the Evicting record could not be written (3 failed attempts in 3s)"), "{failed:?}");
+    // The record is still retried after the eviction (backoff up to 30 s), and lands once the API takes it.
+    let retries =
+        all.iter().skip_while(|a| !matches!(a, Action::Evict { .. })).filter(|a| matches!(a, Action::Apply { .. }));
+    assert!(retries.count() >= 2);
+    h.write_ok = true;
+    let out = h.run(40_250, 75_000, 9 * GI);
+    let landed: Vec<_> = out.iter().filter(|a| matches!(a, Action::Apply { .. })).collect();
+    assert_eq!(landed.len(), 1, "{:?}", kinds(&out));
+    let Action::Apply { record, .. } = landed[0] else { unreachable!() };
+    assert_eq!((record.state, record.eviction_requested_at.is_some()), (BudgetState::Evicting, true));
+}
+
+/// A write that hangs rather than fails: the eviction waits for it 30 s at most.
+#[test]
+fn the_eviction_waits_for_its_record_thirty_seconds_at_most() {
+    let mut h = Harness::new(pod("", ""), &[budget(", overLimitSeconds: 0")]);
+    h.tick(0, GI);
+    // The Evicting apply goes out and no answer comes.
+    let mut out = Vec::new();
+    h.enforcer.tick(at(250), &h.table, &usage(9 * GI), &gpus(), &mut out);
+    assert_eq!(kinds(&out), ["Within->Evicting", "apply:Evicting", "EvictingForGpuMemory"]);
+    for ms in (500..30_250).step_by(250) {
+        out.clear();
+        h.enforcer.tick(at(ms), &h.table, &usage(9 * GI), &gpus(), &mut out);
+        assert_eq!(evicts(&out), 0, "{ms} ms");
+    }
+    out.clear();
+    h.enforcer.tick(at(30_250), &h.table, &usage(9 * GI), &gpus(), &mut out);
+    assert_eq!(kinds(&out), ["GpuMemoryEvictionRecordFailed", "evict:Some(30)"]);
+}
+
 #[test]
 fn forgets_pods_that_are_gone() {
     let mut h = Harness::new(pod("", ""), &[budget("")]);
@@ -372,8 +556,9 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
     /// Whatever the usage and the API answers: at most one eviction request in flight; an eviction only
-    /// after every sample of the last overLimitSeconds was over the limit; the Evicting record goes out
-    /// before the first request; nothing for Warn.
+    /// as `common::state` promises (`due_is_justified`: over now, and over for overLimitSeconds more than
+    /// half the time at or under, in some window); the Evicting record goes out before the first request;
+    /// nothing for Warn.
     #[test]
     fn eviction_invariants(
         steps in proptest::collection::vec((0u64..12, any::<bool>(), 0u8..4), 1..300),
@@ -401,8 +586,8 @@ proptest! {
                         prop_assert!(evicting_applied);
                         in_flight += 1;
                         prop_assert!(in_flight <= 1);
-                        let start = history.iter().rev().take_while(|(_, u)| *u > 8 * GI).last().map(|(t, _)| *t);
-                        prop_assert!(start.is_some_and(|s| now - s >= delay as u64 * 1000));
+                        let overs: Vec<(u64, bool)> = history.iter().map(|&(at, u)| (at, u > 8 * GI)).collect();
+                        prop_assert!(gpubudget_common::state::due_is_justified(&overs, delay as u64 * 1000));
                     }
                     _ => {}
                 }
@@ -520,7 +705,7 @@ mod pressure_eviction {
         actions
             .iter()
             .filter_map(|a| match a {
-                Action::Evict { pod, grace_seconds } => Some((pod.name.to_string(), *grace_seconds)),
+                Action::Evict { pod, grace_seconds, .. } => Some((pod.name.to_string(), *grace_seconds)),
                 _ => None,
             })
             .collect()

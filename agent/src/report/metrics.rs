@@ -126,6 +126,11 @@ impl Metrics {
             m.act.evictions.clone(),
         );
         registry.register(
+            "gpubudget_evictions_without_record",
+            "Eviction requests sent before the API accepted their Evicting record (the bounded wait ran out)",
+            m.act.evictions_without_record.clone(),
+        );
+        registry.register(
             "gpubudget_api_writes",
             "Writes to the API server, by kind (apply, clear, event, evict) and result",
             m.act.api_writes.clone(),
