@@ -181,9 +181,11 @@ async fn a_blocked_eviction_is_told_and_retried() {
     // The retry comes after the backoff, and succeeds.
     assert!(f.wait_until(Duration::from_secs(12), |f| f.count(Verb::Create, "pods/eviction") == 2).await);
     assert!(f.wait_until(WAIT, |f| f.get("pods", "team-a", "llm-0").is_none()).await, "evicted and deleted");
+    // The executor counts once the API's answer is back: the pod can be gone a moment before.
+    let accepted = r#"gpubudget_evictions_total{result="accepted"} 1"#;
+    assert!(f.wait_until(WAIT, |_| agent.agent_metrics().contains(accepted)).await, "{}", agent.agent_metrics());
     let metrics = agent.agent_metrics();
     assert!(metrics.contains(r#"gpubudget_evictions_total{result="blocked"} 1"#), "{metrics}");
-    assert!(metrics.contains(r#"gpubudget_evictions_total{result="accepted"} 1"#), "{metrics}");
     agent.stop().await;
 }
 
