@@ -437,19 +437,22 @@ refused() {
   [[ "$out" == *"$expect"* ]] || die "$what was refused, but not for the expected reason ($expect): $out"
   info "refused: $what: ${out:0:220}"
 }
-# annotate KUBECONFIG NAMESPACE POD KEY=VALUE: a merge patch of one annotation (a value "null" removes it).
+# annotate KUBECONFIG NAMESPACE POD KEY=VALUE: a merge patch of one annotation (a value "null" removes it),
+# sent as the PATCH alone (kubectl patch reads the pod first, and the agent may not get pods); the API's answer
+# goes to stderr when refused.
 annotate() {
-  local value=\"${4#*=}\"
+  local value=\"${4#*=}\" server token body code
   [ "${4#*=}" != null ] || value=null
-  kubectl --kubeconfig "$1" patch pod "$3" -n "$2" --type=merge -p "{\"metadata\":{\"annotations\":{\"${4%%=*}\":$value}}}"
+  server=$(kubectl --kubeconfig "$1" config view --raw -o jsonpath='{.clusters[0].cluster.server}')
+  token=$(kubectl --kubeconfig "$1" config view --raw -o jsonpath='{.users[0].user.token}')
+  body=$(mktemp)
+  code=$(curl -sk -o "$body" -w '%{http_code}' -X PATCH -H "Authorization: Bearer $token" \
+    -H 'Content-Type: application/merge-patch+json' --data "{\"metadata\":{\"annotations\":{\"${4%%=*}\":$value}}}" \
+    "$server/api/v1/namespaces/$2/pods/$3")
+  if [ "$code" -ge 300 ]; then cat "$body" >&2; rm -f "$body"; return 1; fi
+  rm -f "$body"
 }
 printf '{"apiVersion":"policy/v1","kind":"Eviction","metadata":{"name":"%s","namespace":"%s"}}' remote-a "$NS_A" > "$WORK/evict-remote.json"
-# annotate KUBECONFIG NAMESPACE POD KEY=VALUE: a merge patch of one annotation (a value "null" removes it).
-annotate() {
-  local value=\"${4#*=}\"
-  [ "${4#*=}" != null ] || value=null
-  kubectl --kubeconfig "$1" patch pod "$3" -n "$2" --type=merge -p "{\"metadata\":{\"annotations\":{\"${4%%=*}\":$value}}}"
-}
 printf '{"apiVersion":"policy/v1","kind":"Eviction","metadata":{"name":"%s","namespace":"%s"}}' other-b "$NS_B" > "$WORK/evict-other-b.json"
 # Own node: allowed (the agent's records and its eviction above went through the same checks).
 annotate "$AGENT_KC" "$NS_B" other-b gpubudget.io/e2e-probe=own-node >/dev/null \
@@ -468,8 +471,8 @@ refused "carries no node" "the agent's identity with an unbound token annotating
   annotate "$UNBOUND_KC" "$NS_B" other-b gpubudget.io/state=Over
 refused "gpubudget" "the agent's identity with an unbound token evicting other-b" \
   kubectl --kubeconfig "$UNBOUND_KC" create --raw "/api/v1/namespaces/$NS_B/pods/other-b/eviction" -f "$WORK/evict-other-b.json"
-refused "cannot delete resource" "the agent of $NODE deleting other-b (RBAC: no delete)" \
-  kubectl --kubeconfig "$AGENT_KC" delete pod other-b -n "$NS_B" --wait=false
+refused "which is not on its node" "the agent of $NODE deleting remote-a (on $NODE2; it may delete pods of its own node only, after blockedEvictionTimeoutSeconds)" \
+  kubectl --kubeconfig "$AGENT_KC" delete pod remote-a -n "$NS_A" --wait=false
 cat > "$WORK/forged-event.yaml" <<EOF
 apiVersion: events.k8s.io/v1
 kind: Event
