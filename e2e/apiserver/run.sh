@@ -254,8 +254,8 @@ process 4104 "$NS_B" llm-b
 process 4105 "$NS_B" other-b
 process 4106 "$NS_A" remote-a                           # sampled here, but its pod is not on this node
 
-# write_sample EVICT_A EVICT_B TRAINER LLM_B [OTHER_B [DEVICE_USED]]: what NVML reports (bytes per process, and
-# the device's used bytes when given: the pressure signal), written atomically.
+# write_sample EVICT_A EVICT_B TRAINER LLM_B [OTHER_B [DEVICE_USED [HELD]]]: what NVML reports (bytes per process,
+# and the device's used bytes when given and not empty: the pressure signal), written atomically.
 write_sample() {
   local other=${5:-2147483648} used=""
   [ -n "${6:-}" ] && used="\"memory_used_bytes\": $6,"
@@ -263,7 +263,8 @@ write_sample() {
 {"version": 1, "gpus": [{"index": 0, "uuid": "GPU-e2e00000-0000-0000-0000-000000000000", "name": "replayed e2e GPU",
  "memory_total_bytes": 85520809984, $used "processes": [
   {"pid": 4101, "used_bytes": $1}, {"pid": 4102, "used_bytes": $2}, {"pid": 4103, "used_bytes": $3},
-  {"pid": 4104, "used_bytes": $4}, {"pid": 4105, "used_bytes": $other}, {"pid": 4106, "used_bytes": 53687091200}]}]}
+  {"pid": 4104, "used_bytes": $4}, {"pid": 4105, "used_bytes": $other}, {"pid": 4106, "used_bytes": 53687091200},
+  {"pid": 4107, "used_bytes": ${7:-0}}]}]}
 EOF
   mv "$WORK/sample.tmp" "$WORK/sample.json"
 }
@@ -529,6 +530,36 @@ ACCEPTED=$(grep "eviction requested and accepted" "$WORK/agent-$AGENT_RUNS.log" 
 [ "$ACCEPTED" = 1 ] || die "$ACCEPTED accepted evictions of llm-b"
 kubectl get gmb -A | grep -E "^NAMESPACE|$ID" | sed 's/^/    /'
 
+say "a PodDisruptionBudget that never allows it (maxUnavailable 0): refused, then deleted after blockedEvictionTimeoutSeconds"
+make_pod "$NS_B" held "$NODE" app=held
+process 4107 "$NS_B" held
+kubectl apply -f - <<EOF | sed 's/^/    /'
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata: {name: held, namespace: $NS_B}
+spec: {maxUnavailable: 0, selector: {matchLabels: {app: held}}}
+---
+apiVersion: gpubudget.io/v1alpha1
+kind: GpuMemoryBudget
+metadata: {name: held, namespace: $NS_B}
+spec: {selector: {matchLabels: {app: held}}, limit: 1Gi, overLimitSeconds: 0, evictionGracePeriodSeconds: 5,
+       blockedEvictionTimeoutSeconds: 5}
+EOF
+write_sample 0 0 $((45 * GI)) 0 0 "" $((2 * GI))
+wait_for "GpuMemoryEvictionBlocked on held (the PodDisruptionBudget refuses)" has_event "$NS_B" held GpuMemoryEvictionBlocked
+BLOCKED_AT=$SECONDS
+info "$(event_messages "$NS_B" held GpuMemoryEvictionBlocked | head -n1 | cut -c1-200)"
+terminating "$NS_B" held && die "held was evicted through its PodDisruptionBudget"
+wait_for "DeletingForGpuMemory on held" has_event "$NS_B" held DeletingForGpuMemory
+wait_for "held terminating" terminating "$NS_B" held
+info "deleted $((SECONDS - BLOCKED_AT))s after the first refusal: $(event_messages "$NS_B" held DeletingForGpuMemory | head -n1 | cut -c1-160)"
+[ "$(kubectl get pod held -n "$NS_B" -o jsonpath='{.metadata.deletionGracePeriodSeconds}')" = 5 ] \
+  || die "held's grace is $(kubectl get pod held -n "$NS_B" -o jsonpath='{.metadata.deletionGracePeriodSeconds}'), not the budget's 5"
+write_sample 0 0 $((45 * GI)) 0
+rm -rf "$WORK/proc/4107"
+kubectl delete pod held -n "$NS_B" --grace-period=0 --force >/dev/null 2>&1
+
+
 say "pressure: the GPU fills (2.6 GiB free of 79.6, under the 5 % threshold); other-b, 25Gi of its 20Gi budget, goes at once"
 node_event_seen() { [ "$(kubectl get events -A --field-selector "involvedObject.kind=Node,involvedObject.name=$NODE,reason=$1" -o json | jq '.items | length')" -gt 0 ]; }
 write_sample 0 0 $((45 * GI)) 0 $((25 * GI)) $((77 * GI))
@@ -549,4 +580,5 @@ kubectl delete pod other-b -n "$NS_B" --grace-period=0 --force >/dev/null 2>&1
 wait_for "GpuMemoryPressureEnded on node $NODE (after the 10 s transition)" node_event_seen GpuMemoryPressureEnded
 
 FAILED=0
-say "PASS: records, events, Evict with the budget's grace, Warn, overlaps, node restriction both ways, operator down and back, agent restart mid-grace, pressure eviction ($((SECONDS - START)) s)"
+say "PASS: records, events, Evict with the budget's grace, Warn, overlaps, node restriction both ways, operator down and back, agent restart mid-grace, pressure eviction, a PodDisruptionBudget escalated ($((SECONDS - START)) s)"
+

@@ -296,3 +296,29 @@ async fn pressure_story_the_gpu_fills_and_the_pod_most_over_its_budget_goes_at_o
     assert!(fake.get("pods", "team-a", "finetune-0").is_some_and(|p| p["metadata"]["deletionTimestamp"].is_null()));
     stack.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_created_over_a_zero_period_budget_is_evicted_and_a_refusal_is_told() {
+    let stack = Stack::new(kubelet_like_api());
+    let stack = stack.started().await;
+    let fake = &stack.fake;
+    // As on the real API server tier: the pod exists first under a namespace-wide budget, then a smaller one
+    // comes, then the usage.
+    put_example(fake, "namespace-wide.yaml", "team-a", |_| {});
+    let uid = put_pod(fake, "team-a", "held", json!({"app": "llm"}), LLM_CID);
+    stack.process(4107, &uid, LLM_CID);
+    stack.annotations_until("team-a", "held", "a Within record", |a| a[pod_record::STATE] == "Within").await;
+    put_example(fake, "llm-inference.yaml", "team-a", |b| {
+        b["spec"]["limit"] = "1Gi".into();
+        b["spec"]["overLimitSeconds"] = 0.into();
+        b["spec"]["evictionGracePeriodSeconds"] = 5.into();
+        b["spec"]["blockedEvictionTimeoutSeconds"] = 5.into();
+    });
+    fake.block_all_evictions();
+    stack.annotations_until("team-a", "held", "the smaller budget", |a| a[pod_record::BUDGET] == "llm-inference").await;
+    stack.set_usage(&[(4107, 2 * GI)]);
+    stack.event("team-a", "held", "EvictingForGpuMemory", Duration::from_secs(5)).await;
+    stack.event("team-a", "held", "GpuMemoryEvictionBlocked", Duration::from_secs(5)).await;
+    stack.event("team-a", "held", "DeletingForGpuMemory", Duration::from_secs(10)).await;
+    stack.stop().await;
+}

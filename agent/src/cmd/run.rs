@@ -222,7 +222,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let metrics = Metrics::new(&mut registry);
     let health = Health::new(&CHECKS);
     let admin = tokio::spawn(serve_admin(args.admin_addr, health.clone(), Arc::new(registry), shutdown.clone()));
-    let client = Client::try_default().await.context("cannot configure the Kubernetes client")?;
+    let mut config = kube::Config::infer().await.context("cannot configure the Kubernetes client")?;
+    // No retries inside the client: the decisions retry every write with their own backoff, and a 429 on an
+    // eviction is an answer (a PodDisruptionBudget refused it) that must reach them at once. kube's default
+    // retry layer would resend it for a while, hiding the refusal and holding one of the write slots (found on
+    // a real API server by e2e/apiserver; the in-memory API's client has no such layer).
+    config.default_retry = false;
+    let client = Client::try_from(config).context("cannot build the Kubernetes client")?;
     run_with(args, client, health, metrics, shutdown.clone()).await;
     shutdown.cancel();
     admin.await.context("admin port task")?.context("admin port")?;
