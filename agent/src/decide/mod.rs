@@ -372,6 +372,8 @@ struct GpuPressure {
     signal: pressure::Signal,
     /// The "budgets add up to more than the GPU" event was sent for this episode.
     told_overcommitted: bool,
+    /// A pressure eviction on this GPU was refused: the next choice waits until then (monotonic ms).
+    retry_at: u64,
 }
 
 fn percent_changed(old: u64, new: u64, percent: u64) -> bool {
@@ -793,8 +795,8 @@ impl Enforcer {
     /// holding memory on it ([`pressure::choose`]), without waiting for `overLimitSeconds`. Pods within
     /// their budget, without one, with a `Warn` budget, critical or static are never chosen. While a pod
     /// this agent is evicting (record on its way, request out, or accepted) still holds memory on the GPU,
-    /// no other is chosen (the kubelet's "wait for reclaim"); one whose eviction is refused (a
-    /// PodDisruptionBudget) retries on its own and does not hold the GPU's turn.
+    /// no other is chosen (the kubelet's "wait for reclaim"); a refused one gives the GPU's turn back, and the
+    /// next choice waits for the eviction backoff (so at most one pressure eviction per GPU is in flight).
     pub fn pressure(
         &mut self,
         now: Now,
@@ -849,6 +851,9 @@ impl Enforcer {
             let on_gpu = |i: usize| -> u64 {
                 usage.get(i).unwrap_or(&empty).holders.iter().filter(|h| h.gpu == g).map(|h| h.bytes).sum()
             };
+            if now.mono_ms < gpu.retry_at {
+                continue;
+            }
             // Wait for reclaim: a pod this agent is evicting still holds memory here.
             let reclaiming = table.pods.iter().enumerate().any(|(i, view)| {
                 on_gpu(i) > 0
@@ -989,6 +994,16 @@ impl Enforcer {
                     // a webhook's denial, a timeout): a silent failure would hide a pod holding its memory.
                     EvictOutcome::Blocked(message) | EvictOutcome::Failed(message) => {
                         mem.eviction = Eviction::Blocked { attempts, retry_at: now.mono_ms + backoff, refused_since };
+                        // A refused pressure eviction gives the GPU's turn back: after the backoff the pressure
+                        // step chooses again (this pod or the next most over), so at most one pressure eviction
+                        // per GPU is ever in flight. The pod is not being evicted any more.
+                        if let Some(g) = mem.pressure.take() {
+                            if let Some(gpu) = self.gpus.get_mut(g) {
+                                gpu.retry_at = now.mono_ms + backoff;
+                            }
+                            mem.eviction = Eviction::Idle;
+                            mem.eviction_requested_at = None;
+                        }
                         // The eviction check of nodeRestriction (the operator's webhook) refusing or unreachable.
                         let check = if message.contains("webhook") {
                             " (the eviction check of nodeRestriction, served by the gpubudget operator, refused it or \

@@ -666,6 +666,11 @@ mod pressure_eviction {
         /// One tick: `bytes` per pod (table order) on GPU 0, the device's used bytes the sum plus `extra`;
         /// every write and eviction succeeds.
         fn tick(&mut self, ms: u64, bytes: &[u64], extra: u64) -> Vec<Action> {
+            self.tick_with(ms, bytes, extra, false)
+        }
+
+        /// [`Self::tick`], the evictions refused (429) when `refuse`.
+        fn tick_with(&mut self, ms: u64, bytes: &[u64], extra: u64, refuse: bool) -> Vec<Action> {
             let usage: Vec<PodUsage> = bytes
                 .iter()
                 .map(|&b| PodUsage {
@@ -688,9 +693,10 @@ mod pressure_eviction {
                     Action::Apply { pod, record } => {
                         Some(Feedback::Written { uid: pod.uid.clone(), record: Some(record.clone()), ok: true })
                     }
-                    Action::Evict { pod, .. } => {
-                        Some(Feedback::Evicted { uid: pod.uid.clone(), outcome: EvictOutcome::Accepted })
-                    }
+                    Action::Evict { pod, .. } => Some(Feedback::Evicted {
+                        uid: pod.uid.clone(),
+                        outcome: if refuse { EvictOutcome::Blocked("PDB".into()) } else { EvictOutcome::Accepted },
+                    }),
                     _ => None,
                 })
                 .collect();
@@ -810,5 +816,59 @@ mod pressure_eviction {
         node.table = PodTable::build(vec![view("grower", "grower", "", "")], &b, Some(NODE));
         let all: Vec<Action> = (0..3).flat_map(|k| node.tick(k * 250, &[78 * GI], 0)).collect();
         assert_eq!(evicted(&all), [("grower".to_owned(), Some(2))]);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        /// Random usage, device totals and refusals: a pressure eviction is only ever decided for a pod over its
+        /// budget under `action: Evict` (never the pod within its budget, never the `Warn` one), and never while
+        /// another pod's eviction on the GPU is in flight (decided and not refused, its memory not yet back).
+        #[test]
+        fn never_within_never_warn_one_in_flight(
+            steps in proptest::collection::vec((proptest::collection::vec(0u64..48, 4), 0u64..8, any::<bool>()), 1..80)
+        ) {
+            let names = ["g1", "g2", "n", "w"];
+            let mut node = Node::new(vec![
+                view("g1", "grower", "", ""),
+                view("g2", "grower", "", ""),
+                view("n", "n", "", ""),
+                view("w", "w", "", ""),
+            ]);
+            let limits = [8 * GI, 8 * GI, 40 * GI, GI];
+            let mut gone = [false; 4];
+            // The pod whose pressure eviction is in flight, and whether its request went out.
+            let mut in_flight: Option<(usize, bool)> = None;
+            for (k, (gib, extra, refuse)) in steps.iter().enumerate() {
+                let bytes: Vec<u64> = (0..4).map(|i| if gone[i] { 0 } else { gib[i] * GI }).collect();
+                // Over: its memory is back. Or cancelled: back within its budget before the request went out.
+                if in_flight.is_some_and(|(i, sent)| bytes[i] == 0 || (!sent && bytes[i] <= limits[i])) {
+                    in_flight = None;
+                }
+                let out = node.tick_with(k as u64 * 250, &bytes, extra * GI, *refuse);
+                for a in &out {
+                    match a {
+                        Action::Event { pod, reason: Reason::Evicting, .. } => {
+                            let i = names.iter().position(|n| **n == *pod.name).expect("a pod of the test");
+                            prop_assert!(bytes[i] > limits[i], "{} chosen within its budget", pod.name);
+                            prop_assert!(names[i] != "w", "the Warn pod was chosen");
+                            prop_assert!(in_flight.is_none(), "{} chosen while {:?} is in flight", pod.name, in_flight.map(|(j, _)| names[j]));
+                            in_flight = Some((i, false));
+                        }
+                        Action::Evict { pod, .. } => {
+                            let i = names.iter().position(|n| **n == *pod.name).expect("a pod of the test");
+                            if *refuse {
+                                in_flight = None;
+                            } else {
+                                gone[i] = true;
+                                if in_flight.is_some_and(|(j, _)| j == i) {
+                                    in_flight = Some((i, true));
+                                }
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
     }
 }
