@@ -104,9 +104,11 @@ async fn a_record_the_tenant_breaks_delays_the_eviction_a_bounded_time_only() {
     let failed: Vec<_> = events.iter().filter(|e| e.reason == "GpuMemoryEvictionRecordFailed").collect();
     assert_eq!(failed.len(), 1, "{events:#?}");
     assert!(events.iter().any(|e| e.reason == "EvictingForGpuMemory"), "{events:#?}");
+    // The executor counts once the API's answer is back, a moment after the request arrived.
+    let counted = |_: &_| metric(&agent.agent_metrics(), r#"gpubudget_evictions_total{result="accepted"}"#) == 1.0;
+    assert!(f.wait_until(WAIT, counted).await, "{}", agent.agent_metrics());
     let metrics = agent.agent_metrics();
     assert_eq!(metric(&metrics, "gpubudget_evictions_without_record_total"), 1.0, "{metrics}");
-    assert_eq!(metric(&metrics, r#"gpubudget_evictions_total{result="accepted"}"#), 1.0, "{metrics}");
     // The API takes writes again while the pod terminates: the record lands and the eviction is counted.
     f.clear_faults();
     assert!(
