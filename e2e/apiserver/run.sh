@@ -78,9 +78,9 @@ AGENT_PID="" OPERATOR_PID=""
 FAILED=1
 START=$SECONDS
 
-say() { printf '\n=== [%3ds] %s\n' "$((SECONDS - START))" "$*"; }
-info() { printf '    %s\n' "$*"; }
-die() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
+POLL=0.5
+# shellcheck source=../lib.sh
+. "$REPO/e2e/lib.sh"
 
 stop_process() { # PID: SIGTERM, then wait (at most 25 s)
   local pid=$1
@@ -124,17 +124,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# wait_for DESCRIPTION COMMAND...: retries COMMAND (quietly) every 0.5 s until it succeeds or STEP_TIMEOUT passes.
-wait_for() {
-  local what=$1
-  shift
-  local deadline=$((SECONDS + STEP_TIMEOUT))
-  until "$@" >/dev/null 2>&1; do
-    [ "$SECONDS" -lt "$deadline" ] || die "timed out after ${STEP_TIMEOUT}s waiting for: $what"
-    sleep 0.5
-  done
-  info "ok: $what"
-}
 
 # events NAMESPACE POD REASON: the pod's events.k8s.io/v1 Events with that reason, as a JSON array.
 events() {
@@ -146,13 +135,6 @@ event_count() { events "$@" | jq 'length'; }
 event_occurrences() { events "$@" | jq '[.[] | (.series.count // 1)] | add // 0'; }
 event_messages() { events "$@" | jq -r '.[].note'; }
 has_event() { [ "$(event_count "$@")" -gt 0 ]; }
-annotation() { kubectl get pod "$2" -n "$1" -o "jsonpath={.metadata.annotations.gpubudget\.io/$3}"; }
-annotation_is() { [ "$(annotation "$1" "$2" "$3")" = "$4" ]; }
-status_field() { kubectl get gmb "$2" -n "$1" -o "jsonpath={.status.$3}"; }
-status_is() { [ "$(status_field "$1" "$2" "$3")" = "$4" ]; }
-condition_is() {
-  [ "$(kubectl get gmb "$2" -n "$1" -o "jsonpath={.status.conditions[?(@.type==\"$3\")].status}")" = "$4" ]
-}
 terminating() { [ -n "$(kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.deletionTimestamp}')" ]; }
 ready() { curl -fsS "http://$1/ready" >/dev/null; }
 
@@ -229,7 +211,6 @@ EOF
     \"containerStatuses\":[{\"name\":\"main\",\"containerID\":\"containerd://$cid\",\"image\":\"registry.k8s.io/pause:3.10\",
     \"imageID\":\"x\",\"ready\":true,\"restartCount\":0,\"started\":true,\"state\":{\"running\":{}}}]}}" >/dev/null
 }
-uid() { kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.uid}'; }
 # process PID NAMESPACE POD: a process of the pod's container in the fixture /proc, with the kubelet's cgroup
 # (systemd driver, containerd, burstable QoS), as on a real node.
 process() {

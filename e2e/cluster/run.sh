@@ -58,9 +58,9 @@ CRD_EXISTED=$(kubectl get crd "$CRD" -o name 2>/dev/null || true)
 FAILED=1
 START=$SECONDS
 
-say() { printf '\n=== [%3ds] %s\n' "$((SECONDS - START))" "$*"; }
-info() { printf '    %s\n' "$*"; }
-die() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
+POLL=2
+# shellcheck source=../lib.sh
+. "$REPO/e2e/lib.sh"
 
 diagnostics() {
   say "diagnostics"
@@ -92,17 +92,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# wait_for DESCRIPTION COMMAND...: retries COMMAND (quietly) every 2 s until it succeeds or STEP_TIMEOUT passes.
-wait_for() {
-  local what=$1
-  shift
-  local deadline=$((SECONDS + STEP_TIMEOUT))
-  until "$@" >/dev/null 2>&1; do
-    [ "$SECONDS" -lt "$deadline" ] || die "timed out after ${STEP_TIMEOUT}s waiting for: $what"
-    sleep 2
-  done
-  info "ok: $what"
-}
 
 # event_messages NAMESPACE POD REASON: the messages of the pod's events with that reason.
 event_messages() {
@@ -110,19 +99,11 @@ event_messages() {
     -o jsonpath='{range .items[*]}{.message}{"\n"}{end}'
 }
 has_event() { [ -n "$(event_messages "$@")" ]; }
-annotation() { kubectl get pod "$2" -n "$1" -o "jsonpath={.metadata.annotations.gpubudget\.io/$3}"; }
-annotation_is() { [ "$(annotation "$1" "$2" "$3")" = "$4" ]; }
-status_field() { kubectl get gmb "$2" -n "$1" -o "jsonpath={.status.$3}"; }
-status_is() { [ "$(status_field "$1" "$2" "$3")" = "$4" ]; }
-condition_is() {
-  [ "$(kubectl get gmb "$2" -n "$1" -o "jsonpath={.status.conditions[?(@.type==\"$3\")].status}")" = "$4" ]
-}
 pod_gone_or_terminating() {
   local out
   out=$(kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.deletionTimestamp}' 2>&1) && [ -n "$out" ] && return 0
   [[ "$out" == *NotFound* ]]
 }
-uid() { kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.uid}'; }
 
 say "cluster"
 kubectl version 2>/dev/null | sed 's/^/    /'
