@@ -7,6 +7,7 @@
 //! loop). `/ready` is true once the GPU sampler works and both caches have synced; nothing is enforced
 //! before the caches sync.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -45,9 +46,15 @@ pub struct Caches {
     budgets_ready: Arc<AtomicBool>,
 }
 
-/// What the agent's caches keep of an object.
-trait Slim {
+/// What the agent's caches keep of an object, and which of its watch events can change the pod table.
+trait Slim: Sized {
     fn slim(&mut self);
+
+    /// Whether `event` can change the pod table (`seen`: what this watch saw before). Every event, unless the
+    /// kind says otherwise.
+    fn changes_table(_seen: &mut HashMap<String, Option<i64>>, _event: &watcher::Event<Self>) -> bool {
+        true
+    }
 }
 
 impl Slim for Pod {
@@ -59,6 +66,27 @@ impl Slim for Pod {
 impl Slim for GpuMemoryBudget {
     fn slim(&mut self) {
         slim_budget(self);
+    }
+
+    fn changes_table(seen: &mut HashMap<String, Option<i64>>, event: &watcher::Event<Self>) -> bool {
+        budget_changes_table(seen, event)
+    }
+}
+
+/// Whether a budget's watch event can change the pod table: a new budget, a deleted one, a new `generation`
+/// (the API server moves it on spec changes only), or a relist. The operator's status writes move only
+/// `resourceVersion`: they do not make every agent rebuild its table. Pure.
+pub fn budget_changes_table(seen: &mut HashMap<String, Option<i64>>, event: &watcher::Event<GpuMemoryBudget>) -> bool {
+    let key = |b: &GpuMemoryBudget| b.metadata.uid.clone().unwrap_or_else(|| b.key());
+    match event {
+        watcher::Event::Apply(b) | watcher::Event::InitApply(b) => {
+            seen.insert(key(b), b.metadata.generation) != Some(b.metadata.generation)
+        }
+        watcher::Event::Delete(b) => {
+            seen.remove(&key(b));
+            true
+        }
+        watcher::Event::Init | watcher::Event::InitDone => true,
     }
 }
 
@@ -87,6 +115,7 @@ where
         // Only what the decisions read is kept (managed fields alone are the largest part of most objects).
         .modify(K::slim)
         .reflect(writer);
+    let mut seen = HashMap::new();
     let waiter = reader.clone();
     tokio::spawn(async move {
         if waiter.wait_until_ready().await.is_ok() {
@@ -101,8 +130,10 @@ where
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 event = stream.next() => match event {
-                    Some(Ok(_)) => {
-                        changes.fetch_add(1, Ordering::AcqRel);
+                    Some(Ok(event)) => {
+                        if K::changes_table(&mut seen, &event) {
+                            changes.fetch_add(1, Ordering::AcqRel);
+                        }
                     }
                     Some(Err(error)) => tracing::warn!(cache = name, %error, "watch failed; retrying with backoff"),
                     None => break,
@@ -233,4 +264,36 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     shutdown.cancel();
     admin.await.context("admin port task")?.context("admin port")?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn budget(uid: &str, generation: i64, matched: i64) -> GpuMemoryBudget {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
+            "metadata": {"name": "b", "namespace": "ns", "uid": uid, "generation": generation},
+            "spec": {"selector": {}, "limit": "8Gi"},
+            "status": {"matchedPods": matched},
+        }))
+        .expect("budget")
+    }
+
+    /// A status write (same generation) changes nothing for the agent; a spec change, a new budget, a deletion
+    /// and a relist do.
+    #[test]
+    fn only_spec_changes_new_and_deleted_budgets_rebuild_the_table() {
+        let mut seen = HashMap::new();
+        let mut changes = |e: watcher::Event<GpuMemoryBudget>| budget_changes_table(&mut seen, &e);
+        assert!(changes(watcher::Event::Init));
+        assert!(changes(watcher::Event::InitApply(budget("u1", 1, 0))));
+        assert!(changes(watcher::Event::InitDone));
+        assert!(!changes(watcher::Event::Apply(budget("u1", 1, 3))), "a status write");
+        assert!(!changes(watcher::Event::Apply(budget("u1", 1, 4))), "another status write");
+        assert!(changes(watcher::Event::Apply(budget("u1", 2, 4))), "a spec change");
+        assert!(changes(watcher::Event::Apply(budget("u2", 1, 0))), "a new budget");
+        assert!(changes(watcher::Event::Delete(budget("u2", 1, 0))), "a deletion");
+        assert!(changes(watcher::Event::Apply(budget("u2", 1, 0))), "created again");
+    }
 }
