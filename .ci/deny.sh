@@ -18,5 +18,8 @@ if [ ! -x "$DENY" ]; then
   rm -rf "$CACHE/cargo-deny-target"
 fi
 "$DENY" --version
+# cargo-deny reads `cargo metadata` for every platform: fetch every crate of Cargo.lock first (a build fetches
+# only the host's; windows-sys and friends would be missing on a fresh machine), then check offline.
+cargo fetch --locked --quiet
 # --offline: Cargo.lock and the local registry cache are enough for these three checks.
 "$DENY" --offline check licenses bans sources
