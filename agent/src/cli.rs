@@ -68,14 +68,15 @@ pub struct PressureArgs {
 }
 
 impl Default for PressureArgs {
+    /// The flags' own defaults (one place: the `default_value`s above; their environment variables apply, as
+    /// they do to `run`).
     fn default() -> Self {
-        Self {
-            pressure_hard: MaybeThreshold(Some(Threshold::Percent(5))),
-            pressure_soft: MaybeThreshold(None),
-            pressure_soft_grace: Duration::from_secs(10),
-            pressure_transition: Duration::from_secs(10),
-            pressure_grace_seconds: 5,
+        #[derive(Parser)]
+        struct Defaults {
+            #[command(flatten)]
+            pressure: PressureArgs,
         }
+        Defaults::parse_from(["defaults"]).pressure
     }
 }
 
@@ -278,5 +279,17 @@ mod tests {
         assert_eq!(cli.log_format, LogFormat::Json);
         use clap::CommandFactory;
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn pressure_defaults_are_the_flags_and_off_disables() {
+        let d = PressureArgs::default();
+        assert_eq!(d.pressure_hard, MaybeThreshold(Some(Threshold::Percent(5))));
+        assert_eq!(d.pressure_soft, MaybeThreshold(None));
+        assert_eq!((d.pressure_soft_grace, d.pressure_transition), (Duration::from_secs(10), Duration::from_secs(10)));
+        assert_eq!(d.pressure_grace_seconds, 5);
+        assert_eq!(parse_threshold("off"), Ok(MaybeThreshold(None)));
+        assert_eq!(parse_threshold("4Gi"), Ok(MaybeThreshold(Some(Threshold::Bytes(4 << 30)))));
+        assert!(parse_threshold("lots").is_err());
     }
 }

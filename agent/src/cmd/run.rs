@@ -47,7 +47,7 @@ pub struct Caches {
 }
 
 /// What the agent's caches keep of an object, and which of its watch events can change the pod table.
-trait Slim: Sized {
+trait Cached: Sized {
     fn slim(&mut self);
 
     /// Whether `event` can change the pod table (`seen`: what this watch saw before). Every event, unless the
@@ -57,13 +57,13 @@ trait Slim: Sized {
     }
 }
 
-impl Slim for Pod {
+impl Cached for Pod {
     fn slim(&mut self) {
         slim_pod(self);
     }
 }
 
-impl Slim for GpuMemoryBudget {
+impl Cached for GpuMemoryBudget {
     fn slim(&mut self) {
         slim_budget(self);
     }
@@ -101,7 +101,7 @@ fn spawn_reflector<K>(
 ) -> Store<K>
 where
     K: kube::Resource<DynamicType = ()>
-        + Slim
+        + Cached
         + Clone
         + serde::de::DeserializeOwned
         + std::fmt::Debug

@@ -867,7 +867,8 @@ impl Enforcer {
             if reclaiming {
                 continue;
             }
-            let mut candidates = Vec::new();
+            // The pods holding memory here (table indexes) and what the choice needs of them.
+            let (mut on_this_gpu, mut candidates) = (Vec::new(), Vec::new());
             for (i, view) in table.pods.iter().enumerate() {
                 let bytes = on_gpu(i);
                 if bytes == 0 {
@@ -875,31 +876,23 @@ impl Enforcer {
                 }
                 let budget = table.budget(i);
                 let evictable = budget.is_some_and(|b| b.action == BudgetAction::Evict)
-                    && !view.critical
+                    && view.never_evicted().is_none()
                     && !view.terminating
-                    && view.mirror_of.is_none()
                     && view.node.as_deref() == Some(self.settings.node.as_str())
-                    && self
-                        .pods
-                        .get(&view.uid)
-                        // Not one whose eviction is under way or refused: a refused one retries on its own and
-                        // does not hold the GPU's turn (the next most-over pod is chosen).
-                        .is_some_and(|m| m.eviction == Eviction::Idle);
-                candidates.push((
-                    i,
-                    pressure::Candidate {
-                        key: format!("{}/{}", view.namespace, view.name),
-                        usage: usage.get(i).unwrap_or(&empty).total,
-                        limit: budget.map(|b| b.limit_bytes),
-                        on_gpu: bytes,
-                        evictable,
-                    },
-                ));
+                    // Not one whose eviction by its budget is under way or refused (that one retries on its own).
+                    && self.pods.get(&view.uid).is_some_and(|m| m.eviction == Eviction::Idle);
+                on_this_gpu.push(i);
+                candidates.push(pressure::Candidate {
+                    key: format!("{}/{}", view.namespace, view.name),
+                    usage: usage.get(i).unwrap_or(&empty).total,
+                    limit: budget.map(|b| b.limit_bytes),
+                    on_gpu: bytes,
+                    evictable,
+                });
             }
-            let choice: Vec<pressure::Candidate> = candidates.iter().map(|(_, c)| c.clone()).collect();
-            match pressure::choose(&choice) {
+            match pressure::choose(&candidates) {
                 Some(c) => {
-                    let i = candidates[c].0;
+                    let i = on_this_gpu[c];
                     let (view, budget) = (&table.pods[i], table.budget(i));
                     let (Some(budget), Some(mut mem)) = (budget, self.pods.remove(&view.uid)) else { continue };
                     let cx = Context { view, budget, usage: usage.get(i).unwrap_or(&empty), gpus };
@@ -926,7 +919,7 @@ impl Enforcer {
                     let mut pods: Vec<String> = candidates
                         .iter()
                         .take(5)
-                        .map(|(_, c)| {
+                        .map(|c| {
                             let limit =
                                 c.limit.map_or_else(|| "no budget".to_owned(), |l| format!("limit {}", HumanBytes(l)));
                             format!("{} {} ({limit})", c.key, HumanBytes(c.on_gpu))

@@ -170,8 +170,7 @@ impl Signal {
             (Some(_), None) => {
                 // Above the hard threshold and not held under the soft one: ends after the transition
                 // period, counted from the first sample above.
-                let below_soft = soft;
-                if below_soft {
+                if soft {
                     self.clear_since = None;
                     return Change::None;
                 }
