@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::decide::Settings;
+use crate::decide::gpus::AccountingSettings;
 use crate::decide::pressure::{PressureSettings, Threshold};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use gpubudget_daemon::LogFormat;
@@ -94,6 +95,41 @@ impl PressureArgs {
     }
 }
 
+/// When memory that no listed process accounts for is told on the Node (docs/agent.md, "GPU states").
+#[derive(Debug, Clone, Args)]
+pub struct AccountingArgs {
+    /// A GPU's used memory that no listed process accounts for, at or above this (bytes, "2Gi", or a
+    /// percentage of the GPU, "5%") for --unaccounted-for, gets one warning Event on the Node naming the
+    /// likely cause; "off": never.
+    #[arg(long, env = "GPUBUDGET_UNACCOUNTED_THRESHOLD", default_value = "2Gi", value_parser = parse_threshold)]
+    pub unaccounted_threshold: MaybeThreshold,
+    /// How long it must last.
+    #[arg(long, env = "GPUBUDGET_UNACCOUNTED_FOR", default_value = "60s", value_parser = parse_duration)]
+    pub unaccounted_for: Duration,
+}
+
+impl Default for AccountingArgs {
+    /// The flags' own defaults.
+    fn default() -> Self {
+        #[derive(Parser)]
+        struct Defaults {
+            #[command(flatten)]
+            accounting: AccountingArgs,
+        }
+        Defaults::parse_from(["defaults"]).accounting
+    }
+}
+
+impl AccountingArgs {
+    /// The decision settings.
+    pub fn apply(&self, settings: &mut Settings) {
+        settings.accounting = AccountingSettings {
+            threshold: self.unaccounted_threshold.0,
+            after_ms: u64::try_from(self.unaccounted_for.as_millis()).unwrap_or(u64::MAX),
+        };
+    }
+}
+
 /// A pressure threshold, or none ("off").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MaybeThreshold(pub Option<Threshold>);
@@ -122,6 +158,8 @@ pub struct RunArgs {
     pub sample_file: Option<PathBuf>,
     #[command(flatten)]
     pub pressure: PressureArgs,
+    #[command(flatten)]
+    pub accounting: AccountingArgs,
 }
 
 impl RunArgs {
@@ -134,6 +172,7 @@ impl RunArgs {
             admin_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             sample_file: Some(sample_file),
             pressure: PressureArgs::default(),
+            accounting: AccountingArgs::default(),
         }
     }
 }
@@ -215,8 +254,13 @@ pub struct StandaloneArgs {
     /// Also write a "usage" line per pod with a budget whenever its usage changes.
     #[arg(long)]
     pub log_usage: bool,
+    /// Serve `/live`, `/ready` and `/metrics` here too (as `run` does), e.g. `127.0.0.1:9400`.
+    #[arg(long, env = "GPUBUDGET_ADMIN_ADDR")]
+    pub admin_addr: Option<SocketAddr>,
     #[command(flatten)]
     pub pressure: PressureArgs,
+    #[command(flatten)]
+    pub accounting: AccountingArgs,
 }
 
 /// Parses "250ms", "1s", "1.5s", "2m", "1h".
@@ -279,6 +323,15 @@ mod tests {
         assert_eq!(cli.log_format, LogFormat::Json);
         use clap::CommandFactory;
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn accounting_defaults_are_the_flags_and_the_decision_defaults() {
+        let mut settings = Settings::new("n1");
+        settings.accounting.after_ms = 1;
+        AccountingArgs::default().apply(&mut settings);
+        assert_eq!(settings.accounting, AccountingSettings::DEFAULT);
+        assert_eq!(parse_threshold("off"), Ok(MaybeThreshold(None)));
     }
 
     #[test]

@@ -82,8 +82,8 @@ impl Engine {
         self.usage.compute(&self.snapshot, table, &mut self.attributor, now.mono_ms);
         if enforce {
             self.enforcer.tick(now, table, &self.usage.pods, &self.snapshot.gpus, &mut self.actions);
-            let (gpus, used) = (&self.snapshot.gpus, &self.snapshot.used);
-            self.enforcer.pressure(now, table, &self.usage.pods, gpus, used, &mut self.actions);
+            self.enforcer.pressure(now, table, &self.usage.pods, &self.snapshot, &mut self.actions);
+            self.enforcer.watch_gpus(now, &self.snapshot, &self.usage.unaccounted, &mut self.actions);
         }
         let enforcer = &self.enforcer;
         self.series.update(
@@ -97,6 +97,12 @@ impl Engine {
         let tick_time = start.elapsed();
         self.metrics.sample_duration.observe(tick_time.as_secs_f64());
         TickReport { sampled: true, sample_time, tick_time }
+    }
+
+    /// Whether budgets are enforced on at least one GPU: the sampler is up and a GPU was sampled in the
+    /// last tick (the agent's readiness).
+    pub fn enforcing(&self) -> bool {
+        self.slot.healthy() && self.snapshot.sampled_gpus() > 0
     }
 
     /// Takes an executor's report into account.

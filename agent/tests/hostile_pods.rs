@@ -52,11 +52,11 @@ fn cgroup(uid: &str, cid: &str) -> String {
 
 fn snapshot(processes: &[(u32, u64)]) -> Snapshot {
     Snapshot {
-        used: Vec::new(),
+        readings: Vec::new(),
         gpus: vec![GpuInfo { label: "0".into(), ..GpuInfo::default() }],
         processes: processes
             .iter()
-            .map(|&(pid, bytes)| ProcessSample { gpu: 0, pid: Some(pid), bytes, direct: None })
+            .map(|&(pid, bytes)| ProcessSample { gpu: 0, pid: Some(pid), bytes: Some(bytes), direct: None })
             .collect(),
     }
 }
@@ -155,7 +155,7 @@ fn relabelling_picks_the_smallest_budget() {
     let table = PodTable::build([pod(UID_A, "a", CID_A, &[("tier", "big")])], &budgets, Some(NODE));
     assert_eq!(table.budget(0).map(|b| b.name.as_str()), Some("small"));
     let usage = Usage {
-        pods: vec![gpubudget_agent::attribute::PodUsage { total: 6 * GI, holders: vec![] }],
+        pods: vec![gpubudget_agent::attribute::PodUsage { total: 6 * GI, holders: vec![], unknown: 0 }],
         ..Usage::default()
     };
     let mut enforcer = Enforcer::new(Settings::new(NODE));
@@ -187,8 +187,8 @@ fn a_forged_record_neither_evicts_early_nor_prevents_eviction() {
     // a is over its budget, b is under.
     let usage = Usage {
         pods: vec![
-            gpubudget_agent::attribute::PodUsage { total: 9 * GI, holders: vec![] },
-            gpubudget_agent::attribute::PodUsage { total: GI, holders: vec![] },
+            gpubudget_agent::attribute::PodUsage { total: 9 * GI, holders: vec![], unknown: 0 },
+            gpubudget_agent::attribute::PodUsage { total: GI, holders: vec![], unknown: 0 },
         ],
         ..Usage::default()
     };

@@ -470,6 +470,7 @@ impl World {
             usage.push(PodUsage {
                 total: pod.usage,
                 holders: vec![Holder { container: Some(Arc::from("main")), pid: Some(7), gpu: 0, bytes: pod.usage }],
+                unknown: 0,
             });
             let seen = self.seen.entry(pod.uid.clone()).or_default();
             let budget = applicable(&self.budgets, &pod.labels);

@@ -123,7 +123,7 @@ impl Sampler for Double {
             self.cache = observed
                 .seen
                 .iter()
-                .map(|&(pid, bytes, _)| ProcessSample { gpu: 0, pid: Some(pid), bytes, direct: None })
+                .map(|&(pid, bytes, _)| ProcessSample { gpu: 0, pid: Some(pid), bytes: Some(bytes), direct: None })
                 .collect();
         }
         out.processes.clear();
@@ -189,7 +189,7 @@ fn run(events: &[(Event, u64)]) -> Outcome {
         assert_eq!(slot.sample(now, &mut out), SlotOutcome::Sampled);
         let guard = shared.lock().expect("lock");
         let (world, _, observed) = &*guard;
-        let shown: Vec<(u32, u64)> = out.processes.iter().map(|p| (p.pid.expect("pid"), p.bytes)).collect();
+        let shown: Vec<(u32, u64)> = out.processes.iter().map(|p| (p.pid.expect("pid"), p.charged())).collect();
         let cached: Vec<(u32, u64)> = observed.seen.iter().map(|&(p, b, _)| (p, b)).collect();
         // The snapshot is always the last list, whole.
         assert_eq!(shown, cached, "tick {tick}");

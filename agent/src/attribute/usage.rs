@@ -24,10 +24,13 @@ pub struct Holder {
 /// A pod's usage in one sample.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PodUsage {
-    /// Bytes over every process and GPU.
+    /// Bytes over every process and GPU (processes with a figure).
     pub total: u64,
     /// The processes that hold them.
     pub holders: Vec<Holder>,
+    /// Its processes whose figure NVML reports as unavailable: not in `total`, so never the basis of an
+    /// eviction.
+    pub unknown: u32,
 }
 
 /// The result of attributing a snapshot.
@@ -39,6 +42,10 @@ pub struct Usage {
     pub owners: Vec<Owner>,
     /// Per GPU of the snapshot: bytes of processes in no known pod.
     pub unattributed: Vec<u64>,
+    /// Per GPU of the snapshot: the device's used bytes less every listed process's (attributed or not),
+    /// when the device's figures are known: what no process accounts for (the driver's allocations, an
+    /// MPS server's share, processes the agent cannot see, figures NVML does not give).
+    pub unaccounted: Vec<Option<u64>>,
 }
 
 impl Usage {
@@ -58,6 +65,7 @@ impl Usage {
         self.pods.truncate(pods);
         for p in &mut self.pods {
             p.total = 0;
+            p.unknown = 0;
             p.holders.clear();
         }
         self.unattributed.clear();
@@ -66,19 +74,30 @@ impl Usage {
             match owner {
                 Owner::Pod { pod, container } => {
                     let Some(usage) = self.pods.get_mut(*pod) else { continue };
-                    usage.total = usage.total.saturating_add(process.bytes);
+                    let Some(bytes) = process.bytes else {
+                        usage.unknown = usage.unknown.saturating_add(1);
+                        continue;
+                    };
+                    usage.total = usage.total.saturating_add(bytes);
                     usage.holders.push(Holder {
                         container: container.clone(),
                         pid: process.pid,
                         gpu: process.gpu,
-                        bytes: process.bytes,
+                        bytes,
                     });
                 }
                 Owner::UnknownPod { .. } | Owner::NoPod => {
                     if let Some(u) = self.unattributed.get_mut(process.gpu) {
-                        *u = u.saturating_add(process.bytes);
+                        *u = u.saturating_add(process.charged());
                     }
                 }
+            }
+        }
+        self.unaccounted.clear();
+        self.unaccounted.extend((0..snapshot.gpus.len()).map(|g| snapshot.memory(g).map(|m| m.used)));
+        for process in &snapshot.processes {
+            if let Some(Some(left)) = self.unaccounted.get_mut(process.gpu) {
+                *left = left.saturating_sub(process.charged());
             }
         }
     }
@@ -120,19 +139,19 @@ mod tests {
         let other = "0c6b2f1e-3d4a-4b5c-8d9e-0f1a2b3c4d5e";
         write_fake_process(dir.path(), 13, 1, &format!("0::/kubepods/pod{other}/{a}\n")).expect("fixture");
         let snapshot = Snapshot {
-            used: Vec::new(),
+            readings: Vec::new(),
             gpus: gpus(2),
             processes: vec![
-                ProcessSample { gpu: 0, pid: Some(10), bytes: 100, direct: None },
-                ProcessSample { gpu: 1, pid: Some(10), bytes: 50, direct: None },
-                ProcessSample { gpu: 1, pid: Some(11), bytes: 7, direct: None },
-                ProcessSample { gpu: 0, pid: Some(12), bytes: 1000, direct: None },
-                ProcessSample { gpu: 1, pid: Some(13), bytes: 3, direct: None },
-                ProcessSample { gpu: 1, pid: Some(99), bytes: 5, direct: None },
+                ProcessSample { gpu: 0, pid: Some(10), bytes: Some(100), direct: None },
+                ProcessSample { gpu: 1, pid: Some(10), bytes: Some(50), direct: None },
+                ProcessSample { gpu: 1, pid: Some(11), bytes: Some(7), direct: None },
+                ProcessSample { gpu: 0, pid: Some(12), bytes: Some(1000), direct: None },
+                ProcessSample { gpu: 1, pid: Some(13), bytes: Some(3), direct: None },
+                ProcessSample { gpu: 1, pid: Some(99), bytes: Some(5), direct: None },
                 ProcessSample {
                     gpu: 0,
                     pid: None,
-                    bytes: 1 << 20,
+                    bytes: Some(1 << 20),
                     direct: Some(Arc::new(DirectOwner {
                         pod: PodKey::Name { namespace: "team-a".into(), name: "llm-0".into() },
                         container: Some("trainer".into()),
@@ -166,12 +185,12 @@ mod tests {
             let dir = tempfile::tempdir().expect("tempdir");
             let mut attributor = ProcAttributor::new(dir.path());
             let snapshot = Snapshot {
-                used: Vec::new(),
+                readings: Vec::new(),
                 gpus: gpus(3),
                 processes: samples.iter().map(|(gpu, bytes, mine)| ProcessSample {
                     gpu: *gpu,
                     pid: None,
-                    bytes: *bytes,
+                    bytes: Some(*bytes),
                     direct: Some(Arc::new(DirectOwner {
                         pod: PodKey::Uid(if *mine { UID.into() } else { "nobody".into() }),
                         container: None,

@@ -207,6 +207,7 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
         {
             let mut settings = Settings::new(&node);
             args.pressure.apply(&mut settings);
+            args.accounting.apply(&mut settings);
             settings
         },
         metrics.clone(),
@@ -238,7 +239,7 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
                     }
                 }
                 engine.tick(&table, synced);
-                health.set("gpu", engine.slot.healthy());
+                health.set("gpu", engine.enforcing());
                 executor.dispatch(engine.take_actions());
             }
         }

@@ -128,10 +128,20 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
         {
             let mut settings = Settings::new(&node);
             args.pressure.apply(&mut settings);
+            args.accounting.apply(&mut settings);
             settings
         },
         Metrics::new(&mut registry),
     );
+    let health = gpubudget_daemon::Health::new(&["gpu"]);
+    if let Some(addr) = args.admin_addr {
+        let (health, registry, shutdown) = (health.clone(), std::sync::Arc::new(registry), shutdown.clone());
+        tokio::spawn(async move {
+            if let Err(error) = gpubudget_daemon::serve_admin(addr, health, registry, shutdown).await {
+                tracing::error!(%error, "admin port failed");
+            }
+        });
+    }
     let (ts, ts_unix) = timestamp_fields(jiff::Timestamp::now());
     executor.line(&json!({
         "ts": ts, "ts_unix": ts_unix, "kind": "start", "node": &node,
@@ -168,6 +178,7 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
         }
         let report = engine.tick(&table, true);
         ticks += 1;
+        health.set("gpu", engine.enforcing());
         if report.sampled {
             sampled += 1;
             last_error = None;

@@ -17,7 +17,7 @@ use crate::attribute::pods::{PodTable, PodView};
 use crate::attribute::{Owner, Usage};
 use crate::cli::{Output, TopArgs};
 use crate::decide::pressure::Threshold;
-use crate::sample::{Sampler, Snapshot};
+use crate::sample::{GpuHealth, Sampler, Snapshot};
 
 /// A GPU row.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -28,8 +28,17 @@ pub struct GpuRow {
     pub name: String,
     /// UUID.
     pub uuid: String,
+    /// `ok`, or `failed: <call>: <error>` (nothing is decided from a failed GPU; it is retried).
+    pub state: String,
     /// Sum of its processes, bytes.
     pub used_bytes: u64,
+    /// The device's used bytes that no listed process accounts for, when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unaccounted_bytes: Option<u64>,
+    /// Processes whose figure NVML reports as unavailable.
+    pub unavailable: u32,
+    /// Processes listed as MPS clients.
+    pub mps_clients: u32,
     /// Its memory, bytes.
     pub total_bytes: u64,
     /// Free memory as the device reports it (total minus its used bytes), when known.
@@ -48,6 +57,10 @@ pub struct PodRow {
     pub uid: String,
     /// Bytes over its processes and GPUs.
     pub used_bytes: u64,
+    /// Bytes per GPU label.
+    pub by_gpu: BTreeMap<String, u64>,
+    /// Processes whose figure NVML reports as unavailable (not in `used_bytes`).
+    pub unknown: u32,
     /// `namespace/name` of its budget.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub budget: Option<String>,
@@ -63,8 +76,8 @@ pub struct ProcessRow {
     pub pid: Option<u32>,
     /// GPU label.
     pub gpu: String,
-    /// Bytes on that GPU.
-    pub bytes: u64,
+    /// Bytes on that GPU; `None` where NVML reports the figure as unavailable.
+    pub bytes: Option<u64>,
     /// `namespace/name`, the pod UID, or empty for no pod.
     pub pod: String,
     /// Container name or short ID.
@@ -107,25 +120,31 @@ pub fn build_view(
         .gpus
         .iter()
         .enumerate()
-        .map(|(i, g)| GpuRow {
-            gpu: g.label.clone(),
-            name: g.name.clone(),
-            uuid: g.uuid.clone(),
-            used_bytes: snapshot.processes.iter().filter(|p| p.gpu == i).map(|p| p.bytes).sum(),
-            total_bytes: g.total_bytes,
-            free_bytes: snapshot.used.get(i).copied().flatten().map(|u| g.total_bytes.saturating_sub(u)),
-            pressure: snapshot
-                .used
-                .get(i)
-                .copied()
-                .flatten()
-                .zip(pressure_hard)
-                .is_some_and(|(u, t)| g.total_bytes.saturating_sub(u) < t.bytes(g.total_bytes)),
+        .map(|(i, g)| {
+            let reading = snapshot.readings.get(i).cloned().unwrap_or_default();
+            let free_bytes = snapshot.memory(i).map(|m| m.free);
+            GpuRow {
+                gpu: g.label.clone(),
+                name: g.name.clone(),
+                uuid: g.uuid.clone(),
+                state: match &reading.health {
+                    GpuHealth::Sampled => "ok".to_owned(),
+                    GpuHealth::Failed { error, .. } => format!("failed: {error}"),
+                },
+                used_bytes: snapshot.processes.iter().filter(|p| p.gpu == i).map(|p| p.charged()).sum(),
+                unaccounted_bytes: usage.unaccounted.get(i).copied().flatten(),
+                unavailable: reading.unavailable,
+                mps_clients: reading.mps_clients,
+                total_bytes: g.total_bytes,
+                free_bytes,
+                pressure: free_bytes.zip(pressure_hard).is_some_and(|(f, t)| f < t.bytes(g.total_bytes)),
+            }
         })
         .collect();
     let mut pods: BTreeMap<String, PodRow> = BTreeMap::new();
     let mut processes = Vec::new();
     for (process, owner) in snapshot.processes.iter().zip(&usage.owners) {
+        let gpu = snapshot.gpus.get(process.gpu).map(|g| g.label.clone()).unwrap_or_default();
         let (pod, uid, container, budget) = match owner {
             Owner::Pod { pod, container } => {
                 let view = &table.pods[*pod];
@@ -143,14 +162,18 @@ pub fn build_view(
                 pod: pod.clone(),
                 uid,
                 used_bytes: 0,
+                by_gpu: BTreeMap::new(),
+                unknown: 0,
                 budget: budget.as_ref().map(|b| b.0.clone()),
                 limit_bytes: budget.map(|b| b.1),
             });
-            row.used_bytes += process.bytes;
+            row.used_bytes += process.charged();
+            *row.by_gpu.entry(gpu.clone()).or_insert(0) += process.charged();
+            row.unknown += u32::from(process.bytes.is_none());
         }
         processes.push(ProcessRow {
             pid: process.pid,
-            gpu: snapshot.gpus.get(process.gpu).map(|g| g.label.clone()).unwrap_or_default(),
+            gpu,
             bytes: process.bytes,
             pod,
             container,
@@ -186,25 +209,46 @@ fn table_text(rows: &[Vec<String>]) -> String {
 /// Renders the view as an aligned table.
 pub fn render_table(view: &View) -> String {
     let mut out = String::new();
-    let mut gpus = vec![vec!["GPU".to_owned(), "NAME".into(), "USED".into(), "TOTAL".into(), "FREE".into()]];
+    let mut gpus = vec![vec![
+        "GPU".to_owned(),
+        "NAME".into(),
+        "STATE".into(),
+        "USED".into(),
+        "UNACCOUNTED".into(),
+        "TOTAL".into(),
+        "FREE".into(),
+    ]];
     gpus.extend(view.gpus.iter().map(|g| {
         let free = g.free_bytes.map_or_else(|| "-".to_owned(), |f| HumanBytes(f).to_string());
         let free = if g.pressure { format!("{free} (memory pressure)") } else { free };
+        let mut unaccounted = g.unaccounted_bytes.map_or_else(|| "-".to_owned(), |u| HumanBytes(u).to_string());
+        if g.unavailable > 0 {
+            let _ = write!(unaccounted, " ({} without figures)", g.unavailable);
+        }
+        let state =
+            if g.mps_clients > 0 { format!("{} (MPS: {} clients)", g.state, g.mps_clients) } else { g.state.clone() };
         vec![
             g.gpu.clone(),
             g.name.clone(),
+            state,
             HumanBytes(g.used_bytes).to_string(),
+            unaccounted,
             HumanBytes(g.total_bytes).to_string(),
             free,
         ]
     }));
     out.push_str(&table_text(&gpus));
     out.push('\n');
-    let mut pods = vec![vec!["POD".to_owned(), "USED".into(), "LIMIT".into(), "BUDGET".into()]];
+    let mut pods = vec![vec!["POD".to_owned(), "USED".into(), "BY GPU".into(), "LIMIT".into(), "BUDGET".into()]];
     pods.extend(view.pods.iter().map(|p| {
+        let mut by_gpu: Vec<String> = p.by_gpu.iter().map(|(g, b)| format!("{g}: {}", HumanBytes(*b))).collect();
+        if p.unknown > 0 {
+            by_gpu.push(format!("{} without figures", p.unknown));
+        }
         vec![
             p.pod.clone(),
             HumanBytes(p.used_bytes).to_string(),
+            by_gpu.join(", "),
             p.limit_bytes.map_or_else(|| "-".to_owned(), |l| HumanBytes(l).to_string()),
             p.budget.clone().unwrap_or_else(|| "-".into()),
         ]
@@ -219,7 +263,7 @@ pub fn render_table(view: &View) -> String {
             if p.container.is_empty() { "-".to_owned() } else { p.container.clone() },
             p.pid.map_or_else(|| "-".to_owned(), |p| p.to_string()),
             p.gpu.clone(),
-            HumanBytes(p.bytes).to_string(),
+            p.bytes.map_or_else(|| "n/a".to_owned(), |b| HumanBytes(b).to_string()),
             p.command.clone(),
         ]
     }));

@@ -20,6 +20,7 @@
 //!   backoff while still due; an accepted eviction is never requested again for that pod UID. Timers
 //!   start afresh when the agent starts, so a restart can only delay an eviction.
 
+pub mod gpus;
 pub mod pressure;
 
 use std::collections::HashMap;
@@ -31,7 +32,7 @@ use gpubudget_common::{Budget, BudgetAction, BudgetState, Tracker, step};
 
 use crate::attribute::pods::{PodTable, PodView};
 use crate::attribute::{Holder, PodUsage};
-use crate::sample::GpuInfo;
+use crate::sample::{GpuInfo, Snapshot};
 
 /// The pod an action is about.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -113,6 +114,45 @@ impl Reason {
     }
 }
 
+/// Why an event on the Node is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NodeReason {
+    /// A GPU came under memory pressure.
+    Pressure,
+    /// It is no longer.
+    PressureEnded,
+    /// Under pressure, but no pod on the GPU is over its budget: the budgets add up to more than it holds.
+    Overcommitted,
+    /// A GPU's sample failed: nothing is decided from it until it is back ([`gpus`]).
+    GpuSampleFailed,
+    /// It is sampled again.
+    GpuSampleRecovered,
+    /// A large share of a GPU's used memory is held by no process the agent can see, for a while.
+    Unaccounted,
+    /// NVML gives no per-process figure for some processes on a GPU (once per GPU).
+    Unavailable,
+}
+
+impl NodeReason {
+    /// The event's `reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pressure => "GpuMemoryPressure",
+            Self::PressureEnded => "GpuMemoryPressureEnded",
+            Self::Overcommitted => "GpuMemoryBudgetsOvercommitted",
+            Self::GpuSampleFailed => "GpuSampleFailed",
+            Self::GpuSampleRecovered => "GpuSampleRecovered",
+            Self::Unaccounted => "GpuMemoryUnaccounted",
+            Self::Unavailable => "GpuProcessMemoryUnavailable",
+        }
+    }
+
+    /// Warning (true) or Normal.
+    pub fn is_warning(self) -> bool {
+        !matches!(self, Self::PressureEnded | Self::GpuSampleRecovered)
+    }
+}
+
 /// What the executor is asked to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
@@ -152,10 +192,10 @@ pub enum Action {
         /// The message.
         note: String,
     },
-    /// Emit an event on this node's Node object (GPU memory pressure).
+    /// Emit an event on this node's Node object (GPU memory pressure, a GPU's health and accounting).
     NodeEvent {
         /// Why.
-        reason: pressure::NodeReason,
+        reason: NodeReason,
         /// The message.
         note: String,
     },
@@ -249,6 +289,8 @@ pub struct Settings {
     pub pressure: pressure::PressureSettings,
     /// Termination grace of a pressure eviction, seconds; a budget's `evictionGracePeriodSeconds` caps it.
     pub pressure_grace_seconds: i64,
+    /// When memory no process accounts for is told on the Node ([`gpus`]).
+    pub accounting: gpus::AccountingSettings,
     /// The eviction waits for its `Evicting` record at most this many failed writes …
     pub record_wait_attempts: u32,
     /// … and at most this long after it became due; then it goes ahead without the record (an event says
@@ -270,6 +312,7 @@ impl Settings {
             write_backoff_min_ms: 1_000,
             pressure: pressure::PressureSettings::OFF,
             pressure_grace_seconds: 5,
+            accounting: gpus::AccountingSettings::DEFAULT,
             record_wait_attempts: 3,
             record_wait_ms: 30_000,
         }
@@ -364,6 +407,8 @@ pub struct Enforcer {
     generation: u64,
     /// Per GPU of the snapshot: the pressure signal.
     gpus: Vec<GpuPressure>,
+    /// Per GPU: health and accounting, told on the Node.
+    watch: gpus::GpuWatch,
 }
 
 /// One GPU's memory pressure between ticks.
@@ -470,7 +515,14 @@ impl Context<'_> {
 impl Enforcer {
     /// An enforcer with these settings and no memory (a fresh start).
     pub fn new(settings: Settings) -> Self {
-        Self { settings, pods: HashMap::new(), generation: 0, gpus: Vec::new() }
+        Self { settings, pods: HashMap::new(), generation: 0, gpus: Vec::new(), watch: gpus::GpuWatch::default() }
+    }
+
+    /// Looks at each GPU's health and accounting ([`gpus`]): Node events for a GPU whose sample fails or
+    /// recovers, memory no process accounts for, and figures NVML does not give. `unaccounted` per GPU of
+    /// the snapshot ([`crate::attribute::Usage::unaccounted`]).
+    pub fn watch_gpus(&mut self, now: Now, snapshot: &Snapshot, unaccounted: &[Option<u64>], out: &mut Vec<Action>) {
+        self.watch.observe(&self.settings.accounting, now.mono_ms, snapshot, unaccounted, out);
     }
 
     /// The settings.
@@ -802,18 +854,18 @@ impl Enforcer {
         now: Now,
         table: &PodTable,
         usage: &[PodUsage],
-        gpus: &[GpuInfo],
-        used: &[Option<u64>],
+        snapshot: &Snapshot,
         out: &mut Vec<Action>,
     ) {
         if !self.settings.pressure.enabled() {
             return;
         }
-        self.gpus.resize_with(gpus.len(), GpuPressure::default);
+        self.gpus.resize_with(snapshot.gpus.len(), GpuPressure::default);
         let empty = PodUsage::default();
-        for (g, info) in gpus.iter().enumerate() {
-            let Some(used) = used.get(g).copied().flatten().filter(|_| info.total_bytes > 0) else { continue };
-            let (free, total) = (info.total_bytes.saturating_sub(used), info.total_bytes);
+        for (g, info) in snapshot.gpus.iter().enumerate() {
+            // A GPU whose sample failed has no figures: no pressure is decided from it.
+            let Some(memory) = snapshot.memory(g).filter(|_| info.total_bytes > 0) else { continue };
+            let (free, total) = (memory.free, info.total_bytes);
             let settings = self.settings.pressure;
             let gpu = &mut self.gpus[g];
             match gpu.signal.observe(&settings, free, total, now.mono_ms) {
@@ -830,7 +882,7 @@ impl Enforcer {
                         HumanBytes(total),
                         HumanBytes(threshold)
                     );
-                    out.push(Action::NodeEvent { reason: pressure::NodeReason::Pressure, note });
+                    out.push(Action::NodeEvent { reason: NodeReason::Pressure, note });
                 }
                 pressure::Change::Ended => {
                     gpu.told_overcommitted = false;
@@ -841,7 +893,7 @@ impl Enforcer {
                         HumanBytes(total),
                         seconds(settings.transition_ms)
                     );
-                    out.push(Action::NodeEvent { reason: pressure::NodeReason::PressureEnded, note });
+                    out.push(Action::NodeEvent { reason: NodeReason::PressureEnded, note });
                 }
                 pressure::Change::None => {}
             }
@@ -895,7 +947,7 @@ impl Enforcer {
                     let i = on_this_gpu[c];
                     let (view, budget) = (&table.pods[i], table.budget(i));
                     let (Some(budget), Some(mut mem)) = (budget, self.pods.remove(&view.uid)) else { continue };
-                    let cx = Context { view, budget, usage: usage.get(i).unwrap_or(&empty), gpus };
+                    let cx = Context { view, budget, usage: usage.get(i).unwrap_or(&empty), gpus: &snapshot.gpus };
                     mem.pressure = Some(g);
                     let at = now.wall.round(jiff::Unit::Second).unwrap_or(now.wall).to_string();
                     mem.eviction_requested_at = Some(at);
@@ -935,7 +987,7 @@ impl Enforcer {
                         HumanBytes(total),
                         pods.join(", ")
                     );
-                    out.push(Action::NodeEvent { reason: pressure::NodeReason::Overcommitted, note: bounded(note) });
+                    out.push(Action::NodeEvent { reason: NodeReason::Overcommitted, note: bounded(note) });
                 }
                 None => {}
             }

@@ -10,33 +10,6 @@
 //!   above its limit); only pods over their budget are candidates: a pod within its budget is the
 //!   neighbour being protected and is never evicted for pressure.
 
-/// Why an event on the Node is sent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum NodeReason {
-    /// A GPU came under memory pressure.
-    Pressure,
-    /// It is no longer.
-    PressureEnded,
-    /// Under pressure, but no pod on the GPU is over its budget: the budgets add up to more than it holds.
-    Overcommitted,
-}
-
-impl NodeReason {
-    /// The event's `reason`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Pressure => "GpuMemoryPressure",
-            Self::PressureEnded => "GpuMemoryPressureEnded",
-            Self::Overcommitted => "GpuMemoryBudgetsOvercommitted",
-        }
-    }
-
-    /// Warning (true) or Normal.
-    pub fn is_warning(self) -> bool {
-        self != Self::PressureEnded
-    }
-}
-
 /// A threshold on a GPU's free memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Threshold {

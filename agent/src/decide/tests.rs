@@ -1,6 +1,7 @@
 use super::*;
 use crate::attribute::pods::PodView;
 use crate::attribute::usage::Holder;
+use crate::sample::{DeviceMemory, GpuReading};
 use gpubudget_common::GpuMemoryBudget;
 use k8s_openapi::api::core::v1::Pod;
 use proptest::prelude::*;
@@ -37,6 +38,7 @@ fn usage(bytes: u64) -> Vec<PodUsage> {
     vec![PodUsage {
         total: bytes,
         holders: vec![Holder { container: Some(Arc::from("trainer")), pid: Some(4242), gpu: 0, bytes }],
+        unknown: 0,
     }]
 }
 
@@ -616,7 +618,8 @@ mod pressure_eviction {
     //! its budget, without one, critical or static.
 
     use super::*;
-    use crate::decide::pressure::{NodeReason, PressureSettings, Threshold};
+    use crate::decide::NodeReason;
+    use crate::decide::pressure::{PressureSettings, Threshold};
 
     const TOTAL: u64 = 80 * GI;
 
@@ -680,13 +683,20 @@ mod pressure_eviction {
                     } else {
                         vec![Holder { container: None, pid: Some(1), gpu: 0, bytes: b }]
                     },
+                    unknown: 0,
                 })
                 .collect();
-            let gpus = vec![GpuInfo { label: "0".into(), total_bytes: TOTAL, ..GpuInfo::default() }];
-            let used = [Some(bytes.iter().sum::<u64>() + extra)];
+            let snapshot = Snapshot {
+                gpus: vec![GpuInfo { label: "0".into(), total_bytes: TOTAL, ..GpuInfo::default() }],
+                processes: Vec::new(),
+                readings: vec![GpuReading::sampled(Some(DeviceMemory::from_used(
+                    bytes.iter().sum::<u64>() + extra,
+                    TOTAL,
+                )))],
+            };
             let mut out = Vec::new();
-            self.enforcer.tick(at(ms), &self.table, &usage, &gpus, &mut out);
-            self.enforcer.pressure(at(ms), &self.table, &usage, &gpus, &used, &mut out);
+            self.enforcer.tick(at(ms), &self.table, &usage, &snapshot.gpus, &mut out);
+            self.enforcer.pressure(at(ms), &self.table, &usage, &snapshot, &mut out);
             let feedback: Vec<Feedback> = out
                 .iter()
                 .filter_map(|a| match a {

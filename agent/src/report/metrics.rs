@@ -16,7 +16,7 @@ use prometheus_client::registry::Registry;
 use crate::act::Counters;
 use crate::attribute::Usage;
 use crate::attribute::pods::PodTable;
-use crate::sample::Snapshot;
+use crate::sample::{GpuHealth, Snapshot};
 
 /// `{namespace, pod, container, gpu}`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -86,6 +86,12 @@ pub struct Metrics {
     pub gpu_free: Family<GpuLabels, Gauge>,
     /// `gpubudget_gpu_memory_pressure`.
     pub gpu_pressure: Family<GpuLabels, Gauge>,
+    /// `gpubudget_gpu_sampled`.
+    pub gpu_sampled: Family<GpuLabels, Gauge>,
+    /// `gpubudget_gpu_unaccounted_bytes`.
+    pub gpu_unaccounted: Family<GpuLabels, Gauge>,
+    /// `gpubudget_gpu_processes_unavailable`.
+    pub gpu_unavailable: Family<GpuLabels, Gauge>,
     /// `gpubudget_sample_duration_seconds`.
     pub sample_duration: Histogram,
 }
@@ -103,6 +109,9 @@ impl Metrics {
             unattributed: Family::default(),
             gpu_free: Family::default(),
             gpu_pressure: Family::default(),
+            gpu_sampled: Family::default(),
+            gpu_unaccounted: Family::default(),
+            gpu_unavailable: Family::default(),
             sample_duration: Histogram::new(buckets),
         };
         registry.register(
@@ -142,13 +151,28 @@ impl Metrics {
         );
         registry.register(
             "gpubudget_gpu_free_bytes",
-            "Free memory of a GPU as the device reports it (total minus used, bytes)",
+            "Free memory of a GPU as the device reports it (bytes)",
             m.gpu_free.clone(),
         );
         registry.register(
             "gpubudget_gpu_memory_pressure",
             "1 while a GPU is under memory pressure (free memory under the agent's threshold), else 0",
             m.gpu_pressure.clone(),
+        );
+        registry.register(
+            "gpubudget_gpu_sampled",
+            "1 while a GPU is sampled and enforced, 0 while its sample fails (retried with backoff; nothing is decided from it)",
+            m.gpu_sampled.clone(),
+        );
+        registry.register(
+            "gpubudget_gpu_unaccounted_bytes",
+            "A GPU's used memory (as the device reports it) that no listed process accounts for: the driver's allocations, an MPS server's share, processes the agent cannot see, unavailable figures (bytes)",
+            m.gpu_unaccounted.clone(),
+        );
+        registry.register(
+            "gpubudget_gpu_processes_unavailable",
+            "Processes on a GPU whose memory NVML reports as unavailable (never charged to a budget)",
+            m.gpu_unavailable.clone(),
         );
         registry.register(
             "gpubudget_unattributed_bytes",
@@ -187,6 +211,11 @@ struct GpuSeries {
     unattributed: Gauge,
     free: Gauge,
     pressure: Gauge,
+    sampled: Gauge,
+    unaccounted: Gauge,
+    unavailable: Gauge,
+    /// The failure count last seen, to count each failed attempt once in `gpubudget_nvml_errors`.
+    failures: u32,
 }
 
 /// Keeps the per-pod series in step with the pods, removing those of pods that are gone.
@@ -224,6 +253,9 @@ impl SeriesTracker {
                 metrics.unattributed.remove(&s.labels);
                 metrics.gpu_free.remove(&s.labels);
                 metrics.gpu_pressure.remove(&s.labels);
+                metrics.gpu_sampled.remove(&s.labels);
+                metrics.gpu_unaccounted.remove(&s.labels);
+                metrics.gpu_unavailable.remove(&s.labels);
             }
             for (_, (labels, _, _)) in self.memory.drain() {
                 metrics.pod_memory.remove(&labels);
@@ -237,18 +269,37 @@ impl SeriesTracker {
                         unattributed: metrics.unattributed.get_or_create(&labels).clone(),
                         free: metrics.gpu_free.get_or_create(&labels).clone(),
                         pressure: metrics.gpu_pressure.get_or_create(&labels).clone(),
+                        sampled: metrics.gpu_sampled.get_or_create(&labels).clone(),
+                        unaccounted: metrics.gpu_unaccounted.get_or_create(&labels).clone(),
+                        unavailable: metrics.gpu_unavailable.get_or_create(&labels).clone(),
+                        failures: 0,
                         labels,
                     }
                 })
                 .collect();
         }
-        for (g, series) in self.gpus.iter().enumerate() {
-            let bytes = usage.unattributed.get(g).copied().unwrap_or(0);
-            series.unattributed.set(i64::try_from(bytes).unwrap_or(i64::MAX));
-            if let (Some(Some(used)), Some(info)) = (snapshot.used.get(g), snapshot.gpus.get(g)) {
-                series.free.set(i64::try_from(info.total_bytes.saturating_sub(*used)).unwrap_or(i64::MAX));
+        let gauge = |bytes: u64| i64::try_from(bytes).unwrap_or(i64::MAX);
+        for (g, series) in self.gpus.iter_mut().enumerate() {
+            series.unattributed.set(gauge(usage.unattributed.get(g).copied().unwrap_or(0)));
+            if let Some(memory) = snapshot.memory(g) {
+                series.free.set(gauge(memory.free));
             }
             series.pressure.set(i64::from(under_pressure(g)));
+            let Some(reading) = snapshot.readings.get(g) else { continue };
+            series.sampled.set(i64::from(reading.health.sampled()));
+            series.unavailable.set(i64::from(reading.unavailable));
+            if let Some(Some(bytes)) = usage.unaccounted.get(g) {
+                series.unaccounted.set(gauge(*bytes));
+            }
+            match &reading.health {
+                GpuHealth::Failed { error, failures } => {
+                    if *failures > series.failures {
+                        metrics.nvml_error(error.call);
+                    }
+                    series.failures = *failures;
+                }
+                GpuHealth::Sampled => series.failures = 0,
+            }
         }
 
         self.sums.clear();

@@ -29,7 +29,7 @@ use std::time::SystemTime;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::{DirectOwner, GpuInfo, PodKey, ProcessSample, SampleError, Sampler, Snapshot};
+use super::{DeviceMemory, DirectOwner, GpuInfo, GpuReading, PodKey, ProcessSample, SampleError, Sampler, Snapshot};
 
 /// A sample file.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -105,6 +105,10 @@ pub struct SampleProcess {
     /// Bytes on this GPU: an integer or a quantity (`"9Gi"`).
     #[serde(deserialize_with = "bytes")]
     pub used_bytes: u64,
+    /// NVML reported no figure for this process (`used_bytes` is then not read): counted apart, never
+    /// charged.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unavailable: bool,
     /// The pod's UID, to charge it directly.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_uid: Option<String>,
@@ -184,7 +188,11 @@ impl SampleFile {
             };
             for (mig, uuid, total, used, processes) in units {
                 let slot = snapshot.gpus.len();
-                snapshot.used.push(used);
+                let unavailable = processes.iter().filter(|p| p.unavailable).count();
+                snapshot.readings.push(GpuReading {
+                    unavailable: u32::try_from(unavailable).unwrap_or(u32::MAX),
+                    ..GpuReading::sampled(used.map(|u| DeviceMemory::from_used(u, total)))
+                });
                 snapshot.gpus.push(GpuInfo {
                     index: gpu.index,
                     mig,
@@ -198,7 +206,7 @@ impl SampleFile {
                     snapshot.processes.push(ProcessSample {
                         gpu: slot,
                         pid: p.pid,
-                        bytes: p.used_bytes,
+                        bytes: (!p.unavailable).then_some(p.used_bytes),
                         direct: direct.map(Arc::new),
                     });
                 }
@@ -215,7 +223,12 @@ impl SampleFile {
                 .processes
                 .iter()
                 .filter(|p| p.gpu == slot)
-                .map(|p| SampleProcess { pid: p.pid, used_bytes: p.bytes, ..SampleProcess::default() })
+                .map(|p| SampleProcess {
+                    pid: p.pid,
+                    used_bytes: p.charged(),
+                    unavailable: p.bytes.is_none(),
+                    ..SampleProcess::default()
+                })
                 .collect();
             if gpus.last().is_none_or(|g| g.index != info.index) {
                 gpus.push(SampleGpu { index: info.index, name: info.name.clone(), ..SampleGpu::default() });
@@ -225,14 +238,14 @@ impl SampleFile {
                 None => {
                     gpu.uuid.clone_from(&info.uuid);
                     gpu.memory_total_bytes = info.total_bytes;
-                    gpu.memory_used_bytes = snapshot.used.get(slot).copied().flatten();
+                    gpu.memory_used_bytes = snapshot.memory(slot).map(|m| m.used);
                     gpu.processes = processes;
                 }
                 Some(m) => gpu.mig.push(SampleMig {
                     index: m,
                     uuid: info.uuid.clone(),
                     memory_total_bytes: info.total_bytes,
-                    memory_used_bytes: snapshot.used.get(slot).copied().flatten(),
+                    memory_used_bytes: snapshot.memory(slot).map(|m| m.used),
                     processes,
                 }),
             }
@@ -333,7 +346,7 @@ impl Sampler for RecordedSampler {
             out.gpus.clone_from(&self.current.gpus);
         }
         out.processes.clone_from(&self.current.processes);
-        out.used.clone_from(&self.current.used);
+        out.readings.clone_from(&self.current.readings);
         Ok(())
     }
 
@@ -370,7 +383,7 @@ mod tests {
         assert_eq!(labels, ["0", "1/mig0", "1/mig2"]);
         assert_eq!(snap.gpus[1].total_bytes, 10 << 30);
         assert_eq!(snap.processes.len(), 4);
-        assert_eq!(snap.processes[1].bytes, 9 << 30);
+        assert_eq!(snap.processes[1].bytes, Some(9 << 30));
         let direct = snap.processes[1].direct.as_deref().expect("direct");
         assert_eq!(direct.pod, PodKey::Uid("5a1e3c9d-7b2f-4e8a-9c61-0d3f2b7a8e41".into()));
         assert_eq!(direct.container.as_deref(), Some("trainer"));
@@ -396,7 +409,7 @@ mod tests {
     fn round_trips_a_snapshot() {
         let snap = SampleFile::parse(EXAMPLE).expect("parses").to_snapshot().expect("snapshot");
         let pids_only = Snapshot {
-            used: Vec::new(),
+            readings: Vec::new(),
             gpus: snap.gpus.clone(),
             processes: snap.processes.iter().filter(|p| p.direct.is_none()).cloned().collect(),
         };

@@ -66,22 +66,107 @@ pub struct ProcessSample {
     pub gpu: usize,
     /// Host PID (absent for replayed entries that name their pod).
     pub pid: Option<u32>,
-    /// Bytes NVML reports for the process on that GPU.
-    pub bytes: u64,
+    /// Bytes NVML reports for the process on that GPU; `None` where NVML says the figure is unavailable
+    /// (counted per GPU in [`GpuReading::unavailable`], never taken as 0 bytes of a budget silently).
+    pub bytes: Option<u64>,
     /// Set when a sample file names the pod itself.
     pub direct: Option<Arc<DirectOwner>>,
+}
+
+impl ProcessSample {
+    /// The bytes to charge: the figure, or 0 where NVML has none (such a process is counted apart and
+    /// never makes a pod look over).
+    pub fn charged(&self) -> u64 {
+        self.bytes.unwrap_or(0)
+    }
+}
+
+/// The device's own figures for a GPU (`memory_info`). `used` leaves out the driver's reserve (about
+/// 480 MiB on an H100, driver 580), so `used + free` is a little less than the total.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes in use by processes and the driver's allocations for them.
+    pub used: u64,
+    /// Bytes free.
+    pub free: u64,
+}
+
+impl DeviceMemory {
+    /// Figures from a device that reports only its used bytes (a sample file): free is the rest.
+    pub fn from_used(used: u64, total: u64) -> Self {
+        Self { used, free: total.saturating_sub(used) }
+    }
+}
+
+/// Whether a GPU was sampled this tick.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum GpuHealth {
+    /// Sampled: its processes are in the snapshot.
+    #[default]
+    Sampled,
+    /// Its last attempt failed (or it is waiting for its retry): the snapshot holds none of its processes
+    /// and no figure of it, so nothing is decided from it.
+    Failed {
+        /// The last error.
+        error: SampleError,
+        /// Failed attempts in a row.
+        failures: u32,
+    },
+}
+
+impl GpuHealth {
+    /// Whether the GPU was sampled.
+    pub fn sampled(&self) -> bool {
+        matches!(self, Self::Sampled)
+    }
+}
+
+/// What one GPU's sample found besides its processes (same index as [`Snapshot::gpus`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GpuReading {
+    /// Sampled or failed.
+    pub health: GpuHealth,
+    /// The device's figures, when the sampler knows them (a sample file may not say).
+    pub memory: Option<DeviceMemory>,
+    /// Processes listed whose memory NVML reports as unavailable.
+    pub unavailable: u32,
+    /// Processes listed by NVML's MPS query (clients of an MPS server).
+    pub mps_clients: u32,
+}
+
+impl GpuReading {
+    /// A sampled GPU with these figures.
+    pub fn sampled(memory: Option<DeviceMemory>) -> Self {
+        Self { memory, ..Self::default() }
+    }
+
+    /// A failed GPU.
+    pub fn failed(error: SampleError, failures: u32) -> Self {
+        Self { health: GpuHealth::Failed { error, failures }, ..Self::default() }
+    }
 }
 
 /// One sample of every GPU. Reused from tick to tick: samplers clear and refill it.
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
-    /// GPUs and MIG instances.
+    /// GPUs and MIG instances, failed ones included.
     pub gpus: Vec<GpuInfo>,
-    /// Processes, in GPU order.
+    /// Processes of the sampled GPUs, in GPU order.
     pub processes: Vec<ProcessSample>,
-    /// Per GPU (same indexes as `gpus`): the bytes the device says are used (`memory_info`), when the
-    /// sampler knows them (a sample file may not say). The pressure signal reads them.
-    pub used: Vec<Option<u64>>,
+    /// Per GPU (same indexes as `gpus`): health and the device's figures.
+    pub readings: Vec<GpuReading>,
+}
+
+impl Snapshot {
+    /// The GPUs sampled this tick: where budgets and pressure are enforced.
+    pub fn sampled_gpus(&self) -> usize {
+        self.readings.iter().filter(|r| r.health.sampled()).count()
+    }
+
+    /// The device's figures for GPU `gpu`, when it was sampled and they are known.
+    pub fn memory(&self, gpu: usize) -> Option<DeviceMemory> {
+        self.readings.get(gpu).filter(|r| r.health.sampled()).and_then(|r| r.memory)
+    }
 }
 
 /// A failed sampling call, named after the NVML call.
@@ -119,6 +204,45 @@ pub trait Sampler: Send + std::fmt::Debug {
     fn source(&self) -> String;
 }
 
+/// Exponential backoff between retries (0.5 s doubling to 30 s): the sampler's when NVML is down, each
+/// GPU's when only that GPU fails.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    next_try: Option<Instant>,
+    delay: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self { next_try: None, delay: Self::MIN }
+    }
+}
+
+impl Backoff {
+    /// First retry delay.
+    pub const MIN: Duration = Duration::from_millis(500);
+    /// Longest retry delay.
+    pub const MAX: Duration = Duration::from_secs(30);
+
+    /// Whether a try is due at `now` (always, until a failure).
+    pub fn due(&self, now: Instant) -> bool {
+        self.next_try.is_none_or(|at| now >= at)
+    }
+
+    /// Records a failure at `now`; returns the delay until the next try.
+    pub fn failed(&mut self, now: Instant) -> Duration {
+        let delay = self.delay;
+        self.next_try = Some(now + delay);
+        self.delay = (delay * 2).min(Self::MAX);
+        delay
+    }
+
+    /// Records a success: the next failure waits [`Self::MIN`] again.
+    pub fn reset(&mut self) {
+        *self = Self::default();
+    }
+}
+
 /// Makes a sampler; called again, with backoff, after the sampler fails.
 pub type SamplerFactory = Box<dyn FnMut() -> Result<Box<dyn Sampler>, SampleError> + Send>;
 
@@ -128,8 +252,7 @@ pub type SamplerFactory = Box<dyn FnMut() -> Result<Box<dyn Sampler>, SampleErro
 pub struct SamplerSlot {
     factory: SamplerFactory,
     current: Option<Box<dyn Sampler>>,
-    next_try: Instant,
-    backoff: Duration,
+    backoff: Backoff,
     consecutive_failures: u32,
     last_error: Option<SampleError>,
 }
@@ -156,23 +279,12 @@ pub enum SlotOutcome {
 }
 
 impl SamplerSlot {
-    /// First retry delay.
-    pub const MIN_BACKOFF: Duration = Duration::from_millis(500);
-    /// Longest retry delay.
-    pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
     /// Failed samples in a row after which the sampler is rebuilt.
     pub const REBUILD_AFTER: u32 = 3;
 
     /// A slot that builds its sampler with `factory` (first attempt on the first [`Self::sample`]).
     pub fn new(factory: SamplerFactory) -> Self {
-        Self {
-            factory,
-            current: None,
-            next_try: Instant::now(),
-            backoff: Self::MIN_BACKOFF,
-            consecutive_failures: 0,
-            last_error: None,
-        }
+        Self { factory, current: None, backoff: Backoff::default(), consecutive_failures: 0, last_error: None }
     }
 
     /// Whether the last attempt sampled successfully.
@@ -193,7 +305,7 @@ impl SamplerSlot {
     /// Samples into `out`, building the sampler first if it is down and its retry is due.
     pub fn sample(&mut self, now: Instant, out: &mut Snapshot) -> SlotOutcome {
         if self.current.is_none() {
-            if now < self.next_try {
+            if !self.backoff.due(now) {
                 return SlotOutcome::Waiting;
             }
             match (self.factory)() {
@@ -211,7 +323,7 @@ impl SamplerSlot {
                     tracing::info!("GPU sampling recovered");
                 }
                 self.consecutive_failures = 0;
-                self.backoff = Self::MIN_BACKOFF;
+                self.backoff.reset();
                 self.last_error = None;
                 SlotOutcome::Sampled
             }
@@ -226,9 +338,8 @@ impl SamplerSlot {
         self.consecutive_failures = self.consecutive_failures.saturating_add(1);
         if rebuild {
             self.current = None;
-            self.next_try = now + self.backoff;
-            tracing::warn!(%error, retry_in = ?self.backoff, "GPU sampler down; nothing is enforced until it is back");
-            self.backoff = (self.backoff * 2).min(Self::MAX_BACKOFF);
+            let retry_in = self.backoff.failed(now);
+            tracing::warn!(%error, ?retry_in, "GPU sampler down; nothing is enforced until it is back");
         } else {
             tracing::warn!(%error, "GPU sample failed; this tick is skipped");
         }
@@ -269,7 +380,7 @@ mod tests {
         assert!(matches!(slot.sample(t0, &mut out), SlotOutcome::Failed(e) if e.call == "init"));
         assert!(!slot.healthy());
         assert_eq!(slot.sample(t0 + Duration::from_millis(100), &mut out), SlotOutcome::Waiting);
-        assert_eq!(slot.sample(t0 + SamplerSlot::MIN_BACKOFF, &mut out), SlotOutcome::Sampled);
+        assert_eq!(slot.sample(t0 + Backoff::MIN, &mut out), SlotOutcome::Sampled);
         assert!(slot.healthy());
 
         // Three failures in a row rebuild the sampler.
@@ -283,6 +394,6 @@ mod tests {
             assert!(matches!(slot.sample(t1, &mut out), SlotOutcome::Failed(_)));
         }
         assert_eq!(slot.sample(t1, &mut out), SlotOutcome::Waiting);
-        assert_eq!(slot.sample(t1 + SamplerSlot::MIN_BACKOFF, &mut out), SlotOutcome::Sampled);
+        assert_eq!(slot.sample(t1 + Backoff::MIN, &mut out), SlotOutcome::Sampled);
     }
 }

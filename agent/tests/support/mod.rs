@@ -1,4 +1,5 @@
-//! Shared by the agent's test crates.
+//! Shared by the agent's test crates (each uses a part of it).
+#![allow(dead_code)]
 
 /// splitmix64: a whole generated case is a function of one seed, so a failure is reproduced from the seed.
 pub fn splitmix64(state: &mut u64) -> u64 {
@@ -8,3 +9,5 @@ pub fn splitmix64(state: &mut u64) -> u64 {
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
 }
+
+pub mod fake_nvml;

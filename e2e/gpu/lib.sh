@@ -1,0 +1,73 @@
+# Shared by the real-GPU scripts of issue 12 (accounting.sh, multi.sh): kubelet-shaped cgroups for fake pods,
+# processes started inside them, and the cleanup. Source it after `set -euo pipefail`; needs root and cgroup v2.
+#
+#   WORK=...; source e2e/gpu/lib.sh
+#   pod team-a/llm-0 <uid>          # makes the pod's cgroup and its container's, appends it to $WORK/pods.yaml
+#   start NAME team-a/llm-0 ENV... -- python3 ... # a process in that container's cgroup; its PID in PID_NAME
+CG=/sys/fs/cgroup
+NODE=${NODE:-gpu-e2e}
+PIDS=()
+CGROUPS=()
+declare -A UID_OF=()
+
+say() { printf '[%s] %s\n' "$(date +%H:%M:%S.%N | cut -c1-12)" "$*" >&2; }
+fail() { say "FAIL: $*"; exit 1; }
+cid() { printf '%s' "$1" | sha256sum | cut -c1-64; }
+
+[ "$(id -u)" = 0 ] || fail "run as root (cgroups are created under $CG)"
+BURSTABLE=$CG/kubepods.slice/kubepods-burstable.slice
+for d in $CG/kubepods.slice "$BURSTABLE"; do [ -d "$d" ] || { mkdir "$d"; CGROUPS+=("$d"); }; done
+
+pod_dir() { local uid=${UID_OF[$1]}; echo "$BURSTABLE/kubepods-burstable-pod${uid//-/_}.slice"; }
+scope() { echo "$(pod_dir "$1")/cri-containerd-$(cid "$1").scope"; }
+
+# pod NAMESPACE/NAME UID: the pod's cgroups and its object (one container, `main`) in $WORK/pods.yaml.
+pod() {
+  local key=$1
+  UID_OF[$key]=$2
+  for d in "$(pod_dir "$key")" "$(scope "$key")"; do [ -d "$d" ] || { mkdir "$d"; CGROUPS+=("$d"); }; done
+  cat >> "$WORK/pods.yaml" <<YAML
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: ${key#*/}, namespace: ${key%/*}, uid: $2, labels: {app: ${key#*/}}}
+spec: {nodeName: $NODE, terminationGracePeriodSeconds: 30, containers: [{name: main, image: pytorch}]}
+status:
+  phase: Running
+  containerStatuses: [{name: main, containerID: 'containerd://$(cid "$key")', image: pytorch, imageID: pytorch, ready: true, restartCount: 0}]
+YAML
+}
+
+# start NAME NAMESPACE/POD [VAR=value ...] -- COMMAND...: runs COMMAND in the pod's container cgroup with
+# those variables; stdout to $WORK/NAME.jsonl; its PID in $PID_NAME.
+start() {
+  local name=$1 key=$2 vars=()
+  shift 2
+  while [ "$1" != "--" ]; do vars+=("$1"); shift; done
+  shift
+  env "${vars[@]}" sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$(scope "$key")" "$@" \
+    > "$WORK/$name.jsonl" 2> "$WORK/$name.err" &
+  PIDS+=($!)
+  printf -v "PID_$name" '%s' "$!"
+}
+
+# ready NAME...: waits (60 s at most) until each has logged its "ready" line.
+ready() {
+  for name in "$@"; do
+    for _ in $(seq 1 240); do grep -q '"ready"' "$WORK/$name.jsonl" 2>/dev/null && continue 2; sleep 0.25; done
+    fail "$name never became ready: $(tail -3 "$WORK/$name.err")"
+  done
+}
+
+stop_all() {
+  for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  PIDS=()
+}
+
+# Kills what was started and removes the cgroups made (deepest first).
+lib_cleanup() {
+  set +e
+  stop_all
+  for dir in $(printf '%s\n' "${CGROUPS[@]}" | sort -r); do rmdir "$dir" 2>/dev/null; done
+}
