@@ -1,17 +1,19 @@
 //! The NVML sampler's shortcut (issue 13): a unit's process lists are read only when its used bytes moved
-//! or its last full list is `max_age` old ([`RefreshGate`]). A sampler double drives the same gate over a
-//! simulated GPU (processes appearing, exiting, growing, moving bytes under an unchanged device total, PID
+//! or its last full list is `max_age` old ([`RefreshGate`]). The real sampler ([`NvmlSampler`]) runs over a
+//! fake NVML showing a simulated GPU (processes appearing, exiting, growing, moving bytes under an unchanged device total, PID
 //! reuse) and checks that every change shows in the snapshot within `max_age + one interval`, that a
 //! change of the device total shows at the very next sample, and that when the gate says no, the previous
 //! per-process figures are carried unchanged.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpubudget_agent::sample::nvml::{Refresh, RefreshGate};
-use gpubudget_agent::sample::{GpuInfo, ProcessSample, SampleError, Sampler, SamplerSlot, SlotOutcome, Snapshot};
+mod support;
+
+use gpubudget_agent::sample::nvml::{Listed, NvmlSampler, ProcessList, RefreshGate, RefreshMode};
+use gpubudget_agent::sample::{ProcessSample, Snapshot};
 use proptest::prelude::*;
+use support::fake_nvml::{FakeGpu, FakeNvml};
 
 const INTERVAL: Duration = Duration::from_millis(250);
 const MAX_AGE: Duration = RefreshGate::DEFAULT_MAX_AGE;
@@ -86,53 +88,26 @@ impl World {
     }
 }
 
-/// What the double saw at its last list, for the test to compare with the world.
+/// What the sampler read at its last list (the fake NVML's calls say when it listed).
 #[derive(Debug, Clone, Default)]
 struct Observed {
-    /// When the double last read the lists, and what they held (pid, bytes, generation).
+    /// When the sampler last read the lists, and what they held (pid, bytes, generation).
     listed_at: Option<Instant>,
     seen: Vec<(u32, u64, u32)>,
     lists: u64,
     skips: u64,
 }
 
-type Shared = Arc<Mutex<(World, Instant, Observed)>>;
-
-/// The sampler double: the NVML sampler's structure (a [`RefreshGate`] and a cache of the last list; the
-/// snapshot rebuilt from the cache at every sample) over a [`World`] instead of NVML.
-#[derive(Debug)]
-struct Double {
-    shared: Shared,
-    gate: RefreshGate,
-    cache: Vec<ProcessSample>,
-}
-
-impl Sampler for Double {
-    fn sample(&mut self, out: &mut Snapshot) -> Result<(), SampleError> {
-        let mut guard = self.shared.lock().expect("lock");
-        let (world, now, observed) = &mut *guard;
-        if out.gpus.is_empty() {
-            out.gpus.push(GpuInfo { label: "0".into(), ..GpuInfo::default() });
-        }
-        if self.gate.decide(world.used(), *now) == Refresh::Skip {
-            observed.skips += 1;
-        } else {
-            observed.lists += 1;
-            observed.listed_at = Some(*now);
-            observed.seen = world.listed();
-            self.cache = observed
-                .seen
-                .iter()
-                .map(|&(pid, bytes, _)| ProcessSample { gpu: 0, pid: Some(pid), bytes: Some(bytes), direct: None })
-                .collect();
-        }
-        out.processes.clear();
-        out.processes.extend_from_slice(&self.cache);
-        Ok(())
-    }
-    fn source(&self) -> String {
-        "double".into()
-    }
+/// Puts `world` into the fake NVML: its processes on the compute list, its overhead in no list.
+fn show(nvml: &FakeNvml, world: &World) {
+    nvml.with(|w| {
+        w.gpus[0].hidden = world.overhead;
+        w.gpus[0].processes = world
+            .procs
+            .iter()
+            .map(|(&pid, &(bytes, _))| (ProcessList::Compute, Listed { pid, bytes: Some(bytes) }))
+            .collect();
+    });
 }
 
 fn event() -> impl Strategy<Value = Event> {
@@ -159,17 +134,16 @@ struct Outcome {
     skips: u64,
 }
 
-/// Runs `events` through the double inside a [`SamplerSlot`], one event at the given offset inside each
+/// Runs `events` through the real NVML sampler over a fake NVML, one event at the given offset inside each
 /// 250 ms interval, a sample at the end of each, and checks every sample on the way.
 fn run(events: &[(Event, u64)]) -> Outcome {
     let t0 = Instant::now();
-    let world = World { overhead: 500 << 20, procs: BTreeMap::from([(1, (1 << 20, 0))]), next_generation: 1 };
-    let shared: Shared = Arc::new(Mutex::new((world, t0, Observed::default())));
-    let s = shared.clone();
-    let mut slot = SamplerSlot::new(Box::new(move || {
-        Ok(Box::new(Double { shared: s.clone(), gate: RefreshGate::new(MAX_AGE), cache: Vec::new() })
-            as Box<dyn Sampler>)
-    }));
+    let mut world = World { overhead: 500 << 20, procs: BTreeMap::from([(1, (1 << 20, 0))]), next_generation: 1 };
+    let nvml = FakeNvml::new(vec![FakeGpu::new("GPU-shortcut", 80 << 30)]);
+    show(&nvml, &world);
+    let mut sampler =
+        NvmlSampler::with_backend(nvml.clone(), RefreshMode::Gated(MAX_AGE), t0).expect("the fake initialises");
+    let mut observed = Observed::default();
     let mut out = Snapshot::default();
     let mut outcome = Outcome::default();
     // Changes not shown yet: (when, whether the device total moved).
@@ -178,17 +152,20 @@ fn run(events: &[(Event, u64)]) -> Outcome {
     for (tick, (event, offset_ms)) in events.iter().enumerate() {
         let start = t0 + INTERVAL * tick as u32;
         let now = start + INTERVAL;
-        {
-            let mut guard = shared.lock().expect("lock");
-            let before = guard.0.used();
-            if guard.0.apply(event) {
-                pending.push((start + Duration::from_millis(offset_ms % 250), guard.0.used() != before));
-            }
-            guard.1 = now;
+        let before = world.used();
+        if world.apply(event) {
+            pending.push((start + Duration::from_millis(offset_ms % 250), world.used() != before));
         }
-        assert_eq!(slot.sample(now, &mut out), SlotOutcome::Sampled);
-        let guard = shared.lock().expect("lock");
-        let (world, _, observed) = &*guard;
+        show(&nvml, &world);
+        nvml.take_calls();
+        sampler.sample_at(now, &mut out).expect("sampled");
+        if nvml.take_calls().iter().any(|c| c.starts_with(ProcessList::Compute.call())) {
+            observed.lists += 1;
+            observed.listed_at = Some(now);
+            observed.seen = world.listed();
+        } else {
+            observed.skips += 1;
+        }
         let shown: Vec<(u32, u64)> = out.processes.iter().map(|p| (p.pid.expect("pid"), p.charged())).collect();
         let cached: Vec<(u32, u64)> = observed.seen.iter().map(|&(p, b, _)| (p, b)).collect();
         // The snapshot is always the last list, whole.

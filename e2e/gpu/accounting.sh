@@ -92,6 +92,7 @@ say "phase blind: the agent in its own PID namespace"
 start blind team-a/llm-0 -- "${HOLD[@]}" --gib 8
 ready blind
 unshare --pid --fork --mount-proc "$AGENT" top --once --output json --no-api > "$WORK/blind-top.json"
+nvidia-smi --query-compute-apps=pid,used_memory,process_name --format=csv,noheader,nounits > "$WORK/blind-smi.csv"
 unshare --pid --fork --mount-proc "$AGENT" standalone --budgets "$WORK/budgets.yaml" --pods "$WORK/pods.yaml" \
   --node-name "$NODE" --interval 250ms --duration 4s --unaccounted-for 2s --output "$WORK/blind-agent.jsonl" 2> "$WORK/blind-agent.err"
 stop_all
