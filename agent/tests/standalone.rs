@@ -215,3 +215,51 @@ fn without_a_node_name_every_pod_of_the_file_is_here() {
     assert_eq!(lines[0]["pods"], 3);
     assert!(lines.iter().any(|l| l["kind"] == "apply" && l["pod"] == "team-a/elsewhere"));
 }
+
+#[test]
+fn top_shows_failed_gpus_the_split_per_gpu_and_figures_nvml_does_not_give() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    setup(dir.path());
+    let sample_path = dir.path().join("sample.json");
+    std::fs::write(
+        &sample_path,
+        r#"{"gpus": [
+          {"index": 0, "uuid": "GPU-0", "memory_total_bytes": "80Gi", "memory_used_bytes": "7Gi",
+           "processes": [{"pid": 100, "used_bytes": "5Gi"}]},
+          {"index": 1, "uuid": "GPU-1", "memory_total_bytes": "80Gi", "memory_used_bytes": "3Gi",
+           "processes": [{"pid": 100, "used_bytes": "3Gi"}, {"pid": 101, "used_bytes": 0, "unavailable": true}]},
+          {"index": 2, "uuid": "GPU-2", "memory_total_bytes": "80Gi", "error": "GPU is lost",
+           "processes": [{"pid": 100, "used_bytes": "50Gi"}]}
+        ]}"#,
+    )
+    .expect("sample");
+    let run = |output: &str| {
+        let out = Command::new(BIN)
+            .args(["top", "--once", "--no-api", "--output", output, "--sample"])
+            .arg(&sample_path)
+            .arg("--proc-root")
+            .arg(dir.path().join("proc"))
+            .output()
+            .expect("runs");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).expect("utf-8")
+    };
+    let json: Value = serde_json::from_str(&run("json")).expect("json");
+    let gpus = json["gpus"].as_array().expect("gpus");
+    assert_eq!(
+        gpus.iter().map(|g| g["state"].as_str().expect("state")).collect::<Vec<_>>(),
+        ["ok", "ok", "failed: sample_file: GPU is lost"]
+    );
+    assert_eq!(gpus[0]["unaccounted_bytes"], 2u64 << 30, "7Gi used, 5Gi listed");
+    assert_eq!(gpus[1]["unavailable"], 1);
+    assert!(gpus[2].get("unaccounted_bytes").is_none(), "a failed GPU has no figures");
+    let pod = json["pods"].as_array().expect("pods").iter().find(|p| p["uid"] == UID_A).expect("pod A");
+    assert_eq!(pod["used_bytes"], 8u64 << 30, "GPU 2's 50Gi are not counted");
+    assert_eq!(pod["by_gpu"], serde_json::json!({"0": 5u64 << 30, "1": 3u64 << 30}));
+    let p101 = json["processes"].as_array().expect("processes").iter().find(|p| p["pid"] == 101).expect("pid 101");
+    assert!(p101["bytes"].is_null());
+    let table = run("table");
+    for text in ["failed: sample_file: GPU is lost", "0: 5Gi, 1: 3Gi", "n/a", "UNACCOUNTED", "(1 without figures)"] {
+        assert!(table.contains(text), "{text:?} missing from\n{table}");
+    }
+}

@@ -35,6 +35,9 @@ pub const GPU_NAME: &str = "NVIDIA H100 80GB HBM3";
 /// Its memory, bytes.
 pub const GPU_TOTAL: u64 = 85_520_809_984;
 
+/// One GPU for [`Stack::set_gpus`]: its processes `(pid, bytes)`, and the error its sample fails with.
+pub type GpuUsage<'a> = (&'a [(u32, u64)], Option<&'a str>);
+
 /// The operator, the agent, and what they run against.
 pub struct Stack {
     /// The in-memory API.
@@ -125,6 +128,26 @@ impl Stack {
         self.write_sample(processes, None);
     }
 
+    /// Several GPUs, each `(processes as (pid, bytes), the error its sample fails with)`: GPU `i` is NVML
+    /// index `i`, an H100 like GPU 0.
+    pub fn set_gpus(&self, gpus: &[GpuUsage<'_>]) {
+        let gpus: Vec<Value> = gpus
+            .iter()
+            .enumerate()
+            .map(|(i, (processes, error))| {
+                let processes: Vec<Value> =
+                    processes.iter().map(|(pid, bytes)| json!({"pid": pid, "used_bytes": bytes})).collect();
+                let mut gpu = json!({"index": i, "uuid": format!("{GPU_UUID}-{i}"), "name": GPU_NAME,
+                    "memory_total_bytes": GPU_TOTAL, "processes": processes});
+                if let Some(error) = error {
+                    gpu["error"] = (*error).into();
+                }
+                gpu
+            })
+            .collect();
+        self.write_file(&json!({"version": 1, "gpus": gpus}));
+    }
+
     /// Written to a temporary file and renamed, so the agent never reads half a file.
     fn write_sample(&self, processes: Vec<Value>, device_used: Option<u64>) {
         let mut gpu = json!({"index": 0, "uuid": GPU_UUID, "name": GPU_NAME, "memory_total_bytes": GPU_TOTAL,
@@ -132,7 +155,10 @@ impl Stack {
         if let Some(used) = device_used {
             gpu["memory_used_bytes"] = used.into();
         }
-        let sample = json!({"version": 1, "gpus": [gpu]});
+        self.write_file(&json!({"version": 1, "gpus": [gpu]}));
+    }
+
+    fn write_file(&self, sample: &Value) {
         let path = self.sample_path();
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, sample.to_string()).expect("sample written");

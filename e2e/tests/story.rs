@@ -298,6 +298,49 @@ async fn pressure_story_the_gpu_fills_and_the_pod_most_over_its_budget_goes_at_o
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_failure_story_a_lost_gpu_is_told_on_the_node_and_nothing_is_decided_from_it() {
+    let stack = Stack::new(kubelet_like_api());
+    let fake = &stack.fake;
+    put_example(fake, "llm-inference.yaml", "team-a", |b| b["spec"]["overLimitSeconds"] = 1.into());
+    let llm = put_pod(fake, "team-a", "llm-0", json!({"app": "llm"}), LLM_CID);
+    let cid = "2a".repeat(32);
+    let neighbour = put_pod(fake, "team-a", "finetune-0", json!({"job-type": "finetune"}), &cid);
+    stack.process(4242, &llm, LLM_CID);
+    stack.process(5150, &neighbour, &cid);
+    // llm-0 holds 20Gi (over its 8Gi budget) on GPU 1, which has fallen off the bus.
+    let on_1: &[(u32, u64)] = &[(4242, 20 * GI)];
+    stack.set_gpus(&[(&[(5150, 2 * GI)], None), (on_1, Some("GPU is lost"))]);
+    let stack = stack.started().await;
+    let fake = &stack.fake;
+    let on_node = |reason: &str| -> Vec<Value> {
+        fake.list("events.events.k8s.io", None)
+            .into_iter()
+            .filter(|e| e["regarding"]["kind"] == "Node" && e["regarding"]["name"] == NODE && e["reason"] == reason)
+            .collect()
+    };
+    assert!(fake.wait_until(Duration::from_secs(5), |_| !on_node("GpuSampleFailed").is_empty()).await);
+    let failed = &on_node("GpuSampleFailed")[0];
+    assert_eq!(failed["type"], "Warning");
+    let note = failed["note"].as_str().unwrap_or_default();
+    assert!(note.starts_with("GPU 1 (") && note.contains("GPU is lost"), "{note}");
+    // The agent stays ready (GPU 0 is enforced), and nothing is decided from GPU 1 for well over the
+    // budget's one second.
+    stack.annotations_until("team-a", "llm-0", "a Within record", |a| a[pod_record::STATE] == "Within").await;
+    assert!(stack.agent_health().is_ready(), "{}", stack.readiness());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(fake.evictions().is_empty(), "evicted from a failed GPU's figures");
+    assert!(stack.events("team-a", "llm-0").iter().all(|e| e.reason != "GpuMemoryOverBudget"));
+    assert_eq!(on_node("GpuSampleFailed").len(), 1, "told once");
+
+    // GPU 1 is back: told, and llm-0's 20Gi count again: over, evicted.
+    stack.set_gpus(&[(&[(5150, 2 * GI)], None), (on_1, None)]);
+    assert!(fake.wait_until(Duration::from_secs(5), |_| !on_node("GpuSampleRecovered").is_empty()).await);
+    stack.event("team-a", "llm-0", "EvictingForGpuMemory", Duration::from_secs(10)).await;
+    assert!(fake.wait_until(Duration::from_secs(5), |f| f.evictions().len() == 1).await);
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_created_over_a_zero_period_budget_is_evicted_and_a_refusal_is_told() {
     let stack = Stack::new(kubelet_like_api());
     let stack = stack.started().await;

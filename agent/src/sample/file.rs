@@ -29,7 +29,9 @@ use std::time::SystemTime;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::{DeviceMemory, DirectOwner, GpuInfo, GpuReading, PodKey, ProcessSample, SampleError, Sampler, Snapshot};
+use super::{
+    DeviceMemory, DirectOwner, GpuHealth, GpuInfo, GpuReading, PodKey, ProcessSample, SampleError, Sampler, Snapshot,
+};
 
 /// A sample file.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -75,6 +77,10 @@ pub struct SampleGpu {
     /// MIG instances (MIG enabled).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mig: Vec<SampleMig>,
+    /// The GPU's sample failed with this error (a GPU lost, say): it is replayed as a failed GPU, its
+    /// processes and figures left out (docs/agent.md, "GPU states").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// A MIG instance in a sample file.
@@ -189,9 +195,12 @@ impl SampleFile {
             for (mig, uuid, total, used, processes) in units {
                 let slot = snapshot.gpus.len();
                 let unavailable = processes.iter().filter(|p| p.unavailable).count();
-                snapshot.readings.push(GpuReading {
-                    unavailable: u32::try_from(unavailable).unwrap_or(u32::MAX),
-                    ..GpuReading::sampled(used.map(|u| DeviceMemory::from_used(u, total)))
+                snapshot.readings.push(match &gpu.error {
+                    Some(error) => GpuReading::failed(SampleError::new("sample_file", error), 1),
+                    None => GpuReading {
+                        unavailable: u32::try_from(unavailable).unwrap_or(u32::MAX),
+                        ..GpuReading::sampled(used.map(|u| DeviceMemory::from_used(u, total)))
+                    },
                 });
                 snapshot.gpus.push(GpuInfo {
                     index: gpu.index,
@@ -203,6 +212,9 @@ impl SampleFile {
                 });
                 for (i, p) in processes.iter().enumerate() {
                     let direct = p.direct().map_err(|e| format!("gpus[{}] process {i}: {e}", gpu.index))?;
+                    if gpu.error.is_some() {
+                        continue; // checked, but a failed GPU's processes are not in the sample
+                    }
                     snapshot.processes.push(ProcessSample {
                         gpu: slot,
                         pid: p.pid,
@@ -234,6 +246,9 @@ impl SampleFile {
                 gpus.push(SampleGpu { index: info.index, name: info.name.clone(), ..SampleGpu::default() });
             }
             let Some(gpu) = gpus.last_mut() else { continue };
+            if let Some(GpuHealth::Failed { error, .. }) = snapshot.readings.get(slot).map(|r| &r.health) {
+                gpu.error = Some(error.to_string());
+            }
             match info.mig {
                 None => {
                     gpu.uuid.clone_from(&info.uuid);
@@ -418,6 +433,29 @@ mod tests {
         let back = SampleFile::parse(&text).expect("parses").to_snapshot().expect("snapshot");
         assert_eq!(back.gpus, pids_only.gpus);
         assert_eq!(back.processes, pids_only.processes);
+    }
+
+    #[test]
+    fn replays_failed_gpus_and_unavailable_figures_and_writes_them_back() {
+        let text = r#"{"gpus": [
+          {"index": 0, "uuid": "GPU-a", "memory_total_bytes": "80Gi", "memory_used_bytes": "10Gi",
+           "processes": [{"pid": 1, "used_bytes": "9Gi"}, {"pid": 2, "used_bytes": 0, "unavailable": true}]},
+          {"index": 1, "uuid": "GPU-b", "memory_total_bytes": "80Gi", "error": "GPU is lost",
+           "processes": [{"pid": 3, "used_bytes": "4Gi"}]}
+        ]}"#;
+        let snap = SampleFile::parse(text).expect("parses").to_snapshot().expect("snapshot");
+        let pids: Vec<(usize, Option<u32>, Option<u64>)> =
+            snap.processes.iter().map(|p| (p.gpu, p.pid, p.bytes)).collect();
+        assert_eq!(pids, [(0, Some(1), Some(9 << 30)), (0, Some(2), None)], "GPU 1's process left out");
+        assert_eq!(snap.readings[0].unavailable, 1);
+        assert_eq!(snap.memory(0).map(|m| m.free), Some(70 << 30));
+        assert!(matches!(&snap.readings[1].health, GpuHealth::Failed { error, .. } if error.message == "GPU is lost"));
+        assert_eq!(snap.sampled_gpus(), 1);
+        let back = SampleFile::from_snapshot(&snap, None);
+        assert_eq!(back.gpus[1].error.as_deref(), Some("sample_file: GPU is lost"));
+        assert!(back.gpus[0].processes[1].unavailable);
+        let again = SampleFile::parse(&serde_json::to_string(&back).expect("json")).expect("parses");
+        assert_eq!(again.to_snapshot().expect("snapshot").processes, snap.processes);
     }
 
     #[test]
