@@ -110,8 +110,10 @@ struct Unit {
     error: Option<SampleError>,
     failures: u32,
     backoff: Backoff,
-    graphics: bool,
-    mps: bool,
+    /// The unit answers the graphics list (not `NotSupported`).
+    graphics_supported: bool,
+    /// The unit answers the MPS list.
+    mps_supported: bool,
 }
 
 impl Unit {
@@ -124,8 +126,8 @@ impl Unit {
             error: None,
             failures: 0,
             backoff: Backoff::default(),
-            graphics: true,
-            mps: true,
+            graphics_supported: true,
+            mps_supported: true,
         }
     }
 
@@ -285,13 +287,13 @@ impl<B: Backend> NvmlSampler<B> {
         let max_age = self.max_age();
         let at = self.units.iter().position(|u| u.info.index == index).unwrap_or(self.units.len());
         let mine: Vec<Unit> = self.units.extract_if(.., |u| u.info.index == index).collect();
-        let template = mine.first().cloned();
+        let health = mine.first().map(|u| (u.error.clone(), u.failures, u.backoff.clone()));
         let replaced = match self.backend.describe(index) {
             Ok(infos) => {
                 let mut fresh = reuse(mine, infos, max_age);
-                if let Some(t) = template {
+                if let Some((error, failures, backoff)) = health {
                     for unit in &mut fresh {
-                        (unit.error, unit.failures, unit.backoff) = (t.error.clone(), t.failures, t.backoff.clone());
+                        (unit.error, unit.failures, unit.backoff) = (error.clone(), failures, backoff.clone());
                     }
                 }
                 fresh
@@ -410,7 +412,7 @@ fn sample_unit<B: Backend>(
     };
     if others {
         stats.other_lists += 1;
-        if unit.graphics {
+        if unit.graphics_supported {
             match backend.processes(&device, ProcessList::Graphics)? {
                 Some(graphics) => {
                     if !graphics.is_empty() {
@@ -418,10 +420,10 @@ fn sample_unit<B: Backend>(
                     }
                     merge(&mut list, gpu, graphics);
                 }
-                None => unit.graphics = false,
+                None => unit.graphics_supported = false,
             }
         }
-        if unit.mps {
+        if unit.mps_supported {
             match backend.processes(&device, ProcessList::Mps)? {
                 Some(clients) => {
                     if !clients.is_empty() {
@@ -433,7 +435,7 @@ fn sample_unit<B: Backend>(
                     unit.mps_clients = u32::try_from(pids.len()).unwrap_or(u32::MAX);
                     merge(&mut list, gpu, clients);
                 }
-                None => unit.mps = false,
+                None => unit.mps_supported = false,
             }
         }
     }
