@@ -251,6 +251,7 @@ impl<B: Backend> NvmlSampler<B> {
 
     /// Lists the GPUs again. A GPU that is failing is left to its own retries; one that cannot be described
     /// is marked failed (or, new, gets a failed stand-in); the others keep their state when unchanged.
+    /// A fatal error leaves the list incomplete: the slot drops the whole sampler on it.
     fn enumerate(&mut self, now: Instant) -> Result<(), SampleError> {
         let count = self.backend.device_count()?;
         let max_age = self.max_age();
@@ -282,7 +283,8 @@ impl<B: Backend> NvmlSampler<B> {
     }
 
     /// Describes GPU `index` again for the retry of its failing units: on success its units are replaced by
-    /// what NVML says now (keeping their failure count and backoff until a sample succeeds).
+    /// what NVML says now (keeping their failure count and backoff until a sample succeeds). A fatal error drops
+    /// them with the whole sampler, as in [`Self::enumerate`].
     fn redescribe(&mut self, index: u32, now: Instant) -> Result<(), SampleError> {
         let max_age = self.max_age();
         let at = self.units.iter().position(|u| u.info.index == index).unwrap_or(self.units.len());
