@@ -163,7 +163,8 @@ METRICS = {"gpubudget_pod_gpu_memory_bytes", "gpubudget_pod_budget_bytes", "gpub
            "gpubudget_evictions_total", "gpubudget_api_writes_total", "gpubudget_nvml_errors_total",
            "gpubudget_unattributed_bytes", "gpubudget_sample_duration_seconds",
            "gpubudget_gpu_free_bytes", "gpubudget_gpu_memory_pressure", "gpubudget_gpu_sampled",
-           "gpubudget_gpu_unaccounted_bytes", "gpubudget_gpu_processes_unavailable"}
+           "gpubudget_gpu_unaccounted_bytes", "gpubudget_gpu_processes_unavailable",
+           "gpubudget_pod_table_rebuilds_total"}
 
 def env(container):
     return {e["name"]: e for e in container.get("env", [])}

@@ -558,3 +558,55 @@ async fn api_writes_are_bounded_in_flight_and_every_pod_gets_its_record() {
     assert!(max >= MAX_WRITES_IN_FLIGHT, "the bound is used: {max}");
     agent.stop().await;
 }
+
+fn rebuilds(agent: &Stack) -> u64 {
+    let metrics = agent.agent_metrics();
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("gpubudget_pod_table_rebuilds_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no rebuild counter in\n{metrics}"))
+}
+
+/// The operator writes budget statuses all the time; every agent watches every budget. Those writes must not
+/// make the agents rebuild their tables: only a spec change that moves what is enforced, a new budget or a
+/// deleted one does, and the records follow it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn budget_status_writes_do_not_rebuild_the_pod_table_and_spec_changes_do() {
+    let fake = fake_with(&budgets(30));
+    let agent = start(fake, &[("team-a", "llm-0", "trainer", 7 * GI)]).await;
+    let f = &agent.fake;
+    let state = |f: &FakeApi| annotations(f, "team-a", "llm-0").get("gpubudget.io/state").cloned();
+    assert!(f.wait_until(WAIT, |f| state(f).is_some_and(|s| s == "Within")).await);
+    // Every pod's first record is a pod change the table follows: let them land.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let settled = rebuilds(&agent);
+    assert!(settled >= 1, "the first table");
+
+    for n in 0..20 {
+        f.modify("gpumemorybudgets", "team-a", "llm-inference", |b| {
+            b["status"] = serde_json::json!({"matchedPods": n, "overBudgetPods": 0});
+        })
+        .expect("budget");
+    }
+    f.modify("gpumemorybudgets", "team-w", "audit", |b| b["metadata"]["labels"] = serde_json::json!({"a": "b"}))
+        .expect("budget");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(rebuilds(&agent), settled, "status and metadata writes on budgets change no table");
+
+    // 7 GiB of a limit lowered to 7.5 GiB: Near.
+    f.modify("gpumemorybudgets", "team-a", "llm-inference", |b| b["spec"]["limit"] = serde_json::json!("7680Mi"))
+        .expect("budget");
+    assert!(f.wait_until(WAIT, |f| state(f).is_some_and(|s| s == "Near")).await, "the new limit applies");
+    // The spec change, and the pod's new record (a pod change) in the same or the next tick.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after_spec = rebuilds(&agent);
+    assert!(after_spec > settled);
+    f.delete_object("gpumemorybudgets", "team-w", "audit");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while rebuilds(&agent) == after_spec && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(rebuilds(&agent) > after_spec, "a deleted budget");
+    agent.stop().await;
+}

@@ -112,7 +112,9 @@ async fn worker(shared: Shared, mut rx: mpsc::UnboundedReceiver<Action>) {
     while let Some(action) = rx.recv().await {
         // Waiting here keeps this pod's order: its next action is not even received before this one ran.
         let Ok(_permit) = shared.in_flight.acquire().await else { return };
-        let feedback = execute(&shared, action).await;
+        // Boxed: an idle worker (one per pod with a record, 1 000 on a full node) holds only this loop's
+        // state, not room for the largest request future (measured: docs/performance.md).
+        let feedback = Box::pin(execute(&shared, action)).await;
         if let Some(feedback) = feedback {
             let _ = shared.feedback.send(feedback);
         }

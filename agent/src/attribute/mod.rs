@@ -2,10 +2,12 @@
 //!
 //! - [`cgroup`]: the pure parser of `/proc/<pid>/cgroup` (PID → container → pod UID);
 //! - [`procfs`]: reads and caches it per PID (the only reader of the host's `/proc` here);
+//! - [`budgets`]: the cluster's budgets, compiled as the watch delivers them, per namespace;
 //! - [`pods`]: the node's pods with their budgets, indexed for the join (rebuilt on cache changes);
 //! - [`join`]: each sampled process to its owner;
 //! - [`usage`]: the pure per-pod sum.
 
+pub mod budgets;
 pub mod cgroup;
 pub mod join;
 pub mod pods;

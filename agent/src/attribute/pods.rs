@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use gpubudget_common::pod_record::{self, PodRecord};
 use gpubudget_common::{Budget, GpuMemoryBudget, SpecError, is_critical, resolve};
+
+use super::budgets::BudgetIndex;
 use k8s_openapi::api::core::v1::Pod;
 
 /// Annotation the kubelet puts on the mirror pod of a static pod: the static pod's UID, which is what
@@ -168,26 +170,13 @@ pub fn slim_pod(pod: &mut Pod) {
     }
 }
 
-/// Keeps of a budget only what [`Budget::compile`] reads: its name, namespace, UID and spec. The status
-/// (conditions, top pods, up to 100 counted evictions), annotations (`last-applied-configuration`: the whole
-/// object again), labels and managed fields are the operator's business.
-pub fn slim_budget(budget: &mut GpuMemoryBudget) {
-    let meta = &mut budget.metadata;
-    meta.managed_fields = None;
-    meta.annotations = None;
-    meta.labels = None;
-    meta.owner_references = None;
-    meta.finalizers = None;
-    budget.status = None;
-}
-
 /// The pods of the node, their budgets, and the indexes the join uses.
 #[derive(Debug, Default)]
 pub struct PodTable {
     /// Pods, in a stable order (namespace, name).
     pub pods: Vec<PodView>,
-    /// Valid budgets.
-    pub budgets: Vec<Budget>,
+    /// The valid budgets of the namespaces that have pods here.
+    pub budgets: Vec<Arc<Budget>>,
     /// Per pod, the index in `budgets` of the budget that applies.
     pub budget_of: Vec<Option<usize>>,
     /// Budgets that failed validation, with why.
@@ -197,30 +186,36 @@ pub struct PodTable {
 }
 
 impl PodTable {
-    /// Builds the table. With `node`, pods bound to another node are left out.
+    /// Builds the table, compiling the budgets. With `node`, pods bound to another node are left out.
     pub fn build<'a>(
         pods: impl IntoIterator<Item = PodView>,
         budgets: impl IntoIterator<Item = &'a GpuMemoryBudget>,
         node: Option<&str>,
     ) -> Self {
+        Self::from_index(pods, &BudgetIndex::of(budgets), node)
+    }
+
+    /// Builds the table from budgets already compiled: each pod is resolved among its namespace's budgets.
+    pub fn from_index(pods: impl IntoIterator<Item = PodView>, index: &BudgetIndex, node: Option<&str>) -> Self {
         let mut pods: Vec<PodView> =
             pods.into_iter().filter(|p| node.is_none() || p.node.is_none() || p.node.as_deref() == node).collect();
         pods.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-        let mut valid = Vec::new();
-        let mut invalid = Vec::new();
-        for b in budgets {
-            match Budget::compile(b) {
-                Ok(budget) => valid.push(budget),
-                Err(e) => invalid.push((b.key(), e)),
+        let mut budgets: Vec<Arc<Budget>> = Vec::new();
+        // Pods are sorted by namespace: each namespace's budgets are taken once, as a run of `budgets`.
+        let mut run: (Option<&str>, std::ops::Range<usize>) = (None, 0..0);
+        let mut budget_of = Vec::with_capacity(pods.len());
+        for p in &pods {
+            if run.0 != Some(&*p.namespace) {
+                let start = budgets.len();
+                budgets.extend(index.valid_in(&p.namespace).cloned());
+                run = (Some(&*p.namespace), start..budgets.len());
             }
+            let here = &budgets[run.1.clone()];
+            let applies = resolve(here.iter().map(|b| &**b), &p.namespace, &p.labels)
+                .and_then(|r| here.iter().position(|b| std::ptr::eq(&**b, r.budget)))
+                .map(|i| run.1.start + i);
+            budget_of.push(applies);
         }
-        let budget_of = pods
-            .iter()
-            .map(|p| {
-                let r = resolve(&valid, &p.namespace, &p.labels)?;
-                valid.iter().position(|b| std::ptr::eq(b, r.budget))
-            })
-            .collect();
         let mut by_uid = HashMap::with_capacity(pods.len());
         let mut by_name = HashMap::with_capacity(pods.len());
         for (i, p) in pods.iter().enumerate() {
@@ -230,7 +225,7 @@ impl PodTable {
             }
             by_name.insert((p.namespace.to_string(), p.name.to_string()), i);
         }
-        Self { pods, budgets: valid, budget_of, invalid_budgets: invalid, by_uid, by_name }
+        Self { pods, budgets, budget_of, invalid_budgets: index.invalid(), by_uid, by_name }
     }
 
     /// The pod whose UID (or static pod UID) this is.
@@ -245,7 +240,7 @@ impl PodTable {
 
     /// The budget that applies to pod `i`.
     pub fn budget(&self, i: usize) -> Option<&Budget> {
-        self.budget_of.get(i).copied().flatten().and_then(|b| self.budgets.get(b))
+        self.budget_of.get(i).copied().flatten().and_then(|b| self.budgets.get(b)).map(|b| &**b)
     }
 }
 
@@ -344,18 +339,6 @@ status:
             pod("metadata: {name: d, namespace: a, uid: u}\nspec: {containers: []}\nstatus: {phase: Failed}");
         slim_pod(&mut done);
         assert!(PodView::from_pod(&done).is_none());
-
-        let budget: GpuMemoryBudget = serde_yaml::from_str(
-            "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: llm, namespace: team-a, uid: u, \
-             annotations: {kubectl.kubernetes.io/last-applied-configuration: x}, labels: {a: b}}\n\
-             spec: {selector: {matchLabels: {app: llm}}, limit: 8Gi, evictionGracePeriodSeconds: 30}\n\
-             status: {matchedPods: 3, evictions: 7}",
-        )
-        .expect("budget");
-        let mut slim = budget.clone();
-        slim_budget(&mut slim);
-        assert!(slim.status.is_none() && slim.metadata.annotations.is_none());
-        assert_eq!(Budget::compile(&slim).ok(), Budget::compile(&budget).ok());
     }
 
     #[test]
@@ -374,6 +357,7 @@ status:
             "metadata: {name: wide, namespace: team-a}\nspec: {selector: {}, limit: 16Gi}",
             "metadata: {name: llm, namespace: team-a}\nspec: {selector: {matchLabels: {app: llm}}, limit: 8Gi}",
             "metadata: {name: broken, namespace: team-a}\nspec: {selector: {}, limit: 8 GiB}",
+            "metadata: {name: elsewhere, namespace: team-b}\nspec: {selector: {}, limit: 1Gi}",
         ]
         .iter()
         .map(|y| {
@@ -392,5 +376,8 @@ status:
         assert_eq!(table.find_name("team-a", "a"), Some(ia));
         assert_eq!(table.find_uid("u-c"), None);
         assert_eq!(table.invalid_budgets.len(), 1);
+        let mut kept: Vec<_> = table.budgets.iter().map(|b| b.name.as_str()).collect();
+        kept.sort_unstable();
+        assert_eq!(kept, ["llm", "wide"], "only the budgets of the namespaces with pods here");
     }
 }

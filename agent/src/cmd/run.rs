@@ -1,15 +1,15 @@
 //! `gpubudget-agent run`: the DaemonSet.
 //!
-//! Two reflectors feed the decisions: every `GpuMemoryBudget` (all namespaces) and the pods of this node
-//! only (`fieldSelector=spec.nodeName=<node>`), each object cut down to what the decisions read as it arrives
-//! (`slim_pod`, `slim_budget`: no status of budgets, no spec of pods beyond node, priority and grace). The loop samples every interval, rebuilds its pod table
-//! only when a cache changed, decides, and hands actions to the [`KubeExecutor`] (which never blocks the
+//! Two watches feed the decisions: the pods of this node only (`fieldSelector=spec.nodeName=<node>`, listed
+//! 100 at a time, each pod cut down by `slim_pod` to what the decisions read as it arrives) and every
+//! `GpuMemoryBudget` (all namespaces), compiled as it arrives into a `BudgetCache`. The loop samples every
+//! interval, rebuilds its pod table only when a cache changed in a way the table reads (the operator's status
+//! writes on budgets do not count: `gpubudget_pod_table_rebuilds_total`), decides, and hands actions to the [`KubeExecutor`] (which never blocks the
 //! loop). `/ready` is true once the GPU sampler works and both caches have synced; nothing is enforced
 //! before the caches sync.
 
-use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use anyhow::Context as _;
 use futures::StreamExt as _;
@@ -24,7 +24,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::act::kube::KubeExecutor;
 use crate::attribute::ProcAttributor;
-use crate::attribute::pods::{PodTable, PodView, slim_budget, slim_pod};
+use crate::attribute::budgets::BudgetCache;
+use crate::attribute::pods::{PodTable, PodView, slim_pod};
 use crate::cli::RunArgs;
 use crate::decide::Settings;
 use crate::pipeline::Engine;
@@ -36,147 +37,101 @@ use crate::sample::{SamplerFactory, SamplerSlot};
 /// Readiness checks.
 pub const CHECKS: [&str; 3] = ["gpu", "pods", "budgets"];
 
+/// Pods are listed this many at a time (a page of full pod objects is held while it is cut down).
+pub const POD_PAGE_SIZE: u32 = 100;
+
 /// The two caches the agent decides from.
 #[derive(Debug, Clone)]
 pub struct Caches {
     pods: Store<Pod>,
-    budgets: Store<GpuMemoryBudget>,
+    budgets: Arc<Mutex<BudgetCache>>,
     changes: Arc<AtomicU64>,
     pods_ready: Arc<AtomicBool>,
-    budgets_ready: Arc<AtomicBool>,
 }
 
-/// What the agent's caches keep of an object, and which of its watch events can change the pod table.
-trait Cached: Sized {
-    fn slim(&mut self);
-
-    /// Whether `event` can change the pod table (`seen`: what this watch saw before). Every event, unless the
-    /// kind says otherwise.
-    fn changes_table(_seen: &mut HashMap<String, Option<i64>>, _event: &watcher::Event<Self>) -> bool {
-        true
-    }
-}
-
-impl Cached for Pod {
-    fn slim(&mut self) {
-        slim_pod(self);
-    }
-}
-
-impl Cached for GpuMemoryBudget {
-    fn slim(&mut self) {
-        slim_budget(self);
-    }
-
-    fn changes_table(seen: &mut HashMap<String, Option<i64>>, event: &watcher::Event<Self>) -> bool {
-        budget_changes_table(seen, event)
-    }
-}
-
-/// Whether a budget's watch event can change the pod table: a new budget, a deleted one, a new `generation`
-/// (the API server moves it on spec changes only), or a relist. The operator's status writes move only
-/// `resourceVersion`: they do not make every agent rebuild its table. Pure.
-pub fn budget_changes_table(seen: &mut HashMap<String, Option<i64>>, event: &watcher::Event<GpuMemoryBudget>) -> bool {
-    let key = |b: &GpuMemoryBudget| b.metadata.uid.clone().unwrap_or_else(|| b.key());
-    match event {
-        watcher::Event::Apply(b) | watcher::Event::InitApply(b) => {
-            seen.insert(key(b), b.metadata.generation) != Some(b.metadata.generation)
-        }
-        watcher::Event::Delete(b) => {
-            seen.remove(&key(b));
-            true
-        }
-        watcher::Event::Init | watcher::Event::InitDone => true,
-    }
-}
-
-fn spawn_reflector<K>(
-    api: Api<K>,
-    config: watcher::Config,
-    name: &'static str,
-    changes: Arc<AtomicU64>,
-    ready: Arc<AtomicBool>,
-    health: Health,
-    shutdown: CancellationToken,
-) -> Store<K>
+/// Runs a watch with the default backoff until `shutdown`, handing each event to `on`.
+fn spawn_watch<K, F>(api: Api<K>, config: watcher::Config, name: &'static str, shutdown: CancellationToken, mut on: F)
 where
-    K: kube::Resource<DynamicType = ()>
-        + Cached
-        + Clone
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+    F: FnMut(watcher::Event<K>) + Send + 'static,
 {
-    let (reader, writer) = reflector::store();
-    let stream = watcher(api, config)
-        .default_backoff()
-        // Only what the decisions read is kept (managed fields alone are the largest part of most objects).
-        .modify(K::slim)
-        .reflect(writer);
-    let mut seen = HashMap::new();
-    let waiter = reader.clone();
-    tokio::spawn(async move {
-        if waiter.wait_until_ready().await.is_ok() {
-            ready.store(true, Ordering::Release);
-            health.set(name, true);
-            tracing::info!(cache = name, "cache synced");
-        }
-    });
+    let stream = watcher(api, config).default_backoff();
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 event = stream.next() => match event {
-                    Some(Ok(event)) => {
-                        if K::changes_table(&mut seen, &event) {
-                            changes.fetch_add(1, Ordering::AcqRel);
-                        }
-                    }
+                    Some(Ok(event)) => on(event),
                     Some(Err(error)) => tracing::warn!(cache = name, %error, "watch failed; retrying with backoff"),
                     None => break,
                 },
             }
         }
     });
-    reader
 }
 
 impl Caches {
-    /// Starts the reflectors: all budgets, and the pods of `node`.
+    /// Starts the watches: the pods of `node` (into a reflector, each pod cut down by [`slim_pod`] as it
+    /// arrives) and every budget (compiled into a [`BudgetCache`]).
     pub fn start(client: Client, node: &str, health: Health, shutdown: CancellationToken) -> Self {
         let changes = Arc::new(AtomicU64::new(0));
         let pods_ready = Arc::new(AtomicBool::new(false));
-        let budgets_ready = Arc::new(AtomicBool::new(false));
-        let pods = spawn_reflector(
-            Api::<Pod>::all(client.clone()),
-            watcher::Config::default().fields(&format!("spec.nodeName={node}")),
-            "pods",
-            changes.clone(),
-            pods_ready.clone(),
-            health.clone(),
-            shutdown.clone(),
-        );
-        let budgets = spawn_reflector(
-            Api::<GpuMemoryBudget>::all(client),
-            watcher::Config::default(),
-            "budgets",
-            changes.clone(),
-            budgets_ready.clone(),
-            health,
-            shutdown,
-        );
-        Self { pods, budgets, changes, pods_ready, budgets_ready }
+        let (pods, mut writer) = reflector::store::<Pod>();
+        {
+            let (changes, ready, health, waiter) = (changes.clone(), pods_ready.clone(), health.clone(), pods.clone());
+            tokio::spawn(async move {
+                if waiter.wait_until_ready().await.is_ok() {
+                    ready.store(true, Ordering::Release);
+                    health.set("pods", true);
+                    tracing::info!(cache = "pods", "cache synced");
+                }
+            });
+            spawn_watch(
+                Api::<Pod>::all(client.clone()),
+                watcher::Config::default().fields(&format!("spec.nodeName={node}")).page_size(POD_PAGE_SIZE),
+                "pods",
+                shutdown.clone(),
+                move |event: watcher::Event<Pod>| {
+                    writer.apply_watcher_event(&event.modify(slim_pod));
+                    changes.fetch_add(1, Ordering::AcqRel);
+                },
+            );
+        }
+        let budgets = Arc::new(Mutex::new(BudgetCache::default()));
+        {
+            let (changes, cache) = (changes.clone(), budgets.clone());
+            spawn_watch(
+                Api::<GpuMemoryBudget>::all(client),
+                watcher::Config::default(),
+                "budgets",
+                shutdown,
+                move |event| {
+                    let mut cache = cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let was_synced = cache.synced();
+                    if cache.apply(&event) {
+                        changes.fetch_add(1, Ordering::AcqRel);
+                    }
+                    if !was_synced && cache.synced() {
+                        health.set("budgets", true);
+                        tracing::info!(cache = "budgets", budgets = cache.index().len(), "cache synced");
+                    }
+                },
+            );
+        }
+        Self { pods, budgets, changes, pods_ready }
+    }
+
+    fn budgets(&self) -> std::sync::MutexGuard<'_, BudgetCache> {
+        self.budgets.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Both caches have their first full list.
     pub fn synced(&self) -> bool {
-        self.pods_ready.load(Ordering::Acquire) && self.budgets_ready.load(Ordering::Acquire)
+        self.pods_ready.load(Ordering::Acquire) && self.budgets().synced()
     }
 
-    /// A counter that moves on every change of either cache.
+    /// A counter that moves on every change of either cache that can change the pod table.
     pub fn generation(&self) -> u64 {
         self.changes.load(Ordering::Acquire)
     }
@@ -184,8 +139,7 @@ impl Caches {
     /// The pod table of `node` now.
     pub fn table(&self, node: &str) -> PodTable {
         let pods = self.pods.state();
-        let budgets = self.budgets.state();
-        PodTable::build(pods.iter().filter_map(|p| PodView::from_pod(p)), budgets.iter().map(|b| &**b), Some(node))
+        PodTable::from_index(pods.iter().filter_map(|p| PodView::from_pod(p)), self.budgets().index(), Some(node))
     }
 }
 
@@ -232,6 +186,7 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
                     if seen != Some(generation) {
                         seen = Some(generation);
                         table = caches.table(&node);
+                        metrics.table_rebuilds.inc();
                         for (budget, error) in &table.invalid_budgets {
                             tracing::debug!(%budget, %error, "budget not enforced: invalid spec");
                         }
@@ -265,36 +220,4 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     shutdown.cancel();
     admin.await.context("admin port task")?.context("admin port")?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn budget(uid: &str, generation: i64, matched: i64) -> GpuMemoryBudget {
-        serde_json::from_value(serde_json::json!({
-            "apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
-            "metadata": {"name": "b", "namespace": "ns", "uid": uid, "generation": generation},
-            "spec": {"selector": {}, "limit": "8Gi"},
-            "status": {"matchedPods": matched},
-        }))
-        .expect("budget")
-    }
-
-    /// A status write (same generation) changes nothing for the agent; a spec change, a new budget, a deletion
-    /// and a relist do.
-    #[test]
-    fn only_spec_changes_new_and_deleted_budgets_rebuild_the_table() {
-        let mut seen = HashMap::new();
-        let mut changes = |e: watcher::Event<GpuMemoryBudget>| budget_changes_table(&mut seen, &e);
-        assert!(changes(watcher::Event::Init));
-        assert!(changes(watcher::Event::InitApply(budget("u1", 1, 0))));
-        assert!(changes(watcher::Event::InitDone));
-        assert!(!changes(watcher::Event::Apply(budget("u1", 1, 3))), "a status write");
-        assert!(!changes(watcher::Event::Apply(budget("u1", 1, 4))), "another status write");
-        assert!(changes(watcher::Event::Apply(budget("u1", 2, 4))), "a spec change");
-        assert!(changes(watcher::Event::Apply(budget("u2", 1, 0))), "a new budget");
-        assert!(changes(watcher::Event::Delete(budget("u2", 1, 0))), "a deletion");
-        assert!(changes(watcher::Event::Apply(budget("u2", 1, 0))), "created again");
-    }
 }

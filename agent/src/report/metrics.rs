@@ -94,6 +94,8 @@ pub struct Metrics {
     pub gpu_unavailable: Family<GpuLabels, Gauge>,
     /// `gpubudget_sample_duration_seconds`.
     pub sample_duration: Histogram,
+    /// `gpubudget_pod_table_rebuilds_total`.
+    pub table_rebuilds: Counter,
 }
 
 impl Metrics {
@@ -113,7 +115,13 @@ impl Metrics {
             gpu_unaccounted: Family::default(),
             gpu_unavailable: Family::default(),
             sample_duration: Histogram::new(buckets),
+            table_rebuilds: Counter::default(),
         };
+        registry.register(
+            "gpubudget_pod_table_rebuilds",
+            "Rebuilds of the agent's table of its pods and their budgets: on changes of its pods, and of budgets' specs (not of their status)",
+            m.table_rebuilds.clone(),
+        );
         registry.register(
             "gpubudget_pod_gpu_memory_bytes",
             "GPU memory a pod's container holds on a GPU, as NVML reports it (bytes)",

@@ -1,0 +1,230 @@
+//! The budgets as the agent keeps them: compiled once, as the watch delivers them, and kept per namespace (a
+//! budget applies to the pods of its own namespace only). An agent watches every budget of the cluster; with
+//! 10 000 of them it keeps 10 000 compiled [`Budget`]s, not 10 000 objects, a rebuild of its pod table
+//! compiles nothing and resolves each pod among its own namespace's budgets only, and a write that leaves a
+//! budget's compiled form as it was (the operator's status writes) does not rebuild the table at all.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use gpubudget_common::{Budget, GpuMemoryBudget, SpecError};
+use kube::runtime::watcher;
+
+/// A budget compiled, or why its spec cannot be enforced.
+pub type Compiled = Result<Arc<Budget>, SpecError>;
+
+/// Compiled budgets by namespace, then by name.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct BudgetIndex {
+    namespaces: HashMap<String, BTreeMap<String, Compiled>>,
+}
+
+impl BudgetIndex {
+    /// An index of these budgets.
+    pub fn of<'a>(budgets: impl IntoIterator<Item = &'a GpuMemoryBudget>) -> Self {
+        let mut index = Self::default();
+        for b in budgets {
+            index.insert(b);
+        }
+        index
+    }
+
+    /// Compiles and keeps `budget`; whether what is kept changed (a new budget, or one whose spec compiles to
+    /// something else). A budget without a name or namespace is not kept.
+    pub fn insert(&mut self, budget: &GpuMemoryBudget) -> bool {
+        let (Some(namespace), Some(name)) = (&budget.metadata.namespace, &budget.metadata.name) else {
+            return false;
+        };
+        let compiled = Budget::compile(budget).map(Arc::new);
+        let names = self.namespaces.entry(namespace.clone()).or_default();
+        match names.get(name) {
+            Some(kept) if *kept == compiled => false,
+            _ => {
+                names.insert(name.clone(), compiled);
+                true
+            }
+        }
+    }
+
+    /// Forgets `budget`; whether it was kept.
+    pub fn remove(&mut self, budget: &GpuMemoryBudget) -> bool {
+        let (Some(namespace), Some(name)) = (&budget.metadata.namespace, &budget.metadata.name) else {
+            return false;
+        };
+        let Some(names) = self.namespaces.get_mut(namespace) else { return false };
+        let removed = names.remove(name).is_some();
+        if names.is_empty() {
+            self.namespaces.remove(namespace);
+        }
+        removed
+    }
+
+    /// The valid budgets of `namespace`, by name.
+    pub fn valid_in<'a>(&'a self, namespace: &str) -> impl Iterator<Item = &'a Arc<Budget>> + 'a {
+        self.namespaces.get(namespace).into_iter().flat_map(|names| names.values().filter_map(|c| c.as_ref().ok()))
+    }
+
+    /// Budgets that cannot be enforced, as `namespace/name` with why, sorted.
+    pub fn invalid(&self) -> Vec<(String, SpecError)> {
+        let mut invalid: Vec<_> = self
+            .namespaces
+            .iter()
+            .flat_map(|(ns, names)| {
+                names.iter().filter_map(move |(name, c)| c.as_ref().err().map(|e| (format!("{ns}/{name}"), e.clone())))
+            })
+            .collect();
+        invalid.sort_by(|a, b| a.0.cmp(&b.0));
+        invalid
+    }
+
+    /// How many budgets are kept, valid or not.
+    pub fn len(&self) -> usize {
+        self.namespaces.values().map(BTreeMap::len).sum()
+    }
+
+    /// No budget is kept.
+    pub fn is_empty(&self) -> bool {
+        self.namespaces.is_empty()
+    }
+}
+
+/// The agent's budget cache, fed by the budget watch: the index in use, and the one a relist is filling.
+#[derive(Debug, Default)]
+pub struct BudgetCache {
+    live: BudgetIndex,
+    relist: Option<BudgetIndex>,
+    synced: bool,
+}
+
+impl BudgetCache {
+    /// Applies a watch event; whether the pod table must be rebuilt. A relist (`Init` … `InitDone`) fills a
+    /// new index and replaces the live one when it is complete, so budgets deleted while the watch was down
+    /// are dropped; the live one serves until then.
+    pub fn apply(&mut self, event: &watcher::Event<GpuMemoryBudget>) -> bool {
+        match event {
+            watcher::Event::Init => {
+                self.relist = Some(BudgetIndex::default());
+                false
+            }
+            watcher::Event::InitApply(b) => {
+                self.relist.get_or_insert_with(BudgetIndex::default).insert(b);
+                false
+            }
+            watcher::Event::InitDone => {
+                let first = !self.synced;
+                self.synced = true;
+                let relisted = self.relist.take().unwrap_or_default();
+                let changed = relisted != self.live;
+                self.live = relisted;
+                changed || first
+            }
+            watcher::Event::Apply(b) => self.live.insert(b),
+            watcher::Event::Delete(b) => self.live.remove(b),
+        }
+    }
+
+    /// The first list has been applied.
+    pub fn synced(&self) -> bool {
+        self.synced
+    }
+
+    /// The budgets in use.
+    pub fn index(&self) -> &BudgetIndex {
+        &self.live
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use watcher::Event;
+
+    fn budget(ns: &str, name: &str, limit: &str, matched: i32) -> GpuMemoryBudget {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
+            "metadata": {"name": name, "namespace": ns, "uid": format!("{ns}-{name}")},
+            "spec": {"selector": {"matchLabels": {"app": name}}, "limit": limit},
+            "status": {"matchedPods": matched},
+        }))
+        .expect("budget fixture")
+    }
+
+    fn names(index: &BudgetIndex, ns: &str) -> Vec<String> {
+        index.valid_in(ns).map(|b| b.name.clone()).collect()
+    }
+
+    #[test]
+    fn only_what_changes_a_compiled_budget_rebuilds_the_table() {
+        let mut cache = BudgetCache::default();
+        assert!(!cache.apply(&Event::Init));
+        assert!(!cache.apply(&Event::InitApply(budget("a", "llm", "8Gi", 0))));
+        assert!(!cache.synced(), "not before the list is complete");
+        assert!(cache.apply(&Event::InitDone), "the first list");
+        assert!(cache.synced());
+        assert!(!cache.apply(&Event::Apply(budget("a", "llm", "8Gi", 3))), "a status write");
+        assert!(!cache.apply(&Event::Apply(budget("a", "llm", "8Gi", 4))), "another status write");
+        assert!(cache.apply(&Event::Apply(budget("a", "llm", "16Gi", 4))), "a new limit");
+        assert!(cache.apply(&Event::Apply(budget("a", "llm", "16384Mi", 4))), "the same limit written otherwise");
+        assert!(cache.apply(&Event::Apply(budget("b", "llm", "8Gi", 0))), "a new budget");
+        assert!(cache.apply(&Event::Delete(budget("b", "llm", "8Gi", 0))), "a deletion");
+        assert!(!cache.apply(&Event::Delete(budget("b", "llm", "8Gi", 0))), "a deletion of what is gone");
+        assert!(cache.apply(&Event::Apply(budget("a", "broken", "8 GiB", 0))), "an invalid budget is kept, as such");
+        assert_eq!(names(cache.index(), "a"), ["llm"]);
+        assert_eq!(cache.index().invalid().iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["a/broken"]);
+        assert_eq!(cache.index().len(), 2);
+        assert!(names(cache.index(), "b").is_empty(), "budgets apply in their own namespace only");
+    }
+
+    #[test]
+    fn a_relist_replaces_the_index_when_complete_and_says_whether_it_changed() {
+        let mut cache = BudgetCache::default();
+        for e in
+            [Event::Init, Event::InitApply(budget("a", "x", "8Gi", 0)), Event::InitApply(budget("a", "y", "8Gi", 0))]
+        {
+            cache.apply(&e);
+        }
+        assert!(cache.apply(&Event::InitDone));
+        // The watch restarts: the same budgets (statuses moved) relisted change nothing.
+        cache.apply(&Event::Init);
+        cache.apply(&Event::InitApply(budget("a", "x", "8Gi", 5)));
+        assert_eq!(names(cache.index(), "a"), ["x", "y"], "the live index serves during a relist");
+        cache.apply(&Event::InitApply(budget("a", "y", "8Gi", 5)));
+        assert!(!cache.apply(&Event::InitDone), "nothing the table reads changed");
+        // y was deleted while the watch was down.
+        cache.apply(&Event::Init);
+        cache.apply(&Event::InitApply(budget("a", "x", "8Gi", 5)));
+        assert!(cache.apply(&Event::InitDone));
+        assert_eq!(names(cache.index(), "a"), ["x"]);
+    }
+
+    proptest! {
+        /// Whatever the order of writes, the cache holds what compiling the last write of each budget gives,
+        /// and says "changed" exactly when that compiled set moved.
+        #[test]
+        fn the_cache_is_the_last_write_of_each_budget(
+            writes in proptest::collection::vec((0..3usize, 0..3usize, 0..3usize, proptest::bool::ANY), 0..40),
+        ) {
+            let limits = ["8Gi", "16Gi", "oops"];
+            let mut cache = BudgetCache::default();
+            cache.apply(&Event::Init);
+            cache.apply(&Event::InitDone);
+            let mut model: BTreeMap<(String, String), GpuMemoryBudget> = BTreeMap::new();
+            for (ns, name, limit, delete) in writes {
+                let b = budget(&format!("ns{ns}"), &format!("b{name}"), limits[limit], 0);
+                let before = BudgetIndex::of(model.values());
+                let key = (format!("ns{ns}"), format!("b{name}"));
+                let changed = if delete {
+                    model.remove(&key);
+                    cache.apply(&Event::Delete(b))
+                } else {
+                    model.insert(key, b.clone());
+                    cache.apply(&Event::Apply(b))
+                };
+                let after = BudgetIndex::of(model.values());
+                prop_assert_eq!(cache.index(), &after);
+                prop_assert_eq!(changed, before != after);
+            }
+        }
+    }
+}
