@@ -74,7 +74,7 @@ PORT_BASE=$((20000 + RANDOM % 20000))
 AGENT_ADMIN=127.0.0.1:$PORT_BASE
 OPERATOR_ADMIN=127.0.0.1:$((PORT_BASE + 1))
 WEBHOOK=127.0.0.1:$((PORT_BASE + 2))
-AGENT_PID="" OPERATOR_PID=""
+AGENT_PID="" OPERATOR_PID="" EXTRA_PIDS=""
 FAILED=1
 START=$SECONDS
 
@@ -106,6 +106,7 @@ cleanup() {
   [ "$FAILED" = 0 ] || diagnostics
   stop_process "$AGENT_PID"
   stop_process "$OPERATOR_PID"
+  for pid in $EXTRA_PIDS; do stop_process "$pid"; done
   if [ "${GPUBUDGET_E2E_KEEP:-0}" = 1 ]; then
     say "keeping namespaces $NS $NS_A $NS_B, nodes $NODE $NODE2 and $WORK (GPUBUDGET_E2E_KEEP=1)"
   else
@@ -560,6 +561,96 @@ rm -rf "$WORK/proc/4105"
 kubectl delete pod other-b -n "$NS_B" --grace-period=0 --force >/dev/null 2>&1
 wait_for "GpuMemoryPressureEnded on node $NODE (after the 10 s transition)" node_event_seen GpuMemoryPressureEnded
 
+say "one GPU of two lost: nothing is decided from it, the other GPU is enforced; back, it is"
+make_pod "$NS_B" lost-b "$NODE" app=llm                # llm-inference (8Gi, overLimitSeconds 10)
+process 4108 "$NS_B" lost-b
+# write_two_gpus LOST_B_BYTES [ERROR]: GPU 0 holds the trainer's 45Gi; GPU 1 holds lost-b's process, or fails.
+write_two_gpus() {
+  local err=""
+  [ -z "${2:-}" ] || err="\"error\": \"$2\","
+  cat > "$WORK/sample.tmp" <<EOF
+{"version": 1, "gpus": [
+ {"index": 0, "uuid": "GPU-e2e00000-0000-0000-0000-000000000000", "name": "replayed e2e GPU", "memory_total_bytes": 85520809984,
+  "memory_used_bytes": $((45 * GI)), "processes": [{"pid": 4103, "used_bytes": $((45 * GI))}]},
+ {"index": 1, "uuid": "GPU-e2e00000-0000-0000-0000-000000000001", "name": "replayed e2e GPU", "memory_total_bytes": 85520809984,
+  $err "processes": [{"pid": 4108, "used_bytes": $1}]}]}
+EOF
+  mv "$WORK/sample.tmp" "$WORK/sample.json"
+}
+write_two_gpus $((30 * GI)) "GPU is lost"
+wait_for "GpuSampleFailed on node $NODE" node_event_seen GpuSampleFailed
+info "$(kubectl get events -A --field-selector "involvedObject.kind=Node,involvedObject.name=$NODE,reason=GpuSampleFailed" -o json | jq -r '.items[0].message' | cut -c1-200)"
+wait_for "lost-b recorded (from the GPU that is sampled: nothing)" annotation_is "$NS_B" lost-b state Within
+ready "$AGENT_ADMIN" || die "the agent is not ready with one GPU of two sampled"
+curl -fsS "http://$AGENT_ADMIN/metrics" | grep -q '^gpubudget_gpu_sampled{gpu="1"} 0' || die "gpubudget_gpu_sampled{gpu=\"1\"} is not 0"
+sleep 13   # past overLimitSeconds: whatever GPU 1 held, nothing was decided from it
+has_event "$NS_B" lost-b GpuMemoryOverBudget && die "lost-b judged from a GPU whose sample failed"
+terminating "$NS_B" lost-b && die "lost-b evicted from a GPU whose sample failed"
+write_two_gpus $((30 * GI))
+wait_for "GpuSampleRecovered on node $NODE" node_event_seen GpuSampleRecovered
+BACK_AT=$SECONDS
+wait_for "GpuMemoryOverBudget on lost-b (30Gi of 8Gi, GPU 1 sampled again)" has_event "$NS_B" lost-b GpuMemoryOverBudget
+wait_for "lost-b terminating" terminating "$NS_B" lost-b
+info "evicted $((SECONDS - BACK_AT))s after GPU 1 came back (overLimitSeconds 10)"
+wait_for "llm-inference ($NS_B) EVICTED 2" status_is "$NS_B" llm-inference evictions 2
+write_sample 0 0 $((45 * GI)) 0 0 $((45 * GI))
+rm -rf "$WORK/proc/4108"
+kubectl delete pod lost-b -n "$NS_B" --grace-period=0 --force >/dev/null 2>&1
+
+say "two operator replicas (leader election, as the chart runs them): the leader crashes; the other answers the eviction check at once, then takes the Lease"
+stop_process "$OPERATOR_PID"
+OPERATOR_PID=""
+WEBHOOK_A=127.0.0.1:$((PORT_BASE + 3)) WEBHOOK_B=127.0.0.1:$((PORT_BASE + 4))
+ADMIN_A=127.0.0.1:$((PORT_BASE + 5)) ADMIN_B=127.0.0.1:$((PORT_BASE + 6)) FRONT=127.0.0.1:$((PORT_BASE + 7))
+start_replica() { # NAME ADMIN WEBHOOK: prints the PID
+  KUBECONFIG=$OPERATOR_KC POD_NAMESPACE=$NS POD_NAME=$1 RUST_LOG=info,gpubudget_operator=debug \
+    "$BIN/gpubudget-operator" run --leader-election --admin-addr "$2" --webhook-addr "$3" \
+    --webhook-cert-dir "$WORK/tls" >> "$WORK/operator-$1.log" 2>&1 &
+  echo $!
+}
+REPLICA_A=$(start_replica operator-a "$ADMIN_A" "$WEBHOOK_A")
+REPLICA_B=$(start_replica operator-b "$ADMIN_B" "$WEBHOOK_B")
+EXTRA_PIDS="$REPLICA_A $REPLICA_B"
+holder() { kubectl get lease gpubudget-operator -n "$NS" -o jsonpath='{.spec.holderIdentity}' 2>/dev/null; }
+holder_is() { [ "$(holder)" = "$1" ]; }
+has_holder() { [ -n "$(holder)" ]; }
+both_ready() { ready "$ADMIN_A" && ready "$ADMIN_B"; }
+wait_for "a leader" has_holder
+wait_for "both replicas ready (the follower too: it serves the eviction check)" both_ready
+LEADER=$(holder)
+if [ "$LEADER" = operator-a ]; then
+  DEAD=$REPLICA_A SURVIVOR=operator-b SURVIVOR_ADMIN=$ADMIN_B SURVIVOR_WEBHOOK=$WEBHOOK_B
+else
+  DEAD=$REPLICA_B SURVIVOR=operator-a SURVIVOR_ADMIN=$ADMIN_A SURVIVOR_WEBHOOK=$WEBHOOK_A
+fi
+LEADER_WEBHOOK=$([ "$LEADER" = operator-a ] && echo "$WEBHOOK_A" || echo "$WEBHOOK_B")
+# The Service in front of the replicas: each connection to the first that accepts it, the leader tried first
+# (a Service does not know who leads; the eviction check does not need the leader).
+python3 "$HERE/failover.py" "$FRONT" "$LEADER_WEBHOOK" "$SURVIVOR_WEBHOOK" > "$WORK/failover.log" 2>&1 &
+EXTRA_PIDS="$EXTRA_PIDS $!"
+kubectl patch validatingwebhookconfiguration "$AGENT_SA-eviction" --type=json \
+  -p "[{\"op\": \"replace\", \"path\": \"/webhooks/0/clientConfig/url\", \"value\": \"https://$FRONT/validate-eviction\"}]" >/dev/null
+kill -KILL "$DEAD"
+info "leader $LEADER killed (SIGKILL: no hand-over; its Lease runs out after 15 s)"
+KILLED_AT=$SECONDS
+make_pod "$NS_B" ha-b "$NODE" app=llm
+process 4109 "$NS_B" ha-b
+write_two_gpus 0
+sed -i "s/{\"pid\": 4108, \"used_bytes\": 0}/{\"pid\": 4109, \"used_bytes\": $((9 * GI))}/" "$WORK/sample.json"
+grep -q '"pid": 4109' "$WORK/sample.json" || die "the sample does not hold ha-b's process"
+wait_for "GpuMemoryOverBudget on ha-b (9Gi of 8Gi)" has_event "$NS_B" ha-b GpuMemoryOverBudget
+wait_for "ha-b terminating (the eviction allowed by $SURVIVOR)" terminating "$NS_B" ha-b
+EVICTED_AT=$((SECONDS - KILLED_AT))
+grep -q "connection -> $SURVIVOR_WEBHOOK" "$WORK/failover.log" || die "no eviction check reached $SURVIVOR"
+wait_for "the Lease moves to $SURVIVOR" holder_is "$SURVIVOR"
+MOVED_AT=$((SECONDS - KILLED_AT))
+wait_for "llm-inference ($NS_B) EVICTED 3 (written by the new leader)" status_is "$NS_B" llm-inference evictions 3
+info "after the leader's crash: ha-b evicted at ${EVICTED_AT}s, the Lease held by $SURVIVOR at ${MOVED_AT}s, the eviction counted at $((SECONDS - KILLED_AT))s"
+curl -fsS "http://$SURVIVOR_ADMIN/metrics" | grep -q '^gpubudget_operator_leader 1' || die "$SURVIVOR does not say it leads"
+[ "$(event_occurrences "$NS_B" ha-b EvictingForGpuMemory)" = 1 ] || die "EvictingForGpuMemory on ha-b: $(events "$NS_B" ha-b EvictingForGpuMemory)"
+rm -rf "$WORK/proc/4109"
+kubectl delete pod ha-b -n "$NS_B" --grace-period=0 --force >/dev/null 2>&1
+
 FAILED=0
-say "PASS: records, events, Evict with the budget's grace, Warn, overlaps, node restriction both ways, operator down and back, agent restart mid-grace, pressure eviction, a PodDisruptionBudget escalated ($((SECONDS - START)) s)"
+say "PASS: records, events, Evict with the budget's grace, Warn, overlaps, node restriction both ways, operator down and back, agent restart mid-grace, pressure eviction, a PodDisruptionBudget escalated, a GPU lost and back, two operator replicas with the leader crashed ($((SECONDS - START)) s)"
 

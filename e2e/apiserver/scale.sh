@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# The agent's footprint against a real kube-apiserver (docs/performance.md): 1 000 budgets in the cluster, then
-# an agent with 110 pods on its node and one with 1 000, each started fresh so it writes every pod's first
-# record at once. Prints the agent's resident memory (peak and settled) and its TCP connections to the API
-# server (most at once while writing, and 5 s after), and how long until every pod had its record.
+# The agent's footprint against a real kube-apiserver (docs/performance.md): 1 000 (or 10 000) budgets in the
+# cluster, then an agent with 110 pods on its node and one with 1 000, each started fresh so it writes every
+# pod's first record at once. Prints the agent's resident memory (peak and settled), its TCP connections to
+# the API server (most at once while writing, and 5 s after), how long until every pod had its record, the
+# bytes its watches received and its table rebuilds. With GPUBUDGET_E2E_STREAM, then a steady stream of
+# budget writes for 30 s (`status`: what the operator's status writes look like; `spec`: changes of what is
+# enforced), with what the agent received, rebuilt and spent on it.
 #
 #   KUBECONFIG=/tmp/realk8s/run/kubeconfig e2e/apiserver/scale.sh [POD COUNTS...]   # default: 110 1000
 #
 # Environment: GPUBUDGET_E2E_BIN (default target/release), HELM, GPUBUDGET_E2E_BUDGETS (default 1000),
-# GPUBUDGET_E2E_KEEP=1. The agent runs with the chart's RBAC and admission policies and a node-bound token,
+# GPUBUDGET_E2E_STREAM ("status spec": the streams to run after each count), GPUBUDGET_E2E_STREAM_RATE
+# (writes per second, default 20), GPUBUDGET_E2E_KEEP=1. The agent runs with the chart's RBAC and admission policies and a node-bound token,
 # as in run.sh; its budgets are all Within (no events, no evictions): what is measured is the records.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -25,14 +29,24 @@ RELEASE=gpubudget-scale-$ID
 TEAMS=10
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpubudget-apiserver-scale.XXXXXX")
 SERVER=$(kubectl config view --minify -o jsonpath='{.clusters[0].cluster.server}')
+ADMIN_TOKEN=$(kubectl config view --raw --minify -o jsonpath='{.users[0].user.token}')
 API_PORT=${SERVER##*:}
 API_PORT=${API_PORT%%/*}
 ADMIN=127.0.0.1:$((20000 + RANDOM % 20000))
 OPERATOR_ADMIN=127.0.0.1:$((20000 + RANDOM % 20000))
 AGENT_PID="" OPERATOR_PID=""
+STREAMS=${GPUBUDGET_E2E_STREAM:-}
+RATE=${GPUBUDGET_E2E_STREAM_RATE:-20}
 START=$SECONDS
 say() { printf '\n=== [%3ds] %s\n' "$((SECONDS - START))" "$*"; }
 info() { printf '    %s\n' "$*"; }
+# Bytes received so far on the agent's open connections to the API server (its watches among them).
+received() {
+  ss -tnpiH state established "( dport = :$API_PORT )" 2>/dev/null \
+    | awk -v pid="pid=$1," 'index($0, pid) {want=1; next} want && /bytes_received:/ {match($0, /bytes_received:[0-9]+/); sum += substr($0, RSTART + 15, RLENGTH - 15); want=0} {want=want} END {print sum + 0}'
+}
+cpu_ms() { awk '{print ($14 + $15) * 10}' "/proc/$1/stat"; }
+metric() { curl -fsS "http://$ADMIN/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
 cleanup() {
   local rc=$?
   [ -z "$AGENT_PID" ] || kill "$AGENT_PID" 2>/dev/null || true
@@ -69,7 +83,13 @@ items = [{"apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
 print(json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
 EOF
 T0=$SECONDS
-kubectl create -f "$WORK/budgets.json" >/dev/null
+# Four kubectl at once (one creates one object at a time).
+jq -c '.items[]' "$WORK/budgets.json" | split -n r/4 - "$WORK/budgets-part-"
+for part in "$WORK"/budgets-part-*; do
+  jq -s '{apiVersion: "v1", kind: "List", items: .}' "$part" | kubectl create -f - >/dev/null &
+done
+wait
+jq -r '.items[] | .metadata.namespace + "/" + .metadata.name' "$WORK/budgets.json" > "$WORK/budget-names.txt"
 info "$BUDGETS budgets created in $((SECONDS - T0)) s"
 
 # The operator runs throughout (its ServiceAccount's token), so the budgets carry a status as they would in a
@@ -148,9 +168,22 @@ EOF
     | jq '[.items[] | select(.metadata.annotations["gpubudget.io/state"] != null)] | length')
   local errors
   errors=$(curl -fsS "http://$ADMIN/metrics" | sed -n 's/^gpubudget_api_writes_total{kind="apply",result="error"} \([0-9]*\).*/\1/p')
-  printf '    RESULT %-6s pods=%-5s budgets=%s records=%s/%s in %ss  peak_rss=%.1fMiB  rss_5s_after=%.1fMiB  max_conns=%s  conns_5s_after=%s  apply_errors=%s\n' \
+  printf '    RESULT %-6s pods=%-5s budgets=%s records=%s/%s in %ss  peak_rss=%.1fMiB  rss_5s_after=%.1fMiB  max_conns=%s  conns_5s_after=%s  apply_errors=%s  received=%.1fMiB  rebuilds=%s\n' \
     "$label" "$pods" "$BUDGETS" "$recorded" "$pods" "${done_at:-timeout}" "$(echo "$peak_during / 1024" | bc -l)" \
-    "$(echo "$rss / 1024" | bc -l)" "$max_conn" "$conn" "${errors:-0}" | tee -a "$WORK/results.txt"
+    "$(echo "$rss / 1024" | bc -l)" "$max_conn" "$conn" "${errors:-0}" "$(echo "$(received "$AGENT_PID") / 1048576" | bc -l)" \
+    "$(metric gpubudget_pod_table_rebuilds_total)" | tee -a "$WORK/results.txt"
+  local kind
+  for kind in $STREAMS; do
+    local b0 r0 c0 h0
+    b0=$(received "$AGENT_PID") r0=$(metric gpubudget_pod_table_rebuilds_total) c0=$(cpu_ms "$AGENT_PID")
+    info "$(GPUBUDGET_API=$SERVER GPUBUDGET_TOKEN=$ADMIN_TOKEN python3 "$HERE/load.py" stream "$kind" "$WORK/budget-names.txt" "$RATE" 30)"
+    sleep 1
+    printf '    STREAM %-6s %-6s %s/s for 30 s: received=%.1fKiB  rebuilds=+%s  agent_cpu=%sms  rss=%.1fMiB  peak_rss=%.1fMiB\n' \
+      "$label" "$kind" "$RATE" "$(echo "($(received "$AGENT_PID") - $b0) / 1024" | bc -l)" \
+      "$(( $(metric gpubudget_pod_table_rebuilds_total) - r0 ))" "$(( $(cpu_ms "$AGENT_PID") - c0 ))" \
+      "$(awk '/VmRSS/ {print $2 / 1024}' "/proc/$AGENT_PID/status")" "$(awk '/VmHWM/ {print $2 / 1024}' "/proc/$AGENT_PID/status")" \
+      | tee -a "$WORK/results.txt"
+  done
   kill "$AGENT_PID"
   wait "$AGENT_PID" 2>/dev/null || true
   AGENT_PID=""

@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Load for the scale runs against a real kube-apiserver (scale.sh, scale-operator.sh): creates budgets and
+pods many at a time, measures record -> status latency, and streams budget writes. Standard library only.
+
+The API server and the admin's token come from the environment: GPUBUDGET_API (https://host:port) and
+GPUBUDGET_TOKEN. Certificates are not verified (a local test control plane).
+
+    load.py budgets PREFIX NAMESPACES PER_NS [LIMIT]     budget-<b> in PREFIX-<n>; budget-0 selects every pod
+    load.py pods PREFIX NAMESPACES PER_NS PER_BUDGET_NS NODES [--records]
+    load.py record-latency PREFIX NAMESPACES PER_NS PER_BUDGET_NS CHANGES
+    load.py stream status|spec NAMES_FILE RATE SECONDS       NAMES_FILE: namespace/name lines
+"""
+import http.client
+import json
+import os
+import ssl
+import statistics
+import sys
+import threading
+import time
+import urllib.parse
+
+GI = 1 << 30
+THREADS = 8
+_local = threading.local()
+
+
+def conn():
+    c = getattr(_local, "conn", None)
+    if c is None:
+        url = urllib.parse.urlparse(os.environ["GPUBUDGET_API"])
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        c = http.client.HTTPSConnection(url.hostname, url.port, context=ctx, timeout=60)
+        _local.conn = c
+    return c
+
+
+def request(method, path, body=None, content_type="application/json"):
+    headers = {"Authorization": "Bearer " + os.environ["GPUBUDGET_TOKEN"], "Accept": "application/json"}
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = content_type
+    for attempt in range(5):
+        try:
+            c = conn()
+            c.request(method, path, body=data, headers=headers)
+            r = c.getresponse()
+            payload = r.read()
+            if r.status == 429 or r.status >= 500:
+                time.sleep(0.2 * (attempt + 1))
+                continue
+            if r.status >= 400:
+                raise RuntimeError(f"{method} {path}: {r.status} {payload[:300]!r}")
+            return json.loads(payload) if payload else None
+        except (http.client.HTTPException, OSError):
+            _local.conn = None
+            time.sleep(0.2 * (attempt + 1))
+    raise RuntimeError(f"{method} {path}: gave up")
+
+
+def parallel(jobs):
+    """Runs the callables of `jobs` on THREADS threads; raises the first error."""
+    jobs = list(jobs)
+    errors, lock, index = [], threading.Lock(), [0]
+
+    def work():
+        while True:
+            with lock:
+                if errors or index[0] >= len(jobs):
+                    return
+                job = jobs[index[0]]
+                index[0] += 1
+            try:
+                job()
+            except Exception as e:  # noqa: BLE001 - reported below
+                with lock:
+                    errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def ns(prefix, n):
+    return f"{prefix}-{n}"
+
+
+def budget_path(namespace, name=""):
+    return f"/apis/gpubudget.io/v1alpha1/namespaces/{namespace}/gpumemorybudgets" + (f"/{name}" if name else "")
+
+
+def app_of(k, per_budget_ns):
+    """Pod k's app label: budgets 1.. of its namespace select app-<b>; budget-0 selects every pod."""
+    return f"app-{1 + k % max(1, per_budget_ns - 1)}"
+
+
+def record(usage, budget, node):
+    return {"gpubudget.io/state": "Within", "gpubudget.io/usage-bytes": str(usage), "gpubudget.io/budget": budget,
+            "gpubudget.io/node": node}
+
+
+def apply_record(namespace, name, usage, budget, node):
+    body = {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "annotations": record(usage, budget, node)}}
+    request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}?fieldManager=gpubudget-agent/{node}&force=true",
+            body, "application/apply-patch+yaml")
+
+
+def cmd_budgets(prefix, namespaces, per_ns, limit="40Gi"):
+    namespaces, per_ns = int(namespaces), int(per_ns)
+
+    def create(n, b):
+        selector = {} if b == 0 else {"matchLabels": {"app": f"app-{b}"}}
+        request("POST", budget_path(ns(prefix, n)), {
+            "apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
+            "metadata": {"name": f"budget-{b}", "namespace": ns(prefix, n)},
+            "spec": {"selector": selector, "limit": "64Gi" if b == 0 else limit, "evictionGracePeriodSeconds": 30}})
+
+    t0 = time.monotonic()
+    parallel(lambda n=n, b=b: create(n, b) for n in range(namespaces) for b in range(per_ns))
+    print(f"{namespaces * per_ns} budgets created in {time.monotonic() - t0:.1f} s")
+
+
+def cmd_pods(prefix, namespaces, per_ns, per_budget_ns, nodes, *flags):
+    namespaces, per_ns, per_budget_ns, nodes = int(namespaces), int(per_ns), int(per_budget_ns), int(nodes)
+    records = "--records" in flags
+    last_applied = "x" * 1500
+
+    def create(n, k):
+        namespace, name, node = ns(prefix, n), f"pod-{k:05}", f"{prefix}-node-{k % nodes}"
+        app = app_of(k, per_budget_ns)
+        request("POST", f"/api/v1/namespaces/{namespace}/pods", {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {
+                "name": name, "namespace": namespace,
+                "labels": {"app": app, "team": namespace, "tier": "inference", "version": "v1.2.3",
+                           "pod-template-hash": "5d8f7c9b6", "app.kubernetes.io/managed-by": "helm"},
+                "annotations": {"kubectl.kubernetes.io/last-applied-configuration": last_applied,
+                                "prometheus.io/scrape": "true"},
+            },
+            "spec": {"nodeName": node, "terminationGracePeriodSeconds": 30,
+                     "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]}})
+        if records:
+            apply_record(namespace, name, (1 + k % 6) * GI, app.replace("app-", "budget-"), node)
+
+    t0 = time.monotonic()
+    parallel(lambda n=n, k=k: create(n, k) for n in range(namespaces) for k in range(per_ns))
+    print(f"{namespaces * per_ns} pods created{' with records' if records else ''} in {time.monotonic() - t0:.1f} s")
+
+
+def percentile(samples, q):
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def cmd_record_latency(prefix, namespaces, per_ns, per_budget_ns, changes):
+    """A new, highest usage on one pod (the agent's record, applied as the agent applies it) until its
+    budget's status.topPods[0] shows it: polled every 2 ms."""
+    namespaces, per_ns, per_budget_ns, changes = int(namespaces), int(per_ns), int(per_budget_ns), int(changes)
+    samples = []
+    for c in range(changes):
+        i = (c * 7919) % (namespaces * per_ns)
+        n, k = i // per_ns, i % per_ns
+        budget = app_of(k, per_budget_ns).replace("app-", "budget-")
+        usage = 7 * GI + 1000 + c
+        t0 = time.monotonic()
+        apply_record(ns(prefix, n), f"pod-{k:05}", usage, budget, f"{prefix}-node-0")
+        while True:
+            status = (request("GET", budget_path(ns(prefix, n), budget)) or {}).get("status", {})
+            top = status.get("topPods") or [{}]
+            if top[0].get("usageBytes") == usage:
+                break
+            if time.monotonic() - t0 > 30:
+                raise RuntimeError(f"change {c} never converged")
+            time.sleep(0.002)
+        samples.append(time.monotonic() - t0)
+    ms = [s * 1e3 for s in samples]
+    print(f"record -> status: n={len(ms)} p50={percentile(ms, 0.5):.1f} ms p99={percentile(ms, 0.99):.1f} ms "
+          f"max={max(ms):.1f} ms mean={statistics.mean(ms):.1f} ms")
+
+
+def cmd_stream(kind, names_file, rate, seconds):
+    """Writes to the budgets named in NAMES_FILE (namespace/name lines), round robin, at RATE per second for
+    SECONDS: `status` patches status.matchedPods (what the operator's writes look like to a watcher); `spec`
+    moves spec.warnAtPercent between 89 and 90 (a change of what is enforced)."""
+    names = [line.strip().split("/") for line in open(names_file) if line.strip()]
+    rate, seconds = float(rate), float(seconds)
+    t0, i = time.monotonic(), 0
+    while time.monotonic() - t0 < seconds:
+        namespace, name = names[i % len(names)]
+        path = budget_path(namespace, name)
+        if kind == "status":
+            request("PATCH", path + "/status", {"status": {"matchedPods": 1000 + i}}, "application/merge-patch+json")
+        else:
+            request("PATCH", path, {"spec": {"warnAtPercent": 89 + i % 2}}, "application/merge-patch+json")
+        i += 1
+        wait = t0 + i / rate - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+    elapsed = time.monotonic() - t0
+    print(f"{i} {kind} writes in {elapsed:.1f} s ({i / elapsed:.1f}/s)")
+
+
+def main():
+    cmd, args = sys.argv[1], sys.argv[2:]
+    {"budgets": cmd_budgets, "pods": cmd_pods, "record-latency": cmd_record_latency, "stream": cmd_stream}[cmd](*args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The operator at 10 000 pods and 1 000 budgets against a real kube-apiserver (docs/performance.md, next to
+# the in-memory figures of operator/examples/scale.rs, whose workload this repeats): 100 namespaces, 10
+# budgets each (budget-0 selects every pod of its namespace, budget-1..9 select app-1..9), 100 pods each
+# spread over 50 nodes, every pod with six labels, a 1.5 KB last-applied annotation and the agent's record
+# (applied as the agent applies it). Then the release operator starts with its ServiceAccount's token and the
+# chart's RBAC. Prints: time until /ready and until every budget has a status, RSS then (and peak), record
+# -> status latency (a new highest usage on one pod until its budget's topPods[0] shows it) p50/p99, RSS at
+# the end, reconciles and status writes from its metrics.
+#
+#   KUBECONFIG=/tmp/realk8s/run/kubeconfig e2e/apiserver/scale-operator.sh [NAMESPACES PODS_PER_NS BUDGETS_PER_NS CHANGES]
+#
+# Defaults 100 100 10 100. Environment: GPUBUDGET_E2E_BIN (default target/release), HELM, GPUBUDGET_E2E_KEEP=1.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+[ -n "${KUBECONFIG:-}" ] || { echo "KUBECONFIG (the admin's) is not set" >&2; exit 1; }
+BIN=${GPUBUDGET_E2E_BIN:-$REPO/target/release}
+HELM=${HELM:-$(command -v helm || find /tmp/gpubudget-ci-cache/helm -type f -name helm 2>/dev/null | head -n1 || true)}
+NAMESPACES=${1:-100} PER_NS=${2:-100} BUDGETS_PER_NS=${3:-10} CHANGES=${4:-100}
+ID=$(date +%s | tail -c 5)$RANDOM
+ID=${ID:0:7}
+P=gpubudget-op-$ID
+RELEASE=$P
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpubudget-apiserver-opscale.XXXXXX")
+export GPUBUDGET_API GPUBUDGET_TOKEN
+GPUBUDGET_API=$(kubectl config view --minify -o jsonpath='{.clusters[0].cluster.server}')
+GPUBUDGET_TOKEN=$(kubectl config view --raw --minify -o jsonpath='{.users[0].user.token}')
+ADMIN=127.0.0.1:$((20000 + RANDOM % 20000))
+OPERATOR_PID=""
+START=$SECONDS
+say() { printf '\n=== [%3ds] %s\n' "$((SECONDS - START))" "$*"; }
+info() { printf '    %s\n' "$*"; }
+mib() { awk -v k="$1:" '$1 == k {printf "%.1f", $2 / 1024}' "/proc/$OPERATOR_PID/status"; }
+cleanup() {
+  local rc=$?
+  [ -z "$OPERATOR_PID" ] || kill "$OPERATOR_PID" 2>/dev/null || true
+  if [ "${GPUBUDGET_E2E_KEEP:-0}" != 1 ]; then
+    kubectl delete clusterrolebinding,clusterrole -l "app.kubernetes.io/instance=$RELEASE" --ignore-not-found >/dev/null 2>&1 || true
+    for n in $(seq 0 $((NAMESPACES - 1))); do kubectl delete namespace "$P-$n" --wait=false >/dev/null 2>&1 || true; done
+    kubectl delete namespace "$P" --wait=false >/dev/null 2>&1 || true
+    rm -rf "$WORK"
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+
+say "CRD, the operator's RBAC; $NAMESPACES namespaces × $BUDGETS_PER_NS budgets, × $PER_NS pods with records"
+kubectl apply -f "$REPO/crds/gpumemorybudgets.gpubudget.io.yaml" >/dev/null
+kubectl wait --for=condition=Established crd/gpumemorybudgets.gpubudget.io --timeout=60s >/dev/null
+kubectl create namespace "$P" >/dev/null
+"$HELM" template "$RELEASE" "$REPO/charts/gpubudget" -n "$P" --kube-version 1.33.0 \
+  | yq -y 'select(.kind == "ServiceAccount" or .kind == "ClusterRole" or .kind == "ClusterRoleBinding")' \
+  | kubectl apply -f - >/dev/null
+for n in $(seq 0 $((NAMESPACES - 1))); do echo "{\"apiVersion\":\"v1\",\"kind\":\"Namespace\",\"metadata\":{\"name\":\"$P-$n\"}}"; done \
+  | jq -s '{apiVersion: "v1", kind: "List", items: .}' | kubectl create -f - >/dev/null
+info "$(python3 "$HERE/load.py" budgets "$P" "$NAMESPACES" "$BUDGETS_PER_NS")"
+info "$(python3 "$HERE/load.py" pods "$P" "$NAMESPACES" "$PER_NS" "$BUDGETS_PER_NS" 50 --records)"
+BUDGETS=$((NAMESPACES * BUDGETS_PER_NS))
+
+say "the operator starts"
+kubectl config view --raw --minify > "$WORK/operator.kubeconfig"
+KUBECONFIG=$WORK/operator.kubeconfig kubectl config set-credentials scale-operator \
+  --token="$(kubectl create token "$RELEASE-operator" -n "$P" --duration=1h)" >/dev/null
+KUBECONFIG=$WORK/operator.kubeconfig kubectl config set-context --current --user=scale-operator >/dev/null
+T0=$(date +%s.%N)
+KUBECONFIG=$WORK/operator.kubeconfig POD_NAMESPACE=$P RUST_LOG=warn "$BIN/gpubudget-operator" run \
+  --admin-addr "$ADMIN" > "$WORK/operator.log" 2>&1 &
+OPERATOR_PID=$!
+since() { echo "$(date +%s.%N) - $T0" | bc -l | xargs printf '%.1f'; }
+READY_AT=""
+with_status() {
+  kubectl get gmb -A -o json | jq --arg p "$P-" \
+    '[.items[] | select((.metadata.namespace | startswith($p)) and .status.observedGeneration != null)] | length'
+}
+until [ -n "$READY_AT" ] && [ "$(with_status)" -ge "$BUDGETS" ]; do
+  kill -0 "$OPERATOR_PID" || { cat "$WORK/operator.log"; echo "FAIL: the operator exited" >&2; exit 1; }
+  if [ -z "$READY_AT" ] && curl -fsS "http://$ADMIN/ready" >/dev/null 2>&1; then READY_AT=$(since); fi
+  [ "$((SECONDS - START))" -lt 1800 ] || { echo "FAIL: no convergence" >&2; exit 1; }
+  sleep 0.5
+done
+CONVERGED=$(since)
+sleep 2
+printf '    RESULT operator pods=%s budgets=%s ready=%ss every_status=%ss rss=%sMiB peak=%sMiB\n' \
+  "$((NAMESPACES * PER_NS))" "$BUDGETS" "$READY_AT" "$CONVERGED" "$(mib VmRSS)" "$(mib VmHWM)" | tee "$WORK/results.txt"
+
+say "record -> status, $CHANGES changes"
+python3 "$HERE/load.py" record-latency "$P" "$NAMESPACES" "$PER_NS" "$BUDGETS_PER_NS" "$CHANGES" | sed 's/^/    RESULT /' | tee -a "$WORK/results.txt"
+M=$(curl -fsS "http://$ADMIN/metrics")
+printf '    RESULT end rss=%sMiB peak=%sMiB reconciles=%s status_writes=%s\n' "$(mib VmRSS)" "$(mib VmHWM)" \
+  "$(echo "$M" | awk '/^gpubudget_operator_reconciles_total/ {s += $2} END {print s + 0}')" \
+  "$(echo "$M" | awk '/^gpubudget_operator_status_writes_total/ {s += $2} END {print s + 0}')" | tee -a "$WORK/results.txt"
+kill -TERM "$OPERATOR_PID"
+wait "$OPERATOR_PID" && info "operator exited 0 after SIGTERM" || info "operator exit: $?"
+OPERATOR_PID=""
+say "results ($BIN, $(git -C "$REPO" rev-parse --short HEAD))"
+cat "$WORK/results.txt"
