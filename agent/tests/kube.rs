@@ -569,8 +569,8 @@ fn rebuilds(agent: &Stack) -> u64 {
 }
 
 /// The operator writes budget statuses all the time; every agent watches every budget. Those writes must not
-/// make the agents rebuild their tables: only a spec change that moves what is enforced, a new budget or a
-/// deleted one does, and the records follow it.
+/// make the agents rebuild their tables, nor budgets of namespaces without pods on the node: only a spec
+/// change that moves what is enforced here, a new budget or a deleted one does, and the records follow it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn budget_status_writes_do_not_rebuild_the_pod_table_and_spec_changes_do() {
     let fake = fake_with(&budgets(30));
@@ -591,8 +591,16 @@ async fn budget_status_writes_do_not_rebuild_the_pod_table_and_spec_changes_do()
     }
     f.modify("gpumemorybudgets", "team-w", "audit", |b| b["metadata"]["labels"] = serde_json::json!({"a": "b"}))
         .expect("budget");
+    // Another team's budgets, in a namespace without pods on this node: nothing here changes.
+    f.apply_yaml(
+        "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: elsewhere, namespace: team-z}\n\
+         spec: {selector: {}, limit: 1Gi}",
+    )
+    .expect("budget");
+    f.modify("gpumemorybudgets", "team-z", "elsewhere", |b| b["spec"]["limit"] = serde_json::json!("2Gi"));
+    f.delete_object("gpumemorybudgets", "team-z", "elsewhere");
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(rebuilds(&agent), settled, "status and metadata writes on budgets change no table");
+    assert_eq!(rebuilds(&agent), settled, "status and metadata writes, budgets of namespaces without pods here");
 
     // 7 GiB of a limit lowered to 7.5 GiB: Near.
     f.modify("gpumemorybudgets", "team-a", "llm-inference", |b| b["spec"]["limit"] = serde_json::json!("7680Mi"))

@@ -189,7 +189,7 @@ def cmd_record_latency(prefix, namespaces, per_ns, per_budget_ns, changes):
 def cmd_stream(kind, names_file, rate, seconds):
     """Writes to the budgets named in NAMES_FILE (namespace/name lines), round robin, at RATE per second for
     SECONDS: `status` patches status.matchedPods (what the operator's writes look like to a watcher); `spec`
-    moves spec.warnAtPercent between 89 and 90 (a change of what is enforced)."""
+    sets spec.overLimitSeconds to a new value (a change of what is enforced)."""
     names = [line.strip().split("/") for line in open(names_file) if line.strip()]
     rate, seconds = float(rate), float(seconds)
     t0, i = time.monotonic(), 0
@@ -199,7 +199,9 @@ def cmd_stream(kind, names_file, rate, seconds):
         if kind == "status":
             request("PATCH", path + "/status", {"status": {"matchedPods": 1000 + i}}, "application/merge-patch+json")
         else:
-            request("PATCH", path, {"spec": {"warnAtPercent": 89 + i % 2}}, "application/merge-patch+json")
+            # A value no earlier write gave (a write that changes nothing is no event at all).
+            value = 30 + int(time.time() * 1000) % 1_000_000
+            request("PATCH", path, {"spec": {"overLimitSeconds": value}}, "application/merge-patch+json")
         i += 1
         wait = t0 + i / rate - time.monotonic()
         if wait > 0:

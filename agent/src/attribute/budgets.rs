@@ -88,6 +88,17 @@ impl BudgetIndex {
     }
 }
 
+/// What a watch event changed in the cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// Nothing a pod table reads (a status write, a budget already gone, a relist that found the same).
+    Nothing,
+    /// The budgets of this namespace: a table without pods there is the same.
+    In(String),
+    /// Anything (a relist that found something else, the first list).
+    Everything,
+}
+
 /// The agent's budget cache, fed by the budget watch: the index in use, and the one a relist is filling.
 #[derive(Debug, Default)]
 pub struct BudgetCache {
@@ -97,18 +108,19 @@ pub struct BudgetCache {
 }
 
 impl BudgetCache {
-    /// Applies a watch event; whether the pod table must be rebuilt. A relist (`Init` … `InitDone`) fills a
-    /// new index and replaces the live one when it is complete, so budgets deleted while the watch was down
-    /// are dropped; the live one serves until then.
-    pub fn apply(&mut self, event: &watcher::Event<GpuMemoryBudget>) -> bool {
+    /// Applies a watch event; what it changed. A relist (`Init` … `InitDone`) fills a new index and replaces
+    /// the live one when it is complete, so budgets deleted while the watch was down are dropped; the live one
+    /// serves until then.
+    pub fn apply(&mut self, event: &watcher::Event<GpuMemoryBudget>) -> Change {
+        let namespace = |b: &GpuMemoryBudget| Change::In(b.metadata.namespace.clone().unwrap_or_default());
         match event {
             watcher::Event::Init => {
                 self.relist = Some(BudgetIndex::default());
-                false
+                Change::Nothing
             }
             watcher::Event::InitApply(b) => {
                 self.relist.get_or_insert_with(BudgetIndex::default).insert(b);
-                false
+                Change::Nothing
             }
             watcher::Event::InitDone => {
                 let first = !self.synced;
@@ -116,10 +128,11 @@ impl BudgetCache {
                 let relisted = self.relist.take().unwrap_or_default();
                 let changed = relisted != self.live;
                 self.live = relisted;
-                changed || first
+                if changed || first { Change::Everything } else { Change::Nothing }
             }
-            watcher::Event::Apply(b) => self.live.insert(b),
-            watcher::Event::Delete(b) => self.live.remove(b),
+            watcher::Event::Apply(b) if self.live.insert(b) => namespace(b),
+            watcher::Event::Delete(b) if self.live.remove(b) => namespace(b),
+            watcher::Event::Apply(_) | watcher::Event::Delete(_) => Change::Nothing,
         }
     }
 
@@ -154,22 +167,32 @@ mod tests {
         index.valid_in(ns).map(|b| b.name.clone()).collect()
     }
 
+    fn changes(cache: &mut BudgetCache, event: Event<GpuMemoryBudget>) -> bool {
+        cache.apply(&event) != Change::Nothing
+    }
+
     #[test]
     fn only_what_changes_a_compiled_budget_rebuilds_the_table() {
         let mut cache = BudgetCache::default();
-        assert!(!cache.apply(&Event::Init));
-        assert!(!cache.apply(&Event::InitApply(budget("a", "llm", "8Gi", 0))));
+        assert!(!changes(&mut cache, Event::Init));
+        assert!(!changes(&mut cache, Event::InitApply(budget("a", "llm", "8Gi", 0))));
         assert!(!cache.synced(), "not before the list is complete");
-        assert!(cache.apply(&Event::InitDone), "the first list");
+        assert_eq!(cache.apply(&Event::InitDone), Change::Everything, "the first list");
         assert!(cache.synced());
-        assert!(!cache.apply(&Event::Apply(budget("a", "llm", "8Gi", 3))), "a status write");
-        assert!(!cache.apply(&Event::Apply(budget("a", "llm", "8Gi", 4))), "another status write");
-        assert!(cache.apply(&Event::Apply(budget("a", "llm", "16Gi", 4))), "a new limit");
-        assert!(cache.apply(&Event::Apply(budget("a", "llm", "16384Mi", 4))), "the same limit written otherwise");
-        assert!(cache.apply(&Event::Apply(budget("b", "llm", "8Gi", 0))), "a new budget");
-        assert!(cache.apply(&Event::Delete(budget("b", "llm", "8Gi", 0))), "a deletion");
-        assert!(!cache.apply(&Event::Delete(budget("b", "llm", "8Gi", 0))), "a deletion of what is gone");
-        assert!(cache.apply(&Event::Apply(budget("a", "broken", "8 GiB", 0))), "an invalid budget is kept, as such");
+        assert!(!changes(&mut cache, Event::Apply(budget("a", "llm", "8Gi", 3))), "a status write");
+        assert!(!changes(&mut cache, Event::Apply(budget("a", "llm", "8Gi", 4))), "another status write");
+        assert_eq!(cache.apply(&Event::Apply(budget("a", "llm", "16Gi", 4))), Change::In("a".into()), "a new limit");
+        assert!(
+            changes(&mut cache, Event::Apply(budget("a", "llm", "16384Mi", 4))),
+            "the same limit written otherwise"
+        );
+        assert_eq!(cache.apply(&Event::Apply(budget("b", "llm", "8Gi", 0))), Change::In("b".into()), "a new budget");
+        assert_eq!(cache.apply(&Event::Delete(budget("b", "llm", "8Gi", 0))), Change::In("b".into()), "a deletion");
+        assert!(!changes(&mut cache, Event::Delete(budget("b", "llm", "8Gi", 0))), "a deletion of what is gone");
+        assert!(
+            changes(&mut cache, Event::Apply(budget("a", "broken", "8 GiB", 0))),
+            "an invalid budget is kept, as such"
+        );
         assert_eq!(names(cache.index(), "a"), ["llm"]);
         assert_eq!(cache.index().invalid().iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["a/broken"]);
         assert_eq!(cache.index().len(), 2);
@@ -184,17 +207,17 @@ mod tests {
         {
             cache.apply(&e);
         }
-        assert!(cache.apply(&Event::InitDone));
+        assert_eq!(cache.apply(&Event::InitDone), Change::Everything);
         // The watch restarts: the same budgets (statuses moved) relisted change nothing.
         cache.apply(&Event::Init);
         cache.apply(&Event::InitApply(budget("a", "x", "8Gi", 5)));
         assert_eq!(names(cache.index(), "a"), ["x", "y"], "the live index serves during a relist");
         cache.apply(&Event::InitApply(budget("a", "y", "8Gi", 5)));
-        assert!(!cache.apply(&Event::InitDone), "nothing the table reads changed");
+        assert_eq!(cache.apply(&Event::InitDone), Change::Nothing, "nothing the table reads changed");
         // y was deleted while the watch was down.
         cache.apply(&Event::Init);
         cache.apply(&Event::InitApply(budget("a", "x", "8Gi", 5)));
-        assert!(cache.apply(&Event::InitDone));
+        assert_eq!(cache.apply(&Event::InitDone), Change::Everything);
         assert_eq!(names(cache.index(), "a"), ["x"]);
     }
 
@@ -214,16 +237,17 @@ mod tests {
                 let b = budget(&format!("ns{ns}"), &format!("b{name}"), limits[limit], 0);
                 let before = BudgetIndex::of(model.values());
                 let key = (format!("ns{ns}"), format!("b{name}"));
-                let changed = if delete {
+                let change = if delete {
                     model.remove(&key);
                     cache.apply(&Event::Delete(b))
                 } else {
-                    model.insert(key, b.clone());
+                    model.insert(key.clone(), b.clone());
                     cache.apply(&Event::Apply(b))
                 };
                 let after = BudgetIndex::of(model.values());
                 prop_assert_eq!(cache.index(), &after);
-                prop_assert_eq!(changed, before != after);
+                let expected = if before == after { Change::Nothing } else { Change::In(key.0) };
+                prop_assert_eq!(change, expected);
             }
         }
     }

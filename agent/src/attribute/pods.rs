@@ -380,4 +380,45 @@ status:
         kept.sort_unstable();
         assert_eq!(kept, ["llm", "wide"], "only the budgets of the namespaces with pods here");
     }
+
+    proptest::proptest! {
+        /// Resolving each pod among its own namespace's budgets gives what resolving it among every budget of
+        /// the cluster gives (a budget selects pods of its namespace only), and the table keeps no budget of a
+        /// namespace without pods here.
+        #[test]
+        fn per_namespace_resolution_is_resolution_among_all_budgets(
+            pods in proptest::collection::vec((0..3usize, 0..3usize), 0..12),
+            budgets in proptest::collection::vec((0..3usize, 0..4usize, 1..5u64), 0..12),
+        ) {
+            let views: Vec<PodView> = pods
+                .iter()
+                .enumerate()
+                .filter_map(|(i, (ns, app))| {
+                    PodView::from_pod(&pod(&format!(
+                        "metadata: {{name: p{i}, namespace: ns{ns}, uid: u{i}, labels: {{app: a{app}}}}}\nspec: {{nodeName: n1, containers: []}}"
+                    )))
+                })
+                .collect();
+            let objects: Vec<GpuMemoryBudget> = budgets
+                .iter()
+                .enumerate()
+                .map(|(i, (ns, app, gib))| {
+                    let selector = if *app == 3 { "{}".to_owned() } else { format!("{{matchLabels: {{app: a{app}}}}}") };
+                    serde_yaml::from_str(&format!(
+                        "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: b{i}, namespace: ns{ns}}}\n\
+                         spec: {{selector: {selector}, limit: {gib}Gi}}"
+                    ))
+                    .expect("budget")
+                })
+                .collect();
+            let all: Vec<Budget> = objects.iter().filter_map(|b| Budget::compile(b).ok()).collect();
+            let table = PodTable::build(views.clone(), &objects, Some("n1"));
+            for (i, view) in table.pods.iter().enumerate() {
+                let expected = resolve(&all, &view.namespace, &view.labels).map(|r| r.budget.key());
+                proptest::prop_assert_eq!(table.budget(i).map(Budget::key), expected);
+            }
+            let namespaces: std::collections::BTreeSet<&str> = table.pods.iter().map(|p| &*p.namespace).collect();
+            proptest::prop_assert!(table.budgets.iter().all(|b| namespaces.contains(b.namespace.as_str())));
+        }
+    }
 }

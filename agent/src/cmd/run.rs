@@ -4,7 +4,8 @@
 //! 100 at a time, each pod cut down by `slim_pod` to what the decisions read as it arrives) and every
 //! `GpuMemoryBudget` (all namespaces), compiled as it arrives into a `BudgetCache`. The loop samples every
 //! interval, rebuilds its pod table only when a cache changed in a way the table reads (the operator's status
-//! writes on budgets do not count: `gpubudget_pod_table_rebuilds_total`), decides, and hands actions to the [`KubeExecutor`] (which never blocks the
+//! writes on budgets do not count, nor budgets of namespaces without pods here:
+//! `gpubudget_pod_table_rebuilds_total`), decides, and hands actions to the [`KubeExecutor`] (which never blocks the
 //! loop). `/ready` is true once the GPU sampler works and both caches have synced; nothing is enforced
 //! before the caches sync.
 
@@ -24,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::act::kube::KubeExecutor;
 use crate::attribute::ProcAttributor;
-use crate::attribute::budgets::BudgetCache;
+use crate::attribute::budgets::{BudgetCache, Change};
 use crate::attribute::pods::{PodTable, PodView, slim_pod};
 use crate::cli::RunArgs;
 use crate::decide::Settings;
@@ -100,7 +101,7 @@ impl Caches {
         }
         let budgets = Arc::new(Mutex::new(BudgetCache::default()));
         {
-            let (changes, cache) = (changes.clone(), budgets.clone());
+            let (changes, cache, pods) = (changes.clone(), budgets.clone(), pods.clone());
             spawn_watch(
                 Api::<GpuMemoryBudget>::all(client),
                 watcher::Config::default(),
@@ -109,7 +110,16 @@ impl Caches {
                 move |event| {
                     let mut cache = cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                     let was_synced = cache.synced();
-                    if cache.apply(&event) {
+                    // A budget of a namespace without pods here changes nothing here (a pod that arrives there
+                    // later is a pod change, and the table built then reads the budgets as they are).
+                    let rebuild = match cache.apply(&event) {
+                        Change::Nothing => false,
+                        Change::In(namespace) => {
+                            pods.state().iter().any(|p| p.metadata.namespace.as_deref() == Some(namespace.as_str()))
+                        }
+                        Change::Everything => true,
+                    };
+                    if rebuild {
                         changes.fetch_add(1, Ordering::AcqRel);
                     }
                     if !was_synced && cache.synced() {
