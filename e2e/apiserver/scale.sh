@@ -10,7 +10,8 @@
 #   KUBECONFIG=/tmp/realk8s/run/kubeconfig e2e/apiserver/scale.sh [POD COUNTS...]   # default: 110 1000
 #
 # Environment: GPUBUDGET_E2E_BIN (default target/release), HELM, GPUBUDGET_E2E_BUDGETS (default 1000),
-# GPUBUDGET_E2E_STREAM ("status spec": the streams to run after each count), GPUBUDGET_E2E_STREAM_RATE
+# GPUBUDGET_E2E_STREAM ("status spec elsewhere": the streams to run after each count; elsewhere: spec changes
+# of 100 budgets in a namespace without pods on the node), GPUBUDGET_E2E_STREAM_RATE
 # (writes per second, default 20), GPUBUDGET_E2E_KEEP=1. The agent runs with the chart's RBAC and admission policies and a node-bound token,
 # as in run.sh; its budgets are all Within (no events, no evictions): what is measured is the records.
 set -euo pipefail
@@ -40,11 +41,17 @@ RATE=${GPUBUDGET_E2E_STREAM_RATE:-20}
 START=$SECONDS
 say() { printf '\n=== [%3ds] %s\n' "$((SECONDS - START))" "$*"; }
 info() { printf '    %s\n' "$*"; }
-# Bytes received so far on the agent's open connections to the API server (its watches among them).
-received() {
+# sockets PID: "local-port bytes-received" of each of the agent's open connections to the API server.
+sockets() {
   ss -tnpiH state established "( dport = :$API_PORT )" 2>/dev/null \
-    | awk -v pid="pid=$1," 'index($0, pid) {want=1; next} want && /bytes_received:/ {match($0, /bytes_received:[0-9]+/); sum += substr($0, RSTART + 15, RLENGTH - 15); want=0} {want=want} END {print sum + 0}'
+    | awk -v pid="pid=$1," 'index($0, pid) {n = split($3, a, ":"); port = a[n]; next}
+                            port != "" && /bytes_received:/ {match($0, /bytes_received:[0-9]+/); print port, substr($0, RSTART + 15, RLENGTH - 15); port = ""}'
 }
+# received PID: bytes received on the agent's open connections (its watches among them).
+received() { sockets "$1" | awk '{s += $2} END {printf "%d\n", s}'; }
+# received_since PID FILE: bytes received since FILE (a `sockets` listing) on the connections open now; a
+# connection that closed in between (an idle write connection leaves the pool after 90 s) is not counted.
+received_since() { sockets "$1" | awk 'NR == FNR {before[$1] = $2; next} {s += $2 - before[$1]} END {printf "%d\n", s}' "$2" -; }
 cpu_ms() { awk '{print ($14 + $15) * 10}' "/proc/$1/stat"; }
 metric() { curl -fsS "http://$ADMIN/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
 cleanup() {
@@ -55,7 +62,7 @@ cleanup() {
     kubectl delete validatingadmissionpolicybinding,validatingadmissionpolicy,clusterrolebinding,clusterrole \
       -l "app.kubernetes.io/instance=$RELEASE" --ignore-not-found >/dev/null 2>&1 || true
     for t in $(seq 0 $((TEAMS - 1))); do kubectl delete namespace "$NS-t$t" --wait=false >/dev/null 2>&1 || true; done
-    kubectl delete namespace "$NS" --wait=false >/dev/null 2>&1 || true
+    kubectl delete namespace "$NS" "$NS-elsewhere" --wait=false --ignore-not-found >/dev/null 2>&1 || true
     kubectl delete nodes -l "e2e.gpubudget.io/run=$ID" >/dev/null 2>&1 || true
     rm -rf "$WORK"
   fi
@@ -91,6 +98,15 @@ done
 wait
 jq -r '.items[] | .metadata.namespace + "/" + .metadata.name' "$WORK/budgets.json" > "$WORK/budget-names.txt"
 info "$BUDGETS budgets created in $((SECONDS - T0)) s"
+if [[ " $STREAMS " == *" elsewhere "* ]]; then
+  # 100 more in a namespace without pods on any measured node: their spec changes must rebuild nothing there.
+  kubectl create namespace "$NS-elsewhere" >/dev/null
+  for i in $(seq 0 99); do
+    printf '{"apiVersion":"gpubudget.io/v1alpha1","kind":"GpuMemoryBudget","metadata":{"name":"budget-%s","namespace":"%s"},"spec":{"selector":{},"limit":"40Gi"}}\n' "$i" "$NS-elsewhere"
+  done | jq -s '{apiVersion: "v1", kind: "List", items: .}' | kubectl create -f - >/dev/null
+  seq 0 99 | sed "s|^|$NS-elsewhere/budget-|" > "$WORK/elsewhere-names.txt"
+  BUDGETS=$((BUDGETS + 100))
+fi
 
 # The operator runs throughout (its ServiceAccount's token), so the budgets carry a status as they would in a
 # cluster, and the agents' budget watches see its writes.
@@ -174,12 +190,15 @@ EOF
     "$(metric gpubudget_pod_table_rebuilds_total)" | tee -a "$WORK/results.txt"
   local kind
   for kind in $STREAMS; do
-    local b0 r0 c0 h0
-    b0=$(received "$AGENT_PID") r0=$(metric gpubudget_pod_table_rebuilds_total) c0=$(cpu_ms "$AGENT_PID")
-    info "$(GPUBUDGET_API=$SERVER GPUBUDGET_TOKEN=$ADMIN_TOKEN python3 "$HERE/load.py" stream "$kind" "$WORK/budget-names.txt" "$RATE" 30)"
+    local r0 c0
+    sockets "$AGENT_PID" > "$WORK/sockets-before"
+    r0=$(metric gpubudget_pod_table_rebuilds_total) c0=$(cpu_ms "$AGENT_PID")
+    local names=$WORK/budget-names.txt write=$kind
+    [ "$kind" != elsewhere ] || names=$WORK/elsewhere-names.txt write=spec
+    info "$(GPUBUDGET_API=$SERVER GPUBUDGET_TOKEN=$ADMIN_TOKEN python3 "$HERE/load.py" stream "$write" "$names" "$RATE" 30)"
     sleep 1
     printf '    STREAM %-6s %-6s %s/s for 30 s: received=%.1fKiB  rebuilds=+%s  agent_cpu=%sms  rss=%.1fMiB  peak_rss=%.1fMiB\n' \
-      "$label" "$kind" "$RATE" "$(echo "($(received "$AGENT_PID") - $b0) / 1024" | bc -l)" \
+      "$label" "$kind" "$RATE" "$(echo "$(received_since "$AGENT_PID" "$WORK/sockets-before") / 1024" | bc -l)" \
       "$(( $(metric gpubudget_pod_table_rebuilds_total) - r0 ))" "$(( $(cpu_ms "$AGENT_PID") - c0 ))" \
       "$(awk '/VmRSS/ {print $2 / 1024}' "/proc/$AGENT_PID/status")" "$(awk '/VmHWM/ {print $2 / 1024}' "/proc/$AGENT_PID/status")" \
       | tee -a "$WORK/results.txt"
