@@ -29,8 +29,8 @@ GPUBUDGET_TOKEN=$(kubectl config view --raw --minify -o jsonpath='{.users[0].use
 ADMIN=127.0.0.1:$((20000 + RANDOM % 20000))
 OPERATOR_PID=""
 START=$SECONDS
-say() { printf '\n=== [%3ds] %s\n' "$((SECONDS - START))" "$*"; }
-info() { printf '    %s\n' "$*"; }
+# shellcheck source=../lib.sh
+. "$REPO/e2e/lib.sh"
 mib() { awk -v k="$1:" '$1 == k {printf "%.1f", $2 / 1024}' "/proc/$OPERATOR_PID/status"; }
 cleanup() {
   local rc=$?
@@ -46,12 +46,8 @@ cleanup() {
 trap cleanup EXIT
 
 say "CRD, the operator's RBAC; $NAMESPACES namespaces × $BUDGETS_PER_NS budgets, × $PER_NS pods with records"
-kubectl apply -f "$REPO/crds/gpumemorybudgets.gpubudget.io.yaml" >/dev/null
-kubectl wait --for=condition=Established crd/gpumemorybudgets.gpubudget.io --timeout=60s >/dev/null
 kubectl create namespace "$P" >/dev/null
-"$HELM" template "$RELEASE" "$REPO/charts/gpubudget" -n "$P" --kube-version 1.33.0 \
-  | yq -y 'select(.kind == "ServiceAccount" or .kind == "ClusterRole" or .kind == "ClusterRoleBinding")' \
-  | kubectl apply -f - >/dev/null
+apply_crd_and_chart "$RELEASE" "$P" "ServiceAccount ClusterRole ClusterRoleBinding"
 for n in $(seq 0 $((NAMESPACES - 1))); do echo "{\"apiVersion\":\"v1\",\"kind\":\"Namespace\",\"metadata\":{\"name\":\"$P-$n\"}}"; done \
   | jq -s '{apiVersion: "v1", kind: "List", items: .}' | kubectl create -f - >/dev/null
 info "$(python3 "$HERE/load.py" budgets "$P" "$NAMESPACES" "$BUDGETS_PER_NS")"
@@ -59,10 +55,7 @@ info "$(python3 "$HERE/load.py" pods "$P" "$NAMESPACES" "$PER_NS" "$BUDGETS_PER_
 BUDGETS=$((NAMESPACES * BUDGETS_PER_NS))
 
 say "the operator starts"
-kubectl config view --raw --minify > "$WORK/operator.kubeconfig"
-KUBECONFIG=$WORK/operator.kubeconfig kubectl config set-credentials scale-operator \
-  --token="$(kubectl create token "$RELEASE-operator" -n "$P" --duration=1h)" >/dev/null
-KUBECONFIG=$WORK/operator.kubeconfig kubectl config set-context --current --user=scale-operator >/dev/null
+token_kubeconfig "$WORK/operator.kubeconfig" scale-operator "$(kubectl create token "$RELEASE-operator" -n "$P" --duration=1h)"
 T0=$(date +%s.%N)
 KUBECONFIG=$WORK/operator.kubeconfig POD_NAMESPACE=$P RUST_LOG=warn "$BIN/gpubudget-operator" run \
   --admin-addr "$ADMIN" > "$WORK/operator.log" 2>&1 &

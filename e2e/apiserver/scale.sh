@@ -39,8 +39,8 @@ AGENT_PID="" OPERATOR_PID=""
 STREAMS=${GPUBUDGET_E2E_STREAM:-}
 RATE=${GPUBUDGET_E2E_STREAM_RATE:-20}
 START=$SECONDS
-say() { printf '\n=== [%3ds] %s\n' "$((SECONDS - START))" "$*"; }
-info() { printf '    %s\n' "$*"; }
+# shellcheck source=../lib.sh
+. "$REPO/e2e/lib.sh"
 # sockets PID: "local-port bytes-received" of each of the agent's open connections to the API server.
 sockets() {
   ss -tnpiH state established "( dport = :$API_PORT )" 2>/dev/null \
@@ -71,13 +71,9 @@ cleanup() {
 trap cleanup EXIT
 
 say "CRD, the chart's RBAC and admission policies; $BUDGETS budgets in $TEAMS namespaces"
-kubectl apply -f "$REPO/crds/gpumemorybudgets.gpubudget.io.yaml" >/dev/null
-kubectl wait --for=condition=Established crd/gpumemorybudgets.gpubudget.io --timeout=60s >/dev/null
 kubectl create namespace "$NS" >/dev/null
-"$HELM" template "$RELEASE" "$REPO/charts/gpubudget" -n "$NS" --kube-version 1.33.0 \
-  | yq -y 'select(.kind == "ServiceAccount" or .kind == "ClusterRole" or .kind == "ClusterRoleBinding"
-                  or .kind == "ValidatingAdmissionPolicy" or .kind == "ValidatingAdmissionPolicyBinding")' \
-  | kubectl apply -f - >/dev/null
+apply_crd_and_chart "$RELEASE" "$NS" \
+  "ServiceAccount ClusterRole ClusterRoleBinding ValidatingAdmissionPolicy ValidatingAdmissionPolicyBinding"
 for t in $(seq 0 $((TEAMS - 1))); do kubectl create namespace "$NS-t$t" >/dev/null; done
 # Budget i: namespace t(i % TEAMS), selects app=app-(i / TEAMS); the limits are far above the usage.
 python3 - "$NS" "$TEAMS" "$BUDGETS" > "$WORK/budgets.json" <<'EOF'
@@ -110,10 +106,7 @@ fi
 
 # The operator runs throughout (its ServiceAccount's token), so the budgets carry a status as they would in a
 # cluster, and the agents' budget watches see its writes.
-kubectl config view --raw --minify > "$WORK/operator.kubeconfig"
-KUBECONFIG=$WORK/operator.kubeconfig kubectl config set-credentials scale-operator \
-  --token="$(kubectl create token "$RELEASE-operator" -n "$NS" --duration=1h)" >/dev/null
-KUBECONFIG=$WORK/operator.kubeconfig kubectl config set-context --current --user=scale-operator >/dev/null
+token_kubeconfig "$WORK/operator.kubeconfig" scale-operator "$(kubectl create token "$RELEASE-operator" -n "$NS" --duration=1h)"
 T0=$SECONDS
 KUBECONFIG=$WORK/operator.kubeconfig POD_NAMESPACE=$NS RUST_LOG=info "$BIN/gpubudget-operator" run \
   --admin-addr "$OPERATOR_ADMIN" > "$WORK/operator.log" 2>&1 &
@@ -156,9 +149,7 @@ EOF
   info "$pods pods created in $((SECONDS - t0)) s"
   local token
   token=$(kubectl create token "$RELEASE-agent" -n "$NS" --duration=1h --bound-object-kind Node --bound-object-name "$node")
-  kubectl config view --raw --minify > "$WORK/agent-$label.kubeconfig"
-  KUBECONFIG=$WORK/agent-$label.kubeconfig kubectl config set-credentials scale-agent --token="$token" >/dev/null
-  KUBECONFIG=$WORK/agent-$label.kubeconfig kubectl config set-context --current --user=scale-agent >/dev/null
+  token_kubeconfig "$WORK/agent-$label.kubeconfig" scale-agent "$token"
   mkdir -p "$WORK/proc"
   local started=$SECONDS
   KUBECONFIG=$WORK/agent-$label.kubeconfig RUST_LOG=info "$BIN/gpubudget-agent" run --node-name "$node" \
