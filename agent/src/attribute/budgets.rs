@@ -30,17 +30,16 @@ impl BudgetIndex {
     }
 
     /// Compiles and keeps `budget`; whether what is kept changed (a new budget, or one whose spec compiles to
-    /// something else). A budget without a name or namespace is not kept.
+    /// something else). A budget without a name or namespace (a file of `standalone`'s) is kept as invalid
+    /// ([`SpecError::Unnamed`]), so that it is reported, never enforced.
     pub fn insert(&mut self, budget: &GpuMemoryBudget) -> bool {
-        let (Some(namespace), Some(name)) = (&budget.metadata.namespace, &budget.metadata.name) else {
-            return false;
-        };
+        let (namespace, name) = key(budget);
         let compiled = Budget::compile(budget).map(Arc::new);
-        let names = self.namespaces.entry(namespace.clone()).or_default();
+        let names = self.namespaces.entry(namespace.to_owned()).or_default();
         match names.get(name) {
             Some(kept) if *kept == compiled => false,
             _ => {
-                names.insert(name.clone(), compiled);
+                names.insert(name.to_owned(), compiled);
                 true
             }
         }
@@ -48,9 +47,7 @@ impl BudgetIndex {
 
     /// Forgets `budget`; whether it was kept.
     pub fn remove(&mut self, budget: &GpuMemoryBudget) -> bool {
-        let (Some(namespace), Some(name)) = (&budget.metadata.namespace, &budget.metadata.name) else {
-            return false;
-        };
+        let (namespace, name) = key(budget);
         let Some(names) = self.namespaces.get_mut(namespace) else { return false };
         let removed = names.remove(name).is_some();
         if names.is_empty() {
@@ -88,6 +85,11 @@ impl BudgetIndex {
     }
 }
 
+/// Where a budget is kept: its namespace and name, empty when missing.
+fn key(budget: &GpuMemoryBudget) -> (&str, &str) {
+    (budget.metadata.namespace.as_deref().unwrap_or_default(), budget.metadata.name.as_deref().unwrap_or_default())
+}
+
 /// What a watch event changed in the cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
@@ -112,7 +114,7 @@ impl BudgetCache {
     /// the live one when it is complete, so budgets deleted while the watch was down are dropped; the live one
     /// serves until then.
     pub fn apply(&mut self, event: &watcher::Event<GpuMemoryBudget>) -> Change {
-        let namespace = |b: &GpuMemoryBudget| Change::In(b.metadata.namespace.clone().unwrap_or_default());
+        let namespace = |b: &GpuMemoryBudget| Change::In(key(b).0.to_owned());
         match event {
             watcher::Event::Init => {
                 self.relist = Some(BudgetIndex::default());
@@ -193,9 +195,14 @@ mod tests {
             changes(&mut cache, Event::Apply(budget("a", "broken", "8 GiB", 0))),
             "an invalid budget is kept, as such"
         );
+        let mut unnamed = budget("a", "x", "8Gi", 0);
+        unnamed.metadata.namespace = None;
+        assert!(changes(&mut cache, Event::Apply(unnamed)), "a budget without a namespace is kept, as invalid");
         assert_eq!(names(cache.index(), "a"), ["llm"]);
-        assert_eq!(cache.index().invalid().iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["a/broken"]);
-        assert_eq!(cache.index().len(), 2);
+        let invalid = cache.index().invalid();
+        assert_eq!(invalid.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["/x", "a/broken"]);
+        assert_eq!(invalid[0].1, SpecError::Unnamed);
+        assert_eq!(cache.index().len(), 3);
         assert!(names(cache.index(), "b").is_empty(), "budgets apply in their own namespace only");
     }
 

@@ -80,22 +80,20 @@ impl Caches {
         let pods_ready = Arc::new(AtomicBool::new(false));
         let (pods, mut writer) = reflector::store::<Pod>();
         {
-            let (changes, ready, health, waiter) = (changes.clone(), pods_ready.clone(), health.clone(), pods.clone());
-            tokio::spawn(async move {
-                if waiter.wait_until_ready().await.is_ok() {
-                    ready.store(true, Ordering::Release);
-                    health.set("pods", true);
-                    tracing::info!(cache = "pods", "cache synced");
-                }
-            });
+            let (changes, ready, health) = (changes.clone(), pods_ready.clone(), health.clone());
             spawn_watch(
                 Api::<Pod>::all(client.clone()),
                 watcher::Config::default().fields(&format!("spec.nodeName={node}")).page_size(POD_PAGE_SIZE),
                 "pods",
                 shutdown.clone(),
                 move |event: watcher::Event<Pod>| {
+                    let listed = matches!(event, watcher::Event::InitDone);
                     writer.apply_watcher_event(&event.modify(slim_pod));
                     changes.fetch_add(1, Ordering::AcqRel);
+                    if listed && !ready.swap(true, Ordering::AcqRel) {
+                        health.set("pods", true);
+                        tracing::info!(cache = "pods", "cache synced");
+                    }
                 },
             );
         }
