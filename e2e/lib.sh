@@ -1,6 +1,10 @@
 # Shell helpers shared by the end-to-end scripts (e2e/cluster/run.sh, e2e/apiserver/*.sh). Sourced, not run.
 # The script sets START (its $SECONDS at start), STEP_TIMEOUT (seconds a wait_for may take) and POLL (seconds
-# between two tries of wait_for) before calling them; kubectl talks to the cluster of KUBECONFIG.
+# between two tries of wait_for) before calling them; kubectl talks to the cluster of KUBECONFIG. Sourcing it sets
+# HELM (below).
+
+# The helm binary: $HELM, else helm from PATH, else the one .ci/helm.sh installs (empty when none).
+HELM=${HELM:-$(command -v helm || find /tmp/gpubudget-ci-cache/helm -type f -name helm 2>/dev/null | head -n1 || true)}
 
 say() { printf '\n=== [%3ds] %s\n' "$((SECONDS - START))" "$*"; }
 info() { printf '    %s\n' "$*"; }

@@ -51,7 +51,8 @@ BIN=${GPUBUDGET_E2E_BIN:-$REPO/target/release}
 if [ ! -x "$BIN/gpubudget-agent" ] || [ ! -x "$BIN/gpubudget-operator" ]; then
   (cd "$REPO" && cargo build --release -p gpubudget-agent -p gpubudget-operator)
 fi
-HELM=${HELM:-$(command -v helm || find /tmp/gpubudget-ci-cache/helm -type f -name helm 2>/dev/null | head -n1 || true)}
+# shellcheck source=../lib.sh
+. "$REPO/e2e/lib.sh"
 # shellcheck disable=SC2015 # both tests must hold
 [ -n "$HELM" ] && [ -x "$HELM" ] || { echo "FAIL: no helm (3.10 or newer): put it in PATH, set HELM, or run bash .ci/helm.sh once" >&2; exit 1; }
 STEP_TIMEOUT=${GPUBUDGET_E2E_STEP_TIMEOUT:-60}
@@ -79,8 +80,6 @@ FAILED=1
 START=$SECONDS
 
 POLL=0.5
-# shellcheck source=../lib.sh
-. "$REPO/e2e/lib.sh"
 
 stop_process() { # PID: SIGTERM, then wait (at most 25 s)
   local pid=$1

@@ -16,7 +16,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 [ -n "${KUBECONFIG:-}" ] || { echo "KUBECONFIG (the admin's) is not set" >&2; exit 1; }
 BIN=${GPUBUDGET_E2E_BIN:-$REPO/target/release}
-HELM=${HELM:-$(command -v helm || find /tmp/gpubudget-ci-cache/helm -type f -name helm 2>/dev/null | head -n1 || true)}
+# shellcheck source=../lib.sh
+. "$REPO/e2e/lib.sh"
 NAMESPACES=${1:-100} PER_NS=${2:-100} BUDGETS_PER_NS=${3:-10} CHANGES=${4:-100}
 ID=$(date +%s | tail -c 5)$RANDOM
 ID=${ID:0:7}
@@ -29,8 +30,6 @@ GPUBUDGET_TOKEN=$(kubectl config view --raw --minify -o jsonpath='{.users[0].use
 ADMIN=127.0.0.1:$((20000 + RANDOM % 20000))
 OPERATOR_PID=""
 START=$SECONDS
-# shellcheck source=../lib.sh
-. "$REPO/e2e/lib.sh"
 mib() { awk -v k="$1:" '$1 == k {printf "%.1f", $2 / 1024}' "/proc/$OPERATOR_PID/status"; }
 cleanup() {
   local rc=$?

@@ -19,7 +19,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 [ -n "${KUBECONFIG:-}" ] || { echo "KUBECONFIG (the admin's) is not set" >&2; exit 1; }
 BIN=${GPUBUDGET_E2E_BIN:-$REPO/target/release}
-HELM=${HELM:-$(command -v helm || find /tmp/gpubudget-ci-cache/helm -type f -name helm 2>/dev/null | head -n1 || true)}
+# shellcheck source=../lib.sh
+. "$REPO/e2e/lib.sh"
 BUDGETS=${GPUBUDGET_E2E_BUDGETS:-1000}
 COUNTS=("$@")
 [ "${#COUNTS[@]}" -gt 0 ] || COUNTS=(110 1000)
@@ -39,8 +40,6 @@ AGENT_PID="" OPERATOR_PID=""
 STREAMS=${GPUBUDGET_E2E_STREAM:-}
 RATE=${GPUBUDGET_E2E_STREAM_RATE:-20}
 START=$SECONDS
-# shellcheck source=../lib.sh
-. "$REPO/e2e/lib.sh"
 # sockets PID: "local-port bytes-received" of each of the agent's open connections to the API server.
 sockets() {
   ss -tnpiH state established "( dport = :$API_PORT )" 2>/dev/null \

@@ -40,7 +40,8 @@ REGISTRY=${GPUBUDGET_E2E_REGISTRY:-gpubudget}
 TAG=${GPUBUDGET_E2E_TAG:-dev}
 PAUSE_IMAGE=${GPUBUDGET_E2E_PAUSE_IMAGE:-registry.k8s.io/pause:3.10}
 STEP_TIMEOUT=${GPUBUDGET_E2E_STEP_TIMEOUT:-180}
-HELM=${HELM:-$(command -v helm || find /tmp/gpubudget-ci-cache/helm -type f -name helm 2>/dev/null | head -n1 || true)}
+# shellcheck source=../lib.sh
+. "$REPO/e2e/lib.sh"
 # shellcheck disable=SC2015 # both tests must hold
 [ -n "$HELM" ] && [ -x "$HELM" ] || { echo "FAIL: no helm (3.10 or newer): put it in PATH, set HELM, or run bash .ci/helm.sh once" >&2; exit 1; }
 
@@ -59,8 +60,6 @@ FAILED=1
 START=$SECONDS
 
 POLL=2
-# shellcheck source=../lib.sh
-. "$REPO/e2e/lib.sh"
 
 diagnostics() {
   say "diagnostics"
