@@ -9,6 +9,11 @@
 //! - while under pressure, **one** pod at a time per GPU is evicted, the one most over its budget (bytes
 //!   above its limit); only pods over their budget are candidates: a pod within its budget is the
 //!   neighbour being protected and is never evicted for pressure.
+//!
+//! The step of a tick that acts on them, [`Enforcer::pressure`](crate::decide::Enforcer::pressure), is in
+//! `step.rs` beside this.
+
+pub(in crate::decide) mod step;
 
 /// A threshold on a GPU's free memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,488 @@
+//! One pod under its budget, between ticks: the state machine's step on its summed usage, the events of its
+//! transitions, its record (annotations) and its eviction's lifecycle (record first, then the request;
+//! refusals, backoff, delete after `blockedEvictionTimeoutSeconds`), and what the executors report back.
+
+use gpubudget_common::pod_record::PodRecord;
+use gpubudget_common::quantity::HumanBytes;
+use gpubudget_common::{Budget, BudgetAction, BudgetState, Tracker, step};
+
+use super::notes::{bounded, holders_summary, seconds};
+use super::{Action, Enforcer, EvictOutcome, Feedback, Now, PodRef, Reason};
+use crate::attribute::PodUsage;
+use crate::attribute::pods::PodView;
+use crate::sample::GpuInfo;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::decide) enum Eviction {
+    Idle,
+    /// Due since `since` (monotonic ms): the `Evicting` record (with `eviction-requested-at`) is on its way;
+    /// the request follows once the API has it, so the operator can count the eviction even when the pod is
+    /// gone in a moment; or, when `failed` writes reach [`super::Settings::record_wait_attempts`] or the wait
+    /// [`super::Settings::record_wait_ms`], without it.
+    AwaitingRecord {
+        since: u64,
+        failed: u32,
+    },
+    /// A request is out; `attempts` earlier ones were refused or failed, the first at `refused_since`.
+    InFlight {
+        attempts: u32,
+        refused_since: Option<u64>,
+    },
+    Blocked {
+        attempts: u32,
+        retry_at: u64,
+        refused_since: u64,
+    },
+    Done,
+}
+
+/// The state a pod's record says: `Evicting` while evicted for pressure, else the state machine's.
+pub(in crate::decide) fn record_state(mem: &PodMemory) -> BudgetState {
+    if mem.pressure.is_some() { BudgetState::Evicting } else { mem.tracker.state }
+}
+
+/// Whether evictions were refused for the budget's `blockedEvictionTimeoutSeconds` (never when unset).
+fn blocked_too_long(budget: &Budget, refused_since: u64, now: u64) -> bool {
+    budget.blocked_eviction_timeout_seconds.is_some_and(|t| now.saturating_sub(refused_since) >= t.saturating_mul(1000))
+}
+
+/// Whether the API has the record that says this eviction was requested (written by this agent).
+pub(in crate::decide) fn record_landed(mem: &PodMemory) -> bool {
+    mem.eviction_requested_at.is_some()
+        && mem.written.as_ref().is_some_and(|w| w.eviction_requested_at == mem.eviction_requested_at)
+}
+
+#[derive(Debug, Clone)]
+pub(in crate::decide) struct PodMemory {
+    pub(in crate::decide) pod: PodRef,
+    pub(in crate::decide) tracker: Tracker,
+    /// The action and `overLimitSeconds` of the budget the tracker counted under: a change starts the
+    /// period afresh (an edit never acts on time already spent over the limit).
+    pub(in crate::decide) policy: Option<(BudgetAction, u64)>,
+    pub(in crate::decide) reported: BudgetState,
+    pub(in crate::decide) written: Option<PodRecord>,
+    pub(in crate::decide) has_annotations: bool,
+    pub(in crate::decide) last_write_ms: u64,
+    pub(in crate::decide) write_in_flight: bool,
+    pub(in crate::decide) write_failures: u32,
+    pub(in crate::decide) write_retry_at: u64,
+    pub(in crate::decide) eviction: Eviction,
+    pub(in crate::decide) eviction_requested_at: Option<String>,
+    pub(in crate::decide) last_event_ms: [Option<u64>; Reason::COUNT],
+    /// For messages written from feedback.
+    pub(in crate::decide) last_usage: u64,
+    pub(in crate::decide) last_limit: u64,
+    pub(in crate::decide) last_budget: String,
+    pub(in crate::decide) seen: u64,
+    /// The GPU whose memory pressure this pod is being evicted for.
+    pub(in crate::decide) pressure: Option<usize>,
+}
+
+fn percent_changed(old: u64, new: u64, percent: u64) -> bool {
+    let diff = u128::from(old.abs_diff(new));
+    diff * 100 >= u128::from(old) * u128::from(percent) && diff > 0
+}
+
+/// Whether `key` is `budget`'s `namespace/name` (compared without allocating).
+fn is_key(key: &str, budget: &Budget) -> bool {
+    key.len() == budget.namespace.len() + 1 + budget.name.len()
+        && key.starts_with(budget.namespace.as_str())
+        && key.ends_with(budget.name.as_str())
+        && key.as_bytes()[budget.namespace.len()] == b'/'
+}
+
+pub(in crate::decide) struct Context<'a> {
+    pub(in crate::decide) view: &'a PodView,
+    pub(in crate::decide) budget: &'a Budget,
+    pub(in crate::decide) usage: &'a PodUsage,
+    pub(in crate::decide) gpus: &'a [GpuInfo],
+}
+
+impl Context<'_> {
+    pub(in crate::decide) fn used_of(&self) -> String {
+        format!(
+            "using {} of {} (budget {})",
+            HumanBytes(self.usage.total),
+            HumanBytes(self.budget.limit_bytes),
+            self.budget.key()
+        )
+    }
+
+    pub(in crate::decide) fn held_by(&self) -> String {
+        format!("held by {}", holders_summary(&self.usage.holders, self.gpus))
+    }
+
+    /// The grace period of an eviction (or delete) of this pod: [`Budget::eviction_grace_seconds`].
+    pub(in crate::decide) fn grace_seconds(&self) -> Option<i64> {
+        Some(self.budget.eviction_grace_seconds(self.view.termination_grace_seconds))
+    }
+
+    fn grace_text(&self) -> String {
+        let grace = self.budget.eviction_grace_seconds(self.view.termination_grace_seconds);
+        let own = self.view.termination_grace_seconds.unwrap_or(30);
+        match self.budget.eviction_grace_period_seconds {
+            Some(_) => format!("{grace}s grace"),
+            None if grace == own => format!("the pod's {grace}s grace"),
+            None => format!("{grace}s grace (the pod asks for {own}s; capped when the budget sets none)"),
+        }
+    }
+}
+
+impl Enforcer {
+    pub(in crate::decide) fn event(
+        &self,
+        mem: &mut PodMemory,
+        now: u64,
+        reason: Reason,
+        note: String,
+        out: &mut Vec<Action>,
+    ) {
+        let slot = &mut mem.last_event_ms[reason.slot()];
+        if slot.is_some_and(|at| now.saturating_sub(at) < self.settings.event_cooldown_ms) {
+            return;
+        }
+        *slot = Some(now);
+        out.push(Action::Event { pod: mem.pod.clone(), reason, note: bounded(note) });
+    }
+
+    fn new_memory(&self, now: Now, view: &PodView) -> PodMemory {
+        // What this agent (on this node) recorded before a restart.
+        let record = view.record.clone().filter(|r| r.node == self.settings.node);
+        PodMemory {
+            pod: PodRef::of(view),
+            tracker: Tracker::default(),
+            policy: None,
+            reported: record.as_ref().map_or(BudgetState::Within, |r| r.state),
+            eviction_requested_at: record.as_ref().and_then(|r| r.eviction_requested_at.clone()),
+            written: record,
+            has_annotations: view.has_annotations,
+            // Conservative: as if just written, so a restart does not rewrite usage at once.
+            last_write_ms: now.mono_ms,
+            write_in_flight: false,
+            write_failures: 0,
+            write_retry_at: 0,
+            eviction: Eviction::Idle,
+            last_event_ms: [None; Reason::COUNT],
+            last_usage: 0,
+            last_limit: 0,
+            last_budget: String::new(),
+            seen: 0,
+            pressure: None,
+        }
+    }
+
+    pub(in crate::decide) fn take_memory(&mut self, now: Now, view: &PodView) -> PodMemory {
+        match self.pods.remove(&view.uid) {
+            Some(mut mem) => {
+                mem.pod = PodRef::of(view);
+                mem
+            }
+            None => self.new_memory(now, view),
+        }
+    }
+
+    pub(in crate::decide) fn tick_unbudgeted(&mut self, now: Now, view: &PodView, out: &mut Vec<Action>) {
+        let mut mem = self.take_memory(now, view);
+        mem.seen = self.generation;
+        mem.last_budget.clear();
+        mem.tracker = Tracker::default();
+        mem.policy = None;
+        mem.reported = BudgetState::Within;
+        if matches!(mem.eviction, Eviction::Blocked { .. } | Eviction::AwaitingRecord { .. }) {
+            mem.eviction = Eviction::Idle;
+        }
+        // A record of ours with no budget behind it any more: remove it, once.
+        let ours = view.record.as_ref().is_some_and(|r| r.node == self.settings.node) || mem.written.is_some();
+        if ours && mem.has_annotations && !mem.write_in_flight && now.mono_ms >= mem.write_retry_at {
+            mem.write_in_flight = true;
+            out.push(Action::Clear { pod: mem.pod.clone() });
+        }
+        self.pods.insert(view.uid.clone(), mem);
+    }
+
+    pub(in crate::decide) fn tick_pod(&mut self, now: Now, cx: &Context<'_>, out: &mut Vec<Action>) {
+        let budget = cx.budget;
+        let view = cx.view;
+        let total = cx.usage.total;
+        let thresholds = budget.thresholds(view.never_evicted().is_some());
+        let mut mem = self.take_memory(now, view);
+        mem.seen = self.generation;
+        // A budget edit (Warn → Evict, a shorter overLimitSeconds) or a move to a budget that acts otherwise
+        // does not act on the time already spent over the limit: the period starts afresh, and is told.
+        let policy = (budget.action, budget.over_limit_seconds);
+        if let Some(old) = mem.policy.filter(|old| *old != policy) {
+            if mem.tracker.state.is_over() {
+                let note = format!(
+                    "budget {} changed (action {} → {}, overLimitSeconds {} → {}): the over-limit period starts \
+                     afresh; {}",
+                    budget.key(),
+                    old.0,
+                    policy.0,
+                    old.1,
+                    policy.1,
+                    cx.used_of()
+                );
+                self.event(&mut mem, now.mono_ms, Reason::BudgetChanged, note, out);
+            }
+            mem.tracker = Tracker { state: mem.tracker.state, ..Tracker::default() };
+        }
+        mem.policy = Some(policy);
+        mem.tracker = step(mem.tracker, &thresholds, now.mono_ms, total);
+        mem.last_usage = total;
+        mem.last_limit = budget.limit_bytes;
+        if !is_key(&mem.last_budget, budget) {
+            mem.last_budget = budget.key();
+        }
+        let state = mem.tracker.state;
+
+        if state != mem.reported {
+            out.push(Action::Transition {
+                pod: mem.pod.clone(),
+                from: mem.reported,
+                to: state,
+                usage: total,
+                limit: budget.limit_bytes,
+                budget: mem.last_budget.clone(),
+            });
+            let event = match (mem.reported, state) {
+                (BudgetState::Within, BudgetState::Near) => Some((
+                    Reason::NearBudget,
+                    format!(
+                        "{}, at or above the {}% warning threshold; {}",
+                        cx.used_of(),
+                        budget.warn_at_percent,
+                        cx.held_by()
+                    ),
+                )),
+                (BudgetState::Within | BudgetState::Near, BudgetState::Over) => {
+                    let then = if budget.action == BudgetAction::Warn {
+                        "action is Warn: the pod is not evicted".to_owned()
+                    } else if let Some(why) = view.never_evicted() {
+                        why.to_owned()
+                    } else if budget.over_limit_seconds == 0 {
+                        "evicting now".to_owned()
+                    } else {
+                        format!("evicting if it stays over for {}s", budget.over_limit_seconds)
+                    };
+                    Some((Reason::OverBudget, format!("{}; {then}; {}", cx.used_of(), cx.held_by())))
+                }
+                (BudgetState::Over | BudgetState::Evicting, BudgetState::Within | BudgetState::Near) => {
+                    Some((Reason::WithinBudget, format!("back under the limit: {}; {}", cx.used_of(), cx.held_by())))
+                }
+                (BudgetState::Near, BudgetState::Within) => Some((
+                    Reason::WithinBudget,
+                    format!("{}, under the {}% warning threshold again", cx.used_of(), budget.warn_at_percent),
+                )),
+                _ => None,
+            };
+            if let Some((reason, note)) = event {
+                self.event(&mut mem, now.mono_ms, reason, note, out);
+            }
+            mem.reported = state;
+        }
+
+        // Eviction: by the budget's timer, or for memory pressure on a GPU (only while still over the limit).
+        if mem.pressure.is_some() && total <= budget.limit_bytes && !matches!(mem.eviction, Eviction::InFlight { .. }) {
+            mem.pressure = None;
+        }
+        let due = state == BudgetState::Evicting || mem.pressure.is_some();
+        let evictable = due
+            && (thresholds.may_evict || mem.pressure.is_some())
+            && budget.action == BudgetAction::Evict
+            && view.never_evicted().is_none()
+            && !view.terminating
+            && view.node.as_deref() == Some(self.settings.node.as_str());
+        let mut applied = false;
+        match mem.eviction {
+            Eviction::Idle if evictable => {
+                let at = now.wall.round(jiff::Unit::Second).unwrap_or(now.wall).to_string();
+                mem.eviction_requested_at = Some(at);
+                let record = self.desired(&mem, cx);
+                out.push(Action::Apply { pod: mem.pod.clone(), record });
+                mem.write_in_flight = true;
+                applied = true;
+                let note = format!(
+                    "{} for {}s; evicting with {}; {}",
+                    cx.used_of(),
+                    seconds(mem.tracker.over_for()),
+                    cx.grace_text(),
+                    cx.held_by()
+                );
+                // Not subject to the cooldown: one per eviction, and evictions are rare.
+                mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
+                out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::Evicting, note: bounded(note) });
+                mem.eviction = Eviction::AwaitingRecord { since: now.mono_ms, failed: 0 };
+            }
+            Eviction::AwaitingRecord { .. } if evictable && !mem.write_in_flight && record_landed(&mem) => {
+                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: self.grace(&mem, cx), recorded: true });
+                mem.eviction = Eviction::InFlight { attempts: 0, refused_since: None };
+            }
+            Eviction::AwaitingRecord { since, failed }
+                if evictable
+                    && (failed >= self.settings.record_wait_attempts
+                        || now.mono_ms.saturating_sub(since) >= self.settings.record_wait_ms) =>
+            {
+                let note = format!(
+                    "the Evicting record could not be written ({failed} failed attempts in {}s); evicting without \
+                     it, and writing it while the pod terminates: until it lands, the budget's eviction count \
+                     misses this eviction",
+                    seconds(now.mono_ms.saturating_sub(since))
+                );
+                self.event(&mut mem, now.mono_ms, Reason::RecordNotWritten, note, out);
+                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: self.grace(&mem, cx), recorded: false });
+                mem.eviction = Eviction::InFlight { attempts: 0, refused_since: None };
+            }
+            // Back under before any request was accepted: no eviction happened, so the record must not say one
+            // was asked for (the operator would count a later, unrelated deletion of the pod as one).
+            Eviction::AwaitingRecord { .. } if !due => {
+                mem.eviction = Eviction::Idle;
+                mem.eviction_requested_at = None;
+            }
+            Eviction::Blocked { retry_at, attempts, refused_since }
+                if evictable && (now.mono_ms >= retry_at || blocked_too_long(budget, refused_since, now.mono_ms)) =>
+            {
+                let grace_seconds = self.grace(&mem, cx);
+                if blocked_too_long(budget, refused_since, now.mono_ms) {
+                    let note = format!(
+                        "evictions refused for {}s (blockedEvictionTimeoutSeconds {}): deleting the pod with {}, as \
+                         the kubelet's node-pressure eviction does; {}",
+                        seconds(now.mono_ms.saturating_sub(refused_since)),
+                        budget.blocked_eviction_timeout_seconds.unwrap_or_default(),
+                        cx.grace_text(),
+                        cx.used_of()
+                    );
+                    self.event(&mut mem, now.mono_ms, Reason::Deleting, note, out);
+                    out.push(Action::Delete { pod: mem.pod.clone(), grace_seconds });
+                } else {
+                    out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds, recorded: record_landed(&mem) });
+                }
+                mem.eviction = Eviction::InFlight { attempts, refused_since: Some(refused_since) };
+            }
+            Eviction::Blocked { .. } if !due => {
+                mem.eviction = Eviction::Idle;
+                mem.eviction_requested_at = None;
+            }
+            _ => {}
+        }
+
+        // The record: compared field by field, built only when due.
+        let state = record_state(&mem);
+        if !applied && !mem.write_in_flight && now.mono_ms >= mem.write_retry_at {
+            let due = match &mem.written {
+                None => true,
+                Some(w) => {
+                    w.state != state
+                        || w.budget != budget.name
+                        || w.node != self.settings.node
+                        || w.eviction_requested_at != mem.eviction_requested_at
+                        || (percent_changed(w.usage_bytes, total, self.settings.usage_change_percent)
+                            && now.mono_ms.saturating_sub(mem.last_write_ms) >= self.settings.usage_min_interval_ms)
+                }
+            };
+            if due {
+                out.push(Action::Apply { pod: mem.pod.clone(), record: self.desired(&mem, cx) });
+                mem.write_in_flight = true;
+            }
+        }
+        self.pods.insert(view.uid.clone(), mem);
+    }
+
+    /// The grace period of an eviction: the budget's, or for pressure the agent's capped by the budget's.
+    pub(in crate::decide) fn grace(&self, mem: &PodMemory, cx: &Context<'_>) -> Option<i64> {
+        match mem.pressure {
+            Some(_) => Some(
+                cx.budget
+                    .eviction_grace_period_seconds
+                    .map_or(self.settings.pressure_grace_seconds, |cap| cap.min(self.settings.pressure_grace_seconds)),
+            ),
+            None => cx.grace_seconds(),
+        }
+    }
+
+    pub(in crate::decide) fn desired(&self, mem: &PodMemory, cx: &Context<'_>) -> PodRecord {
+        PodRecord {
+            state: record_state(mem),
+            usage_bytes: cx.usage.total,
+            budget: cx.budget.name.clone(),
+            node: self.settings.node.clone(),
+            eviction_requested_at: mem.eviction_requested_at.clone(),
+        }
+    }
+
+    /// Takes an executor's report into account; may emit events (a blocked eviction).
+    pub fn feedback(&mut self, now: Now, feedback: Feedback, out: &mut Vec<Action>) {
+        let (write_min, usage_interval, evict_min, evict_max) = (
+            self.settings.write_backoff_min_ms,
+            self.settings.usage_min_interval_ms,
+            self.settings.evict_backoff_min_ms,
+            self.settings.evict_backoff_max_ms,
+        );
+        match feedback {
+            Feedback::Written { uid, record, ok } => {
+                let Some(mem) = self.pods.get_mut(&uid) else { return };
+                mem.write_in_flight = false;
+                if ok {
+                    mem.has_annotations = record.is_some();
+                    mem.written = record;
+                    mem.last_write_ms = now.mono_ms;
+                    mem.write_failures = 0;
+                    mem.write_retry_at = 0;
+                } else {
+                    if let Eviction::AwaitingRecord { failed, .. } = &mut mem.eviction {
+                        *failed = failed.saturating_add(1);
+                    }
+                    mem.write_failures = mem.write_failures.saturating_add(1);
+                    let backoff = write_min
+                        .saturating_mul(1 << mem.write_failures.min(16).saturating_sub(1))
+                        .min(usage_interval.max(write_min));
+                    mem.write_retry_at = now.mono_ms + backoff;
+                }
+            }
+            Feedback::Evicted { uid, outcome } => {
+                let Some(mut mem) = self.pods.remove(&uid) else { return };
+                let (attempts, refused_since) = match mem.eviction {
+                    Eviction::Blocked { attempts, refused_since, .. } => (attempts, Some(refused_since)),
+                    Eviction::InFlight { attempts, refused_since } => (attempts, refused_since),
+                    Eviction::Idle | Eviction::AwaitingRecord { .. } | Eviction::Done => (0, None),
+                };
+                let attempts = attempts + 1;
+                let refused_since = refused_since.unwrap_or(now.mono_ms);
+                let backoff = evict_min.saturating_mul(1 << attempts.min(16).saturating_sub(1)).min(evict_max);
+                match outcome {
+                    EvictOutcome::Accepted | EvictOutcome::Gone => mem.eviction = Eviction::Done,
+                    // Every refusal is told (a PodDisruptionBudget's 429, the 500 of two PodDisruptionBudgets,
+                    // a webhook's denial, a timeout): a silent failure would hide a pod holding its memory.
+                    EvictOutcome::Blocked(message) | EvictOutcome::Failed(message) => {
+                        mem.eviction = Eviction::Blocked { attempts, retry_at: now.mono_ms + backoff, refused_since };
+                        // A refused pressure eviction gives the GPU's turn back: after the backoff the pressure
+                        // step chooses again (this pod or the next most over), so at most one pressure eviction
+                        // per GPU is ever in flight. The pod is not being evicted any more.
+                        if let Some(g) = mem.pressure.take() {
+                            if let Some(gpu) = self.gpus.get_mut(g) {
+                                gpu.retry_at = now.mono_ms + backoff;
+                            }
+                            mem.eviction = Eviction::Idle;
+                            mem.eviction_requested_at = None;
+                        }
+                        // The eviction check of nodeRestriction (the operator's webhook) refusing or unreachable.
+                        let check = if message.contains("webhook") {
+                            " (the eviction check of nodeRestriction, served by the gpubudget operator, refused it or \
+                             could not be reached: is the operator up?)"
+                        } else {
+                            ""
+                        };
+                        let note = format!(
+                            "eviction refused: {message}{check}; using {} of {} (budget {}); retrying in {}s",
+                            HumanBytes(mem.last_usage),
+                            HumanBytes(mem.last_limit),
+                            mem.last_budget,
+                            seconds(backoff)
+                        );
+                        self.event(&mut mem, now.mono_ms, Reason::EvictionBlocked, note, out);
+                    }
+                }
+                self.pods.insert(uid, mem);
+            }
+        }
+    }
+}

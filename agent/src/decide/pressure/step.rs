@@ -1,0 +1,189 @@
+//! The pressure step of a tick ([`Enforcer::pressure`]): each GPU's [`Signal`](super::Signal), Node events when
+//! it begins and ends, and while it lasts the choice ([`choose`](super::choose)) of one pod to evict per GPU,
+//! carried out through the pod's eviction lifecycle ([`crate::decide::pod`]).
+
+use gpubudget_common::BudgetAction;
+use gpubudget_common::quantity::HumanBytes;
+
+use super::{Candidate, Cause, Change, Signal, choose};
+use crate::attribute::PodUsage;
+use crate::attribute::pods::PodTable;
+use crate::decide::notes::{bounded, seconds};
+use crate::decide::pod::{Context, Eviction};
+use crate::decide::{Action, Enforcer, NodeReason, Now, Reason};
+use crate::sample::Snapshot;
+
+/// One GPU's memory pressure between ticks.
+#[derive(Debug, Clone, Default)]
+pub(in crate::decide) struct GpuPressure {
+    pub(in crate::decide) signal: Signal,
+    /// The "budgets add up to more than the GPU" event was sent for this episode.
+    pub(in crate::decide) told_overcommitted: bool,
+    /// A pressure eviction on this GPU was refused: the next choice waits until then (monotonic ms).
+    pub(in crate::decide) retry_at: u64,
+}
+
+/// Marks the "overcommitted" event as sent for this pressure episode; whether it already was.
+fn gpu_told(gpu: &mut GpuPressure) -> bool {
+    std::mem::replace(&mut gpu.told_overcommitted, true)
+}
+
+impl Enforcer {
+    /// Whether GPU `gpu` (index in the snapshot) is under memory pressure.
+    pub fn under_pressure(&self, gpu: usize) -> bool {
+        self.gpus.get(gpu).is_some_and(|g| g.signal.active())
+    }
+
+    /// The pressure step of a tick, after [`Self::tick`] with the same inputs: each GPU's signal from its
+    /// used bytes (`used`, per GPU; `None`: unknown, no signal), events on the Node when it begins and ends,
+    /// and while it lasts one eviction at a time per GPU: the evictable pod most over its budget among those
+    /// holding memory on it ([`choose`]), without waiting for `overLimitSeconds`. Pods within
+    /// their budget, without one, with a `Warn` budget, critical or static are never chosen. While a pod
+    /// this agent is evicting (record on its way, request out, or accepted) still holds memory on the GPU,
+    /// no other is chosen (the kubelet's "wait for reclaim"); a refused one gives the GPU's turn back, and the
+    /// next choice waits for the eviction backoff (so at most one pressure eviction per GPU is in flight).
+    pub fn pressure(
+        &mut self,
+        now: Now,
+        table: &PodTable,
+        usage: &[PodUsage],
+        snapshot: &Snapshot,
+        out: &mut Vec<Action>,
+    ) {
+        if !self.settings.pressure.enabled() {
+            return;
+        }
+        self.gpus.resize_with(snapshot.gpus.len(), GpuPressure::default);
+        let empty = PodUsage::default();
+        for (g, info) in snapshot.gpus.iter().enumerate() {
+            // A GPU whose sample failed has no figures: no pressure is decided from it.
+            let Some(memory) = snapshot.memory(g).filter(|_| info.total_bytes > 0) else { continue };
+            let (free, total) = (memory.free, info.total_bytes);
+            let settings = self.settings.pressure;
+            let gpu = &mut self.gpus[g];
+            match gpu.signal.observe(&settings, free, total, now.mono_ms) {
+                Change::Began(cause) => {
+                    let (name, threshold) = match cause {
+                        Cause::Hard => ("hard", settings.hard),
+                        Cause::Soft => ("soft", settings.soft),
+                    };
+                    let threshold = threshold.map_or(0, |t| t.bytes(total));
+                    let note = format!(
+                        "GPU {}: {} free of {}, under the {name} threshold ({}); evicting pods over their budgets on it, the most over first, one at a time",
+                        info.label,
+                        HumanBytes(free),
+                        HumanBytes(total),
+                        HumanBytes(threshold)
+                    );
+                    out.push(Action::NodeEvent { reason: NodeReason::Pressure, note });
+                }
+                Change::Ended => {
+                    gpu.told_overcommitted = false;
+                    let note = format!(
+                        "GPU {}: {} free of {}, above the thresholds for {}s",
+                        info.label,
+                        HumanBytes(free),
+                        HumanBytes(total),
+                        seconds(settings.transition_ms)
+                    );
+                    out.push(Action::NodeEvent { reason: NodeReason::PressureEnded, note });
+                }
+                Change::None => {}
+            }
+            if !gpu.signal.breached() {
+                continue;
+            }
+            let on_gpu = |i: usize| -> u64 {
+                usage.get(i).unwrap_or(&empty).holders.iter().filter(|h| h.gpu == g).map(|h| h.bytes).sum()
+            };
+            if now.mono_ms < gpu.retry_at {
+                continue;
+            }
+            // Wait for reclaim: a pod this agent is evicting still holds memory here.
+            let reclaiming = table.pods.iter().enumerate().any(|(i, view)| {
+                on_gpu(i) > 0
+                    && self.pods.get(&view.uid).is_some_and(|m| {
+                        matches!(
+                            m.eviction,
+                            Eviction::AwaitingRecord { .. } | Eviction::InFlight { .. } | Eviction::Done
+                        )
+                    })
+            });
+            if reclaiming {
+                continue;
+            }
+            // The pods holding memory here (table indexes) and what the choice needs of them.
+            let (mut on_this_gpu, mut candidates) = (Vec::new(), Vec::new());
+            for (i, view) in table.pods.iter().enumerate() {
+                let bytes = on_gpu(i);
+                if bytes == 0 {
+                    continue;
+                }
+                let budget = table.budget(i);
+                let evictable = budget.is_some_and(|b| b.action == BudgetAction::Evict)
+                    && view.never_evicted().is_none()
+                    && !view.terminating
+                    && view.node.as_deref() == Some(self.settings.node.as_str())
+                    // Not one whose eviction by its budget is under way or refused (that one retries on its own).
+                    && self.pods.get(&view.uid).is_some_and(|m| m.eviction == Eviction::Idle);
+                on_this_gpu.push(i);
+                candidates.push(Candidate {
+                    key: format!("{}/{}", view.namespace, view.name),
+                    usage: usage.get(i).unwrap_or(&empty).total,
+                    limit: budget.map(|b| b.limit_bytes),
+                    on_gpu: bytes,
+                    evictable,
+                });
+            }
+            match choose(&candidates) {
+                Some(c) => {
+                    let i = on_this_gpu[c];
+                    let (view, budget) = (&table.pods[i], table.budget(i));
+                    let (Some(budget), Some(mut mem)) = (budget, self.pods.remove(&view.uid)) else { continue };
+                    let cx = Context { view, budget, usage: usage.get(i).unwrap_or(&empty), gpus: &snapshot.gpus };
+                    mem.pressure = Some(g);
+                    let at = now.wall.round(jiff::Unit::Second).unwrap_or(now.wall).to_string();
+                    mem.eviction_requested_at = Some(at);
+                    out.push(Action::Apply { pod: mem.pod.clone(), record: self.desired(&mem, &cx) });
+                    mem.write_in_flight = true;
+                    let note = format!(
+                        "{}; GPU {} is under memory pressure ({} free of {}) and this pod is the most over its budget there: evicting with {}s grace; {}",
+                        cx.used_of(),
+                        info.label,
+                        HumanBytes(free),
+                        HumanBytes(total),
+                        self.grace(&mem, &cx).unwrap_or_default(),
+                        cx.held_by()
+                    );
+                    mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
+                    out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::Evicting, note: bounded(note) });
+                    mem.eviction = Eviction::AwaitingRecord { since: now.mono_ms, failed: 0 };
+                    self.pods.insert(view.uid.clone(), mem);
+                }
+                None if !gpu_told(&mut self.gpus[g]) => {
+                    let mut pods: Vec<String> = candidates
+                        .iter()
+                        .take(5)
+                        .map(|c| {
+                            let limit =
+                                c.limit.map_or_else(|| "no budget".to_owned(), |l| format!("limit {}", HumanBytes(l)));
+                            format!("{} {} ({limit})", c.key, HumanBytes(c.on_gpu))
+                        })
+                        .collect();
+                    if candidates.len() > 5 {
+                        pods.push(format!("and {} more", candidates.len() - 5));
+                    }
+                    let note = format!(
+                        "GPU {}: {} free of {} and no pod on it may be evicted for pressure: none is over its budget (or those over it are critical, static or Warn); the budgets of the pods using it add up to more than it holds: {}",
+                        info.label,
+                        HumanBytes(free),
+                        HumanBytes(total),
+                        pods.join(", ")
+                    );
+                    out.push(Action::NodeEvent { reason: NodeReason::Overcommitted, note: bounded(note) });
+                }
+                None => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,63 @@
+//! The decisions' tunables ([`Settings`]) and the time a tick is decided at ([`Now`]).
+
+use super::{gpus, pressure};
+
+/// Tunables (the defaults are the write budget).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// This node's name (records carry it; pods of other nodes are never acted on).
+    pub node: String,
+    /// Usage is rewritten only when it moved by at least this percentage of the last written value.
+    pub usage_change_percent: u64,
+    /// … and at most this often per pod.
+    pub usage_min_interval_ms: u64,
+    /// A reason is not repeated for a pod within this.
+    pub event_cooldown_ms: u64,
+    /// First retry delay after a refused eviction (doubles up to `evict_backoff_max_ms`).
+    pub evict_backoff_min_ms: u64,
+    /// Longest retry delay for an eviction.
+    pub evict_backoff_max_ms: u64,
+    /// First retry delay after a failed write (doubles up to `usage_min_interval_ms`).
+    pub write_backoff_min_ms: u64,
+    /// The GPU memory pressure signal ([`pressure`]); off: budgets alone.
+    pub pressure: pressure::PressureSettings,
+    /// Termination grace of a pressure eviction, seconds; a budget's `evictionGracePeriodSeconds` caps it.
+    pub pressure_grace_seconds: i64,
+    /// When memory no process accounts for is told on the Node ([`gpus`]).
+    pub accounting: gpus::AccountingSettings,
+    /// The eviction waits for its `Evicting` record at most this many failed writes …
+    pub record_wait_attempts: u32,
+    /// … and at most this long after it became due; then it goes ahead without the record (an event says
+    /// so), and the record is retried while the pod terminates. A write the tenant can break (annotations
+    /// filling the 256 KiB limit, a webhook refusing the update) cannot hold the eviction back.
+    pub record_wait_ms: u64,
+}
+
+impl Settings {
+    /// The defaults for a node.
+    pub fn new(node: impl Into<String>) -> Self {
+        Self {
+            node: node.into(),
+            usage_change_percent: 5,
+            usage_min_interval_ms: 30_000,
+            event_cooldown_ms: 60_000,
+            evict_backoff_min_ms: 5_000,
+            evict_backoff_max_ms: 60_000,
+            write_backoff_min_ms: 1_000,
+            pressure: pressure::PressureSettings::OFF,
+            pressure_grace_seconds: 5,
+            accounting: gpus::AccountingSettings::DEFAULT,
+            record_wait_attempts: 3,
+            record_wait_ms: 30_000,
+        }
+    }
+}
+
+/// The time of a tick: a monotonic clock for rules, wall time for records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Now {
+    /// Monotonic milliseconds (since the agent started).
+    pub mono_ms: u64,
+    /// Wall-clock time.
+    pub wall: jiff::Timestamp,
+}

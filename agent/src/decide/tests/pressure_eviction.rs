@@ -1,0 +1,260 @@
+//! Pressure on a GPU evicts the pod most over its budget at once, one at a time, and never a pod within
+//! its budget, without one, critical or static.
+
+use super::*;
+use crate::decide::NodeReason;
+use crate::decide::pressure::{PressureSettings, Threshold};
+
+const TOTAL: u64 = 80 * GI;
+
+fn budgets() -> Vec<GpuMemoryBudget> {
+    ["grower: {limit: 8Gi, sel: grower}", "big: {limit: 40Gi, sel: n}", "warn: {limit: 1Gi, sel: w}"]
+        .iter()
+        .map(|spec| {
+            let (name, rest) = spec.split_once(": ").expect("spec");
+            let limit = rest.split("limit: ").nth(1).and_then(|r| r.split(',').next()).expect("limit");
+            let sel = rest.split("sel: ").nth(1).and_then(|r| r.strip_suffix('}')).expect("sel");
+            let action = if name == "warn" { "Warn" } else { "Evict" };
+            serde_yaml::from_str(&format!(
+                "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: {name}, namespace: team-a}}\n\
+                 spec: {{selector: {{matchLabels: {{app: {sel}}}}}, limit: {limit}, action: {action}, overLimitSeconds: 600}}"
+            ))
+            .expect("budget")
+        })
+        .collect()
+}
+
+fn view(name: &str, app: &str, extra_meta: &str, extra_spec: &str) -> PodView {
+    let p: Pod = serde_yaml::from_str(&format!(
+        "metadata: {{name: {name}, namespace: team-a, uid: uid-{name}, labels: {{app: {app}}}{extra_meta}}}\n\
+         spec: {{nodeName: {NODE}, terminationGracePeriodSeconds: 3600, containers: []{extra_spec}}}"
+    ))
+    .expect("pod");
+    PodView::from_pod(&p).expect("view")
+}
+
+struct Node {
+    enforcer: Enforcer,
+    table: PodTable,
+}
+
+impl Node {
+    fn new(views: Vec<PodView>) -> Self {
+        let mut settings = Settings::new(NODE);
+        settings.pressure = PressureSettings {
+            hard: Some(Threshold::Bytes(4 * GI)),
+            soft: None,
+            soft_grace_ms: 0,
+            transition_ms: 1_000,
+        };
+        Self { enforcer: Enforcer::new(settings), table: PodTable::build(views, &budgets(), Some(NODE)) }
+    }
+
+    /// One tick: `bytes` per pod (table order) on GPU 0, the device's used bytes the sum plus `extra`;
+    /// every write and eviction succeeds.
+    fn tick(&mut self, ms: u64, bytes: &[u64], extra: u64) -> Vec<Action> {
+        self.tick_with(ms, bytes, extra, false)
+    }
+
+    /// [`Self::tick`], the evictions refused (429) when `refuse`.
+    fn tick_with(&mut self, ms: u64, bytes: &[u64], extra: u64, refuse: bool) -> Vec<Action> {
+        let usage: Vec<PodUsage> = bytes
+            .iter()
+            .map(|&b| PodUsage {
+                total: b,
+                holders: if b == 0 { vec![] } else { vec![Holder { container: None, pid: Some(1), gpu: 0, bytes: b }] },
+                unknown: 0,
+            })
+            .collect();
+        let snapshot = Snapshot {
+            gpus: vec![GpuInfo { label: "0".into(), total_bytes: TOTAL, ..GpuInfo::default() }],
+            processes: Vec::new(),
+            readings: vec![GpuReading::sampled(Some(DeviceMemory::from_used(
+                bytes.iter().sum::<u64>() + extra,
+                TOTAL,
+            )))],
+        };
+        let mut out = Vec::new();
+        self.enforcer.tick(at(ms), &self.table, &usage, &snapshot.gpus, &mut out);
+        self.enforcer.pressure(at(ms), &self.table, &usage, &snapshot, &mut out);
+        let feedback: Vec<Feedback> = out
+            .iter()
+            .filter_map(|a| match a {
+                Action::Apply { pod, record } => {
+                    Some(Feedback::Written { uid: pod.uid.clone(), record: Some(record.clone()), ok: true })
+                }
+                Action::Evict { pod, .. } => Some(Feedback::Evicted {
+                    uid: pod.uid.clone(),
+                    outcome: if refuse { EvictOutcome::Blocked("PDB".into()) } else { EvictOutcome::Accepted },
+                }),
+                _ => None,
+            })
+            .collect();
+        for f in feedback {
+            self.enforcer.feedback(at(ms), f, &mut out);
+        }
+        out
+    }
+}
+
+fn evicted(actions: &[Action]) -> Vec<(String, Option<i64>)> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Evict { pod, grace_seconds, .. } => Some((pod.name.to_string(), *grace_seconds)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn node_events(actions: &[Action]) -> Vec<NodeReason> {
+    actions.iter().filter_map(|a| if let Action::NodeEvent { reason, .. } = a { Some(*reason) } else { None }).collect()
+}
+
+#[test]
+fn the_most_over_pod_is_evicted_at_once_with_the_pressure_grace_and_the_record_says_evicting() {
+    let mut node = Node::new(vec![view("grower", "grower", "", ""), view("neighbour", "n", "", "")]);
+    // 20Gi of an 8Gi budget and 30Gi of a 40Gi one: 50Gi used, no pressure.
+    let quiet = node.tick(0, &[20 * GI, 30 * GI], 0);
+    assert!(evicted(&quiet).is_empty() && node_events(&quiet).is_empty(), "{quiet:#?}");
+    // The grower climbs to 47Gi: 77Gi used, 3Gi free, under the 4Gi hard threshold. overLimitSeconds (600)
+    // is not waited for.
+    let first = node.tick(250, &[47 * GI, 30 * GI], 0);
+    assert_eq!(node_events(&first), [NodeReason::Pressure]);
+    assert!(node.enforcer.under_pressure(0));
+    let record = first.iter().find_map(|a| match a {
+        Action::Apply { pod, record } if &*pod.name == "grower" => Some(record.clone()),
+        _ => None,
+    });
+    assert_eq!(record.map(|r| r.state), Some(BudgetState::Evicting), "{first:#?}");
+    let note = first
+        .iter()
+        .find_map(|a| match a {
+            Action::Event { reason: Reason::Evicting, note, .. } => Some(note.clone()),
+            _ => None,
+        })
+        .expect("an eviction event");
+    assert!(note.contains("under memory pressure") && note.contains("most over its budget"), "{note}");
+    // The request follows once the record landed; the pressure grace (5 s) applies, not the pod's 3600 s.
+    let second = node.tick(500, &[47 * GI, 30 * GI], 0);
+    assert_eq!(evicted(&second), [("grower".to_owned(), Some(5))]);
+    // The neighbour within its budget is never touched, even while pressure lasts.
+    let later: Vec<Action> = (3..20).flat_map(|k| node.tick(k * 250, &[47 * GI, 30 * GI], 0)).collect();
+    assert!(evicted(&later).is_empty(), "{later:#?}");
+    // The grower's processes exit: free memory comes back; the signal ends after the transition period.
+    let back: Vec<Action> = (20..30).flat_map(|k| node.tick(k * 250, &[0, 30 * GI], 0)).collect();
+    assert_eq!(node_events(&back), [NodeReason::PressureEnded]);
+}
+
+#[test]
+fn one_at_a_time_per_gpu_while_the_first_still_holds_memory() {
+    let mut node = Node::new(vec![view("grower", "grower", "", ""), view("second", "grower", "", "")]);
+    // Two pods over the 8Gi budget: 40Gi (32 over) and 37Gi (29 over); 77Gi used.
+    let a = node.tick(0, &[40 * GI, 37 * GI], 0);
+    let b = node.tick(250, &[40 * GI, 37 * GI], 0);
+    assert_eq!(evicted(&[a, b].concat()), [("grower".to_owned(), Some(5))]);
+    // The first still terminates (holds its memory): no second eviction however long it takes.
+    let waiting: Vec<Action> = (2..40).flat_map(|k| node.tick(k * 250, &[40 * GI, 37 * GI], 0)).collect();
+    assert!(evicted(&waiting).is_empty(), "{waiting:#?}");
+    // Its memory is reclaimed but the GPU is still short (the second grows to 77Gi): now the second.
+    let next: Vec<Action> = (40..43).flat_map(|k| node.tick(k * 250, &[0, 77 * GI], 0)).collect();
+    assert_eq!(evicted(&next), [("second".to_owned(), Some(5))]);
+}
+
+#[test]
+fn within_budget_warn_critical_static_and_unbudgeted_pods_are_never_evicted_and_the_node_is_told_once() {
+    let views = vec![
+        view("neighbour", "n", "", ""),
+        view("audit", "w", "", ""),
+        view("critical", "grower", "", ", priorityClassName: system-node-critical"),
+        view("static", "grower", ", annotations: {kubernetes.io/config.mirror: abc}", ""),
+        view("nobudget", "none", "", ""),
+    ];
+    let mut node = Node::new(views);
+    let bytes = [39 * GI, 10 * GI, 10 * GI, 10 * GI, 9 * GI];
+    let all: Vec<Action> = (0..20).flat_map(|k| node.tick(k * 250, &bytes, 0)).collect();
+    assert!(evicted(&all).is_empty(), "{all:#?}");
+    assert_eq!(node_events(&all), [NodeReason::Pressure, NodeReason::Overcommitted]);
+    let note = all
+        .iter()
+        .find_map(|a| match a {
+            Action::NodeEvent { reason: NodeReason::Overcommitted, note } => Some(note.clone()),
+            _ => None,
+        })
+        .expect("told");
+    assert!(note.contains("add up to more than it holds") && note.contains("team-a/neighbour"), "{note}");
+}
+
+#[test]
+fn off_by_default() {
+    let mut node = Node::new(vec![view("grower", "grower", "", "")]);
+    node.enforcer.settings.pressure = PressureSettings::OFF;
+    let all: Vec<Action> = (0..10).flat_map(|k| node.tick(k * 250, &[79 * GI], 0)).collect();
+    assert!(evicted(&all).is_empty() && node_events(&all).is_empty());
+    assert_eq!(Settings::new(NODE).pressure, PressureSettings::OFF);
+}
+
+#[test]
+fn a_budget_grace_caps_the_pressure_grace() {
+    let mut node = Node::new(vec![view("grower", "grower", "", "")]);
+    node.enforcer.settings.pressure_grace_seconds = 30;
+    let mut b = budgets();
+    b[0].spec.eviction_grace_period_seconds = Some(2);
+    node.table = PodTable::build(vec![view("grower", "grower", "", "")], &b, Some(NODE));
+    let all: Vec<Action> = (0..3).flat_map(|k| node.tick(k * 250, &[78 * GI], 0)).collect();
+    assert_eq!(evicted(&all), [("grower".to_owned(), Some(2))]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    /// Random usage, device totals and refusals: a pressure eviction is only ever decided for a pod over its
+    /// budget under `action: Evict` (never the pod within its budget, never the `Warn` one), and never while
+    /// another pod's eviction on the GPU is in flight (decided and not refused, its memory not yet back).
+    #[test]
+    fn never_within_never_warn_one_in_flight(
+        steps in proptest::collection::vec((proptest::collection::vec(0u64..48, 4), 0u64..8, any::<bool>()), 1..80)
+    ) {
+        let names = ["g1", "g2", "n", "w"];
+        let mut node = Node::new(vec![
+            view("g1", "grower", "", ""),
+            view("g2", "grower", "", ""),
+            view("n", "n", "", ""),
+            view("w", "w", "", ""),
+        ]);
+        let limits = [8 * GI, 8 * GI, 40 * GI, GI];
+        let mut gone = [false; 4];
+        // The pod whose pressure eviction is in flight, and whether its request went out.
+        let mut in_flight: Option<(usize, bool)> = None;
+        for (k, (gib, extra, refuse)) in steps.iter().enumerate() {
+            let bytes: Vec<u64> = (0..4).map(|i| if gone[i] { 0 } else { gib[i] * GI }).collect();
+            // Over: its memory is back. Or cancelled: back within its budget before the request went out.
+            if in_flight.is_some_and(|(i, sent)| bytes[i] == 0 || (!sent && bytes[i] <= limits[i])) {
+                in_flight = None;
+            }
+            let out = node.tick_with(k as u64 * 250, &bytes, extra * GI, *refuse);
+            for a in &out {
+                match a {
+                    Action::Event { pod, reason: Reason::Evicting, .. } => {
+                        let i = names.iter().position(|n| **n == *pod.name).expect("a pod of the test");
+                        prop_assert!(bytes[i] > limits[i], "{} chosen within its budget", pod.name);
+                        prop_assert!(names[i] != "w", "the Warn pod was chosen");
+                        prop_assert!(in_flight.is_none(), "{} chosen while {:?} is in flight", pod.name, in_flight.map(|(j, _)| names[j]));
+                        in_flight = Some((i, false));
+                    }
+                    Action::Evict { pod, .. } => {
+                        let i = names.iter().position(|n| **n == *pod.name).expect("a pod of the test");
+                        if *refuse {
+                            in_flight = None;
+                        } else {
+                            gone[i] = true;
+                            if in_flight.is_some_and(|(j, _)| j == i) {
+                                in_flight = Some((i, true));
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,247 @@
+//! The vocabulary the decisions and the executors share: what an executor is asked to do ([`Action`], about a
+//! [`PodRef`], with event [`Reason`]s and [`NodeReason`]s) and what it reports back ([`Feedback`],
+//! [`EvictOutcome`]). The API executor (`act::kube`) and the standalone one (`act::log`) speak only this.
+
+use std::sync::Arc;
+
+use gpubudget_common::BudgetState;
+use gpubudget_common::pod_record::PodRecord;
+
+use crate::attribute::pods::PodView;
+
+/// The pod an action is about.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PodRef {
+    /// UID.
+    pub uid: Arc<str>,
+    /// Namespace.
+    pub namespace: Arc<str>,
+    /// Name.
+    pub name: Arc<str>,
+}
+
+impl PodRef {
+    pub(super) fn of(view: &PodView) -> Self {
+        Self { uid: view.uid.clone(), namespace: view.namespace.clone(), name: view.name.clone() }
+    }
+}
+
+impl std::fmt::Display for PodRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// Event reasons (PascalCase, as Kubernetes reasons are).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Reason {
+    /// At or above `warnAtPercent` of the limit.
+    NearBudget,
+    /// Over the limit.
+    OverBudget,
+    /// Over the limit for `overLimitSeconds`: eviction requested.
+    Evicting,
+    /// The eviction was refused (HTTP 429: a PodDisruptionBudget).
+    EvictionBlocked,
+    /// Back under the limit (or under the warning threshold).
+    WithinBudget,
+    /// The `Evicting` record could not be written in time: the eviction goes ahead without it.
+    RecordNotWritten,
+    /// Evictions were refused for `blockedEvictionTimeoutSeconds`: the pod is deleted instead.
+    Deleting,
+    /// The budget's action or `overLimitSeconds` changed while the pod was over: the period starts afresh.
+    BudgetChanged,
+}
+
+impl Reason {
+    /// The event's `reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::NearBudget => "GpuMemoryNearBudget",
+            Reason::OverBudget => "GpuMemoryOverBudget",
+            Reason::Evicting => "EvictingForGpuMemory",
+            Reason::EvictionBlocked => "GpuMemoryEvictionBlocked",
+            Reason::WithinBudget => "GpuMemoryWithinBudget",
+            Reason::RecordNotWritten => "GpuMemoryEvictionRecordFailed",
+            Reason::Deleting => "DeletingForGpuMemory",
+            Reason::BudgetChanged => "GpuMemoryBudgetChanged",
+        }
+    }
+
+    /// Warning (true) or Normal.
+    pub fn is_warning(self) -> bool {
+        matches!(
+            self,
+            Reason::NearBudget
+                | Reason::OverBudget
+                | Reason::Evicting
+                | Reason::EvictionBlocked
+                | Reason::RecordNotWritten
+                | Reason::Deleting
+        )
+    }
+
+    /// How many reasons there are.
+    pub(super) const COUNT: usize = 8;
+
+    pub(super) fn slot(self) -> usize {
+        self as usize
+    }
+}
+
+/// Why an event on the Node is sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NodeReason {
+    /// A GPU came under memory pressure.
+    Pressure,
+    /// It is no longer.
+    PressureEnded,
+    /// Under pressure, but no pod on the GPU is over its budget: the budgets add up to more than it holds.
+    Overcommitted,
+    /// A GPU's sample failed: nothing is decided from it until it is back ([`gpus`](super::gpus)).
+    GpuSampleFailed,
+    /// It is sampled again.
+    GpuSampleRecovered,
+    /// A large share of a GPU's used memory is held by no process the agent can see, for a while.
+    Unaccounted,
+    /// NVML gives no per-process figure for some processes on a GPU (once per GPU).
+    Unavailable,
+}
+
+impl NodeReason {
+    /// The event's `reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pressure => "GpuMemoryPressure",
+            Self::PressureEnded => "GpuMemoryPressureEnded",
+            Self::Overcommitted => "GpuMemoryBudgetsOvercommitted",
+            Self::GpuSampleFailed => "GpuSampleFailed",
+            Self::GpuSampleRecovered => "GpuSampleRecovered",
+            Self::Unaccounted => "GpuMemoryUnaccounted",
+            Self::Unavailable => "GpuProcessMemoryUnavailable",
+        }
+    }
+
+    /// Warning (true) or Normal.
+    pub fn is_warning(self) -> bool {
+        !matches!(self, Self::PressureEnded | Self::GpuSampleRecovered)
+    }
+}
+
+/// What the executor is asked to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// The pod changed state (logged; the standalone mode's decision lines).
+    Transition {
+        /// The pod.
+        pod: PodRef,
+        /// Previous state.
+        from: BudgetState,
+        /// New state.
+        to: BudgetState,
+        /// Usage, bytes.
+        usage: u64,
+        /// Limit, bytes.
+        limit: u64,
+        /// `namespace/name` of the budget.
+        budget: String,
+    },
+    /// Write the pod's record (server-side apply of the contract annotations).
+    Apply {
+        /// The pod.
+        pod: PodRef,
+        /// The record.
+        record: PodRecord,
+    },
+    /// Remove the agent's annotations (no budget applies any more).
+    Clear {
+        /// The pod.
+        pod: PodRef,
+    },
+    /// Emit an event on the pod.
+    Event {
+        /// The pod.
+        pod: PodRef,
+        /// Why.
+        reason: Reason,
+        /// The message.
+        note: String,
+    },
+    /// Emit an event on this node's Node object (GPU memory pressure, a GPU's health and accounting).
+    NodeEvent {
+        /// Why.
+        reason: NodeReason,
+        /// The message.
+        note: String,
+    },
+    /// Delete the pod (UID precondition) with this grace period: evictions were refused for the budget's
+    /// `blockedEvictionTimeoutSeconds`. Answered like an eviction ([`Feedback::Evicted`]).
+    Delete {
+        /// The pod.
+        pod: PodRef,
+        /// `gracePeriodSeconds`, as for the eviction.
+        grace_seconds: Option<i64>,
+    },
+    /// Request the pod's eviction (policy/v1 Eviction).
+    Evict {
+        /// The pod.
+        pod: PodRef,
+        /// `deleteOptions.gracePeriodSeconds`
+        /// ([`Budget::eviction_grace_seconds`](gpubudget_common::Budget::eviction_grace_seconds)); `None`: the
+        /// pod's own.
+        grace_seconds: Option<i64>,
+        /// Whether the API has the `Evicting` record (false: the wait for it ran out, see
+        /// [`Settings::record_wait_attempts`](super::Settings::record_wait_attempts)); counted in
+        /// `gpubudget_evictions_without_record_total`.
+        recorded: bool,
+    },
+}
+
+impl Action {
+    /// The pod the action is about; `None` for an event on the node.
+    pub fn pod(&self) -> Option<&PodRef> {
+        match self {
+            Action::Transition { pod, .. }
+            | Action::Apply { pod, .. }
+            | Action::Clear { pod }
+            | Action::Event { pod, .. }
+            | Action::Evict { pod, .. }
+            | Action::Delete { pod, .. } => Some(pod),
+            Action::NodeEvent { .. } => None,
+        }
+    }
+}
+
+/// How an eviction request ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EvictOutcome {
+    /// Accepted (the pod is being deleted).
+    Accepted,
+    /// HTTP 429: refused for now (a PodDisruptionBudget). The server's message.
+    Blocked(String),
+    /// The pod no longer exists.
+    Gone,
+    /// Any other failure (retried with backoff). What happened.
+    Failed(String),
+}
+
+/// What an executor reports back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Feedback {
+    /// An [`Action::Apply`] or [`Action::Clear`] finished.
+    Written {
+        /// The pod's UID.
+        uid: Arc<str>,
+        /// The record written (`None` for a clear).
+        record: Option<PodRecord>,
+        /// Whether the API accepted it.
+        ok: bool,
+    },
+    /// An [`Action::Evict`] finished.
+    Evicted {
+        /// The pod's UID.
+        uid: Arc<str>,
+        /// How.
+        outcome: EvictOutcome,
+    },
+}
