@@ -90,6 +90,7 @@ impl BudgetModel {
         let spec = GpuMemoryBudgetSpec {
             selector,
             limit: Quantity(self.limit.to_string()),
+            request: None,
             warn_at_percent: self.warn_percent,
             action: if self.evict {
                 gpubudget_common::BudgetAction::Evict

@@ -21,6 +21,17 @@ pub enum SpecError {
     /// `spec.limit` is zero.
     #[error("spec.limit: must be more than 0")]
     ZeroLimit,
+    /// `spec.request` is not a quantity of bytes.
+    #[error("spec.request: {0}")]
+    Request(QuantityError),
+    /// `spec.request` is more than `spec.limit`.
+    #[error("spec.request: {request} is more than the limit {limit}")]
+    RequestAboveLimit {
+        /// The request as written.
+        request: String,
+        /// The limit as written.
+        limit: String,
+    },
     /// `spec.selector` is not a valid label selector.
     #[error("spec.selector: {0}")]
     Selector(SelectorError),
@@ -79,6 +90,10 @@ pub struct Budget {
     pub limit_bytes: u64,
     /// `spec.limit` as written.
     pub limit_text: String,
+    /// `spec.request` in bytes (at most `limit_bytes`): a pod using no more is never evicted. `None`: unset.
+    pub request_bytes: Option<u64>,
+    /// `spec.request` as written.
+    pub request_text: Option<String>,
     /// `spec.warnAtPercent`.
     pub warn_at_percent: u8,
     /// `spec.action`.
@@ -106,6 +121,19 @@ impl Budget {
         if limit_bytes == 0 {
             return Err(SpecError::ZeroLimit);
         }
+        let request_bytes = match &spec.request {
+            None => None,
+            Some(request) => {
+                let bytes = quantity::parse_bytes(&request.0).map_err(SpecError::Request)?;
+                if bytes > limit_bytes {
+                    return Err(SpecError::RequestAboveLimit {
+                        request: request.0.clone(),
+                        limit: spec.limit.0.clone(),
+                    });
+                }
+                Some(bytes)
+            }
+        };
         let warn_at_percent = u8::try_from(spec.warn_at_percent)
             .ok()
             .filter(|p| (1..=100).contains(p))
@@ -133,6 +161,8 @@ impl Budget {
             selector: Selector::compile(&spec.selector).map_err(SpecError::Selector)?,
             limit_bytes,
             limit_text: spec.limit.0.clone(),
+            request_bytes,
+            request_text: spec.request.as_ref().map(|r| r.0.clone()),
             warn_at_percent,
             action: spec.action,
             over_limit_seconds,
@@ -149,6 +179,12 @@ impl Budget {
             Some(grace) => grace,
             None => pod_grace.unwrap_or(30).clamp(1, DEFAULT_EVICTION_GRACE_CAP_SECONDS),
         }
+    }
+
+    /// The bytes a pod of this budget is never evicted within, for GPU memory pressure or otherwise: its
+    /// request, or without one its limit. Under pressure, pods are ranked by how far they are above it.
+    pub fn guaranteed_bytes(&self) -> u64 {
+        self.request_bytes.unwrap_or(self.limit_bytes)
     }
 
     /// `namespace/name`.
@@ -183,7 +219,9 @@ pub fn is_critical(priority_class_name: Option<&str>, priority: Option<i32>) -> 
 /// The budget that applies to a pod, and the others that also select it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Resolution<'a> {
-    /// The budget that applies: the smallest limit, ties broken by name.
+    /// The budget that applies: the smallest limit, ties broken by name. Its request is the pod's request
+    /// (none when it sets none), whatever the others set: limit and request come from one budget, so the
+    /// request is never above the limit.
     pub budget: &'a Budget,
     /// Other budgets that select the pod, in the same order.
     pub also_matched: Vec<&'a Budget>,
@@ -267,11 +305,50 @@ mod tests {
             ("  limit: 1Gi\n  evictionGracePeriodSeconds: -5\n", "spec.evictionGracePeriodSeconds"),
             ("  limit: 1Gi\n  evictionGracePeriodSeconds: 0\n", "spec.evictionGracePeriodSeconds"),
             ("  limit: 1Gi\n  blockedEvictionTimeoutSeconds: 86401\n", "spec.blockedEvictionTimeoutSeconds"),
+            ("  limit: 1Gi\n  request: 2Gi\n", "spec.request: 2Gi is more than the limit 1Gi"),
+            ("  limit: 1Gi\n  request: 6 GiB\n", "spec.request"),
+            ("  limit: 1Gi\n  request: -1Mi\n", "spec.request"),
         ];
         for (tail, field) in cases {
             let err = budget(&format!("{base}{tail}")).expect_err(tail);
             assert!(err.to_string().starts_with(field), "{tail}: {err}");
         }
+    }
+
+    #[test]
+    fn a_request_is_what_a_pod_is_guaranteed_and_the_limit_without_one() {
+        let base = "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: b, namespace: n}\nspec:\n  selector: {}\n  limit: 8Gi\n";
+        let unset = budget(base).expect("budget");
+        assert_eq!(
+            (unset.request_bytes, unset.request_text.as_deref(), unset.guaranteed_bytes()),
+            (None, None, 8 << 30)
+        );
+        let set = budget(&format!("{base}  request: 6Gi\n")).expect("budget");
+        assert_eq!(
+            (set.request_bytes, set.request_text.as_deref(), set.guaranteed_bytes()),
+            (Some(6 << 30), Some("6Gi"), 6 << 30)
+        );
+        assert_eq!(budget(&format!("{base}  request: 8Gi\n")).expect("equal to the limit").guaranteed_bytes(), 8 << 30);
+        assert_eq!(budget(&format!("{base}  request: 0\n")).expect("nothing guaranteed").guaranteed_bytes(), 0);
+        assert_eq!(set.thresholds(false), unset.thresholds(false), "the state machine counts against the limit only");
+    }
+
+    /// The request comes with the budget that applies (the smallest limit), never from another one.
+    #[test]
+    fn the_request_is_the_applying_budgets() {
+        let with_request = |name: &str, limit: &str, request: &str| {
+            budget(&format!(
+                "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: {name}, namespace: team-a}}\n\
+                 spec: {{selector: {{}}, limit: {limit}, request: {request}}}\n"
+            ))
+            .expect("valid fixture")
+        };
+        let budgets = [with_request("wide", "16Gi", "12Gi"), named("small", "8Gi", "{}")];
+        let r = resolve(&budgets, "team-a", &labels(&[])).expect("matched");
+        assert_eq!((r.budget.name.as_str(), r.budget.request_bytes), ("small", None));
+        let budgets = [with_request("wide", "16Gi", "12Gi"), with_request("small", "8Gi", "2Gi")];
+        let r = resolve(&budgets, "team-a", &labels(&[])).expect("matched");
+        assert_eq!((r.budget.name.as_str(), r.budget.request_bytes), ("small", Some(2 << 30)));
     }
 
     #[test]

@@ -31,6 +31,7 @@ pub const COUNTED_EVICTIONS_MAX: usize = 100;
     namespaced,
     status = "GpuMemoryBudgetStatus",
     derive = "PartialEq",
+    printcolumn = r#"{"name":"Request","type":"string","jsonPath":".spec.request","description":"GPU memory guaranteed to each pod: never evicted within it"}"#,
     printcolumn = r#"{"name":"Limit","type":"string","jsonPath":".spec.limit","description":"GPU memory one pod may hold"}"#,
     printcolumn = r#"{"name":"Action","type":"string","jsonPath":".spec.action","description":"Evict or Warn"}"#,
     printcolumn = r#"{"name":"Matched","type":"integer","jsonPath":".status.matchedPods","description":"Pods the selector matches"}"#,
@@ -39,9 +40,11 @@ pub const COUNTED_EVICTIONS_MAX: usize = 100;
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.request) || !isQuantity(string(self.request)) || !isQuantity(string(self.limit)) || !quantity(string(self.request)).isGreaterThan(quantity(string(self.limit)))").message("request must not be more than limit").field_path(".request"))]
 pub struct GpuMemoryBudgetSpec {
     /// Which pods in this namespace the budget applies to: a standard label selector. `{}` selects every
-    /// pod in the namespace. A pod matched by several budgets gets the one with the smallest limit.
+    /// pod in the namespace. A pod matched by several budgets gets the one with the smallest limit, and
+    /// that budget's request (none if it sets none).
     #[x_kube(validation = Rule::new("!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn', 'Exists', 'DoesNotExist'])").message("selector.matchExpressions[].operator must be one of In, NotIn, Exists, DoesNotExist"))]
     #[x_kube(validation = Rule::new("!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['Exists', 'DoesNotExist'] ? (!has(e.values) || size(e.values) == 0) : (has(e.values) && size(e.values) > 0))").message("selector.matchExpressions[].values must be non-empty for In and NotIn, and empty for Exists and DoesNotExist"))]
     #[schemars(schema_with = "bounded_label_selector")]
@@ -52,6 +55,15 @@ pub struct GpuMemoryBudgetSpec {
     /// 0.5 GiB of CUDA context per process.
     #[x_kube(validation = Rule::new("isQuantity(string(self)) && quantity(string(self)).isGreaterThan(quantity('0'))").message("limit must be a positive quantity of bytes, such as 8Gi, 500Mi or 8589934592"))]
     pub limit: Quantity,
+
+    /// A quantity of bytes, at most the limit: the GPU memory each pod is guaranteed, as a container's
+    /// memory request is for RAM. Under GPU memory pressure on a node, pods are ranked by how far their
+    /// usage is above their request and the one most above is evicted first; a pod within its request is
+    /// never evicted, for pressure or otherwise. Unset: the limit is the line (only pods over their limit
+    /// are evicted for pressure, ranked by how far over).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("isQuantity(string(self)) && !quantity(string(self)).isLessThan(quantity('0'))").message("request must be a quantity of bytes, 0 or more, such as 6Gi, 500Mi or 6442450944"))]
+    pub request: Option<Quantity>,
 
     /// Percent of the limit at which the pod is reported as near its budget (an event and a status
     /// count, never an eviction). 1 to 100; default 90.
@@ -163,6 +175,10 @@ pub struct GpuMemoryBudgetStatus {
     /// Matched pods over the limit, including those being evicted.
     #[serde(default)]
     pub pods_over_budget: i64,
+    /// Matched pods using more than the budget's request (candidates for eviction under GPU memory
+    /// pressure); unset when the budget sets no request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pods_above_request: Option<i64>,
     /// Pods this budget has evicted since it was created (each pod counted once).
     #[serde(default)]
     pub evictions: i64,

@@ -26,8 +26,11 @@ pub fn crd() -> serde_json::Value {
     unwrap_descriptions(&mut crd);
     // A quantity, declared as Kubernetes' own CRDs declare one (integer or string) so that `kubectl explain`
     // has a type to show; kube's schema generation gives `x-kubernetes-int-or-string` alone.
-    if let Some(limit) = crd.pointer_mut("/spec/versions/0/schema/openAPIV3Schema/properties/spec/properties/limit") {
-        limit["anyOf"] = serde_json::json!([{"type": "integer"}, {"type": "string"}]);
+    for field in ["limit", "request"] {
+        let pointer = format!("/spec/versions/0/schema/openAPIV3Schema/properties/spec/properties/{field}");
+        if let Some(quantity) = crd.pointer_mut(&pointer) {
+            quantity["anyOf"] = serde_json::json!([{"type": "integer"}, {"type": "string"}]);
+        }
     }
     crd
 }
@@ -104,7 +107,7 @@ mod tests {
             .iter()
             .filter_map(|c| c["name"].as_str())
             .collect();
-        assert_eq!(columns, ["Limit", "Action", "Matched", "Over", "Evicted", "Age"]);
+        assert_eq!(columns, ["Request", "Limit", "Action", "Matched", "Over", "Evicted", "Age"]);
         let spec = &schema()["properties"]["spec"];
         assert!(spec["properties"]["limit"]["description"].as_str().expect("doc").contains("NVML"));
         assert_eq!(spec["properties"]["action"]["default"], "Evict");

@@ -4,7 +4,8 @@
 //! - `matchedPods`, `podsNearBudget`, `podsOverBudget` and `topPods` count the pods this budget *applies*
 //!   to: those it selects and wins by the common resolution rule (smallest limit, then name). Near and over
 //!   come from the agent's record (`gpubudget.io/state`) when the record names this budget (the state is
-//!   relative to that budget's limit).
+//!   relative to that budget's limit). `podsAboveRequest` (only when the budget sets a request) counts
+//!   those whose recorded usage is above the request: the candidates for eviction under GPU memory pressure.
 //! - `evictions` counts each pod once, by UID: a pod whose record names this budget and carries
 //!   `gpubudget.io/eviction-requested-at`. The UIDs already counted are kept in `status.countedEvictions`
 //!   (the newest [`COUNTED_EVICTIONS_MAX`]), so a restart or a re-list does not count a pod twice.
@@ -99,6 +100,7 @@ struct Overlap {
 fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatus) -> Overlap {
     let mut overlap = Overlap::default();
     let mut top: Vec<(&PodInfo, &PodRecord)> = Vec::new();
+    let mut above_request = 0;
     for selected in &inputs.selected {
         let pod = selected.pod;
         let applies = match gpubudget_common::resolve(selected.selected_by.iter().copied(), &pod.namespace, &pod.labels)
@@ -130,9 +132,13 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
                 state if state.is_over() => status.pods_over_budget += 1,
                 _ => {}
             }
+            if budget.request_bytes.is_some_and(|request| record.usage_bytes > request) {
+                above_request += 1;
+            }
         }
         top.push((pod, record));
     }
+    status.pods_above_request = budget.request_bytes.map(|_| above_request);
     top.sort_by(|a, b| b.1.usage_bytes.cmp(&a.1.usage_bytes).then_with(|| a.0.name.cmp(&b.0.name)));
     status.top_pods = top
         .into_iter()
@@ -205,12 +211,18 @@ fn count_evictions(
 type Draft = (&'static str, &'static str, &'static str, String);
 
 fn ready_true(budget: &Budget) -> Draft {
+    let request = budget
+        .request_text
+        .as_ref()
+        .map(|r| format!("request {r} (never evicted within it; under GPU memory pressure, the most above it first), "))
+        .unwrap_or_default();
     (
         READY,
         "True",
         "Valid",
         format!(
-            "limit {} per pod, action {}, near at {}% of the limit; enforced by the gpubudget agent on each node",
+            "{request}limit {} per pod, action {}, near at {}% of the limit; enforced by the gpubudget agent on each \
+             node",
             budget.limit_text, budget.action, budget.warn_at_percent
         ),
     )
@@ -423,6 +435,34 @@ mod tests {
         assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("True", "Valid"));
         assert!(ready.message.contains("limit 8Gi"), "{}", ready.message);
         assert_eq!(condition_status(Some(&s), OVERLAPPING).map(|c| c.status.as_str()), Some("False"));
+    }
+
+    #[test]
+    fn pods_above_the_request_are_counted_only_when_the_budget_sets_one() {
+        let mut llm = resource("llm", "8Gi", "{matchLabels: {app: llm}}");
+        let pods = [
+            pod("p1", "llm", Some((BudgetState::Within, 4 * GI, "llm"))),
+            pod("p2", "llm", Some((BudgetState::Near, 15 * GI / 2, "llm"))),
+            pod("p3", "llm", Some((BudgetState::Over, 9 * GI, "llm"))),
+            pod("p4", "llm", Some((BudgetState::Within, 5 * GI, "other"))),
+            pod("p5", "llm", None),
+        ];
+        let unset = compiled(&llm);
+        let inputs = |b| Inputs {
+            spec: Some(Ok(b)),
+            selected: pods.iter().map(|p| Selected { pod: p, selected_by: vec![b] }).collect(),
+            recorded: pods.iter().collect(),
+        };
+        let s = compute(&llm, &inputs(&unset), None, t(0));
+        assert_eq!(s.pods_above_request, None, "no request: no count, the status as before");
+        assert!(!serde_json::to_string(&s).expect("json").contains("podsAboveRequest"));
+        llm.spec.request = Some(k8s_openapi::apimachinery::pkg::api::resource::Quantity("4Gi".into()));
+        let set = compiled(&llm);
+        let s = compute(&llm, &inputs(&set), None, t(0));
+        // p1 sits at its request; p4's record names another budget; p5 has no record.
+        assert_eq!((s.matched_pods, s.pods_above_request), (5, Some(2)));
+        let ready = condition_status(Some(&s), READY).expect("ready");
+        assert!(ready.message.starts_with("request 4Gi (never evicted within it"), "{}", ready.message);
     }
 
     #[test]

@@ -47,6 +47,9 @@ fn broken_examples_fail_with_the_expected_messages() {
         "team-a/missing-limit: spec.limit: is required",
         "team-a/field-typo: spec.limits: is not a field of GpuMemoryBudget",
         "team-a/wrong-type: spec.warnAtPercent: must be integer, got \"ninety\"",
+        "team-a/request-above-limit: spec.request: request must not be more than limit",
+        "team-a/request-unit-typo: spec.request: request must be a quantity of bytes, 0 or more",
+        "team-a/negative-request: spec.request: request must be a quantity of bytes, 0 or more",
     ];
     assert_eq!(report.len(), expected.len(), "one problem per broken object: {report:#?}");
     for (line, want) in report.iter().zip(expected) {
@@ -77,8 +80,52 @@ fn quantity_text() -> impl Strategy<Value = String> {
     prop_oneof!["[+-]?[0-9]{0,4}(\\.[0-9]{0,3})?(Ki|Mi|Gi|Ti|k|M|G|T|m|n|u|e[0-9]|E-?[0-9]|)", "[0-9a-zA-Z. +-]{0,8}",]
 }
 
+fn request_doc(limit: &str, request: &str) -> String {
+    format!(
+        "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: p, namespace: n}}\n\
+         spec: {{selector: {{}}, limit: {limit:?}, request: {request:?}}}\n"
+    )
+}
+
+/// Whole bytes as a quantity in one of several spellings (plain, binary or decimal suffix, exponent).
+fn whole_bytes() -> impl Strategy<Value = String> {
+    prop_oneof![
+        (0u64..20_000).prop_map(|b| b.to_string()),
+        (0u64..40).prop_map(|n| format!("{n}Ki")),
+        (0u64..40).prop_map(|n| format!("{n}k")),
+        (0u64..40).prop_map(|n| format!("{n}e3")),
+        (0u64..20).prop_map(|n| format!("{n}.5Ki")),
+    ]
+}
+
+#[test]
+fn a_request_at_most_the_limit_is_valid() {
+    let checker = Checker::new();
+    for (limit, request) in [("8Gi", "8Gi"), ("8Gi", "6Gi"), ("8Gi", "0"), ("8Gi", "8589934592"), ("8G", "7Gi")] {
+        let problems = checker.check_yaml(&request_doc(limit, request));
+        assert!(problems.is_empty(), "{limit} {request}: {problems:?}");
+    }
+    // 7.5Gi is 8 053 063 680 bytes, more than 8G (8 000 000 000): CEL and the reader both say so.
+    let problems = checker.check_yaml(&request_doc("8G", "7.5Gi"));
+    let sources: Vec<(&str, Source)> = problems.iter().map(|p| (p.field.as_str(), p.source)).collect();
+    assert_eq!(sources, [("spec.request", Source::Cel), ("spec.request", Source::Spec)]);
+    assert_eq!(Checker::report(&problems).len(), 1, "the reader's verdict is not repeated");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(400))]
+
+    /// The CRD's rule (request at most the limit) and the spec reader agree on whole-byte quantities (a
+    /// quantity with a fraction of a byte is rounded up by the reader, compared exactly by CEL).
+    #[test]
+    fn cel_and_the_spec_reader_agree_on_request_and_limit(limit in whole_bytes(), request in whole_bytes()) {
+        let checker = Checker::new();
+        let problems = checker.check_yaml(&request_doc(&limit, &request));
+        let by = |source: Source| problems.iter().filter(|p| p.source == source).map(|p| p.field.clone()).collect::<Vec<_>>();
+        let (cel, spec) = (by(Source::Cel), by(Source::Spec));
+        prop_assert!(problems.iter().all(|p| p.source != Source::Structure), "{problems:?}");
+        prop_assert_eq!(cel.is_empty(), spec.is_empty(), "cel {:?} spec {:?} for limit {} request {}", cel, spec, limit, request);
+    }
 
     /// The CRD's CEL rules (run by kube-cel, as the API server runs them) and the operator's own reading
     /// of the spec agree on every field.

@@ -67,6 +67,9 @@ pub struct PodRow {
     /// The budget's limit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limit_bytes: Option<u64>,
+    /// The budget's request (never evicted within it); absent when the budget sets none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_bytes: Option<u64>,
 }
 
 /// A process row.
@@ -148,7 +151,7 @@ pub fn build_view(
         let (pod, uid, container, budget) = match owner {
             Owner::Pod { pod, container } => {
                 let view = &table.pods[*pod];
-                let budget = table.budget(*pod).map(|b| (b.key(), b.limit_bytes));
+                let budget = table.budget(*pod).map(|b| (b.key(), b.limit_bytes, b.request_bytes));
                 (view.key(), view.uid.to_string(), container.as_deref().unwrap_or("").to_owned(), budget)
             }
             Owner::UnknownPod { uid, container } => {
@@ -165,7 +168,8 @@ pub fn build_view(
                 by_gpu: BTreeMap::new(),
                 unknown: 0,
                 budget: budget.as_ref().map(|b| b.0.clone()),
-                limit_bytes: budget.map(|b| b.1),
+                limit_bytes: budget.as_ref().map(|b| b.1),
+                request_bytes: budget.and_then(|b| b.2),
             });
             row.used_bytes += process.charged();
             *row.by_gpu.entry(gpu.clone()).or_insert(0) += process.charged();
@@ -239,19 +243,31 @@ pub fn render_table(view: &View) -> String {
     }));
     out.push_str(&table_text(&gpus));
     out.push('\n');
-    let mut pods = vec![vec!["POD".to_owned(), "USED".into(), "BY GPU".into(), "LIMIT".into(), "BUDGET".into()]];
+    // The REQUEST column only when some budget sets a request: without one the table is as it was.
+    let requests = view.pods.iter().any(|p| p.request_bytes.is_some());
+    let bytes_or_dash = |b: Option<u64>| b.map_or_else(|| "-".to_owned(), |b| HumanBytes(b).to_string());
+    let mut header = vec!["POD".to_owned(), "USED".into(), "BY GPU".into()];
+    if requests {
+        header.push("REQUEST".into());
+    }
+    header.extend(["LIMIT".into(), "BUDGET".into()]);
+    let mut pods = vec![header];
     pods.extend(view.pods.iter().map(|p| {
         let mut by_gpu: Vec<String> = p.by_gpu.iter().map(|(g, b)| format!("{g}: {}", HumanBytes(*b))).collect();
         if p.unknown > 0 {
             by_gpu.push(format!("{} without figures", p.unknown));
         }
-        vec![
-            p.pod.clone(),
-            HumanBytes(p.used_bytes).to_string(),
-            by_gpu.join(", "),
-            p.limit_bytes.map_or_else(|| "-".to_owned(), |l| HumanBytes(l).to_string()),
-            p.budget.clone().unwrap_or_else(|| "-".into()),
-        ]
+        let mut row = vec![p.pod.clone(), HumanBytes(p.used_bytes).to_string(), by_gpu.join(", ")];
+        if requests {
+            // "20Gi (+4Gi)": how far above its request the pod is, the figure pressure eviction ranks by.
+            let request = match p.request_bytes {
+                Some(r) if p.used_bytes > r => format!("{} (+{})", HumanBytes(r), HumanBytes(p.used_bytes - r)),
+                r => bytes_or_dash(r),
+            };
+            row.push(request);
+        }
+        row.extend([bytes_or_dash(p.limit_bytes), p.budget.clone().unwrap_or_else(|| "-".into())]);
+        row
     }));
     out.push_str(&table_text(&pods));
     out.push('\n');
@@ -359,5 +375,42 @@ pub async fn run(args: TopArgs) -> anyhow::Result<()> {
             () = tokio::time::sleep(refresh) => {}
             _ = tokio::signal::ctrl_c() => return Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GI: u64 = 1 << 30;
+
+    fn pod(name: &str, used: u64, request: Option<u64>) -> PodRow {
+        PodRow {
+            pod: format!("team-a/{name}"),
+            uid: format!("uid-{name}"),
+            used_bytes: used,
+            by_gpu: [("0".to_owned(), used)].into(),
+            unknown: 0,
+            budget: Some("team-a/b".into()),
+            limit_bytes: Some(32 * GI),
+            request_bytes: request,
+        }
+    }
+
+    fn view(pods: Vec<PodRow>) -> View {
+        View { taken_at: String::new(), names_from_api: true, gpus: Vec::new(), pods, processes: Vec::new() }
+    }
+
+    #[test]
+    fn the_request_column_shows_only_with_a_request_and_how_far_above_it() {
+        let without = render_table(&view(vec![pod("a", 24 * GI, None)]));
+        assert!(without.contains("POD       USED  BY GPU   LIMIT  BUDGET\n"), "{without}");
+        assert!(!without.contains("REQUEST"), "{without}");
+        let json = serde_json::to_string(&view(vec![pod("a", 24 * GI, None)])).expect("json");
+        assert!(!json.contains("request_bytes"), "{json}");
+        let with = render_table(&view(vec![pod("a", 24 * GI, Some(20 * GI)), pod("b", 8 * GI, Some(20 * GI))]));
+        assert!(with.contains("REQUEST"), "{with}");
+        assert!(with.lines().any(|l| l.starts_with("team-a/a") && l.contains("20Gi (+4Gi)  32Gi")), "{with}");
+        assert!(with.lines().any(|l| l.starts_with("team-a/b") && l.contains("20Gi         32Gi")), "{with}");
     }
 }

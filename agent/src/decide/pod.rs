@@ -108,6 +108,13 @@ impl Context<'_> {
         )
     }
 
+    /// "3Gi above its request of 4Gi" when the budget sets a request; `None` without one.
+    pub(in crate::decide) fn above_request(&self) -> Option<String> {
+        let request = self.budget.request_bytes?;
+        let above = self.usage.total.saturating_sub(request);
+        Some(format!("{} above its request of {}", HumanBytes(above), HumanBytes(request)))
+    }
+
     pub(in crate::decide) fn held_by(&self) -> String {
         format!("held by {}", holders_summary(&self.usage.holders, self.gpus))
     }
@@ -281,8 +288,13 @@ impl Enforcer {
             mem.reported = state;
         }
 
-        // Eviction: by the budget's timer, or for memory pressure on a GPU (only while still over the limit).
-        if mem.pressure.is_some() && total <= budget.limit_bytes && !matches!(mem.eviction, Eviction::InFlight { .. }) {
+        // Eviction: by the budget's timer (over the limit, so above any request), or for memory pressure on a
+        // GPU, only while still above its request (without one, its limit): a pod back within it is not
+        // evicted, unless the request is already out.
+        if mem.pressure.is_some()
+            && total <= budget.guaranteed_bytes()
+            && !matches!(mem.eviction, Eviction::InFlight { .. })
+        {
             mem.pressure = None;
         }
         let due = state == BudgetState::Evicting || mem.pressure.is_some();

@@ -6,9 +6,10 @@
 //! - an optional **soft** threshold: free memory under it for its grace period is pressure;
 //! - a **transition period**: the signal ends only once free memory has stayed above the thresholds that
 //!   long, so it does not flap;
-//! - while under pressure, **one** pod at a time per GPU is evicted, the one most over its budget (bytes
-//!   above its limit); only pods over their budget are candidates: a pod within its budget is the
-//!   neighbour being protected and is never evicted for pressure.
+//! - while under pressure, **one** pod at a time per GPU is evicted, the one most above its guarantee:
+//!   its budget's request when the budget sets one (as the kubelet ranks pods by usage above their memory
+//!   request), else its limit. Only pods above it are candidates: a pod within its request (or, without
+//!   one, within its limit) is the neighbour being protected and is never evicted for pressure.
 //!
 //! The step of a tick that acts on them, [`Enforcer::pressure`](crate::decide::Enforcer::pressure), is in
 //! `step.rs` beside this.
@@ -174,6 +175,8 @@ pub struct Candidate {
     pub usage: u64,
     /// Its budget's limit; `None` for a pod without a budget (never evicted for pressure).
     pub limit: Option<u64>,
+    /// Its budget's request (at most the limit); `None`: the budget sets none, the limit is the line.
+    pub request: Option<u64>,
     /// Its bytes on this GPU (what evicting it frees here).
     pub on_gpu: u64,
     /// May be evicted at all: not critical, not static, its budget's action is `Evict`, not already
@@ -182,16 +185,22 @@ pub struct Candidate {
 }
 
 impl Candidate {
-    /// Bytes above the budget; 0 within it or without one.
+    /// What the pod is guaranteed: its request, else its limit; `None` without a budget.
+    pub fn guaranteed(&self) -> Option<u64> {
+        self.limit.map(|limit| self.request.map_or(limit, |request| request.min(limit)))
+    }
+
+    /// Bytes above what the pod is guaranteed (its request, else its limit); 0 within it or without a
+    /// budget.
     pub fn over(&self) -> u64 {
-        self.limit.map_or(0, |limit| self.usage.saturating_sub(limit))
+        self.guaranteed().map_or(0, |line| self.usage.saturating_sub(line))
     }
 }
 
-/// The pod to evict for pressure on one GPU: among the evictable pods over their budget that hold memory on
-/// it, the one most over (bytes above its budget); ties: more bytes on this GPU, then the key that sorts
-/// first. `None` when no pod qualifies: the budgets on this GPU add up to more than it holds, or the memory
-/// is held by pods that may not be evicted.
+/// The pod to evict for pressure on one GPU: among the evictable pods above their guarantee (request, else
+/// limit) that hold memory on it, the one most above it; ties: more bytes on this GPU, then the key that
+/// sorts first. `None` when no pod qualifies: the guarantees on this GPU add up to more than it holds, or
+/// the memory is held by pods that may not be evicted.
 pub fn choose(candidates: &[Candidate]) -> Option<usize> {
     candidates
         .iter()
@@ -256,7 +265,7 @@ mod tests {
     }
 
     fn candidate(key: &str, usage: u64, limit: Option<u64>, on_gpu: u64, evictable: bool) -> Candidate {
-        Candidate { key: key.into(), usage, limit, on_gpu, evictable }
+        Candidate { key: key.into(), usage, limit, request: None, on_gpu, evictable }
     }
 
     #[test]
@@ -273,7 +282,98 @@ mod tests {
         assert_eq!(choose(&[pods[0].clone(), pods[3].clone(), pods[4].clone()]), None);
     }
 
+    fn with_request(mut c: Candidate, request: u64) -> Candidate {
+        c.request = Some(request);
+        c
+    }
+
+    #[test]
+    fn with_a_request_pods_are_ranked_by_usage_above_it_and_never_chosen_within_it() {
+        let pods = [
+            // 16Gi, within its 40Gi limit but 12Gi above its 4Gi request: the most above.
+            with_request(candidate("a/burst", 16 * GI, Some(40 * GI), 16 * GI, true), 4 * GI),
+            // Within its 30Gi request, however much it holds on this GPU.
+            with_request(candidate("a/steady", 30 * GI, Some(40 * GI), 30 * GI, true), 30 * GI),
+            // No request: over its 8Gi limit by 10Gi.
+            candidate("a/no-request", 18 * GI, Some(8 * GI), 18 * GI, true),
+            // A request of 0: all its usage is above it.
+            with_request(candidate("a/best-effort", 5 * GI, Some(8 * GI), 5 * GI, true), 0),
+        ];
+        assert_eq!(choose(&pods), Some(0));
+        assert_eq!((pods[0].over(), pods[1].over(), pods[3].over()), (12 * GI, 0, 5 * GI));
+        assert_eq!(choose(&pods[1..]), Some(1), "10Gi over the limit beats 5Gi above a request of 0");
+        assert_eq!(choose(&pods[1..2]), None, "within its request: never");
+        // A request above the limit (refused by the CRD and the spec reader) is read as the limit.
+        assert_eq!(with_request(candidate("a/x", 9 * GI, Some(8 * GI), GI, true), 20 * GI).over(), GI);
+    }
+
+    /// The key of the pod chosen among `pods` rotated left by `rotate` (the choice must not depend on order).
+    fn chosen_after_rotating(pods: &[Candidate], rotate: usize) -> Option<String> {
+        let mut rotated = pods.to_vec();
+        if !rotated.is_empty() {
+            let k = rotate % rotated.len();
+            rotated.rotate_left(k);
+        }
+        choose(&rotated).map(|i| rotated[i].key.clone())
+    }
+
+    /// The rule before requests: the most over its limit among evictable pods holding memory here.
+    fn old_choose(candidates: &[Candidate]) -> Option<usize> {
+        let over = |c: &Candidate| c.limit.map_or(0, |l| c.usage.saturating_sub(l));
+        candidates
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.evictable && over(c) > 0 && c.on_gpu > 0)
+            .max_by(|(_, a), (_, b)| {
+                over(a).cmp(&over(b)).then(a.on_gpu.cmp(&b.on_gpu)).then_with(|| b.key.cmp(&a.key))
+            })
+            .map(|(i, _)| i)
+    }
+
     proptest! {
+        /// With requests: the chosen pod is above its request, no pod within its request is ever chosen,
+        /// the chosen one is the most above its guarantee, and the order of the pods does not matter.
+        #[test]
+        fn request_rules(pods in proptest::collection::vec(
+            (0u64..64, proptest::option::of((1u64..64, proptest::option::of(0u64..64))), 0u64..8, any::<bool>()), 0..12),
+            rotate in 0usize..12) {
+            let pods: Vec<Candidate> = pods.iter().enumerate()
+                .map(|(i, (u, budget, g, e))| {
+                    let c = candidate(&format!("ns/p{i}"), u * GI, budget.map(|(l, _)| l * GI), g * GI, *e);
+                    // A request at most the limit, as the CRD's rule and the spec reader allow.
+                    match budget {
+                        Some((l, Some(r))) => with_request(c, (*r).min(*l) * GI),
+                        _ => c,
+                    }
+                })
+                .collect();
+            let chosen = choose(&pods);
+            if let Some(i) = chosen {
+                let c = &pods[i];
+                prop_assert!(c.evictable && c.on_gpu > 0);
+                prop_assert!(c.request.is_none_or(|r| c.usage > r), "chosen within its request: {c:?}");
+                prop_assert!(c.limit.is_some_and(|l| c.usage > c.request.unwrap_or(l)));
+                let best = pods.iter().filter(|p| p.evictable && p.over() > 0 && p.on_gpu > 0).map(Candidate::over).max();
+                prop_assert_eq!(Some(c.over()), best);
+            }
+            for p in &pods {
+                if p.request.is_some_and(|r| p.usage <= r) {
+                    prop_assert!(chosen.is_none_or(|i| pods[i].key != p.key));
+                }
+            }
+            prop_assert_eq!(chosen_after_rotating(&pods, rotate), chosen.map(|i| pods[i].key.clone()));
+        }
+
+        /// With no request set, the choice is exactly the rule before requests.
+        #[test]
+        fn without_requests_the_choice_is_the_old_rule(pods in proptest::collection::vec(
+            (0u64..64, proptest::option::of(0u64..64), 0u64..8, any::<bool>()), 0..12)) {
+            let pods: Vec<Candidate> = pods.iter().enumerate()
+                .map(|(i, (u, l, g, e))| candidate(&format!("ns/p{i}"), u * GI, l.map(|l| l * GI), g * GI, *e))
+                .collect();
+            prop_assert_eq!(choose(&pods), old_choose(&pods));
+        }
+
         /// Never a pod within its budget, without one, or protected; always one of the most over; the answer
         /// does not depend on the order of the pods.
         #[test]
@@ -291,12 +391,7 @@ mod tests {
             } else {
                 prop_assert!(!pods.iter().any(|p| p.evictable && p.over() > 0 && p.on_gpu > 0));
             }
-            let mut rotated = pods.clone();
-            if !rotated.is_empty() {
-                let k = rotate % rotated.len();
-                rotated.rotate_left(k);
-            }
-            prop_assert_eq!(choose(&rotated).map(|i| rotated[i].key.clone()), chosen.map(|i| pods[i].key.clone()));
+            prop_assert_eq!(chosen_after_rotating(&pods, rotate), chosen.map(|i| pods[i].key.clone()));
         }
 
         /// The signal is on whenever free memory is under the hard threshold, and never ends sooner than the

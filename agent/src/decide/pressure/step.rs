@@ -36,9 +36,10 @@ impl Enforcer {
 
     /// The pressure step of a tick, after [`Self::tick`] with the same inputs: each GPU's signal from its
     /// used bytes (`used`, per GPU; `None`: unknown, no signal), events on the Node when it begins and ends,
-    /// and while it lasts one eviction at a time per GPU: the evictable pod most over its budget among those
-    /// holding memory on it ([`choose`]), without waiting for `overLimitSeconds`. Pods within
-    /// their budget, without one, with a `Warn` budget, critical or static are never chosen. While a pod
+    /// and while it lasts one eviction at a time per GPU: the evictable pod most above its guarantee (its
+    /// budget's request, else its limit) among those holding memory on it ([`choose`]), without waiting for
+    /// `overLimitSeconds`. Pods within their request (without one, their limit), without a budget, with a
+    /// `Warn` budget, critical or static are never chosen. While a pod
     /// this agent is evicting (record on its way, request out, or accepted) still holds memory on the GPU,
     /// no other is chosen (the kubelet's "wait for reclaim"); a refused one gives the GPU's turn back, and the
     /// next choice waits for the eviction backoff (so at most one pressure eviction per GPU is in flight).
@@ -131,6 +132,7 @@ impl Enforcer {
                     key: format!("{}/{}", view.namespace, view.name),
                     usage: usage.get(i).unwrap_or(&empty).total,
                     limit: budget.map(|b| b.limit_bytes),
+                    request: budget.and_then(|b| b.request_bytes),
                     on_gpu: bytes,
                     evictable,
                 });
@@ -146,9 +148,13 @@ impl Enforcer {
                     mem.eviction_requested_at = Some(at);
                     out.push(Action::Apply { pod: mem.pod.clone(), record: self.desired(&mem, &cx) });
                     mem.write_in_flight = true;
+                    // With a request, the pod is ranked by its usage above it (the kubelet's rule for RAM).
+                    let (used, most) = match cx.above_request() {
+                        Some(above) => (format!("{}, {above}", cx.used_of()), "most above its request"),
+                        None => (cx.used_of(), "most over its budget"),
+                    };
                     let note = format!(
-                        "{}; GPU {} is under memory pressure ({} free of {}) and this pod is the most over its budget there: evicting with {}s grace; {}",
-                        cx.used_of(),
+                        "{used}; GPU {} is under memory pressure ({} free of {}) and this pod is the {most} there: evicting with {}s grace; {}",
                         info.label,
                         HumanBytes(free),
                         HumanBytes(total),
@@ -165,16 +171,27 @@ impl Enforcer {
                         .iter()
                         .take(5)
                         .map(|c| {
-                            let limit =
-                                c.limit.map_or_else(|| "no budget".to_owned(), |l| format!("limit {}", HumanBytes(l)));
-                            format!("{} {} ({limit})", c.key, HumanBytes(c.on_gpu))
+                            let line = match (c.request, c.limit) {
+                                (_, None) => "no budget".to_owned(),
+                                (Some(r), Some(l)) => format!("request {}, limit {}", HumanBytes(r), HumanBytes(l)),
+                                (None, Some(l)) => format!("limit {}", HumanBytes(l)),
+                            };
+                            format!("{} {} ({line})", c.key, HumanBytes(c.on_gpu))
                         })
                         .collect();
                     if candidates.len() > 5 {
                         pods.push(format!("and {} more", candidates.len() - 5));
                     }
+                    let why = if candidates.iter().any(|c| c.request.is_some() && c.limit.is_some()) {
+                        "none is above its request (or, where its budget sets none, over its limit), or those that \
+                         are are critical, static or Warn; what the budgets of the pods using it guarantee adds up \
+                         to more than it holds"
+                    } else {
+                        "none is over its budget (or those over it are critical, static or Warn); the budgets of the \
+                         pods using it add up to more than it holds"
+                    };
                     let note = format!(
-                        "GPU {}: {} free of {} and no pod on it may be evicted for pressure: none is over its budget (or those over it are critical, static or Warn); the budgets of the pods using it add up to more than it holds: {}",
+                        "GPU {}: {} free of {} and no pod on it may be evicted for pressure: {why}: {}",
                         info.label,
                         HumanBytes(free),
                         HumanBytes(total),

@@ -1,5 +1,5 @@
-//! Pressure on a GPU evicts the pod most over its budget at once, one at a time, and never a pod within
-//! its budget, without one, critical or static.
+//! Pressure on a GPU evicts the pod most over its budget (with a request: most above its request) at once,
+//! one at a time, and never a pod within its budget (its request), without one, critical or static.
 
 use super::*;
 use crate::decide::NodeReason;
@@ -40,6 +40,10 @@ struct Node {
 
 impl Node {
     fn new(views: Vec<PodView>) -> Self {
+        Self::with_budgets(views, &budgets())
+    }
+
+    fn with_budgets(views: Vec<PodView>, budgets: &[GpuMemoryBudget]) -> Self {
         let mut settings = Settings::new(NODE);
         settings.pressure = PressureSettings {
             hard: Some(Threshold::Bytes(4 * GI)),
@@ -47,7 +51,7 @@ impl Node {
             soft_grace_ms: 0,
             transition_ms: 1_000,
         };
-        Self { enforcer: Enforcer::new(settings), table: PodTable::build(views, &budgets(), Some(NODE)) }
+        Self { enforcer: Enforcer::new(settings), table: PodTable::build(views, budgets, Some(NODE)) }
     }
 
     /// One tick: `bytes` per pod (table order) on GPU 0, the device's used bytes the sum plus `extra`;
@@ -203,6 +207,103 @@ fn a_budget_grace_caps_the_pressure_grace() {
     node.table = PodTable::build(vec![view("grower", "grower", "", "")], &b, Some(NODE));
     let all: Vec<Action> = (0..3).flat_map(|k| node.tick(k * 250, &[78 * GI], 0)).collect();
     assert_eq!(evicted(&all), [("grower".to_owned(), Some(2))]);
+}
+
+/// Budgets with a request: `burst` (request 4Gi, limit 16Gi), `steady` (request 20Gi, limit 40Gi), and
+/// `plain` (limit 40Gi, no request).
+fn request_budgets() -> Vec<GpuMemoryBudget> {
+    [("burst", "request: 4Gi, limit: 16Gi"), ("steady", "request: 20Gi, limit: 40Gi"), ("plain", "limit: 40Gi")]
+        .iter()
+        .map(|(name, sizes)| {
+            serde_yaml::from_str(&format!(
+                "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: {name}, namespace: team-a}}\n\
+                 spec: {{selector: {{matchLabels: {{app: {name}}}}}, {sizes}, overLimitSeconds: 600}}"
+            ))
+            .expect("budget")
+        })
+        .collect()
+}
+
+fn note_of(actions: &[Action], wanted: Reason) -> Option<String> {
+    actions.iter().find_map(|a| match a {
+        Action::Event { reason, note, .. } if *reason == wanted => Some(note.clone()),
+        _ => None,
+    })
+}
+
+#[test]
+fn with_requests_the_pod_most_above_its_request_is_evicted_and_one_within_it_never() {
+    // The table sorts pods by name: burst, plain, steady.
+    let views = vec![view("burst", "burst", "", ""), view("plain", "plain", "", ""), view("steady", "steady", "", "")];
+    let mut node = Node::with_budgets(views, &request_budgets());
+    // burst: 12Gi, within its 16Gi limit but 8Gi above its 4Gi request; plain: 30Gi, within its limit (no
+    // request); steady: 20Gi, within its request. 62Gi + 15Gi held by no pod: 3Gi free, under the 4Gi threshold.
+    let first = node.tick(0, &[12 * GI, 30 * GI, 20 * GI], 15 * GI);
+    let note = note_of(&first, Reason::Evicting).expect("an eviction event");
+    assert!(note.contains("8Gi above its request of 4Gi") && note.contains("most above its request"), "{note}");
+    assert!(note.starts_with("using 12Gi of 16Gi (budget team-a/burst)"), "{note}");
+    let second = node.tick(250, &[12 * GI, 30 * GI, 20 * GI], 15 * GI);
+    assert_eq!(evicted(&second), [("burst".to_owned(), Some(5))]);
+    // burst's memory is back and the GPU is still short: steady (at its request) and plain (within its
+    // limit) are never evicted; the Node is told what they are guaranteed.
+    let rest: Vec<Action> = (2..30).flat_map(|k| node.tick(k * 250, &[0, 30 * GI, 20 * GI], 27 * GI)).collect();
+    assert!(evicted(&rest).is_empty(), "{rest:#?}");
+    let told = rest
+        .iter()
+        .find_map(|a| match a {
+            Action::NodeEvent { reason: NodeReason::Overcommitted, note } => Some(note.clone()),
+            _ => None,
+        })
+        .expect("told");
+    assert!(told.contains("team-a/steady 20Gi (request 20Gi, limit 40Gi)"), "{told}");
+    assert!(told.contains("team-a/plain 30Gi (limit 40Gi)") && told.contains("above its request"), "{told}");
+}
+
+#[test]
+fn a_pod_back_within_its_request_before_the_request_goes_out_is_not_evicted() {
+    let mut node = Node::with_budgets(vec![view("burst", "burst", "", "")], &request_budgets());
+    let first = node.tick(0, &[10 * GI], 67 * GI);
+    assert!(note_of(&first, Reason::Evicting).is_some(), "{first:#?}");
+    // Its record landed, but it is back at 4Gi (its request) before the eviction request goes out.
+    let after: Vec<Action> = (1..10).flat_map(|k| node.tick(k * 250, &[4 * GI], 73 * GI)).collect();
+    assert!(evicted(&after).is_empty(), "{after:#?}");
+    let record = after.iter().rev().find_map(|a| match a {
+        Action::Apply { record, .. } => Some(record.clone()),
+        _ => None,
+    });
+    assert_eq!(record.map(|r| (r.state, r.eviction_requested_at)), Some((BudgetState::Within, None)));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+    /// Random usage under random pressure, with requests: no eviction is ever requested, no pod deleted, and
+    /// no eviction decided for a pod at or within its request at that tick; pods without one keep the old
+    /// rule (over their limit).
+    #[test]
+    fn never_within_the_request(
+        steps in proptest::collection::vec((proptest::collection::vec(0u64..44, 3), 0u64..40, any::<bool>()), 1..60)
+    ) {
+        // In table order (by name).
+        let names = ["burst", "plain", "steady"];
+        let guaranteed = [4 * GI, 40 * GI, 20 * GI];
+        let views = names.iter().map(|n| view(n, n, "", "")).collect();
+        let mut node = Node::with_budgets(views, &request_budgets());
+        let mut gone = [false; 3];
+        for (k, (gib, extra, refuse)) in steps.iter().enumerate() {
+            let bytes: Vec<u64> = (0..3).map(|i| if gone[i] { 0 } else { gib[i] * GI }).collect();
+            let out = node.tick_with(k as u64 * 250, &bytes, extra * GI, *refuse);
+            for a in &out {
+                let (Action::Event { pod, reason: Reason::Evicting | Reason::Deleting, .. }
+                | Action::Evict { pod, .. }
+                | Action::Delete { pod, .. }) = a else { continue };
+                let i = names.iter().position(|n| **n == *pod.name).expect("a pod of the test");
+                prop_assert!(bytes[i] > guaranteed[i], "{a:?} at {} (guaranteed {})", bytes[i], guaranteed[i]);
+                if matches!(a, Action::Evict { .. }) && !*refuse {
+                    gone[i] = true;
+                }
+            }
+        }
+    }
 }
 
 proptest! {
