@@ -191,6 +191,40 @@ async fn status_conditions_and_events_follow_the_agents_records() {
 }
 
 #[tokio::test]
+async fn pods_above_the_request_are_counted_once_the_budget_sets_one() {
+    let fake = FakeApi::new();
+    budget(&fake, "burst", "16Gi", json!({"matchLabels": {"app": "burst"}}));
+    for name in ["b1", "b2", "b3"] {
+        pod(&fake, name, "burst");
+    }
+    let op = Operator::start(&fake, true);
+    op.synced().await;
+    record(&fake, "b1", "Within", 2 * GI, "burst", None);
+    record(&fake, "b2", "Within", 6 * GI, "burst", None);
+    record(&fake, "b3", "Near", 15 * GI, "burst", None);
+    until(&fake, "near", |f| status(f, "burst").pods_near_budget == 1).await;
+    assert_eq!(status(&fake, "burst").pods_above_request, None, "no request: no count");
+    let raw = fake.get("gpumemorybudgets", "team-a", "burst").expect("stored");
+    assert!(raw["status"].get("podsAboveRequest").is_none(), "{}", raw["status"]);
+
+    // The budget gains a request of 4Gi: b2 (6Gi) and b3 (15Gi) are above it, b1 (2Gi) within.
+    fake.modify("gpumemorybudgets", "team-a", "burst", |b| {
+        b["spec"]["request"] = "4Gi".into();
+        b["metadata"]["generation"] = 2.into();
+    })
+    .expect("budget exists");
+    until(&fake, "above request", |f| status(f, "burst").pods_above_request == Some(2)).await;
+    let raw = fake.get("gpumemorybudgets", "team-a", "burst").expect("stored");
+    assert_eq!(raw["status"]["podsAboveRequest"], 2);
+    let (_, _, ready) = condition(&status(&fake, "burst"), "Ready");
+    assert!(ready.starts_with("request 4Gi"), "{ready}");
+    // b3 goes back within its request.
+    record(&fake, "b3", "Within", 3 * GI, "burst", None);
+    until(&fake, "one above", |f| status(f, "burst").pods_above_request == Some(1)).await;
+    op.stop().await;
+}
+
+#[tokio::test]
 async fn a_label_change_moves_a_pod_between_budgets() {
     let fake = cluster();
     let op = Operator::start(&fake, true);
