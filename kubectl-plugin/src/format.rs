@@ -24,7 +24,7 @@ pub fn human_duration(seconds: i64) -> String {
 }
 
 /// A label selector as `kubectl get -l` writes one: `app=llm,tier in (gold,silver),gpu,!legacy`; the
-/// empty selector is `(every pod in the namespace)`.
+/// empty selector is `{} (every pod in the namespace)`.
 pub fn selector_text(selector: &LabelSelector) -> String {
     let mut parts: Vec<String> = selector.match_labels.iter().flatten().map(|(k, v)| format!("{k}={v}")).collect();
     for e in selector.match_expressions.iter().flatten() {
@@ -37,7 +37,7 @@ pub fn selector_text(selector: &LabelSelector) -> String {
             other => format!("{} {other} ({values})", e.key),
         });
     }
-    if parts.is_empty() { "(every pod in the namespace)".to_owned() } else { parts.join(",") }
+    if parts.is_empty() { "{} (every pod in the namespace)".to_owned() } else { parts.join(",") }
 }
 
 /// `usage` as a percentage of `limit`, one decimal; `None` without a limit.
@@ -69,7 +69,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(selector_text(&s), "app=llm,tier in (gold,silver),gpu,!legacy");
-        assert_eq!(selector_text(&LabelSelector::default()), "(every pod in the namespace)");
+        assert_eq!(selector_text(&LabelSelector::default()), "{} (every pod in the namespace)");
         assert_eq!(percent(9 << 30, 8 << 30), Some(112.5));
         assert_eq!(percent(1, 0), None);
     }

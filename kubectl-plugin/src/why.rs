@@ -201,7 +201,10 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
         },
         (Some(_), []) => format!("no valid GpuMemoryBudget in {namespace} selects this pod (its labels: {label_text})"),
         (Some(_), [only]) => {
-            format!("{} is the only budget in {namespace} whose selector ({}) picks this pod", only.name, only.selector)
+            format!(
+                "{} is the only budget in {namespace} that selects this pod; its selector: {}",
+                only.name, only.selector
+            )
         }
         (Some(_), [first, ..]) => format!(
             "{} budgets in {namespace} select this pod: {}; the smallest limit applies (equal limits: the name that \

@@ -114,7 +114,8 @@ fn warn_budgets_critical_pods_and_within_are_never_evicted() {
     assert_eq!(r.next.action, "Nothing");
     assert!(r.next.message.contains("action is Warn"), "{}", r.next.message);
     assert!(
-        r.why.starts_with("audit is the only budget in team-a whose selector ((every pod in the namespace))"),
+        r.why
+            == "audit is the only budget in team-a that selects this pod; its selector: {} (every pod in the namespace)",
         "{}",
         r.why
     );
