@@ -127,7 +127,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
         let evicted = rows.iter().rev().find(|r| [reason::EVICTING, reason::DELETING].contains(&r.reason.as_str()));
         let message = match (&last_eviction, evicted) {
             (Some(l), _) => format!(
-                "nothing: the pod is gone, evicted at {} using {} on {}; a controller that owns it makes a new pod, \
+                "nothing: the pod is gone, evicted at {} using {} on {}; if a controller (Deployment, StatefulSet, Job) owned it, it makes a new pod, \
                  which starts within its budget",
                 l.time,
                 l.usage,
