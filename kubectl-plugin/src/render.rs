@@ -26,27 +26,7 @@ pub fn document<T: Serialize>(value: &T, output: Output) -> String {
     }
 }
 
-/// Columns padded to their widest cell, two spaces apart, the last one not padded.
-pub fn table(rows: &[Vec<String>]) -> String {
-    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let widths: Vec<usize> = (0..columns)
-        .map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    for row in rows {
-        let mut line = String::new();
-        for (c, cell) in row.iter().enumerate() {
-            if c + 1 == row.len() {
-                line.push_str(cell);
-            } else {
-                line.push_str(&format!("{cell:<width$}  ", width = widths[c]));
-            }
-        }
-        out.push_str(line.trim_end());
-        out.push('\n');
-    }
-    out
-}
+pub use gpubudget_common::text::table;
 
 /// `top`'s table; `namespaces` adds the NAMESPACE column (with `-A`).
 pub fn top_table(rows: &[TopRow], namespaces: bool) -> String {
@@ -204,13 +184,6 @@ pub fn why_text(r: &WhyReport, now: Timestamp) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn tables_pad_all_but_the_last_column() {
-        let t =
-            table(&[vec!["A".into(), "LONGER".into(), "X".into()], vec!["abc".into(), "d".into(), "tail end".into()]]);
-        assert_eq!(t, "A    LONGER  X\nabc  d       tail end\n");
-    }
 
     #[test]
     fn spec_fields_show_every_field_but_the_selector_a_new_one_too() {
