@@ -43,8 +43,10 @@ async fn run(cli: Cli) -> Result<String, Error> {
             let scope = (!args.all_namespaces).then_some(namespace.as_str());
             let pods = api::pods(&client, scope, args.selector.as_deref()).await?;
             let mut warnings = Vec::new();
-            let budgets = optional(api::budgets(&client, scope).await, &mut warnings, "LIMIT and % are left out")?;
-            let mut rows = top::rows(&pods, &top::limits(budgets.as_deref().unwrap_or_default()));
+            let budgets = optional(api::budgets(&client, scope).await, &mut warnings, "LIMIT and % are left out")?
+                .unwrap_or_default();
+            warnings.extend(budgets.unreadable.iter().cloned());
+            let mut rows = top::rows(&pods, &top::limits(&budgets.items));
             top::sort(&mut rows, args.sort_by);
             let report = TopReport { api_version: API_VERSION, kind: "GpuMemoryTop", pods: rows, warnings };
             Ok(match cli.output {
@@ -82,6 +84,8 @@ async fn run(cli: Cli) -> Result<String, Error> {
                 &mut warnings,
                 "which budget applies is taken from the agent's record, without the overlap",
             )?;
+            warnings.extend(budgets.iter().flat_map(|b| b.unreadable.iter().cloned()));
+            let specs = budgets.as_ref().map(|b| b.specs.clone()).unwrap_or_default();
             let events = optional(api::pod_events(&client, &namespace, name).await, &mut warnings, "no events shown")?
                 .unwrap_or_default();
             let now = jiff::Timestamp::now();
@@ -89,7 +93,8 @@ async fn run(cli: Cli) -> Result<String, Error> {
                 namespace: &namespace,
                 name,
                 pod: pod.as_ref(),
-                budgets: budgets.as_deref(),
+                budgets: budgets.as_ref().map(|b| b.items.as_slice()),
+                specs: &specs,
                 events: &events,
                 now,
                 warnings,

@@ -125,7 +125,8 @@ pub struct PodInfo {
 #[serde(rename_all = "camelCase")]
 pub struct BudgetInfo {
     pub name: String,
-    /// The budget's spec as stored (every field, a new optional one included).
+    /// The budget's spec: as this plugin reads it (defaults filled in), with every field the API server
+    /// returned on top, so a field newer than the plugin (a CRD upgraded first) is shown too.
     pub spec: serde_json::Value,
     /// `spec.limit` in bytes; absent when the budget could not be read.
     #[serde(skip_serializing_if = "Option::is_none")]

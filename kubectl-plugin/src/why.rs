@@ -2,6 +2,8 @@
 //! spec sets, its last events and what happens next. A pure function of the API objects read; a pod that
 //! is gone (evicted and deleted) is answered from its events and the budgets' `status.lastEviction`.
 
+use std::collections::BTreeMap;
+
 use gpubudget_common::pod_record::PodRecord;
 use gpubudget_common::quantity::HumanBytes;
 use gpubudget_common::{Budget, BudgetAction, BudgetState, GpuMemoryBudget, is_critical, resolve};
@@ -27,6 +29,9 @@ pub struct WhyInput<'a> {
     pub pod: Option<&'a Pod>,
     /// The namespace's budgets; `None` when they could not be read (RBAC): a warning says so.
     pub budgets: Option<&'a [GpuMemoryBudget]>,
+    /// Their specs as stored, by `(namespace, name)` (see [`crate::api::Budgets`]); a budget missing here is
+    /// shown from its typed spec.
+    pub specs: &'a BTreeMap<(String, String), serde_json::Value>,
     /// Events whose involved object is this pod (by name: an earlier pod of the name included).
     pub events: &'a [Event],
     pub now: Timestamp,
@@ -73,13 +78,23 @@ fn evicted_by<'a>(budgets: &'a [GpuMemoryBudget], name: &str) -> Option<&'a GpuM
         .max_by_key(|b| b.status.as_ref().and_then(|s| s.last_eviction.as_ref()).map(|l| l.time.clone()))
 }
 
-fn budget_info(resource: Option<&GpuMemoryBudget>, name: &str) -> BudgetInfo {
+/// The spec as this plugin reads it (defaults filled in), with every field stored on top: a field newer than
+/// the plugin is kept.
+fn spec_shown(budget: &GpuMemoryBudget, stored: Option<&serde_json::Value>) -> serde_json::Value {
+    let mut spec = serde_json::to_value(&budget.spec).unwrap_or_default();
+    if let (Some(out), Some(extra)) = (spec.as_object_mut(), stored.and_then(|s| s.as_object())) {
+        out.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+    }
+    spec
+}
+
+fn budget_info(resource: Option<&GpuMemoryBudget>, name: &str, stored: Option<&serde_json::Value>) -> BudgetInfo {
     match resource {
         Some(r) => {
             let compiled = Budget::compile(r);
             BudgetInfo {
                 name: name.to_owned(),
-                spec: serde_json::to_value(&r.spec).unwrap_or_default(),
+                spec: spec_shown(r, stored),
                 limit_bytes: compiled.as_ref().ok().map(|b| b.limit_bytes),
                 invalid: compiled.err().map(|e| e.to_string()),
             }
@@ -90,7 +105,8 @@ fn budget_info(resource: Option<&GpuMemoryBudget>, name: &str) -> BudgetInfo {
 
 /// Answers `why` from what was read.
 pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
-    let WhyInput { namespace, name, pod, budgets, events, now, mut warnings } = input;
+    let WhyInput { namespace, name, pod, budgets, specs, events, now, mut warnings } = input;
+    let stored = |n: &str| specs.get(&(namespace.to_owned(), n.to_owned()));
     let uid = pod.and_then(|p| p.metadata.uid.clone());
     let rows = events::rows(events, uid.as_deref());
     let in_namespace: Vec<&GpuMemoryBudget> =
@@ -154,7 +170,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
                 deletion_timestamp: None,
                 never_evicted: None,
             },
-            budget: budget_name.as_deref().map(|b| budget_info(resource(b), b)),
+            budget: budget_name.as_deref().map(|b| budget_info(resource(b), b, stored(b))),
             why,
             matched: Vec::new(),
             record: None,
@@ -224,7 +240,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
         ));
     }
     let budget_name = applying.map(|b| b.name.clone()).or_else(|| record.as_ref().map(|r| r.budget.clone()));
-    let budget = budget_name.as_deref().map(|n| budget_info(resource(n), n));
+    let budget = budget_name.as_deref().map(|n| budget_info(resource(n), n, stored(n)));
     let limit = applying.map(|b| b.limit_bytes);
     let over_since = record.as_ref().filter(|r| r.state.is_over()).and_then(|_| events::over_since(&rows));
     let never = never_evicted(pod);

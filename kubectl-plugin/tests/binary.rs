@@ -54,23 +54,29 @@ fn pod_ref(ns: &str, name: &str, uid: &str) -> ObjectReference {
 /// without a record; llm-old evicted and gone. team-b: one pod.
 async fn cluster() -> FakeApi {
     let fake = FakeApi::new();
-    fake.put_object(serde_json::to_value(GpuMemoryBudget::crd()).unwrap()).unwrap();
+    // The CRD of a newer gpubudget, with a spec field this plugin does not know (the API server prunes fields
+    // its schema lacks, as the fake does).
+    let mut crd = serde_json::to_value(GpuMemoryBudget::crd()).unwrap();
+    crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["request"] =
+        json!({"type": "string"});
+    fake.put_object(crd).unwrap();
+    let mut llm = budget("team-a", "llm-inference", "8Gi", json!({"matchLabels": {"app": "llm"}}), json!({}));
+    // A spec field newer than this plugin (issue 22's request, the CRD upgraded first).
+    llm["spec"]["request"] = json!("6Gi");
     let last = EvictionRecord {
         pod: "llm-old".into(),
         node: Some("n2".into()),
         time: "2026-11-24T09:00:00Z".into(),
         usage: "9.5Gi".into(),
     };
+    llm["status"] = json!({"evictions": 1, "lastEviction": last});
     for object in [
-        budget(
-            "team-a",
-            "llm-inference",
-            "8Gi",
-            json!({"matchLabels": {"app": "llm"}}),
-            json!({"evictions": 1, "lastEviction": last}),
-        ),
+        llm,
         budget("team-a", "team-default", "20Gi", json!({}), json!({})),
         budget("team-b", "b-default", "4Gi", json!({}), json!({})),
+        // Newer than this plugin: an action it does not know makes the budget unreadable, not the list.
+        json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget", "metadata": {"name": "odd", "namespace": "team-b"},
+               "spec": {"selector": {}, "limit": "1Gi", "action": "Throttle"}}),
         pod(
             "team-a",
             "llm-0",
@@ -199,8 +205,14 @@ async fn top_lists_recorded_pods_sorted_in_a_namespace_and_across() {
     let out = ok(&s.kubeconfig, &["top", "-A", "--sort-by", "name"]).await;
     let names: Vec<(&str, &str)> = words(&out)[1..].iter().map(|l| (l[0], l[1])).collect();
     assert_eq!(names, [("team-a", "finetune-0"), ("team-a", "llm-0"), ("team-b", "b-0")]);
-    let out = ok(&s.kubeconfig, &["top", "-n", "team-b"]).await;
-    assert_eq!(words(&out)[1][..5], ["b-0", "n1", "1Gi", "4Gi", "25%"]);
+    let out = run(Some(&s.kubeconfig), &["top", "-n", "team-b"]).await;
+    assert!(out.status.success());
+    assert_eq!(words(&String::from_utf8_lossy(&out.stdout))[1][..5], ["b-0", "n1", "1Gi", "4Gi", "25%"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.starts_with("warning: budget team-b/odd cannot be read by this plugin: unknown variant `Throttle`"),
+        "{stderr}"
+    );
 
     let json: Value = serde_json::from_str(&ok(&s.kubeconfig, &["top", "-o", "json"]).await).unwrap();
     assert_eq!(
@@ -221,6 +233,10 @@ async fn why_answers_for_a_live_pod_and_for_an_evicted_one_that_is_gone() {
     assert!(out.contains("2 budgets in team-a select this pod: llm-inference (8Gi), team-default (20Gi)"), "{out}");
     assert!(out.contains("Over: using 9Gi of 8Gi (112.5%)"), "{out}");
     assert!(out.contains("Over for:"), "from the OverBudget event: {out}");
+    assert!(
+        out.contains("llm-inference (limit 8Gi, request 6Gi, action Evict, warnAtPercent 90"),
+        "a newer spec field: {out}"
+    );
     assert!(out.contains("evicted at 20"), "when: {out}");
     assert!(out.contains("the driver caps each MPS client process at 8Gi on device 0"), "{out}");
     assert!(out.contains("GpuMemoryOverBudget") && out.contains("gpubudget-agent"), "{out}");

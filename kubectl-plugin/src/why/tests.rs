@@ -47,8 +47,19 @@ fn event(reason: &str, uid: &str, at: &str, message: &str) -> Event {
     .unwrap()
 }
 
+static NO_SPECS: BTreeMap<(String, String), serde_json::Value> = BTreeMap::new();
+
 fn input<'a>(pod: Option<&'a Pod>, budgets: Option<&'a [GpuMemoryBudget]>, events: &'a [Event]) -> WhyInput<'a> {
-    WhyInput { namespace: "team-a", name: "llm-0", pod, budgets, events, now: now(), warnings: Vec::new() }
+    WhyInput {
+        namespace: "team-a",
+        name: "llm-0",
+        pod,
+        budgets,
+        specs: &NO_SPECS,
+        events,
+        now: now(),
+        warnings: Vec::new(),
+    }
 }
 
 fn overlapping() -> Vec<GpuMemoryBudget> {
@@ -223,13 +234,21 @@ fn an_evicted_pod_that_is_gone_is_answered_from_events_and_status() {
     assert_eq!(why(input(None, Some(&budgets[..1]), &[])), Err(NotFound));
 }
 
+/// A field of the spec newer than this plugin (issue 22's `request`, with the CRD upgraded first) is shown
+/// from the spec as stored.
 #[test]
 fn a_new_optional_spec_field_shows_without_a_change() {
-    let budgets = [budget("llm", "8Gi", json!({}), json!({"request": "6Gi"}))];
+    let budgets = [budget("llm", "8Gi", json!({}), json!({}))];
+    let specs = BTreeMap::from([(
+        ("team-a".to_owned(), "llm".to_owned()),
+        json!({"selector": {}, "limit": "8Gi", "request": "6Gi"}),
+    )]);
     let p = pod(Some(("Within", 1 << 30, "llm")), json!({}), json!({}));
-    let mut r = why(input(Some(&p), Some(&budgets), &[])).unwrap();
-    // The typed spec drops an unknown field today; the report carries the spec as JSON, so once the field is
-    // in crd.rs it is in `budget.spec` and printed. Simulate that:
-    r.budget.as_mut().unwrap().spec["request"] = json!("6Gi");
-    assert!(crate::render::why_text(&r, now()).contains("request 6Gi"));
+    let r = why(WhyInput { specs: &specs, ..input(Some(&p), Some(&budgets), &[]) }).unwrap();
+    assert_eq!(r.budget.as_ref().unwrap().spec["request"], "6Gi");
+    let text = crate::render::why_text(&r, now());
+    assert!(
+        text.contains("llm (limit 8Gi, request 6Gi, action Evict, warnAtPercent 90, overLimitSeconds 10)"),
+        "{text}"
+    );
 }
