@@ -96,6 +96,13 @@ pub async fn budgets(client: &Client, namespace: Option<&str>) -> Result<Budgets
     Ok(Budgets::from_objects(list.items.into_iter().map(|o| serde_json::to_value(o).unwrap_or_default())))
 }
 
+/// Events (core `v1`) whose involved object is the pod `name` in `namespace`, of any UID.
+pub async fn pod_events(client: &Client, namespace: &str, name: &str) -> Result<Vec<Event>, Error> {
+    let api: Api<Event> = Api::namespaced(client.clone(), namespace);
+    let params = ListParams::default().fields(&format!("involvedObject.kind=Pod,involvedObject.name={name}"));
+    api.list(&params).await.map(|l| l.items).map_err(|e| Error::from_kube(e, "list", "events", Some(namespace)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,11 +120,4 @@ mod tests {
         assert_eq!(b.unreadable.len(), 1);
         assert!(b.unreadable[0].starts_with("budget a/odd cannot be read by this plugin: "), "{:?}", b.unreadable);
     }
-}
-
-/// Events (core `v1`) whose involved object is the pod `name` in `namespace`, of any UID.
-pub async fn pod_events(client: &Client, namespace: &str, name: &str) -> Result<Vec<Event>, Error> {
-    let api: Api<Event> = Api::namespaced(client.clone(), namespace);
-    let params = ListParams::default().fields(&format!("involvedObject.kind=Pod,involvedObject.name={name}"));
-    api.list(&params).await.map(|l| l.items).map_err(|e| Error::from_kube(e, "list", "events", Some(namespace)))
 }
