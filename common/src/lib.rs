@@ -7,6 +7,7 @@ pub mod pod_record;
 pub mod quantity;
 pub mod selector;
 pub mod state;
+pub mod text;
 
 pub use budget::{Budget, Resolution, SpecError, is_critical, resolve};
 pub use crd::{BudgetAction, GpuMemoryBudget, GpuMemoryBudgetSpec, GpuMemoryBudgetStatus};

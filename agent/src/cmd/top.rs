@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use gpubudget_common::GpuMemoryBudget;
 use gpubudget_common::quantity::HumanBytes;
+use gpubudget_common::text::table;
 use k8s_openapi::api::core::v1::Pod;
 use kube::{Api, Client, ResourceExt as _};
 use serde::Serialize;
@@ -197,19 +198,6 @@ pub fn build_view(
     View { taken_at: jiff::Timestamp::now().to_string(), names_from_api: names, gpus, pods, processes }
 }
 
-fn table_text(rows: &[Vec<String>]) -> String {
-    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let widths: Vec<usize> = (0..columns)
-        .map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    for row in rows {
-        let line: Vec<String> = row.iter().enumerate().map(|(c, s)| format!("{s:<w$}", w = widths[c])).collect();
-        let _ = writeln!(out, "{}", line.join("  ").trim_end());
-    }
-    out
-}
-
 /// Renders the view as an aligned table.
 pub fn render_table(view: &View) -> String {
     let mut out = String::new();
@@ -241,7 +229,7 @@ pub fn render_table(view: &View) -> String {
             free,
         ]
     }));
-    out.push_str(&table_text(&gpus));
+    out.push_str(&table(&gpus));
     out.push('\n');
     // The REQUEST column only when some budget sets a request: without one the table is as it was.
     let requests = view.pods.iter().any(|p| p.request_bytes.is_some());
@@ -269,7 +257,7 @@ pub fn render_table(view: &View) -> String {
         row.extend([bytes_or_dash(p.limit_bytes), p.budget.clone().unwrap_or_else(|| "-".into())]);
         row
     }));
-    out.push_str(&table_text(&pods));
+    out.push_str(&table(&pods));
     out.push('\n');
     let mut procs =
         vec![vec!["POD".to_owned(), "CONTAINER".into(), "PID".into(), "GPU".into(), "MEMORY".into(), "COMMAND".into()]];
@@ -283,7 +271,7 @@ pub fn render_table(view: &View) -> String {
             p.command.clone(),
         ]
     }));
-    out.push_str(&table_text(&procs));
+    out.push_str(&table(&procs));
     if !view.names_from_api {
         out.push_str("\n(no API server: pods are shown by UID)\n");
     }

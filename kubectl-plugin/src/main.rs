@@ -1,0 +1,109 @@
+//! `kubectl-gpubudget`: see the library's documentation and docs/kubectl-plugin.md.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use kubectl_gpubudget::cli::{Cli, Command};
+use kubectl_gpubudget::error::Error;
+use kubectl_gpubudget::render::{self, Output};
+use kubectl_gpubudget::report::{API_VERSION, TopReport};
+use kubectl_gpubudget::{api, top, why};
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("error: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A resource the command can do without: its error becomes a warning.
+fn optional<T>(result: Result<T, Error>, warnings: &mut Vec<String>, without: &str) -> Result<Option<T>, Error> {
+    match result {
+        Ok(value) => Ok(Some(value)),
+        Err(error) if error.is_forbidden() => {
+            warnings.push(format!("{error}; {without}"));
+            Ok(None)
+        }
+        Err(error) => Err(error),
+    }
+}
+
+async fn run(cli: Cli) -> Result<String, Error> {
+    let (client, namespace) = api::connect(&cli.connection).await?;
+    match cli.command {
+        Command::Top(args) => {
+            let scope = (!args.all_namespaces).then_some(namespace.as_str());
+            let pods = api::pods(&client, scope, args.selector.as_deref()).await?;
+            let mut warnings = Vec::new();
+            let budgets = optional(api::budgets(&client, scope).await, &mut warnings, "LIMIT and % are left out")?
+                .unwrap_or_default();
+            warnings.extend(budgets.unreadable.iter().cloned());
+            let mut rows = top::rows(&pods, &top::limits(&budgets.items));
+            top::sort(&mut rows, args.sort_by);
+            let report = TopReport { api_version: API_VERSION, kind: "GpuMemoryTop", pods: rows, warnings };
+            Ok(match cli.output {
+                Output::Text => {
+                    let mut out = if report.pods.is_empty() {
+                        String::new()
+                    } else {
+                        render::top_table(&report.pods, args.all_namespaces)
+                    };
+                    for w in &report.warnings {
+                        eprintln!("warning: {w}");
+                    }
+                    if report.pods.is_empty() {
+                        eprintln!(
+                            "No pod with a gpubudget record {}.",
+                            if args.all_namespaces {
+                                "in any namespace".to_owned()
+                            } else {
+                                format!("in namespace {namespace}")
+                            }
+                        );
+                        out.clear();
+                    }
+                    out
+                }
+                other => render::document(&report, other),
+            })
+        }
+        Command::Why(args) => {
+            let name = args.pod.strip_prefix("pod/").or_else(|| args.pod.strip_prefix("pods/")).unwrap_or(&args.pod);
+            let pod = api::pod(&client, &namespace, name).await?;
+            let mut warnings = Vec::new();
+            let budgets = optional(
+                api::budgets(&client, Some(&namespace)).await,
+                &mut warnings,
+                "which budget applies is taken from the agent's record, without the overlap",
+            )?;
+            warnings.extend(budgets.iter().flat_map(|b| b.unreadable.iter().cloned()));
+            let specs = budgets.as_ref().map(|b| b.specs.clone()).unwrap_or_default();
+            let events = optional(api::pod_events(&client, &namespace, name).await, &mut warnings, "no events shown")?
+                .unwrap_or_default();
+            let now = jiff::Timestamp::now();
+            let report = why::why(why::WhyInput {
+                namespace: &namespace,
+                name,
+                pod: pod.as_ref(),
+                budgets: budgets.as_ref().map(|b| b.items.as_slice()),
+                specs: &specs,
+                events: &events,
+                now,
+                warnings,
+            })
+            .map_err(|why::NotFound| Error::PodNotFound { namespace: namespace.clone(), name: name.to_owned() })?;
+            Ok(match cli.output {
+                Output::Text => render::why_text(&report, now),
+                other => render::document(&report, other),
+            })
+        }
+    }
+}

@@ -1,0 +1,254 @@
+use super::*;
+use serde_json::json;
+
+const NOW: &str = "2026-11-24T10:00:30Z";
+
+fn now() -> Timestamp {
+    NOW.parse().unwrap()
+}
+
+fn budget(name: &str, limit: &str, selector: serde_json::Value, extra: serde_json::Value) -> GpuMemoryBudget {
+    let mut spec = json!({"selector": selector, "limit": limit});
+    spec.as_object_mut().unwrap().extend(extra.as_object().cloned().unwrap_or_default());
+    serde_json::from_value(json!({
+        "apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
+        "metadata": {"name": name, "namespace": "team-a"}, "spec": spec,
+    }))
+    .unwrap()
+}
+
+fn pod(state: Option<(&str, u64, &str)>, extra_meta: serde_json::Value, spec: serde_json::Value) -> Pod {
+    let mut annotations = serde_json::Map::new();
+    if let Some((state, usage, budget)) = state {
+        annotations.insert("gpubudget.io/state".into(), state.into());
+        annotations.insert("gpubudget.io/usage-bytes".into(), usage.to_string().into());
+        annotations.insert("gpubudget.io/budget".into(), budget.into());
+        annotations.insert("gpubudget.io/node".into(), "n1".into());
+        if state == "Evicting" {
+            annotations.insert("gpubudget.io/eviction-requested-at".into(), "2026-11-24T10:00:20Z".into());
+        }
+    }
+    let mut meta = json!({"name": "llm-0", "namespace": "team-a", "uid": "u1", "labels": {"app": "llm"},
+                          "annotations": annotations});
+    meta.as_object_mut().unwrap().extend(extra_meta.as_object().cloned().unwrap_or_default());
+    let mut s = json!({"nodeName": "n1", "containers": [{"name": "server", "image": "vllm",
+                       "resources": {"limits": {"nvidia.com/gpu": "1"}}}]});
+    s.as_object_mut().unwrap().extend(spec.as_object().cloned().unwrap_or_default());
+    serde_json::from_value(json!({"metadata": meta, "spec": s, "status": {"phase": "Running"}})).unwrap()
+}
+
+fn event(reason: &str, uid: &str, at: &str, message: &str) -> Event {
+    serde_json::from_value(json!({
+        "metadata": {"name": format!("{reason}-{at}"), "namespace": "team-a"},
+        "involvedObject": {"kind": "Pod", "name": "llm-0", "namespace": "team-a", "uid": uid},
+        "reason": reason, "type": "Warning", "message": message, "reportingComponent": "gpubudget-agent",
+        "eventTime": at,
+    }))
+    .unwrap()
+}
+
+static NO_SPECS: BTreeMap<(String, String), serde_json::Value> = BTreeMap::new();
+
+fn input<'a>(pod: Option<&'a Pod>, budgets: Option<&'a [GpuMemoryBudget]>, events: &'a [Event]) -> WhyInput<'a> {
+    WhyInput {
+        namespace: "team-a",
+        name: "llm-0",
+        pod,
+        budgets,
+        specs: &NO_SPECS,
+        events,
+        now: now(),
+        warnings: Vec::new(),
+    }
+}
+
+fn overlapping() -> Vec<GpuMemoryBudget> {
+    vec![
+        budget("team-default", "20Gi", json!({}), json!({})),
+        budget("llm-inference", "8Gi", json!({"matchLabels": {"app": "llm"}}), json!({"overLimitSeconds": 30})),
+        budget("web", "1Gi", json!({"matchLabels": {"app": "web"}}), json!({})),
+    ]
+}
+
+#[test]
+fn over_an_evict_budget_with_an_overlap_says_when_it_is_evicted() {
+    let budgets = overlapping();
+    let p = pod(Some(("Over", 9 << 30, "llm-inference")), json!({}), json!({"terminationGracePeriodSeconds": 10}));
+    let events = [
+        event(reason::NEAR, "u1", "2026-11-24T10:00:00.000000Z", "using 7.5Gi of 8Gi (budget team-a/llm-inference)"),
+        event(reason::OVER, "u1", "2026-11-24T10:00:10.000000Z", "using 9Gi of 8Gi (budget team-a/llm-inference)"),
+    ];
+    let r = why(input(Some(&p), Some(&budgets), &events)).unwrap();
+    assert_eq!(r.budget.as_ref().map(|b| b.name.as_str()), Some("llm-inference"));
+    let matched: Vec<(&str, bool)> = r.matched.iter().map(|m| (m.name.as_str(), m.applies)).collect();
+    assert_eq!(matched, [("llm-inference", true), ("team-default", false)]);
+    assert!(
+        r.why
+            .starts_with("2 budgets in team-a select this pod: llm-inference (8Gi), team-default (20Gi); the smallest"),
+        "{}",
+        r.why
+    );
+    assert_eq!(r.record.as_ref().and_then(|x| x.percent), Some(112.5));
+    assert_eq!((r.over_since.as_deref(), r.over_for_seconds), (Some("2026-11-24T10:00:10Z"), Some(20)));
+    assert_eq!((r.next.action, r.next.at.as_deref()), ("Evict", Some("2026-11-24T10:00:40Z")));
+    assert!(r.next.message.contains("(in 10s)") && r.next.message.contains("10s grace"), "{}", r.next.message);
+    assert!(
+        r.admission.summary.starts_with("none set at admission: the GPU container server sets none"),
+        "{}",
+        r.admission.summary
+    );
+    assert_eq!(r.events.len(), 2);
+    assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+    let text = crate::render::why_text(&r, now());
+    assert!(text.contains("Over for:") && text.contains("20s (since 2026-11-24T10:00:10Z)"), "{text}");
+    assert!(text.contains("llm-inference (limit 8Gi, action Evict, warnAtPercent 90, overLimitSeconds 30)"), "{text}");
+}
+
+#[test]
+fn past_due_and_unknown_since() {
+    let budgets = overlapping();
+    let p = pod(Some(("Over", 9 << 30, "llm-inference")), json!({}), json!({}));
+    let events = [event(reason::OVER, "u1", "2026-11-24T09:00:00.000000Z", "over")];
+    let r = why(input(Some(&p), Some(&budgets), &events)).unwrap();
+    assert_eq!((r.next.action, r.next.at.as_deref()), ("Evict", Some(NOW)));
+    assert!(r.next.message.starts_with("evicted at the agent's next sample"), "{}", r.next.message);
+    let r = why(input(Some(&p), Some(&budgets), &[])).unwrap();
+    assert_eq!((r.next.action, r.next.at.as_deref(), r.over_since.as_deref()), ("Evict", None, None));
+    assert!(r.next.message.contains("the events that say since when are gone"), "{}", r.next.message);
+}
+
+#[test]
+fn warn_budgets_critical_pods_and_within_are_never_evicted() {
+    let warn = [budget("audit", "8Gi", json!({}), json!({"action": "Warn"}))];
+    let p = pod(Some(("Over", 9 << 30, "audit")), json!({}), json!({}));
+    let r = why(input(Some(&p), Some(&warn), &[])).unwrap();
+    assert_eq!(r.next.action, "Nothing");
+    assert!(r.next.message.contains("action is Warn"), "{}", r.next.message);
+    assert!(
+        r.why
+            == "audit is the only budget in team-a that selects this pod; its selector: {} (every pod in the namespace)",
+        "{}",
+        r.why
+    );
+
+    let budgets = overlapping();
+    let critical =
+        pod(Some(("Over", 9 << 30, "llm-inference")), json!({}), json!({"priorityClassName": "system-node-critical"}));
+    let r = why(input(Some(&critical), Some(&budgets), &[])).unwrap();
+    assert_eq!(r.next.action, "Nothing");
+    assert!(r.pod.never_evicted.as_deref().is_some_and(|n| n.contains("critical")), "{:?}", r.pod);
+    let within = pod(Some(("Within", 1 << 30, "llm-inference")), json!({}), json!({}));
+    let r = why(input(Some(&within), Some(&budgets), &[])).unwrap();
+    assert_eq!(r.next.action, "Nothing");
+    assert!(r.next.message.contains("Near at 90% of 8Gi = 7.2Gi"), "{}", r.next.message);
+}
+
+#[test]
+fn evicting_and_refused_with_and_without_a_timeout() {
+    let plain = overlapping();
+    let p = pod(Some(("Evicting", 9 << 30, "llm-inference")), json!({}), json!({}));
+    let r = why(input(Some(&p), Some(&plain), &[])).unwrap();
+    assert_eq!((r.next.action, r.next.at.as_deref()), ("Evict", Some("2026-11-24T10:00:20Z")));
+    assert!(r.next.message.contains("eviction requested at 2026-11-24T10:00:20Z (10s ago)"), "{}", r.next.message);
+    let blocked = [event(reason::BLOCKED, "u1", "2026-11-24T10:00:21.000000Z", "eviction refused: PDB")];
+    let r = why(input(Some(&p), Some(&plain), &blocked)).unwrap();
+    assert_eq!((r.next.action, r.next.at.as_deref()), ("Evict", None));
+    assert!(r.next.message.contains("no blockedEvictionTimeoutSeconds"), "{}", r.next.message);
+    let timed = [budget("llm-inference", "8Gi", json!({}), json!({"blockedEvictionTimeoutSeconds": 600}))];
+    let r = why(input(Some(&p), Some(&timed), &blocked)).unwrap();
+    assert_eq!((r.next.action, r.next.at.as_deref()), ("Delete", Some("2026-11-24T10:10:20Z")));
+    let terminating = pod(
+        Some(("Evicting", 9 << 30, "llm-inference")),
+        json!({"deletionTimestamp": "2026-11-24T10:00:50Z"}),
+        json!({}),
+    );
+    let r = why(input(Some(&terminating), Some(&plain), &[])).unwrap();
+    assert_eq!((r.next.action, r.next.at.as_deref()), ("Terminate", Some("2026-11-24T10:00:50Z")));
+}
+
+#[test]
+fn no_budget_no_record_and_unreadable_budgets() {
+    let budgets = [budget("web", "1Gi", json!({"matchLabels": {"app": "web"}}), json!({}))];
+    let p = pod(None, json!({}), json!({}));
+    let r = why(input(Some(&p), Some(&budgets), &[])).unwrap();
+    assert_eq!((r.budget.is_none(), r.next.action), (true, "Nothing"));
+    assert_eq!(r.why, "no valid GpuMemoryBudget in team-a selects this pod (its labels: app=llm)");
+    let all = overlapping();
+    let r = why(input(Some(&p), Some(&all), &[])).unwrap();
+    assert!(
+        r.next.message.starts_with("nothing yet: no agent has recorded GPU memory for this pod"),
+        "{}",
+        r.next.message
+    );
+    let p = pod(Some(("Near", 7 << 30, "llm-inference")), json!({}), json!({}));
+    let r = why(input(Some(&p), None, &[])).unwrap();
+    assert_eq!(r.budget.as_ref().map(|b| (b.name.as_str(), b.limit_bytes)), Some(("llm-inference", None)));
+    assert_eq!(r.next.action, "Unknown");
+    assert!(r.why.contains("could not be read; the agent's record names budget llm-inference"), "{}", r.why);
+}
+
+#[test]
+fn a_stale_record_and_an_invalid_budget_are_told() {
+    let mut budgets = overlapping();
+    budgets.push(budget("broken", "8 GiB", json!({}), json!({})));
+    let p = pod(Some(("Within", 1 << 30, "team-default")), json!({}), json!({}));
+    let r = why(input(Some(&p), Some(&budgets), &[])).unwrap();
+    assert_eq!(r.warnings.len(), 2, "{:?}", r.warnings);
+    assert!(r.warnings[0].starts_with("budget team-a/broken is invalid and not enforced: spec.limit"));
+    assert!(r.warnings[1].contains("record names budget team-default, but the budgets now resolve to llm-inference"));
+}
+
+/// The tenant's question: the pod was evicted and deleted; its events and the budget's status remain.
+#[test]
+fn an_evicted_pod_that_is_gone_is_answered_from_events_and_status() {
+    let mut budgets = overlapping();
+    budgets[1].status = Some(
+        serde_json::from_value(json!({
+            "evictions": 1,
+            "lastEviction": {"pod": "llm-0", "node": "n1", "time": "2026-11-24T09:59:50Z", "usage": "9Gi"},
+        }))
+        .unwrap(),
+    );
+    let events = [
+        event(reason::OVER, "u0", "2026-11-24T09:59:40.000000Z", "using 9Gi of 8Gi (budget team-a/llm-inference)"),
+        event(
+            reason::EVICTING,
+            "u0",
+            "2026-11-24T09:59:50.000000Z",
+            "using 9Gi of 8Gi (budget team-a/llm-inference) for 10s; evicting",
+        ),
+        event("Killing", "u0", "2026-11-24T09:59:51.000000Z", "Stopping container server"),
+    ];
+    let r = why(input(None, Some(&budgets), &events)).unwrap();
+    assert!(!r.pod.exists);
+    assert_eq!(r.budget.as_ref().map(|b| b.name.as_str()), Some("llm-inference"));
+    assert!(r.why.contains("budget llm-inference evicted it"), "{}", r.why);
+    assert_eq!(r.last_eviction.as_ref().map(|l| l.usage.as_str()), Some("9Gi"));
+    assert_eq!(r.next.action, "Gone");
+    assert!(r.next.message.contains("evicted at 2026-11-24T09:59:50Z using 9Gi on n1"), "{}", r.next.message);
+    assert_eq!(r.events.len(), 3);
+    // Without the budgets (a tenant without list on them): the events still name the budget.
+    let r = why(input(None, None, &events)).unwrap();
+    assert_eq!(r.budget.as_ref().map(|b| b.name.as_str()), Some("llm-inference"));
+    assert!(r.next.message.contains(reason::EVICTING), "{}", r.next.message);
+    assert_eq!(why(input(None, Some(&budgets[..1]), &[])), Err(NotFound));
+}
+
+/// A field of the spec newer than this plugin (issue 22's `request`, with the CRD upgraded first) is shown
+/// from the spec as stored.
+#[test]
+fn a_new_optional_spec_field_shows_without_a_change() {
+    let budgets = [budget("llm", "8Gi", json!({}), json!({}))];
+    let specs = BTreeMap::from([(
+        ("team-a".to_owned(), "llm".to_owned()),
+        json!({"selector": {}, "limit": "8Gi", "request": "6Gi"}),
+    )]);
+    let p = pod(Some(("Within", 1 << 30, "llm")), json!({}), json!({}));
+    let r = why(WhyInput { specs: &specs, ..input(Some(&p), Some(&budgets), &[]) }).unwrap();
+    assert_eq!(r.budget.as_ref().unwrap().spec["request"], "6Gi");
+    let text = crate::render::why_text(&r, now());
+    assert!(
+        text.contains("llm (limit 8Gi, request 6Gi, action Evict, warnAtPercent 90, overLimitSeconds 10)"),
+        "{text}"
+    );
+}
