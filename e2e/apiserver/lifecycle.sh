@@ -73,13 +73,6 @@ FAILED=1
 START=$SECONDS
 GI=1073741824
 
-stop_process() { # PID: SIGTERM, then wait (at most 25 s)
-  local pid=$1
-  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0
-  kill -TERM "$pid"
-  for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.5; done
-  kill -KILL "$pid" 2>/dev/null || true
-}
 cleanup() {
   local rc=$?
   if [ "$FAILED" != 0 ]; then
@@ -105,14 +98,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-events() { # NAMESPACE POD REASON: the pod's events.k8s.io/v1 Events with that reason, as a JSON array
-  kubectl get events.v1.events.k8s.io -n "$1" -o json \
-    | jq -c --arg pod "$2" --arg reason "$3" '[.items[] | select(.regarding.name == $pod and .reason == $reason)]'
-}
-event_occurrences() { events "$@" | jq '[.[] | (.series.count // 1)] | add // 0'; }
-has_event() { [ "$(events "$@" | jq 'length')" -gt 0 ]; }
-terminating() { [ -n "$(kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.deletionTimestamp}')" ]; }
-ready() { curl -fsS "http://$1/ready" >/dev/null; }
 accepted() { cat "$WORK"/agent-*.log | grep "eviction requested and accepted" | grep -c "$1" || true; }
 # The budgets' specs and status that must survive every step (condition times and observedGeneration aside).
 budgets_state() {
@@ -134,13 +119,7 @@ info "helm: $("$HELM" version --short 2>/dev/null)  binaries: $BIN  run id: $ID"
 mkdir -p "$WORK/tls" "$WORK/proc"
 cp -r "$REPO/charts/gpubudget" "$WORK/chart"
 sed -i 's/^kubeVersion: .*/kubeVersion: ">=1.32.0-0"/' "$WORK/chart/Chart.yaml"
-openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj "/CN=gpubudget-lc-ca" -keyout "$WORK/tls/ca.key" \
-  -out "$WORK/tls/ca.crt" 2>/dev/null
-openssl req -newkey rsa:2048 -nodes -subj "/CN=gpubudget-operator-webhook" -keyout "$WORK/tls/tls.key" \
-  -out "$WORK/tls/tls.csr" 2>/dev/null
-printf 'subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' > "$WORK/tls/ext"
-openssl x509 -req -in "$WORK/tls/tls.csr" -CA "$WORK/tls/ca.crt" -CAkey "$WORK/tls/ca.key" -CAcreateserial -days 1 \
-  -extfile "$WORK/tls/ext" -out "$WORK/tls/tls.crt" 2>/dev/null
+webhook_cert "$WORK/tls"
 cat > "$WORK/post-render.sh" <<EOF
 #!/usr/bin/env bash
 exec yq -y --arg url "https://$WEBHOOK/validate-eviction" --arg ca "$(base64 -w0 < "$WORK/tls/ca.crt")" \
@@ -192,16 +171,7 @@ EOF
     \"containerStatuses\":[{\"name\":\"main\",\"containerID\":\"containerd://$cid\",\"image\":\"registry.k8s.io/pause:3.10\",
     \"imageID\":\"x\",\"ready\":true,\"restartCount\":0,\"started\":true,\"state\":{\"running\":{}}}]}}" >/dev/null
 }
-process() { # PID POD: a process of the pod's container in the fixture /proc (systemd cgroup driver, containerd)
-  local dir=$WORK/proc/$1 uid cid
-  uid=$(uid "$NS_A" "$2" | tr - _)
-  cid=$(printf '%s' "$NS_A/$2" | sha256sum | cut -c1-64)
-  mkdir -p "$dir"
-  printf '%s (python3) S 1 %s %s 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 12 0 %s 1000000 500 18446744073709551615 1 1 0 0 0 0 0 16781312 17642 0 0 0 17 3 0 0 0 0 0\n' \
-    "$1" "$1" "$1" "$((100000 + $1))" > "$dir/stat"
-  echo python3 > "$dir/comm"
-  echo "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod$uid.slice/cri-containerd-$cid.scope" > "$dir/cgroup"
-}
+process() { fake_process "$WORK/proc" "$1" "$NS_A" "$2"; } # PID POD
 make_pod first "$NODE" app=llm        # llm-inference (Evict, 8Gi, 10 s, grace 30 s): evicted before the upgrade
 make_pod second "$NODE" app=llm       # goes over just before the upgrade: its 10 s run across the rollout
 make_pod trainer "$NODE" job-type=training   # training-audit (Warn, 40Gi): over all along, never evicted
