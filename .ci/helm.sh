@@ -17,7 +17,7 @@ KUBERNETES_VALIDATE_VERSION=1.37.0
 K8S_VERSIONS=(1.33.0 1.37.0)
 # CRD-defined kinds of optional integrations: kubernetes-validate has no schemas for them and no option to skip
 # kinds (it only warns), so they are filtered out by name here; any other unknown kind fails the check.
-SKIP_KINDS="monitoring.coreos.com/v1/ServiceMonitor cert-manager.io/v1/Certificate cert-manager.io/v1/Issuer"
+SKIP_KINDS="monitoring.coreos.com/v1/ServiceMonitor monitoring.coreos.com/v1/PrometheusRule cert-manager.io/v1/Certificate cert-manager.io/v1/Issuer"
 CHART=charts/gpubudget
 RELEASE=gpubudget
 NAMESPACE=gpubudget
@@ -262,6 +262,21 @@ for name in ("default", "all-features", "no-node-restriction"):
     for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
         if sm["metadata"]["name"].endswith("-agent"):
             check(sm["spec"]["endpoints"][0].get("honorLabels") is True, f"{name}: agent ServiceMonitor honors labels")
+    # Alerts: the PrometheusRule is files/alerts.yaml (promtool tests it: .ci/promtool.sh) with ruleLabels added,
+    # and the ServiceMonitors label each target with the gpubudget_component its alerts on `up` select.
+    rules = [d for d in docs if d["kind"] == "PrometheusRule"]
+    if name == "all-features":
+        source = yaml.safe_load(open(f"{chart}/files/alerts.yaml"))
+        for group in source["groups"]:
+            for rule in group["rules"]:
+                rule["labels"] = {**rule.get("labels", {}), "team": "platform"}
+        check(len(rules) == 1 and rules[0]["spec"] == source, f"{name}: PrometheusRule = files/alerts.yaml + ruleLabels")
+    else:
+        check(not rules, f"{name}: no PrometheusRule unless enabled")
+    for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
+        component = sm["metadata"]["name"].rsplit("-", 1)[1]
+        relabel = {r.get("targetLabel"): r.get("replacement") for r in sm["spec"]["endpoints"][0].get("relabelings", [])}
+        check(relabel.get("gpubudget_component") == component, f"{name}: ServiceMonitor {component} labels gpubudget_component")
     for cm in (d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard")):
         text = list(cm["data"].values())[0]
         json.loads(text)

@@ -52,3 +52,53 @@ token_kubeconfig() {
   KUBECONFIG=$1 kubectl config set-credentials "$2" --token="$3" >/dev/null
   KUBECONFIG=$1 kubectl config set-context --current --user="$2" >/dev/null
 }
+
+# stop_process PID: SIGTERM, then wait (at most 25 s), then SIGKILL. Nothing when PID is empty or gone.
+stop_process() {
+  local pid=$1
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0
+  kill -TERM "$pid"
+  for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.5; done
+  kill -KILL "$pid" 2>/dev/null || true
+}
+
+# events NAMESPACE POD REASON: the pod's events.k8s.io/v1 Events with that reason, as a JSON array.
+events() {
+  kubectl get events.v1.events.k8s.io -n "$1" -o json \
+    | jq -c --arg pod "$2" --arg reason "$3" '[.items[] | select(.regarding.name == $pod and .reason == $reason)]'
+}
+event_count() { events "$@" | jq 'length'; }
+# occurrences: every event counted with its series (a repeat aggregated by the recorder is a series count).
+event_occurrences() { events "$@" | jq '[.[] | (.series.count // 1)] | add // 0'; }
+event_messages() { events "$@" | jq -r '.[].note'; }
+has_event() { [ "$(event_count "$@")" -gt 0 ]; }
+terminating() { [ -n "$(kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.deletionTimestamp}')" ]; }
+# ready HOST:PORT: a binary's admin port answers /ready with 200.
+ready() { curl -fsS "http://$1/ready" >/dev/null; }
+
+# webhook_cert DIR: a CA (ca.crt, ca.key) and a serving certificate for 127.0.0.1 (tls.crt, tls.key) in DIR, for
+# the operator's eviction webhook run on this machine (URL mode).
+webhook_cert() {
+  mkdir -p "$1"
+  openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj "/CN=gpubudget-e2e-ca" -keyout "$1/ca.key" \
+    -out "$1/ca.crt" 2>/dev/null
+  openssl req -newkey rsa:2048 -nodes -subj "/CN=gpubudget-operator-webhook" -keyout "$1/tls.key" \
+    -out "$1/tls.csr" 2>/dev/null
+  printf 'subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' > "$1/ext"
+  openssl x509 -req -in "$1/tls.csr" -CA "$1/ca.crt" -CAkey "$1/ca.key" -CAcreateserial -days 1 \
+    -extfile "$1/ext" -out "$1/tls.crt" 2>/dev/null
+}
+
+# fake_process PROC_ROOT PID NAMESPACE POD: a process of the pod's container "main" in a fixture /proc, with the
+# kubelet's cgroup (systemd driver, containerd, burstable QoS), as on a real node. The container ID is 64 hex
+# digits derived from NAMESPACE/POD (the test's pods report the same one).
+fake_process() {
+  local dir=$1/$2 uid cid
+  uid=$(uid "$3" "$4" | tr - _)
+  cid=$(printf '%s' "$3/$4" | sha256sum | cut -c1-64)
+  mkdir -p "$dir"
+  printf '%s (python3) S 1 %s %s 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 12 0 %s 1000000 500 18446744073709551615 1 1 0 0 0 0 0 16781312 17642 0 0 0 17 3 0 0 0 0 0\n' \
+    "$2" "$2" "$2" "$((100000 + $2))" > "$dir/stat"
+  echo python3 > "$dir/comm"
+  echo "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod$uid.slice/cri-containerd-$cid.scope" > "$dir/cgroup"
+}

@@ -10,14 +10,25 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
+/// `{check}` of the readiness gauge.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CheckLabels {
+    check: String,
+}
+
 /// Named readiness checks. `/ready` answers 200 only when every registered check is true; the body
-/// lists each check, so a failing probe says why.
+/// lists each check, so a failing probe says why. The same checks are a gauge for `/metrics`
+/// ([`Health::register`]), so an alert sees a component that serves but is not ready.
 #[derive(Debug, Clone, Default)]
 pub struct Health {
     checks: Arc<Mutex<BTreeMap<&'static str, bool>>>,
+    gauge: Family<CheckLabels, Gauge>,
 }
 
 impl Health {
@@ -35,6 +46,16 @@ impl Health {
         if let Ok(mut checks) = self.checks.lock() {
             checks.insert(check, ok);
         }
+        self.gauge.get_or_create(&CheckLabels { check: check.to_owned() }).set(i64::from(ok));
+    }
+
+    /// Registers the checks as the gauge `name{check}` (1 while the check passes, else 0) in `registry`.
+    pub fn register(&self, registry: &mut Registry, name: &str) {
+        registry.register(
+            name,
+            "1 while a readiness check passes, else 0 (/ready answers 200 when all do)",
+            self.gauge.clone(),
+        );
     }
 
     /// Whether every check passes.
@@ -121,6 +142,7 @@ mod tests {
         let counter = Counter::<u64>::default();
         registry.register("demo_things", "Things", counter.clone());
         counter.inc_by(3);
+        health.register(&mut registry, "demo_ready");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
         let addr = listener.local_addr().expect("addr");
         let shutdown = CancellationToken::new();
@@ -133,12 +155,16 @@ mod tests {
         let not_ready = fetch(addr, "/ready").await;
         assert!(not_ready.starts_with("HTTP/1.1 503"), "{not_ready}");
         assert!(not_ready.contains("caches not ready"));
+        let metrics = fetch(addr, "/metrics").await;
+        assert!(metrics.contains("demo_ready{check=\"caches\"} 0"), "{metrics}");
         health.set("caches", true);
         health.set("nvml", true);
         let ready = fetch(addr, "/ready").await;
         assert!(ready.starts_with("HTTP/1.1 200") && ready.contains("nvml ok"), "{ready}");
         let metrics = fetch(addr, "/metrics").await;
         assert!(metrics.contains("demo_things_total 3"), "{metrics}");
+        assert!(metrics.contains("demo_ready{check=\"caches\"} 1"), "{metrics}");
+        assert!(metrics.contains("demo_ready{check=\"nvml\"} 1"), "{metrics}");
 
         shutdown.cancel();
         server.await.expect("joins").expect("serves cleanly");

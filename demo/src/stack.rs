@@ -49,6 +49,7 @@ pub struct Stack {
     operator_health: Option<Health>,
     agent_health: Option<Health>,
     agent_registry: Arc<Registry>,
+    operator_registry: Arc<Registry>,
 }
 
 impl std::fmt::Debug for Stack {
@@ -71,6 +72,7 @@ impl Stack {
             operator_health: None,
             agent_health: None,
             agent_registry: Arc::new(Registry::default()),
+            operator_registry: Arc::new(Registry::default()),
         }
     }
 
@@ -169,8 +171,12 @@ impl Stack {
     pub fn start_operator(&mut self) {
         let (_, leader) = watch::channel(true);
         let settings = Settings { instance: Some("gpubudget-operator-0".into()), ..Settings::default() };
-        let ctx = Arc::new(Context::new(self.client.clone(), Default::default(), leader, settings));
+        let mut registry = Registry::default();
+        let metrics = gpubudget_operator::metrics::Metrics::register(&mut registry);
+        let ctx = Arc::new(Context::new(self.client.clone(), metrics, leader, settings));
         let health = Health::new(&[CHECK_PODS, CHECK_BUDGETS]);
+        health.register(&mut registry, gpubudget_operator::metrics::READY_METRIC);
+        self.operator_registry = Arc::new(registry);
         let (h, shutdown) = (health.clone(), self.shutdown.clone());
         self.tasks.push(tokio::spawn(async move { controller::run(ctx, h, shutdown).await.expect("operator runs") }));
         self.operator_health = Some(health);
@@ -185,6 +191,7 @@ impl Stack {
         let mut registry = Registry::default();
         let metrics = Metrics::new(&mut registry);
         let health = Health::new(&gpubudget_agent::cmd::run::CHECKS);
+        health.register(&mut registry, gpubudget_agent::cmd::run::READY_METRIC);
         let args = RunArgs::replay(NODE, self.proc_root(), self.sample_path(), interval);
         self.tasks.push(tokio::spawn(gpubudget_agent::cmd::run::run_with(
             args,
@@ -218,6 +225,13 @@ impl Stack {
     pub fn agent_metrics(&self) -> String {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.agent_registry).expect("metrics encode");
+        out
+    }
+
+    /// The operator's metrics, in the text format `/metrics` serves (as `gpubudget-operator run` registers them).
+    pub fn operator_metrics(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.operator_registry).expect("metrics encode");
         out
     }
 

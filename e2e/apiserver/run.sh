@@ -81,13 +81,6 @@ START=$SECONDS
 
 POLL=0.5
 
-stop_process() { # PID: SIGTERM, then wait (at most 25 s)
-  local pid=$1
-  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0
-  kill -TERM "$pid"
-  for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.5; done
-  kill -KILL "$pid" 2>/dev/null || true
-}
 
 diagnostics() {
   say "diagnostics"
@@ -125,18 +118,6 @@ cleanup() {
 trap cleanup EXIT
 
 
-# events NAMESPACE POD REASON: the pod's events.k8s.io/v1 Events with that reason, as a JSON array.
-events() {
-  kubectl get events.v1.events.k8s.io -n "$1" -o json \
-    | jq -c --arg pod "$2" --arg reason "$3" '[.items[] | select(.regarding.name == $pod and .reason == $reason)]'
-}
-event_count() { events "$@" | jq 'length'; }
-# occurrences: every event counted with its series (a repeat aggregated by the recorder is a series count).
-event_occurrences() { events "$@" | jq '[.[] | (.series.count // 1)] | add // 0'; }
-event_messages() { events "$@" | jq -r '.[].note'; }
-has_event() { [ "$(event_count "$@")" -gt 0 ]; }
-terminating() { [ -n "$(kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.deletionTimestamp}')" ]; }
-ready() { curl -fsS "http://$1/ready" >/dev/null; }
 
 say "control plane"
 kubectl version 2>/dev/null | sed 's/^/    /'
@@ -155,13 +136,7 @@ for ns in "$NS" "$NS_A" "$NS_B"; do   # pods need their namespace's default Serv
 done
 # The webhook's serving certificate, for 127.0.0.1 (the operator runs on this machine, not behind a Service).
 mkdir -p "$WORK/tls" "$WORK/proc"
-openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj "/CN=gpubudget-e2e-ca" -keyout "$WORK/tls/ca.key" \
-  -out "$WORK/tls/ca.crt" 2>/dev/null
-openssl req -newkey rsa:2048 -nodes -subj "/CN=gpubudget-operator-webhook" -keyout "$WORK/tls/tls.key" \
-  -out "$WORK/tls/tls.csr" 2>/dev/null
-printf 'subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' > "$WORK/tls/ext"
-openssl x509 -req -in "$WORK/tls/tls.csr" -CA "$WORK/tls/ca.crt" -CAkey "$WORK/tls/ca.key" -CAcreateserial -days 1 \
-  -extfile "$WORK/tls/ext" -out "$WORK/tls/tls.crt" 2>/dev/null
+webhook_cert "$WORK/tls"
 CA_BUNDLE=$(base64 -w0 < "$WORK/tls/ca.crt")
 # The chart requires 1.33; the kinds rendered here are served the same by 1.32.
 "$HELM" template "$RELEASE" "$REPO/charts/gpubudget" -n "$NS" --kube-version 1.33.0 > "$WORK/chart.yaml"
@@ -213,16 +188,7 @@ EOF
 }
 # process PID NAMESPACE POD: a process of the pod's container in the fixture /proc, with the kubelet's cgroup
 # (systemd driver, containerd, burstable QoS), as on a real node.
-process() {
-  local dir=$WORK/proc/$1 uid cid
-  uid=$(uid "$2" "$3" | tr - _)
-  cid=$(printf '%s' "$2/$3" | sha256sum | cut -c1-64)
-  mkdir -p "$dir"
-  printf '%s (python3) S 1 %s %s 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 12 0 %s 1000000 500 18446744073709551615 1 1 0 0 0 0 0 16781312 17642 0 0 0 17 3 0 0 0 0 0\n' \
-    "$1" "$1" "$1" "$((100000 + $1))" > "$dir/stat"
-  echo python3 > "$dir/comm"
-  echo "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod$uid.slice/cri-containerd-$cid.scope" > "$dir/cgroup"
-}
+process() { fake_process "$WORK/proc" "$@"; }
 make_pod "$NS_A" llm-evict "$NODE" app=llm              # Evict: 6Gi → 7.5Gi → 9Gi of 8Gi (two processes)
 make_pod "$NS_A" trainer "$NODE" job-type=training      # Warn: 20Gi → 35Gi → 45Gi of 40Gi (warn at 80 %)
 make_pod "$NS_A" remote-a "$NODE2" app=llm              # on the other node: never the agent's

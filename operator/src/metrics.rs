@@ -7,6 +7,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+/// The readiness checks as a gauge ([`gpubudget_daemon::Health::register`]): `gpubudget_operator_ready{check}`.
+pub const READY_METRIC: &str = "gpubudget_operator_ready";
+
 /// The `error` label of failures.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ErrorLabels {

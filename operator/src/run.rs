@@ -83,6 +83,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<i32> {
     let health = Health::new(&checks);
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
+    health.register(&mut registry, crate::metrics::READY_METRIC);
     let client =
         Client::try_default().await.map_err(|e| anyhow::anyhow!("cannot configure a Kubernetes client: {e}"))?;
     let identity =

@@ -37,6 +37,8 @@ use crate::sample::{SamplerFactory, SamplerSlot};
 
 /// Readiness checks.
 pub const CHECKS: [&str; 3] = ["gpu", "pods", "budgets"];
+/// The readiness checks as a gauge on `/metrics`: `gpubudget_ready{check}` (1 while the check passes).
+pub const READY_METRIC: &str = "gpubudget_ready";
 
 /// Pods are listed this many at a time (a page of full pod objects is held while it is cut down).
 pub const POD_PAGE_SIZE: u32 = 100;
@@ -216,6 +218,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     let metrics = Metrics::new(&mut registry);
     let health = Health::new(&CHECKS);
+    health.register(&mut registry, READY_METRIC);
     let admin = tokio::spawn(serve_admin(args.admin_addr, health.clone(), Arc::new(registry), shutdown.clone()));
     let mut config = kube::Config::infer().await.context("cannot configure the Kubernetes client")?;
     // No retries inside the client: the decisions retry every write with their own backoff, and a 429 on an

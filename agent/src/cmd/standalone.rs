@@ -134,6 +134,7 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
         Metrics::new(&mut registry),
     );
     let health = gpubudget_daemon::Health::new(&["gpu"]);
+    health.register(&mut registry, crate::cmd::run::READY_METRIC);
     if let Some(addr) = args.admin_addr {
         let (health, registry, shutdown) = (health.clone(), std::sync::Arc::new(registry), shutdown.clone());
         tokio::spawn(async move {

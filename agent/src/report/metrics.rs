@@ -92,6 +92,10 @@ pub struct Metrics {
     pub gpu_unaccounted: Family<GpuLabels, Gauge>,
     /// `gpubudget_gpu_processes_unavailable`.
     pub gpu_unavailable: Family<GpuLabels, Gauge>,
+    /// `gpubudget_gpu_memory_total_bytes`.
+    pub gpu_total: Family<GpuLabels, Gauge>,
+    /// `gpubudget_gpu_budgeted_bytes`.
+    pub gpu_budgeted: Family<GpuLabels, Gauge>,
     /// `gpubudget_sample_duration_seconds`.
     pub sample_duration: Histogram,
     /// `gpubudget_pod_table_rebuilds_total`.
@@ -114,6 +118,8 @@ impl Metrics {
             gpu_sampled: Family::default(),
             gpu_unaccounted: Family::default(),
             gpu_unavailable: Family::default(),
+            gpu_total: Family::default(),
+            gpu_budgeted: Family::default(),
             sample_duration: Histogram::new(buckets),
             table_rebuilds: Counter::default(),
         };
@@ -183,6 +189,16 @@ impl Metrics {
             m.gpu_unavailable.clone(),
         );
         registry.register(
+            "gpubudget_gpu_memory_total_bytes",
+            "Total memory of a GPU as the device reports it (bytes)",
+            m.gpu_total.clone(),
+        );
+        registry.register(
+            "gpubudget_gpu_budgeted_bytes",
+            "The budget limits of the pods holding memory on a GPU, added up (a pod on several GPUs counts its whole limit on each): above the GPU's total, the budgets overcommit it (bytes)",
+            m.gpu_budgeted.clone(),
+        );
+        registry.register(
             "gpubudget_unattributed_bytes",
             "GPU memory of processes in no known pod, per GPU (bytes)",
             m.unattributed.clone(),
@@ -199,6 +215,21 @@ impl Metrics {
     pub fn nvml_error(&self, call: &str) {
         self.nvml_errors.get_or_create(&CallLabels { call: call.to_owned() }).inc();
     }
+}
+
+/// Per GPU (snapshot index): the budget limits of the pods holding memory on it, added up. A pod on several
+/// GPUs counts its whole limit on each (its budget does not say how it splits).
+fn budgeted_per_gpu(gpus: usize, table: &PodTable, usage: &Usage) -> Vec<u64> {
+    let mut sums = vec![0_u64; gpus];
+    for (i, pod_usage) in usage.pods.iter().enumerate() {
+        let Some(budget) = table.budget(i) else { continue };
+        for (g, sum) in sums.iter_mut().enumerate() {
+            if pod_usage.holders.iter().any(|h| h.gpu == g && h.bytes > 0) {
+                *sum = sum.saturating_add(budget.limit_bytes);
+            }
+        }
+    }
+    sums
 }
 
 type SeriesKey = (Arc<str>, Option<Arc<str>>, usize);
@@ -222,6 +253,8 @@ struct GpuSeries {
     sampled: Gauge,
     unaccounted: Gauge,
     unavailable: Gauge,
+    total: Gauge,
+    budgeted: Gauge,
     /// The failure count last seen, to count each failed attempt once in `gpubudget_nvml_errors`.
     failures: u32,
 }
@@ -264,6 +297,8 @@ impl SeriesTracker {
                 metrics.gpu_sampled.remove(&s.labels);
                 metrics.gpu_unaccounted.remove(&s.labels);
                 metrics.gpu_unavailable.remove(&s.labels);
+                metrics.gpu_total.remove(&s.labels);
+                metrics.gpu_budgeted.remove(&s.labels);
             }
             for (_, (labels, _, _)) in self.memory.drain() {
                 metrics.pod_memory.remove(&labels);
@@ -280,6 +315,8 @@ impl SeriesTracker {
                         sampled: metrics.gpu_sampled.get_or_create(&labels).clone(),
                         unaccounted: metrics.gpu_unaccounted.get_or_create(&labels).clone(),
                         unavailable: metrics.gpu_unavailable.get_or_create(&labels).clone(),
+                        total: metrics.gpu_total.get_or_create(&labels).clone(),
+                        budgeted: metrics.gpu_budgeted.get_or_create(&labels).clone(),
                         failures: 0,
                         labels,
                     }
@@ -287,11 +324,16 @@ impl SeriesTracker {
                 .collect();
         }
         let gauge = |bytes: u64| i64::try_from(bytes).unwrap_or(i64::MAX);
+        let budgeted = budgeted_per_gpu(self.gpus.len(), table, usage);
         for (g, series) in self.gpus.iter_mut().enumerate() {
             series.unattributed.set(gauge(usage.unattributed.get(g).copied().unwrap_or(0)));
             if let Some(memory) = snapshot.memory(g) {
                 series.free.set(gauge(memory.free));
             }
+            if let Some(info) = snapshot.gpus.get(g) {
+                series.total.set(gauge(info.total_bytes));
+            }
+            series.budgeted.set(gauge(budgeted[g]));
             series.pressure.set(i64::from(under_pressure(g)));
             let Some(reading) = snapshot.readings.get(g) else { continue };
             series.sampled.set(i64::from(reading.health.sampled()));
