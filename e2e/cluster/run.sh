@@ -201,6 +201,25 @@ spec:
       resources: {requests: {cpu: 5m, memory: 8Mi}, limits: {memory: 32Mi}}
       securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
 EOF
+  # The rollout story: sleep as PID 1 of its container ignores SIGTERM, so an evicted slow pod stays
+  # terminating for its whole grace period (the budget's 90 s).
+  kubectl apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata:
+  name: slow
+  namespace: $NS_C
+  labels: {app: slow, e2e.gpubudget.io/run: "$ID"}
+spec:
+  securityContext: {runAsNonRoot: true, runAsUser: 65534, runAsGroup: 65534, seccompProfile: {type: RuntimeDefault}}
+  containers:
+    - name: main
+      image: $SHELL_IMAGE
+      imagePullPolicy: IfNotPresent
+      command: [/bin/sleep, "86400"]
+      resources: {requests: {cpu: 5m, memory: 8Mi}, limits: {memory: 32Mi}}
+      securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+EOF
 fi
 for ns in "$NS_A" "$NS_B" ${HOST_PROC:+"$NS_C"}; do
   kubectl wait --for=condition=Ready pod --all -n "$ns" --timeout="${STEP_TIMEOUT}s" >/dev/null \
@@ -211,13 +230,6 @@ UID_TRAINER=$(uid "$NS_A" trainer)
 UID_LLM_B=$(uid "$NS_B" llm-b)
 UID_OTHER_B=$(uid "$NS_B" other-b)
 info "pods ready: llm-evict=$UID_EVICT trainer=$UID_TRAINER llm-b=$UID_LLM_B other-b=$UID_OTHER_B"
-if [ -n "$HOST_PROC" ]; then
-  wait_for "multi/forker runs its shell and two forked children (3 host PIDs in its cgroup)" pid_count_is "$NS_C" multi forker 3
-  for c in "$NS_A llm-evict main" "$NS_A trainer main" "$NS_B llm-b main" "$NS_B other-b main" "$NS_C multi forker" "$NS_C multi solo"; do
-    # shellcheck disable=SC2086 # NAMESPACE POD CONTAINER
-    info "host PIDs of ${c#* }: $(host_pids $c | paste -sd' ' -)"
-  done
-fi
 
 # container_id NAMESPACE POD CONTAINER: the container's runtime id, without its scheme (containerd://).
 container_id() {
@@ -249,6 +261,7 @@ pid_count_is() { [ "$(host_pids "$1" "$2" "$3" | wc -l)" = "$4" ]; }
 # in_cgroup PATTERN: some host process's cgroup names PATTERN (fixed string).
 in_cgroup() { grep -qsF "$1" "$HOST_PROC"/[0-9]*/cgroup; }
 SOLO_BYTES=2Gi
+SLOW_BYTES=1Gi
 # write_sample PHASE EVICT TRAINER: the sample file the agents replay (every agent reads the same file and
 # charges only the pods on its own node), as a ConfigMap; then nudge the agent pods so the kubelet refreshes
 # the mounted file at once instead of at its next periodic sync.
@@ -262,6 +275,7 @@ write_sample() {
     if [ -n "$HOST_PROC" ]; then
       entries "$NS_C" multi forker 1Gi
       entries "$NS_C" multi solo "$SOLO_BYTES"
+      entries "$NS_C" slow main "$SLOW_BYTES"
     fi
   } | paste -sd, -)
   cat > "$WORK/sample.json" <<EOF
@@ -279,8 +293,15 @@ EOF
     --dry-run=client -o yaml | kubectl apply -f - >/dev/null
   kubectl annotate pods -n "$NS" -l app.kubernetes.io/component=agent "e2e.gpubudget.io/sample-phase=$1" \
     --overwrite >/dev/null 2>&1 || true
-  info "sample phase $1: llm-evict $2, trainer $3, llm-b 1Gi, other-b 2Gi${HOST_PROC:+, multi: forker 1Gi per process, solo $SOLO_BYTES (by host PID: $(grep -c '"pid"' "$WORK/sample.json") processes)}"
+  info "sample phase $1: llm-evict $2, trainer $3, llm-b 1Gi, other-b 2Gi${HOST_PROC:+, multi: forker 1Gi per process, solo $SOLO_BYTES (by host PID: $(grep -o '"pid"' "$WORK/sample.json" | wc -l) processes)}"
 }
+if [ -n "$HOST_PROC" ]; then
+  wait_for "multi/forker runs its shell and two forked children (3 host PIDs in its cgroup)" pid_count_is "$NS_C" multi forker 3
+  for c in "$NS_A llm-evict main" "$NS_A trainer main" "$NS_B llm-b main" "$NS_B other-b main" "$NS_C multi forker" "$NS_C multi solo"; do
+    # shellcheck disable=SC2086 # NAMESPACE POD CONTAINER
+    info "host PIDs of ${c#* }: $(host_pids $c | paste -sd' ' -)"
+  done
+fi
 write_sample 1 6Gi 20Gi
 
 say "helm install (release $RELEASE in $NS)"
@@ -325,6 +346,11 @@ apiVersion: gpubudget.io/v1alpha1
 kind: GpuMemoryBudget
 metadata: {name: multi-audit, namespace: $NS_C}
 spec: {selector: {matchLabels: {app: multi}}, limit: 40Gi, action: Warn, overLimitSeconds: 30}
+---
+apiVersion: gpubudget.io/v1alpha1
+kind: GpuMemoryBudget
+metadata: {name: slow-evict, namespace: $NS_C}
+spec: {selector: {matchLabels: {app: slow}}, limit: 8Gi, action: Evict, overLimitSeconds: 10, evictionGracePeriodSeconds: 90}
 EOF
 fi
 
@@ -450,6 +476,36 @@ EOF
   else
     info "skipped: you may not impersonate service accounts (kubectl auth can-i impersonate serviceaccounts)"
   fi
+fi
+
+if [ -n "$HOST_PROC" ]; then
+  say "agent rollout while an evicted pod is in its grace period: no second eviction, no lost record"
+  # event_count NAMESPACE POD REASON: how many times the pod got that event (a repeated event counts as many).
+  event_count() {
+    kubectl get events -n "$1" --field-selector "involvedObject.kind=Pod,involvedObject.name=$2,reason=$3" \
+      -o jsonpath='{range .items[*]}{.count}{"\n"}{end}' | awk '{n += ($1 == "" ? 1 : $1)} END {print n + 0}'
+  }
+  SLOW_BYTES=9Gi
+  write_sample 5 9Gi 45Gi
+  wait_for "EvictingForGpuMemory on slow (9Gi of 8Gi, slow-evict: Evict, grace 90 s)" has_event "$NS_C" slow EvictingForGpuMemory
+  wait_for "slow terminating (sleep ignores SIGTERM: it stays for its 90 s grace)" pod_gone_or_terminating "$NS_C" slow
+  REQUESTED=$(annotation "$NS_C" slow eviction-requested-at)
+  STATE=$(annotation "$NS_C" slow state)
+  info "slow's record: state $STATE, eviction-requested-at $REQUESTED"
+  OLD_AGENT=$AGENT_POD
+  "$HELM" upgrade "$RELEASE" "$CHART" -n "$NS" --reuse-values --set-string agent.podAnnotations.rollout=e2e \
+    --wait --timeout "$((STEP_TIMEOUT))s" >/dev/null || die "helm upgrade did not become ready"
+  AGENT_POD=$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=agent -o jsonpath='{.items[0].metadata.name}')
+  [ "$AGENT_POD" != "$OLD_AGENT" ] || die "helm upgrade did not replace the agent pod $OLD_AGENT"
+  info "helm upgrade (a changed agent.podAnnotations value): agent $OLD_AGENT replaced by $AGENT_POD, ready"
+  [ -n "$(kubectl get pod slow -n "$NS_C" -o jsonpath='{.metadata.deletionTimestamp}' 2>/dev/null)" ] \
+    || die "slow finished its grace period before the new agent was ready: the story did not test a rollout within it"
+  sleep 15 # the new agent samples slow (still over) several times
+  [ "$(event_count "$NS_C" slow EvictingForGpuMemory)" = 1 ] || die "slow got $(event_count "$NS_C" slow EvictingForGpuMemory) EvictingForGpuMemory events"
+  annotation_is "$NS_C" slow eviction-requested-at "$REQUESTED" || die "slow's eviction-requested-at changed: $(annotation "$NS_C" slow eviction-requested-at), was $REQUESTED"
+  annotation_is "$NS_C" slow state "$STATE" || die "slow's state changed: $(annotation "$NS_C" slow state), was $STATE"
+  status_is "$NS_C" slow-evict evictions 1 || die "slow-evict counts $(status_field "$NS_C" slow-evict evictions) evictions"
+  info "after the rollout: one EvictingForGpuMemory, the record kept (state $STATE, eviction-requested-at $REQUESTED), slow-evict EVICTED 1"
 fi
 
 if [ -n "$HOST_PROC" ]; then
