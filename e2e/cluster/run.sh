@@ -11,6 +11,11 @@
 # else the Helm .ci/helm.sh caches). GPUBUDGET_E2E_PAUSE_IMAGE (default registry.k8s.io/pause:3.10): the
 # image of the test pods. GPUBUDGET_E2E_STEP_TIMEOUT (default 180 s per wait). GPUBUDGET_E2E_KEEP=1 keeps
 # the namespaces and release for inspection.
+# GPUBUDGET_E2E_HOST_PROC=/proc: the script runs on the cluster's only node (e2e/cluster/realk8s.sh does): the
+# replayed sample then names the host PIDs of the test pods' processes, found from their cgroups, and the
+# attribution story (several containers, forked children, a restarted container) runs; it needs
+# GPUBUDGET_E2E_SHELL_IMAGE (an image with /bin/sh and /bin/sleep). GPUBUDGET_E2E_ALLOW_KUBE_1_32=1 installs a
+# copy of the chart whose kubeVersion also admits 1.32 (the chart itself keeps >=1.33), for a 1.32 test node.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -40,6 +45,10 @@ REGISTRY=${GPUBUDGET_E2E_REGISTRY:-gpubudget}
 TAG=${GPUBUDGET_E2E_TAG:-dev}
 PAUSE_IMAGE=${GPUBUDGET_E2E_PAUSE_IMAGE:-registry.k8s.io/pause:3.10}
 STEP_TIMEOUT=${GPUBUDGET_E2E_STEP_TIMEOUT:-180}
+HOST_PROC=${GPUBUDGET_E2E_HOST_PROC:-}
+SHELL_IMAGE=${GPUBUDGET_E2E_SHELL_IMAGE:-}
+ALLOW_132=${GPUBUDGET_E2E_ALLOW_KUBE_1_32:-0}
+[ -z "$HOST_PROC" ] || [ -n "$SHELL_IMAGE" ] || { echo "FAIL: GPUBUDGET_E2E_HOST_PROC needs GPUBUDGET_E2E_SHELL_IMAGE" >&2; exit 1; }
 # shellcheck source=../lib.sh
 . "$REPO/e2e/lib.sh"
 # shellcheck disable=SC2015 # both tests must hold
@@ -50,6 +59,7 @@ ID=${ID:0:8}
 NS=gpubudget-e2e-$ID           # the chart
 NS_A=gpubudget-e2e-$ID-a       # the Evict and Warn stories (examples/llm-inference.yaml, examples/training-warn.yaml)
 NS_B=gpubudget-e2e-$ID-b       # overlapping budgets (examples/namespace-wide.yaml + llm-inference)
+NS_C=gpubudget-e2e-$ID-c       # attribution through real cgroups (GPUBUDGET_E2E_HOST_PROC only)
 RELEASE=gpubudget-e2e-$ID
 AGENT_SA=$RELEASE-agent        # the chart's <fullname>-agent (the release name contains "gpubudget")
 SAMPLE_CM=gpubudget-e2e-sample
@@ -66,7 +76,7 @@ diagnostics() {
   kubectl get pods -n "$NS" -o wide || true
   kubectl logs -n "$NS" -l app.kubernetes.io/component=operator --tail=100 --prefix || true
   kubectl logs -n "$NS" -l app.kubernetes.io/component=agent --tail=200 --prefix || true
-  for ns in "$NS_A" "$NS_B"; do
+  for ns in "$NS_A" "$NS_B" ${HOST_PROC:+"$NS_C"}; do
     kubectl get pods -n "$ns" -o wide --show-labels || true
     kubectl get events -n "$ns" --sort-by=.lastTimestamp || true
     kubectl get gmb -n "$ns" -o yaml || true
@@ -77,11 +87,11 @@ cleanup() {
   local rc=$?
   [ "$FAILED" = 0 ] || diagnostics
   if [ "${GPUBUDGET_E2E_KEEP:-0}" = 1 ]; then
-    say "keeping namespaces $NS $NS_A $NS_B and release $RELEASE (GPUBUDGET_E2E_KEEP=1)"
+    say "keeping namespaces $NS $NS_A $NS_B ${HOST_PROC:+$NS_C }and release $RELEASE (GPUBUDGET_E2E_KEEP=1)"
   else
     say "cleanup"
     "$HELM" uninstall "$RELEASE" -n "$NS" --wait --timeout 2m >/dev/null 2>&1 || true
-    kubectl delete namespace "$NS" "$NS_A" "$NS_B" --wait=false --ignore-not-found >/dev/null 2>&1 || true
+    kubectl delete namespace "$NS" "$NS_A" "$NS_B" ${HOST_PROC:+"$NS_C"} --wait=false --ignore-not-found >/dev/null 2>&1 || true
     if [ -z "$CRD_EXISTED" ]; then
       kubectl delete crd "$CRD" --wait=false --ignore-not-found >/dev/null 2>&1 || true
     fi
@@ -107,8 +117,18 @@ pod_gone_or_terminating() {
 say "cluster"
 kubectl version 2>/dev/null | sed 's/^/    /'
 SERVER_MINOR=$(kubectl version -o json 2>/dev/null | sed -n 's/.*"minor": *"\([0-9]*\).*/\1/p' | tail -n1)
+MIN_MINOR=33
+[ "$ALLOW_132" != 1 ] || MIN_MINOR=32
 # shellcheck disable=SC2015 # both tests must hold
-[ -n "$SERVER_MINOR" ] && [ "$SERVER_MINOR" -ge 33 ] || die "the chart supports Kubernetes 1.33 or newer (server minor: ${SERVER_MINOR:-unknown})"
+[ -n "$SERVER_MINOR" ] && [ "$SERVER_MINOR" -ge "$MIN_MINOR" ] || die "the chart supports Kubernetes 1.33 or newer (server minor: ${SERVER_MINOR:-unknown})"
+CHART=$REPO/charts/gpubudget
+if [ "$SERVER_MINOR" -lt 33 ]; then
+  # For this test only: a copy of the chart whose kubeVersion admits 1.32; charts/gpubudget keeps >=1.33.
+  cp -r "$CHART" "$WORK/chart"
+  CHART=$WORK/chart
+  sed -i -E 's/^kubeVersion: .*/kubeVersion: ">=1.32.0-0"/' "$CHART/Chart.yaml"
+  info "Kubernetes 1.$SERVER_MINOR allowed for this test (GPUBUDGET_E2E_ALLOW_KUBE_1_32=1): a copy of the chart with kubeVersion >=1.32.0-0"
+fi
 if kubectl get daemonset -A -l app.kubernetes.io/name=gpubudget,app.kubernetes.io/component=agent -o name 2>/dev/null | grep -q .; then
   die "gpubudget is already installed in this cluster: its agents would enforce the test budgets too; use a cluster without it"
 fi
@@ -152,7 +172,56 @@ make_pod "$NS_A" llm-evict app=llm                # Evict story: 6Gi → 7.5Gi �
 make_pod "$NS_A" trainer job-type=training        # Warn story: 20Gi → 35Gi → 45Gi of 40Gi (Warn, 80 %)
 make_pod "$NS_B" llm-b app=llm                    # matched by llm-inference (8Gi) and team-b-default (20Gi)
 make_pod "$NS_B" other-b tier=batch               # matched by team-b-default only
-for ns in "$NS_A" "$NS_B"; do
+if [ -n "$HOST_PROC" ]; then
+  # Attribution through real cgroups: two containers, one a shell that forks two children. Their GPU usage is
+  # replayed per host PID, so the agent must find pod and container from /proc/<pid>/cgroup as the kubelet
+  # laid it out.
+  kubectl create namespace "$NS_C" >/dev/null
+  kubectl apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata:
+  name: multi
+  namespace: $NS_C
+  labels: {app: multi, e2e.gpubudget.io/run: "$ID"}
+spec:
+  terminationGracePeriodSeconds: 2
+  securityContext: {runAsNonRoot: true, runAsUser: 65534, runAsGroup: 65534, seccompProfile: {type: RuntimeDefault}}
+  containers:
+    - name: forker
+      image: $SHELL_IMAGE
+      imagePullPolicy: IfNotPresent
+      command: [/bin/sh, -c, "/bin/sleep 86400 & /bin/sleep 86400 & wait"]
+      resources: {requests: {cpu: 5m, memory: 8Mi}, limits: {memory: 32Mi}}
+      securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+    - name: solo
+      image: $SHELL_IMAGE
+      imagePullPolicy: IfNotPresent
+      command: [/bin/sleep, "86400"]
+      resources: {requests: {cpu: 5m, memory: 8Mi}, limits: {memory: 32Mi}}
+      securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+EOF
+  # The rollout story: sleep as PID 1 of its container ignores SIGTERM, so an evicted slow pod stays
+  # terminating for its whole grace period (the budget's 90 s).
+  kubectl apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata:
+  name: slow
+  namespace: $NS_C
+  labels: {app: slow, e2e.gpubudget.io/run: "$ID"}
+spec:
+  securityContext: {runAsNonRoot: true, runAsUser: 65534, runAsGroup: 65534, seccompProfile: {type: RuntimeDefault}}
+  containers:
+    - name: main
+      image: $SHELL_IMAGE
+      imagePullPolicy: IfNotPresent
+      command: [/bin/sleep, "86400"]
+      resources: {requests: {cpu: 5m, memory: 8Mi}, limits: {memory: 32Mi}}
+      securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+EOF
+fi
+for ns in "$NS_A" "$NS_B" ${HOST_PROC:+"$NS_C"}; do
   kubectl wait --for=condition=Ready pod --all -n "$ns" --timeout="${STEP_TIMEOUT}s" >/dev/null \
     || die "test pods in $ns did not become Ready (image $PAUSE_IMAGE pullable?)"
 done
@@ -162,10 +231,53 @@ UID_LLM_B=$(uid "$NS_B" llm-b)
 UID_OTHER_B=$(uid "$NS_B" other-b)
 info "pods ready: llm-evict=$UID_EVICT trainer=$UID_TRAINER llm-b=$UID_LLM_B other-b=$UID_OTHER_B"
 
+# container_id NAMESPACE POD CONTAINER: the container's runtime id, without its scheme (containerd://).
+container_id() {
+  kubectl get pod "$2" -n "$1" -o jsonpath="{.status.containerStatuses[?(@.name==\"$3\")].containerID}" | sed 's|^[a-z-]*://||'
+}
+# host_pids NAMESPACE POD CONTAINER: the host PIDs in the container's cgroup, found as an operator on the node
+# would: every $HOST_PROC/<pid>/cgroup naming the pod's UID (cgroupfs: pod<uid>, systemd: pod<uid with _>) and
+# the container's id. Nothing (and status 1) when the pod or container is gone.
+host_pids() {
+  local pod_uid cid
+  pod_uid=$(uid "$1" "$2" 2>/dev/null) && [ -n "$pod_uid" ] || return 1
+  cid=$(container_id "$1" "$2" "$3") && [ -n "$cid" ] || return 1
+  grep -l -E "pod(${pod_uid}|${pod_uid//-/_})[/.].*${cid}" "$HOST_PROC"/[0-9]*/cgroup 2>/dev/null \
+    | sed -E 's|.*/([0-9]+)/cgroup$|\1|' | sort -n
+}
+# entries NAMESPACE POD CONTAINER BYTES: the sample's process entries for one container. With HOST_PROC, one
+# entry per host PID of the container (so a container of three processes holds 3 x BYTES), attributed by the
+# agent through /proc/<pid>/cgroup; without, one entry naming the pod by UID and the container by name.
+entries() {
+  local pod_uid pid
+  if [ -n "$HOST_PROC" ]; then
+    for pid in $(host_pids "$@"); do printf '{"pid": %s, "used_bytes": "%s"}\n' "$pid" "$4"; done
+  else
+    pod_uid=$(uid "$1" "$2" 2>/dev/null) && [ -n "$pod_uid" ] || return 0
+    printf '{"pod_uid": "%s", "container": "%s", "used_bytes": "%s"}\n' "$pod_uid" "$3" "$4"
+  fi
+}
+pid_count_is() { [ "$(host_pids "$1" "$2" "$3" | wc -l)" = "$4" ]; }
+# in_cgroup PATTERN: some host process's cgroup names PATTERN (fixed string).
+in_cgroup() { grep -qsF "$1" "$HOST_PROC"/[0-9]*/cgroup; }
+SOLO_BYTES=2Gi
+SLOW_BYTES=1Gi
 # write_sample PHASE EVICT TRAINER: the sample file the agents replay (every agent reads the same file and
 # charges only the pods on its own node), as a ConfigMap; then nudge the agent pods so the kubelet refreshes
 # the mounted file at once instead of at its next periodic sync.
 write_sample() {
+  local procs
+  procs=$({
+    entries "$NS_A" llm-evict main "$2"
+    entries "$NS_A" trainer main "$3"
+    entries "$NS_B" llm-b main 1Gi
+    entries "$NS_B" other-b main 2Gi
+    if [ -n "$HOST_PROC" ]; then
+      entries "$NS_C" multi forker 1Gi
+      entries "$NS_C" multi solo "$SOLO_BYTES"
+      entries "$NS_C" slow main "$SLOW_BYTES"
+    fi
+  } | paste -sd, -)
   cat > "$WORK/sample.json" <<EOF
 {
   "version": 1,
@@ -173,12 +285,7 @@ write_sample() {
   "gpus": [
     {"index": 0, "uuid": "GPU-e2e00000-0000-0000-0000-000000000000", "name": "replayed e2e GPU",
      "memory_total_bytes": "80Gi",
-     "processes": [
-       {"pod_uid": "$UID_EVICT", "container": "main", "used_bytes": "$2"},
-       {"pod_uid": "$UID_TRAINER", "container": "main", "used_bytes": "$3"},
-       {"pod_uid": "$UID_LLM_B", "container": "main", "used_bytes": "1Gi"},
-       {"pod_uid": "$UID_OTHER_B", "container": "main", "used_bytes": "2Gi"}
-     ]}
+     "processes": [$procs]}
   ]
 }
 EOF
@@ -186,15 +293,44 @@ EOF
     --dry-run=client -o yaml | kubectl apply -f - >/dev/null
   kubectl annotate pods -n "$NS" -l app.kubernetes.io/component=agent "e2e.gpubudget.io/sample-phase=$1" \
     --overwrite >/dev/null 2>&1 || true
-  info "sample phase $1: llm-evict $2, trainer $3, llm-b 1Gi, other-b 2Gi"
+  info "sample phase $1: llm-evict $2, trainer $3, llm-b 1Gi, other-b 2Gi${HOST_PROC:+, multi: forker 1Gi per process, solo $SOLO_BYTES (by host PID: $(grep -o '"pid"' "$WORK/sample.json" | wc -l) processes)}"
 }
+if [ -n "$HOST_PROC" ]; then
+  wait_for "multi/forker runs its shell and two forked children (3 host PIDs in its cgroup)" pid_count_is "$NS_C" multi forker 3
+  for c in "$NS_A llm-evict main" "$NS_A trainer main" "$NS_B llm-b main" "$NS_B other-b main" "$NS_C multi forker" "$NS_C multi solo"; do
+    # shellcheck disable=SC2086 # NAMESPACE POD CONTAINER
+    info "host PIDs of ${c#* }: $(host_pids $c | paste -sd' ' -)"
+  done
+fi
 write_sample 1 6Gi 20Gi
 
 say "helm install (release $RELEASE in $NS)"
-"$HELM" install "$RELEASE" "$REPO/charts/gpubudget" -n "$NS" -f "$HERE/values.yaml" \
+INSTALL_AT=$SECONDS
+"$HELM" install "$RELEASE" "$CHART" -n "$NS" -f "$HERE/values.yaml" \
   --set "image.registry=$REGISTRY" --set-string "agent.image.tag=$TAG" --set-string "operator.image.tag=$TAG" \
   --wait --timeout "$((STEP_TIMEOUT + 120))s" >/dev/null || die "helm install did not become ready"
+info "figure: helm install --wait to every agent and operator replica ready: $((SECONDS - INSTALL_AT)) s"
 kubectl get pods -n "$NS" -o wide | sed 's/^/    /'
+AGENT_POD=$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=agent -o jsonpath='{.items[0].metadata.name}')
+if [ -n "$HOST_PROC" ]; then
+  # What runs is what was built: the binary, the user and the entrypoint (e2e/cluster/realk8s.sh names the
+  # binaries; .ci/dockerfiles.sh keeps docker/*.Dockerfile, the chart and realk8s.sh in agreement).
+  for comp in agent operator; do
+    pod=$(kubectl get pods -n "$NS" -l "app.kubernetes.io/component=$comp" -o jsonpath='{.items[0].metadata.name}')
+    pid=$(host_pids "$NS" "$pod" "$comp" | head -n1)
+    [ -n "$pid" ] || die "no host PID found for the $comp container of $pod"
+    exe=$(readlink "$HOST_PROC/$pid/exe")
+    user=$(awk '/^Uid:/ {print $2}' "$HOST_PROC/$pid/status"):$(awk '/^Gid:/ {print $2}' "$HOST_PROC/$pid/status")
+    want=$(sed -n 's/^USER //p' "$REPO/docker/$comp.Dockerfile")
+    [ "$exe" = "/usr/local/bin/gpubudget-$comp" ] || die "$comp runs $exe, not /usr/local/bin/gpubudget-$comp (the Dockerfile's entrypoint)"
+    [ "$user" = "$want" ] || die "$comp runs as $user, not $want (docker/$comp.Dockerfile USER)"
+    bin_var=GPUBUDGET_E2E_$(echo "$comp" | tr a-z A-Z)_BINARY
+    if [ -n "${!bin_var:-}" ]; then
+      cmp -s "$HOST_PROC/$pid/exe" "${!bin_var}" || die "$comp runs a binary other than ${!bin_var}"
+    fi
+    info "$comp ($pod): host PID $pid runs $exe as $user${!bin_var:+, the same bytes as ${!bin_var}}"
+  done
+fi
 
 say "budgets from examples/ (namespaces rewritten to the test namespaces)"
 apply_example() { # FILE NAMESPACE
@@ -204,6 +340,19 @@ apply_example llm-inference.yaml "$NS_A"
 apply_example training-warn.yaml "$NS_A"
 apply_example namespace-wide.yaml "$NS_B"
 apply_example llm-inference.yaml "$NS_B"
+if [ -n "$HOST_PROC" ]; then
+  kubectl apply -f - <<EOF | sed 's/^/    /'
+apiVersion: gpubudget.io/v1alpha1
+kind: GpuMemoryBudget
+metadata: {name: multi-audit, namespace: $NS_C}
+spec: {selector: {matchLabels: {app: multi}}, limit: 40Gi, action: Warn, overLimitSeconds: 30}
+---
+apiVersion: gpubudget.io/v1alpha1
+kind: GpuMemoryBudget
+metadata: {name: slow-evict, namespace: $NS_C}
+spec: {selector: {matchLabels: {app: slow}}, limit: 8Gi, action: Evict, overLimitSeconds: 10, evictionGracePeriodSeconds: 90}
+EOF
+fi
 
 say "the agents record what they replay (state, usage, budget annotations)"
 wait_for "llm-evict recorded Within at 6Gi under llm-inference" \
@@ -221,7 +370,9 @@ wait_for "GpuMemoryNearBudget on trainer (35Gi of 40Gi, warn at 80 %)" has_event
 info "llm-evict: $(event_messages "$NS_A" llm-evict GpuMemoryNearBudget | tail -n1)"
 
 say "usage goes over the limit"
+[ -z "$HOST_PROC" ] || EVICT_CGROUP="pod$UID_EVICT/$(container_id "$NS_A" llm-evict main)"
 write_sample 3 9Gi 45Gi
+CROSSED_AT=$SECONDS
 wait_for "GpuMemoryOverBudget on llm-evict (9Gi of 8Gi)" has_event "$NS_A" llm-evict GpuMemoryOverBudget
 wait_for "GpuMemoryOverBudget on trainer (45Gi of 40Gi)" has_event "$NS_A" trainer GpuMemoryOverBudget
 OVER_AT=$SECONDS
@@ -235,6 +386,10 @@ MSG=$(event_messages "$NS_A" llm-evict EvictingForGpuMemory | tail -n1)
 info "llm-evict: $MSG"
 [[ "$MSG" == *llm-inference* && "$MSG" == *8Gi* ]] || die "EvictingForGpuMemory message should name the budget and its 8Gi limit: $MSG"
 wait_for "llm-evict evicted (terminating or gone)" pod_gone_or_terminating "$NS_A" llm-evict
+if [ -n "$HOST_PROC" ]; then
+  wait_for "llm-evict's container stopped (no host process left in its cgroup)" eval "! in_cgroup $EVICT_CGROUP"
+  info "figure: sample over the limit written to llm-evict's container stopped: $((SECONDS - CROSSED_AT)) s (overLimitSeconds 10 s, the kubelet's ConfigMap refresh, the agent's sampling and the eviction included; polled every ${POLL} s)"
+fi
 wait_for "llm-inference status: EVICTED 1" status_is "$NS_A" llm-inference evictions 1
 wait_for "llm-inference status: lastEviction names llm-evict" status_is "$NS_A" llm-inference lastEviction.pod llm-evict
 kubectl get gmb -n "$NS_A" | sed 's/^/    /'
@@ -258,15 +413,59 @@ wait_for "team-b-default MATCHED 1 (other-b)" status_is "$NS_B" team-b-default m
 kubectl get gmb -n "$NS_B" | sed 's/^/    /'
 info "$(kubectl get gmb team-b-default -n "$NS_B" -o jsonpath='{.status.conditions[?(@.type=="Overlapping")].message}')"
 
+if [ -n "$HOST_PROC" ]; then
+  say "attribution through real cgroups: the sample names host PIDs, the agent finds pod and container in /proc/<pid>/cgroup"
+  ADMIN_PORT=$(kubectl get pod "$AGENT_POD" -n "$NS" -o jsonpath='{.spec.containers[0].ports[0].containerPort}')
+  # pod_metric POD CONTAINER: the agent's gpubudget_pod_gpu_memory_bytes for that container of NS_C (bytes).
+  pod_metric() {
+    kubectl get --raw "/api/v1/namespaces/$NS/pods/$AGENT_POD:$ADMIN_PORT/proxy/metrics" \
+      | grep '^gpubudget_pod_gpu_memory_bytes{' | grep -F "namespace=\"$NS_C\"" | grep -F "pod=\"$1\"" \
+      | grep -F "container=\"$2\"" | awk '{print $2}'
+  }
+  pod_metric_is() { [ "$(pod_metric "$1" "$2")" = "$3" ]; }
+  wait_for "multi recorded 5Gi under multi-audit (forker's shell and two children 1Gi each, solo 2Gi)" \
+    annotation_is "$NS_C" multi usage-bytes 5368709120
+  annotation_is "$NS_C" multi budget multi-audit || die "multi's record names budget $(annotation "$NS_C" multi budget)"
+  wait_for "agent metric: multi/forker 3Gi (three processes, one cgroup)" pod_metric_is multi forker 3221225472
+  wait_for "agent metric: multi/solo 2Gi" pod_metric_is multi solo 2147483648
+  OLD_SOLO=$(host_pids "$NS_C" multi solo)
+  OLD_SOLO_ID=$(container_id "$NS_C" multi solo)
+  kill -KILL "$OLD_SOLO"
+  info "killed solo (host PID $OLD_SOLO): the kubelet restarts the container under a new id"
+  solo_restarted() {
+    [ "$(kubectl get pod multi -n "$NS_C" -o jsonpath='{.status.containerStatuses[?(@.name=="solo")].restartCount}')" -ge 1 ] \
+      && [ -n "$(kubectl get pod multi -n "$NS_C" -o jsonpath='{.status.containerStatuses[?(@.name=="solo")].state.running}')" ]
+  }
+  wait_for "solo restarted (restartCount 1, running again)" solo_restarted
+  wait_for "the restarted solo has a process in its new cgroup" pid_count_is "$NS_C" multi solo 1
+  [ "$(container_id "$NS_C" multi solo)" != "$OLD_SOLO_ID" ] || die "solo kept its container id after the restart"
+  SOLO_BYTES=4Gi
+  write_sample 4 9Gi 45Gi
+  wait_for "multi recorded 7Gi (the restarted solo's new PID charged 4Gi)" annotation_is "$NS_C" multi usage-bytes 7516192768
+  wait_for "agent metric: multi/solo 4Gi (the new container, same name)" pod_metric_is multi solo 4294967296
+  pod_metric_is multi forker 3221225472 || die "forker's usage changed: $(pod_metric multi forker)"
+  info "multi: forker $(pod_metric multi forker), solo $(pod_metric multi solo) (new PID $(host_pids "$NS_C" multi solo), was $OLD_SOLO)"
+fi
+
 if [ "$(kubectl get validatingadmissionpolicy -o name 2>/dev/null | grep -c "$RELEASE-agent-node-restriction" || true)" -gt 0 ]; then
   say "node restriction: the agent's identity without its node-bound token can neither annotate nor evict"
   if kubectl auth can-i impersonate serviceaccounts >/dev/null 2>&1; then
     AS="system:serviceaccount:$NS:$AGENT_SA"
-    if OUT=$(kubectl --as="$AS" annotate pod other-b -n "$NS_B" gpubudget.io/state=Over --overwrite 2>&1); then
+    # The write the agent makes: a server-side apply of gpubudget.io/* annotations (kubectl sends the PATCH
+    # without reading the pod first; the agent may not get pods, so `kubectl annotate` would be refused by RBAC).
+    if OUT=$(kubectl --as="$AS" apply --server-side --field-manager="gpubudget-agent/$NODE_EVICT" --force-conflicts -f - 2>&1 <<EOF
+apiVersion: v1
+kind: Pod
+metadata:
+  name: other-b
+  namespace: $NS_B
+  annotations: {gpubudget.io/state: Over}
+EOF
+    ); then
       die "the agent's identity without a node claim annotated other-b: $OUT"
     fi
     [[ "$OUT" == *"gpubudget agent"* ]] || die "annotation refused, but not by the node-restriction policy: $OUT"
-    info "annotate refused: ${OUT##*: }"
+    info "server-side apply of an annotation refused: ${OUT##*: }"
     printf '{"apiVersion":"policy/v1","kind":"Eviction","metadata":{"name":"other-b","namespace":"%s"}}' "$NS_B" > "$WORK/eviction.json"
     if OUT=$(kubectl --as="$AS" create --raw "/api/v1/namespaces/$NS_B/pods/other-b/eviction" -f "$WORK/eviction.json" 2>&1); then
       die "the agent's identity without a node claim evicted other-b: $OUT"
@@ -279,5 +478,64 @@ if [ "$(kubectl get validatingadmissionpolicy -o name 2>/dev/null | grep -c "$RE
   fi
 fi
 
+if [ -n "$HOST_PROC" ]; then
+  say "agent rollout while an evicted pod is in its grace period: no second eviction, no lost record"
+  # event_count NAMESPACE POD REASON: how many times the pod got that event (a repeated event counts as many).
+  event_count() {
+    kubectl get events -n "$1" --field-selector "involvedObject.kind=Pod,involvedObject.name=$2,reason=$3" \
+      -o jsonpath='{range .items[*]}{.count}{"\n"}{end}' | awk '{n += ($1 == "" ? 1 : $1)} END {print n + 0}'
+  }
+  SLOW_BYTES=9Gi
+  write_sample 5 9Gi 45Gi
+  wait_for "EvictingForGpuMemory on slow (9Gi of 8Gi, slow-evict: Evict, grace 90 s)" has_event "$NS_C" slow EvictingForGpuMemory
+  wait_for "slow terminating (sleep ignores SIGTERM: it stays for its 90 s grace)" pod_gone_or_terminating "$NS_C" slow
+  REQUESTED=$(annotation "$NS_C" slow eviction-requested-at)
+  STATE=$(annotation "$NS_C" slow state)
+  info "slow's record: state $STATE, eviction-requested-at $REQUESTED"
+  OLD_AGENT=$AGENT_POD
+  "$HELM" upgrade "$RELEASE" "$CHART" -n "$NS" --reuse-values --set-string agent.podAnnotations.rollout=e2e \
+    --wait --timeout "$((STEP_TIMEOUT))s" >/dev/null || die "helm upgrade did not become ready"
+  AGENT_POD=$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=agent -o jsonpath='{.items[0].metadata.name}')
+  [ "$AGENT_POD" != "$OLD_AGENT" ] || die "helm upgrade did not replace the agent pod $OLD_AGENT"
+  info "helm upgrade (a changed agent.podAnnotations value): agent $OLD_AGENT replaced by $AGENT_POD, ready"
+  [ -n "$(kubectl get pod slow -n "$NS_C" -o jsonpath='{.metadata.deletionTimestamp}' 2>/dev/null)" ] \
+    || die "slow finished its grace period before the new agent was ready: the story did not test a rollout within it"
+  sleep 15 # the new agent samples slow (still over) several times
+  [ "$(event_count "$NS_C" slow EvictingForGpuMemory)" = 1 ] || die "slow got $(event_count "$NS_C" slow EvictingForGpuMemory) EvictingForGpuMemory events"
+  annotation_is "$NS_C" slow eviction-requested-at "$REQUESTED" || die "slow's eviction-requested-at changed: $(annotation "$NS_C" slow eviction-requested-at), was $REQUESTED"
+  annotation_is "$NS_C" slow state "$STATE" || die "slow's state changed: $(annotation "$NS_C" slow state), was $STATE"
+  status_is "$NS_C" slow-evict evictions 1 || die "slow-evict counts $(status_field "$NS_C" slow-evict evictions) evictions"
+  info "after the rollout: one EvictingForGpuMemory, the record kept (state $STATE, eviction-requested-at $REQUESTED), slow-evict EVICTED 1"
+fi
+
+if [ -n "$HOST_PROC" ]; then
+  say "memory of the agent and operator pods (their cgroups, cgroup v1 memory controller) against the chart's requests and limits"
+  for comp in agent operator; do
+    for pod in $(kubectl get pods -n "$NS" -l "app.kubernetes.io/component=$comp" -o jsonpath='{.items[*].metadata.name}'); do
+      pid=$(host_pids "$NS" "$pod" "$comp" | head -n1)
+      cg=/sys/fs/cgroup/memory$(awk -F: '$2 ~ /(^|,)memory(,|$)/ {print $3}' "$HOST_PROC/$pid/cgroup")
+      [ -r "$cg/memory.stat" ] || { info "no cgroup v1 memory controller for $pod ($cg): not measured"; continue; }
+      rss=$(awk '$1 == "total_rss" {print $2}' "$cg/memory.stat")
+      peak=$(cat "$cg/memory.max_usage_in_bytes")
+      usage=$(cat "$cg/memory.usage_in_bytes")
+      vmrss=$(awk '/^VmRSS:/ {print $2}' "$HOST_PROC/$pid/status")
+      res=$(kubectl get pod "$pod" -n "$NS" -o jsonpath="{.spec.containers[?(@.name==\"$comp\")].resources.requests.memory}/{.spec.containers[?(@.name==\"$comp\")].resources.limits.memory}")
+      info "figure: $comp $pod: cgroup rss $((rss / 1048576)) MiB, usage (with page cache) $((usage / 1048576)) MiB, peak $((peak / 1048576)) MiB, process VmRSS $((vmrss / 1024)) MiB; request/limit $res"
+    done
+  done
+fi
+
+say "helm uninstall: nothing of the chart is left that could refuse a request"
+"$HELM" uninstall "$RELEASE" -n "$NS" --wait --timeout 2m >/dev/null || die "helm uninstall failed"
+LEFT=$(kubectl get validatingwebhookconfigurations,mutatingwebhookconfigurations,validatingadmissionpolicies,validatingadmissionpolicybindings -o name 2>/dev/null | grep -F "$RELEASE" || true)
+[ -z "$LEFT" ] || die "left after helm uninstall: $LEFT"
+wait_for "no pod of the release left in $NS" bash -c "[ -z \"\$(kubectl get pods -n $NS -o name)\" ]"
+printf '{"apiVersion":"policy/v1","kind":"Eviction","metadata":{"name":"other-b","namespace":"%s"}}' "$NS_B" > "$WORK/eviction.json"
+kubectl create --raw "/api/v1/namespaces/$NS_B/pods/other-b/eviction" -f "$WORK/eviction.json" >/dev/null \
+  || die "an eviction was refused after helm uninstall"
+kubectl annotate pod trainer -n "$NS_A" gpubudget.io/state=Over --overwrite >/dev/null \
+  || die "a gpubudget.io annotation was refused after helm uninstall"
+info "no webhook or admission policy of $RELEASE left; an eviction and a gpubudget.io annotation go through"
+
 FAILED=0
-say "PASS: Evict, Warn, overlapping budgets$( [ -n "${AS:-}" ] && echo ", node restriction") ($((SECONDS - START)) s)"
+say "PASS: Evict, Warn, overlapping budgets$( [ -n "${AS:-}" ] && echo ", node restriction")${HOST_PROC:+, attribution through real cgroups}, helm uninstall ($((SECONDS - START)) s)"
