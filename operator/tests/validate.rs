@@ -76,6 +76,24 @@ fn spec_doc(limit: &str, percent: i64, seconds: i64, grace: i64, blocked: i64) -
     )
 }
 
+/// A `+` or `-` that is neither the leading sign nor an exponent's sign (`1e-3`).
+fn sign_inside(text: &str) -> bool {
+    let bytes = text.as_bytes();
+    (1..bytes.len()).any(|i| matches!(bytes[i], b'+' | b'-') && !matches!(bytes[i - 1], b'e' | b'E'))
+}
+
+#[test]
+fn a_sign_after_the_decimal_point_is_refused_as_the_api_server_refuses_it() {
+    let checker = Checker::new();
+    for limit in [".+1", "1.-1", "1+"] {
+        let problems = checker.check_yaml(&spec_doc(limit, 90, 0, 1, 0));
+        assert!(
+            problems.iter().any(|p| p.source == Source::Spec && p.field == "spec.limit"),
+            "{limit:?}: {problems:?}"
+        );
+    }
+}
+
 fn quantity_text() -> impl Strategy<Value = String> {
     prop_oneof!["[+-]?[0-9]{0,4}(\\.[0-9]{0,3})?(Ki|Mi|Gi|Ti|k|M|G|T|m|n|u|e[0-9]|E-?[0-9]|)", "[0-9a-zA-Z. +-]{0,8}",]
 }
@@ -149,9 +167,10 @@ proptest! {
         // flags nothing the reader accepts.
         let cel = fields(Source::Cel);
         let spec = fields(Source::Spec);
-        if limit.contains(' ') {
-            // kube-cel trims whitespace before parsing a quantity; the API server's Go parser does
-            // not, and neither does ours, so `validate` still reports it (as a spec problem).
+        if limit.contains(' ') || sign_inside(&limit) {
+            // kube-cel trims whitespace before parsing a quantity and takes a sign after the decimal
+            // point (".+1" as 0.1); the API server's Go parser (resource.ParseQuantity) does neither,
+            // and neither does ours, so `validate` still reports it (as a spec problem).
             prop_assert!(spec.contains(&"spec.limit".to_owned()) || !cel.is_empty(), "{limit:?} accepted");
         } else {
             prop_assert!(spec.iter().all(|f| cel.contains(f)), "spec {spec:?} vs cel {cel:?} for {limit:?}");
