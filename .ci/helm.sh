@@ -309,7 +309,10 @@ def granted(docs, lease):
     for d in docs:
         if d["kind"] not in ("ClusterRole", "Role"):
             continue
-        component = "agent" if "-agent" in d["metadata"]["name"] else "operator"
+        if d["metadata"].get("labels", {}).get("rbac.authorization.k8s.io/aggregate-to-view") == "true":
+            component = "view"
+        else:
+            component = "agent" if "-agent" in d["metadata"]["name"] else "operator"
         for rule in d["rules"]:
             names = rule.get("resourceNames") or ["*"]
             for g in rule["apiGroups"]:

@@ -30,7 +30,7 @@ cleanup() {
   local rc=$?
   if [ "${GPUBUDGET_E2E_KEEP:-0}" != 1 ]; then
     KUBECONFIG=$ADMIN_KUBECONFIG kubectl delete namespace "$A" "$B" --wait=false >/dev/null 2>&1 || true
-    KUBECONFIG=$ADMIN_KUBECONFIG kubectl delete -f "$REPO/kubectl-plugin/rbac/aggregate-to-view.yaml" --ignore-not-found >/dev/null 2>&1 || true
+    KUBECONFIG=$ADMIN_KUBECONFIG kubectl delete clusterrole gpubudget-budgets-view --ignore-not-found >/dev/null 2>&1 || true
     rm -rf "$WORK"
   fi
   exit "$rc"
@@ -129,8 +129,8 @@ show alice why llm-0
 show alice top -A
 show alice why b-0 -n "$B"
 
-say "the admin applies kubectl-plugin/rbac/aggregate-to-view.yaml: read access to budgets aggregated into view (so edit, admin)" | tee -a "$RESULT"
-kubectl apply -f "$REPO/kubectl-plugin/rbac/aggregate-to-view.yaml" >/dev/null
+say "the admin applies the chart's budgets-view ClusterRole: read access to budgets aggregated into view (so edit, admin)" | tee -a "$RESULT"
+"$HELM" template gpubudget "$REPO/charts/gpubudget" --show-only templates/budgets-view.yaml | kubectl apply -f - >/dev/null
 wait_for_alice() { [ "$(kubectl auth can-i list gpumemorybudgets.gpubudget.io -n "$A" --as=system:serviceaccount:$A:alice)" = yes ]; }
 STEP_TIMEOUT=30 POLL=1 wait_for "the edit role to aggregate the budget rule" wait_for_alice | tee -a "$RESULT"
 show alice top --sort-by percent
