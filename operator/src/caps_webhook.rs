@@ -106,8 +106,8 @@ pub fn namespaces_to_label(labelled: &BTreeSet<String>, wanted: &BTreeSet<String
 }
 
 /// Keeps [`NAMESPACE_LABEL`] on exactly the namespaces holding a budget with caps enabled, while this
-/// replica leads and its caches have listed. Labels are written by server-side apply with
-/// [`LABEL_FIELD_MANAGER`] (removing one is an apply without it). On becoming leader it lists the labelled
+/// replica leads and its caches have listed. Labels are set by server-side apply with
+/// [`LABEL_FIELD_MANAGER`] and removed by a merge patch (whoever wrote them). On becoming leader it lists the labelled
 /// namespaces first, so a label left by a previous leader for a budget since deleted is removed. Failures
 /// are logged and retried after [`LABEL_RETRY`]. Returns when `shutdown` is cancelled.
 pub async fn label_namespaces(ctx: Arc<Context>, shutdown: CancellationToken) {
@@ -160,13 +160,19 @@ async fn sync_labels(
         }
     };
     let (add, remove) = namespaces_to_label(&labelled, wanted);
-    let params = PatchParams::apply(LABEL_FIELD_MANAGER).force();
     for (name, label) in add.iter().map(|n| (n, true)).chain(remove.iter().map(|n| (n, false))) {
-        let labels =
-            if label { serde_json::json!({NAMESPACE_LABEL: NAMESPACE_LABEL_VALUE}) } else { serde_json::json!({}) };
-        let body =
-            serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}});
-        match api.patch(name, &params, &Patch::Apply(&body)).await {
+        let written = if label {
+            let body = serde_json::json!({"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": name, "labels": {NAMESPACE_LABEL: NAMESPACE_LABEL_VALUE}}});
+            api.patch(name, &PatchParams::apply(LABEL_FIELD_MANAGER).force(), &Patch::Apply(&body)).await
+        } else {
+            // A merge patch, not an apply: the label goes even if someone else (or a manager of another
+            // name) wrote it; the label is the webhook's scope and nothing else's.
+            let body = serde_json::json!({"metadata": {"labels": {NAMESPACE_LABEL: null}}});
+            let params = PatchParams { field_manager: Some(LABEL_FIELD_MANAGER.into()), ..PatchParams::default() };
+            api.patch(name, &params, &Patch::Merge(&body)).await
+        };
+        match written {
             Ok(_) => {}
             // A namespace being deleted (or gone) needs no label.
             Err(kube::Error::Api(e)) if !label && e.code == 404 => {}
