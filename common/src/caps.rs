@@ -149,14 +149,14 @@ struct MpsEntry {
     text: String,
 }
 
-/// An amount as the MPS variable writes it (`4G`, `6000M`, `512MB`, `1T`; a bare number is bytes), in
-/// MiB rounded up.
-fn mps_amount_mib(text: &str) -> Option<u64> {
+/// An amount as the MPS variable writes it (`4G`, `6000M`, `512MB`, `1T`; a bare number is bytes), in bytes,
+/// its unit read as binary (the larger reading, so a value compared with a cap is never underestimated).
+pub fn mps_amount_bytes(text: &str) -> Option<u64> {
     let text = text.trim();
     let end = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
     let (number, unit) = text.split_at(end);
     let number: u64 = number.parse().ok()?;
-    let bytes_per = match unit.to_ascii_uppercase().as_str() {
+    let bytes_per: u64 = match unit.to_ascii_uppercase().as_str() {
         "" | "B" => 1,
         "K" | "KB" | "KI" | "KIB" => 1 << 10,
         "M" | "MB" | "MI" | "MIB" => 1 << 20,
@@ -164,7 +164,12 @@ fn mps_amount_mib(text: &str) -> Option<u64> {
         "T" | "TB" | "TI" | "TIB" => 1 << 40,
         _ => return None,
     };
-    Some(number.checked_mul(bytes_per)?.div_ceil(MIB))
+    number.checked_mul(bytes_per)
+}
+
+/// [`mps_amount_bytes`] in MiB, rounded up.
+fn mps_amount_mib(text: &str) -> Option<u64> {
+    Some(mps_amount_bytes(text)?.div_ceil(MIB))
 }
 
 fn valid_device(device: &str) -> bool {
@@ -409,6 +414,12 @@ pub fn admit(pod: &Pod, budget: Option<&Budget>) -> Admission {
 }
 
 // ---- running pods ----------------------------------------------------------------------------------------
+
+/// The record the webhook wrote on a pod (`gpubudget.io/caps`), if it parses. A report of what was done at
+/// creation, not proof that the pod is capped: [`assess`] reads the environment for that.
+pub fn record_of(pod: &Pod) -> Option<Record> {
+    serde_json::from_str(pod.metadata.annotations.as_ref()?.get(ANNOTATION)?).ok()
+}
 
 /// Whether a running pod's environment holds it to its budget's caps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
