@@ -135,10 +135,18 @@ pub async fn label_namespaces(ctx: Arc<Context>, shutdown: CancellationToken) {
         }
         tokio::select! {
             () = shutdown.cancelled() => return,
-            r = wanted_rx.changed() => if r.is_err() { return },
-            r = leader.changed() => if r.is_err() { return },
-            r = synced.changed() => if r.is_err() { return },
+            () = changed(&mut wanted_rx) => {}
+            () = changed(&mut leader) => {}
+            () = changed(&mut synced) => {}
         }
+    }
+}
+
+/// Waits for the next change; never returns once the sender is gone (a value that cannot change any more,
+/// such as leadership without election, must not end the labeller, nor with it the controller).
+async fn changed<T>(rx: &mut tokio::sync::watch::Receiver<T>) {
+    if rx.changed().await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 

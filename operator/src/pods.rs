@@ -221,7 +221,9 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
 fn gpu_container<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<GpuContainer>, D::Error> {
     #[derive(serde::Deserialize, Default)]
     struct Resources {
-        limits: Option<BTreeMap<String, String>>,
+        // Quantities are strings from the API server; a number (as a hand-written object may hold) is read
+        // too rather than failing the whole pod event.
+        limits: Option<BTreeMap<String, serde_json::Value>>,
     }
     #[derive(serde::Deserialize)]
     struct Env {
@@ -239,7 +241,9 @@ fn gpu_container<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Gp
     }
     let c = <Lean as serde::Deserialize>::deserialize(deserializer)?;
     let limits = c.resources.and_then(|r| r.limits).unwrap_or_default();
-    let devices = caps::device_count(limits.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    let limits: Vec<(&str, String)> =
+        limits.iter().map(|(k, v)| (k.as_str(), v.as_str().map_or_else(|| v.to_string(), str::to_owned))).collect();
+    let devices = caps::device_count(limits.iter().map(|(k, v)| (*k, v.as_str())));
     if devices == 0 {
         return Ok(None);
     }
@@ -355,6 +359,37 @@ mod tests {
         assert!(bare.metadata.annotations.is_none());
         assert!(!PodMeta::metadata_api(), "the caps status reads the spec");
         assert_eq!(PodMeta::plural(&()), "pods");
+    }
+
+    #[test]
+    fn pod_meta_keeps_the_gpu_containers_cap_variables_only() {
+        let wire = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+            "spec": {
+                "initContainers": [{"name": "warm", "resources": {"limits": {"nvidia.com/gpu.shared": 1}},
+                                    "env": [{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                                             "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]}],
+                "containers": [
+                    {"name": "main", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "2", "cpu": "1"}},
+                     "env": [{"name": "OTHER", "value": "1"}, {"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "8192"},
+                             {"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=1G"},
+                             {"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=2G,1=2G"}],
+                     "volumeMounts": [{"name": "v", "mountPath": "/v"}]},
+                    {"name": "web", "image": "y", "env": [{"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "1"}]},
+                ],
+                "volumes": [{"name": "v", "emptyDir": {}}],
+            },
+            "status": {"phase": "Running", "containerStatuses": [{"name": "main", "ready": true}]},
+        });
+        let meta: PodMeta = serde_json::from_value(wire).expect("parses");
+        let info = meta.info().expect("named");
+        let gpu: Vec<(&str, u32)> = info.gpu.iter().map(|g| (g.name.as_str(), g.devices)).collect();
+        assert_eq!(gpu, [("warm", 1), ("main", 2)], "init containers first; the CPU-only container dropped");
+        assert_eq!(info.gpu[0].mps_limit, Some(caps::EnvValue::FromSource));
+        assert_eq!(info.gpu[1].mps_limit, Some(caps::EnvValue::Literal("0=2G,1=2G".into())), "the last entry wins");
+        assert_eq!(info.gpu[1].memory_limit, Some(caps::EnvValue::Literal("8192".into())));
+        assert_eq!(info.gpu[1].memory_request, None);
     }
 
     #[test]

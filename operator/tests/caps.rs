@@ -217,3 +217,22 @@ async fn the_webhook_caps_from_the_controllers_cache_and_reports_it() {
     op.stop().await;
     server.await.expect("joins").expect("serves cleanly");
 }
+
+#[tokio::test]
+async fn a_leader_without_election_keeps_running_and_labelling() {
+    // Without election the leadership sender may be dropped at once (it cannot change): the labeller must not
+    // take that as the end, nor stop the controller with it.
+    let fake = FakeApi::new();
+    namespace(&fake, "team-a", json!({}));
+    let (tx, rx) = watch::channel(true);
+    drop(tx);
+    let ctx = Arc::new(Context::new(fake.client(), Metrics::default(), rx, Settings::default()));
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(controller::run(ctx.clone(), Health::new(&[CHECK_PODS, CHECK_BUDGETS]), shutdown.clone()));
+    until(&fake, "the caches", |_| *ctx.synced_watch().borrow()).await;
+    budget(&fake, "team-a", "llm", "8Gi", "Enabled");
+    until(&fake, "team-a labelled", |f| labelled(f, "team-a")).await;
+    assert!(!task.is_finished(), "the controller is still running");
+    shutdown.cancel();
+    tokio::time::timeout(WAIT, task).await.expect("stops in time").expect("joins").expect("runs cleanly");
+}
