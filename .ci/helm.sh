@@ -74,6 +74,7 @@ declare -A SETS=(
   [default]=""
   [all-features]="-f $CHART/ci/all-features-values.yaml"
   [no-node-restriction]="--set nodeRestriction.enabled=false --set operator.leaderElection.mode=always"
+  [no-webhooks]="--set nodeRestriction.enabled=false --set admissionCaps.enabled=false"
 )
 
 step "helm template (${!SETS[*]}) for Kubernetes ${K8S_VERSIONS[*]}"
@@ -184,7 +185,7 @@ def tight(name, pod, container):
     check(env(container)["GPUBUDGET_ADMIN_ADDR"]["value"] == f"0.0.0.0:{ports['admin']}", f"{name}: admin address = admin port")
     return ports
 
-for name in ("default", "all-features", "no-node-restriction"):
+for name in ("default", "all-features", "no-node-restriction", "no-webhooks"):
     docs = load(name)
     ds, dep = one(docs, "DaemonSet"), one(docs, "Deployment")
     apod, opod = ds["spec"]["template"]["spec"], dep["spec"]["template"]["spec"]
@@ -235,22 +236,29 @@ for name in ("default", "all-features", "no-node-restriction"):
     check((leader == "true") == bool(roles), f"{name}: Lease Role exactly when leader election is on")
     # Node restriction: webhook → operator Service → container port; cert files; agent username.
     webhooks = [d for d in docs if d["kind"] == "ValidatingWebhookConfiguration"]
-    policies = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
-    bindings = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"]
-    if "GPUBUDGET_WEBHOOK_ADDR" in oenv:
-        agent_user = f"system:serviceaccount:{ds['metadata']['namespace']}:{apod['serviceAccountName']}"
-        wh = webhooks[0]["webhooks"][0]
-        check(wh["clientConfig"]["service"]["path"] == "/validate-eviction", f"{name}: webhook path")
-        check(wh["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods/eviction"], "scope": "Namespaced"}], f"{name}: webhook rules")
-        check(wh["matchConditions"][0]["expression"] == f"request.userInfo.username == '{agent_user}'", f"{name}: webhook only for the agent")
+    mutating = [d for d in docs if d["kind"] == "MutatingWebhookConfiguration"]
+    caps_policy = lambda d: d["metadata"]["name"].endswith("-caps-record")
+    policies = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and not caps_policy(d)]
+    bindings = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding" and not caps_policy(d)]
+    caps_policies = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and caps_policy(d)]
+    caps_bindings = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding" and caps_policy(d)]
+    check(("GPUBUDGET_WEBHOOK_ADDR" in oenv) == bool(webhooks or mutating), f"{name}: the webhook server runs exactly when a webhook is registered")
+    def served(wh, path):
+        check(wh["clientConfig"]["service"]["path"] == path, f"{name}: webhook path {path}")
         svc = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == wh["clientConfig"]["service"]["name"]][0]
         port = [p for p in svc["spec"]["ports"] if p["port"] == wh["clientConfig"]["service"]["port"]][0]
-        check(port["targetPort"] == "webhook" and oenv["GPUBUDGET_WEBHOOK_ADDR"]["value"] == f"0.0.0.0:{oports['webhook']}", f"{name}: webhook port")
+        check(port["targetPort"] == "webhook" and oenv["GPUBUDGET_WEBHOOK_ADDR"]["value"] == f"0.0.0.0:{oports['webhook']}", f"{name}: webhook port ({path})")
         check(svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items(), f"{name}: webhook Service selects the operator")
         certdir = oenv["GPUBUDGET_WEBHOOK_CERT_DIR"]["value"]
         mount = [m for m in operator["volumeMounts"] if m["mountPath"] == certdir][0]
         vol = [v for v in opod["volumes"] if v["name"] == mount["name"]][0]
         check({i["path"] for i in vol["secret"]["items"]} == {"tls.crt", "tls.key"}, f"{name}: tls.crt and tls.key in the cert dir")
+    if webhooks:
+        agent_user = f"system:serviceaccount:{ds['metadata']['namespace']}:{apod['serviceAccountName']}"
+        wh = webhooks[0]["webhooks"][0]
+        served(wh, "/validate-eviction")
+        check(wh["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods/eviction"], "scope": "Namespaced"}], f"{name}: webhook rules")
+        check(wh["matchConditions"][0]["expression"] == f"request.userInfo.username == '{agent_user}'", f"{name}: webhook only for the agent")
         check(len(policies) == 3 and len(bindings) == 3, f"{name}: three policies and bindings (pods, events, records)")
         for p in policies:
             who = "!=" if p["metadata"]["name"].endswith("-records") else "=="
@@ -258,7 +266,18 @@ for name in ("default", "all-features", "no-node-restriction"):
             check(".?" not in json.dumps(p), f"{name}: policy CEL without optional syntax (kube-cel cannot evaluate it)")
         check({b["spec"]["policyName"] for b in bindings} == {p["metadata"]["name"] for p in policies}, f"{name}: bindings name the policies")
     else:
-        check(not webhooks and not policies and not bindings, f"{name}: no node restriction objects")
+        check(not policies and not bindings, f"{name}: no node restriction objects")
+    # Caps set at admission: pod CREATE only, scoped by the operator's namespace label, never in the way.
+    if mutating:
+        wh = mutating[0]["webhooks"][0]
+        served(wh, "/mutate-pod-caps")
+        check(wh["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}], f"{name}: caps webhook rules")
+        check(wh["namespaceSelector"] == {"matchLabels": {"gpubudget.io/admission-caps": "enabled"}}, f"{name}: caps webhook scoped by the operator's label")
+        check(wh["failurePolicy"] == "Ignore" and wh["sideEffects"] == "NoneOnDryRun" and wh["reinvocationPolicy"] == "Never", f"{name}: caps webhook failure policy Ignore, side effects, no reinvocation")
+        check(len(caps_policies) == 1 and len(caps_bindings) == 1 and caps_bindings[0]["spec"]["policyName"] == caps_policies[0]["metadata"]["name"], f"{name}: the caps record policy and its binding")
+        check(caps_policies[0]["spec"]["matchConstraints"]["resourceRules"][0]["operations"] == ["UPDATE"], f"{name}: the caps record policy guards updates")
+    else:
+        check(not caps_policies and not caps_bindings, f"{name}: no caps objects")
     for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
         if sm["metadata"]["name"].endswith("-agent"):
             check(sm["spec"]["endpoints"][0].get("honorLabels") is True, f"{name}: agent ServiceMonitor honors labels")
@@ -329,7 +348,7 @@ for name, lease in (("default", "gpubudget-operator"), ("all-features", "gpubudg
     if name == "all-features":
         missing = rows - got
         check(not missing, f"{name}: docs/operations.md documents rows the chart does not grant: {sorted(missing)}")
-print(f"  {len(rows)} documented RBAC rows; contract checked on default, all-features, no-node-restriction")
+print(f"  {len(rows)} documented RBAC rows; contract checked on default, all-features, no-node-restriction, no-webhooks")
 if errors:
     print("\n".join("  FAIL " + e for e in errors), flush=True)
     sys.exit(1)

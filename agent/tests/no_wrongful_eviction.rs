@@ -100,6 +100,7 @@ impl BudgetModel {
             over_limit_seconds: self.over_limit_s as i64,
             eviction_grace_period_seconds: None,
             blocked_eviction_timeout_seconds: None,
+            admission_caps: Default::default(),
         };
         let mut b = GpuMemoryBudget::new(&self.name, spec);
         b.metadata.namespace = Some("team-a".into());

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::crd::{BudgetAction, GpuMemoryBudget, GpuMemoryBudgetSpec};
+use crate::crd::{AdmissionCaps, BudgetAction, GpuMemoryBudget, GpuMemoryBudgetSpec};
 use crate::quantity::{self, QuantityError};
 use crate::selector::{Selector, SelectorError};
 use crate::state::Thresholds;
@@ -104,6 +104,9 @@ pub struct Budget {
     pub eviction_grace_period_seconds: Option<i64>,
     /// `spec.blockedEvictionTimeoutSeconds`: refused evictions this long → delete the pod. `None`: never.
     pub blocked_eviction_timeout_seconds: Option<u64>,
+    /// `spec.admissionCaps` is `Enabled`: the admission webhook sets the driver's caps in new pods
+    /// (`crate::caps`).
+    pub admission_caps: bool,
 }
 
 impl Budget {
@@ -168,6 +171,7 @@ impl Budget {
             over_limit_seconds,
             eviction_grace_period_seconds: spec.eviction_grace_period_seconds,
             blocked_eviction_timeout_seconds,
+            admission_caps: spec.admission_caps == AdmissionCaps::Enabled,
         })
     }
 

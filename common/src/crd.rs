@@ -36,6 +36,8 @@ pub const COUNTED_EVICTIONS_MAX: usize = 100;
     printcolumn = r#"{"name":"Action","type":"string","jsonPath":".spec.action","description":"Evict or Warn"}"#,
     printcolumn = r#"{"name":"Matched","type":"integer","jsonPath":".status.matchedPods","description":"Pods the selector matches"}"#,
     printcolumn = r#"{"name":"Over","type":"integer","jsonPath":".status.podsOverBudget","description":"Matched pods over the limit now"}"#,
+    printcolumn = r#"{"name":"Capped","type":"integer","jsonPath":".status.podsCapped","description":"With admissionCaps: matched pods whose GPU containers carry the driver's caps"}"#,
+    printcolumn = r#"{"name":"Uncapped","type":"integer","priority":1,"jsonPath":".status.podsUncapped","description":"With admissionCaps: matched GPU pods created without the caps (webhook down, or before caps were enabled)"}"#,
     printcolumn = r#"{"name":"Evicted","type":"integer","jsonPath":".status.evictions","description":"Pods this budget has evicted"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
@@ -103,6 +105,34 @@ pub struct GpuMemoryBudgetSpec {
     #[schemars(range(min = 0, max = 86400))]
     #[x_kube(validation = Rule::new("self >= 0 && self <= 86400").message("blockedEvictionTimeoutSeconds must be between 0 and 86400 (a day)"))]
     pub blocked_eviction_timeout_seconds: Option<i64>,
+
+    /// `Enabled`: when a pod this budget applies to is created, the gpubudget operator's admission webhook
+    /// sets the driver's memory caps in the environment of each of its GPU containers (those whose limits
+    /// ask for `nvidia.com/gpu` or `nvidia.com/gpu.shared`): `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (enforced by
+    /// an MPS daemon, per process, per device), `NVIDIA_GPU_MEMORY_LIMIT` and, with a request,
+    /// `NVIDIA_GPU_MEMORY_REQUEST` (MiB, for the container toolkit's per-cgroup limits on driver R615 and
+    /// later). Each GPU container gets the whole limit; a smaller value already set is kept. The values are
+    /// fixed when the pod is created: a later change of the limit reaches new pods only, and running pods
+    /// are held to it by eviction. `Disabled` (the default): pods are not changed.
+    #[serde(default, skip_serializing_if = "AdmissionCaps::is_disabled")]
+    pub admission_caps: AdmissionCaps,
+}
+
+/// Whether pods get the driver's memory caps in their environment when they are created.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, schemars::JsonSchema)]
+pub enum AdmissionCaps {
+    /// Set the caps in each GPU container of a pod this budget applies to, at creation.
+    Enabled,
+    /// Leave pods as they are (the default).
+    #[default]
+    Disabled,
+}
+
+impl AdmissionCaps {
+    /// `Disabled`, the default (not written out).
+    pub fn is_disabled(&self) -> bool {
+        *self == AdmissionCaps::Disabled
+    }
 }
 
 /// What the agent does with a pod that stays over its budget.
@@ -179,6 +209,20 @@ pub struct GpuMemoryBudgetStatus {
     /// pressure); unset when the budget sets no request.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pods_above_request: Option<i64>,
+    /// With `admissionCaps: Enabled`: matched pods whose every GPU container carries the driver's caps at
+    /// most at the limit, read from their environment (fixed at creation, so nobody can fake it later).
+    /// Unset otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pods_capped: Option<i64>,
+    /// With `admissionCaps: Enabled`: matched pods with a GPU container that carries no MPS cap for some
+    /// device it sees (created while the webhook was down or before caps were enabled); eviction still
+    /// holds them to the limit. Unset otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pods_uncapped: Option<i64>,
+    /// With `admissionCaps: Enabled`: matched pods capped above the limit (the limit was lowered after they
+    /// were created; eviction holds them to the new one). Unset otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pods_capped_above_limit: Option<i64>,
     /// Pods this budget has evicted since it was created (each pod counted once).
     #[serde(default)]
     pub evictions: i64,

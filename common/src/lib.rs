@@ -2,6 +2,7 @@
 //! and the node agent both use. Nothing here does I/O.
 
 pub mod budget;
+pub mod caps;
 pub mod crd;
 pub mod pod_record;
 pub mod quantity;
@@ -10,5 +11,5 @@ pub mod state;
 pub mod text;
 
 pub use budget::{Budget, Resolution, SpecError, is_critical, resolve};
-pub use crd::{BudgetAction, GpuMemoryBudget, GpuMemoryBudgetSpec, GpuMemoryBudgetStatus};
+pub use crd::{AdmissionCaps, BudgetAction, GpuMemoryBudget, GpuMemoryBudgetSpec, GpuMemoryBudgetStatus};
 pub use state::{BudgetState, Thresholds, Tracker, step};

@@ -1,29 +1,35 @@
 //! GPU memory caps set in the pod spec at admission: the environment of the pod's GPU containers.
 //!
-//! Today nothing in gpubudget sets them (a mutating webhook that does is future work, issue 22): this reads
-//! what the pod's owner or another webhook wrote, and says what each variable caps and where it does not.
+//! gpubudget's caps webhook sets them for budgets with `admissionCaps: Enabled` (docs/operator.md) and records
+//! it in `gpubudget.io/caps`; the pod's owner or another webhook may set them too. This reads what the spec
+//! holds, and says what each variable caps and where it does not. Which containers are GPU containers and how
+//! an MPS amount reads come from `gpubudget_common::caps`, as the webhook and the operator read them.
 //! - `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`0=4G,1=2G` or `<GPU UUID>=4G`): the driver caps each MPS client
 //!   *process* on that device, only with an MPS control daemon; a value without a device (`4G`) is ignored.
 //! - `NVIDIA_GPU_MEMORY_LIMIT` / `NVIDIA_GPU_MEMORY_REQUEST` (MiB): nvidia-container-toolkit's CDI hook
 //!   applies them to the container's cgroup as hard / soft limits, on driver R615 or newer only.
 
+use gpubudget_common::caps;
 use gpubudget_common::quantity::HumanBytes;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use serde::Serialize;
 
 /// The MPS per-client pinned memory limit.
-pub const MPS_LIMIT: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
+pub const MPS_LIMIT: &str = caps::MPS_LIMIT;
 /// nvidia-container-toolkit's hard limit (MiB).
-pub const NVIDIA_LIMIT: &str = "NVIDIA_GPU_MEMORY_LIMIT";
+pub const NVIDIA_LIMIT: &str = caps::MEMORY_LIMIT;
 /// nvidia-container-toolkit's soft limit (MiB).
-pub const NVIDIA_REQUEST: &str = "NVIDIA_GPU_MEMORY_REQUEST";
+pub const NVIDIA_REQUEST: &str = caps::MEMORY_REQUEST;
 
 /// What the pod spec caps.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Admission {
-    /// Containers that ask for a GPU resource (`nvidia.com/...` in limits or requests).
+    /// Containers whose limits ask for `nvidia.com/gpu` or `nvidia.com/gpu.shared` (init containers first).
     pub gpu_containers: Vec<String>,
+    /// What gpubudget's caps webhook did at creation (its `gpubudget.io/caps` record), when it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub set_by_gpubudget: Option<String>,
     /// Every cap variable found, one per container and variable.
     pub caps: Vec<Cap>,
     /// The sentence `why` prints.
@@ -46,25 +52,12 @@ pub struct Cap {
 }
 
 fn is_gpu_container(c: &Container) -> bool {
-    let r = c.resources.as_ref();
-    [r.and_then(|r| r.limits.as_ref()), r.and_then(|r| r.requests.as_ref())]
-        .into_iter()
-        .flatten()
-        .any(|m| m.keys().any(|k| k.starts_with("nvidia.com/")))
+    caps::GpuContainer::of(c).is_some()
 }
 
-/// A size as MPS writes it: digits and an optional `K`, `M`, `G` or `T` (binary), with an optional `B`.
+/// A size as MPS writes it (binary units), as the webhook reads it.
 fn mps_size(text: &str) -> Option<u64> {
-    let text = text.trim();
-    let text = text.strip_suffix(['B', 'b']).unwrap_or(text);
-    let (digits, shift) = match text.chars().last()?.to_ascii_uppercase() {
-        'K' => (&text[..text.len() - 1], 10),
-        'M' => (&text[..text.len() - 1], 20),
-        'G' => (&text[..text.len() - 1], 30),
-        'T' => (&text[..text.len() - 1], 40),
-        _ => (text, 0),
-    };
-    digits.parse::<u64>().ok()?.checked_mul(1 << shift)
+    caps::mps_amount_bytes(text)
 }
 
 fn mps_meaning(value: &str) -> (Option<u64>, String) {
@@ -110,7 +103,8 @@ fn toolkit_meaning(variable: &str, value: &str) -> (Option<u64>, String) {
 
 /// The caps the pod spec sets, for [`crate::why`].
 pub fn admission(pod: &Pod) -> Admission {
-    let containers: Vec<&Container> = pod.spec.iter().flat_map(|s| s.containers.iter()).collect();
+    let containers: Vec<&Container> =
+        pod.spec.iter().flat_map(|s| s.init_containers.iter().flatten().chain(s.containers.iter())).collect();
     let gpu: Vec<&Container> = containers.iter().copied().filter(|c| is_gpu_container(c)).collect();
     // Without a GPU resource (time-slicing by a device plugin under another name, say), every container.
     let looked_at = if gpu.is_empty() { &containers } else { &gpu };
@@ -138,9 +132,10 @@ pub fn admission(pod: &Pod) -> Admission {
         }
     }
     let gpu_containers: Vec<String> = gpu.iter().map(|c| c.name.clone()).collect();
+    let set_by_gpubudget = caps::record_of(pod).map(|r| format!("cap set at admission by gpubudget: {}", r.summary()));
     let summary = if caps.is_empty() {
         let which = if gpu_containers.is_empty() {
-            "no container asks for an nvidia.com/ resource, and none".to_owned()
+            "no container asks for nvidia.com/gpu or nvidia.com/gpu.shared, and none".to_owned()
         } else {
             format!(
                 "the GPU container{} {}",
@@ -158,7 +153,11 @@ pub fn admission(pod: &Pod) -> Admission {
             .collect::<Vec<_>>()
             .join("; ")
     };
-    Admission { gpu_containers, caps, summary }
+    let summary = match &set_by_gpubudget {
+        Some(set) => format!("{set}; {summary}"),
+        None => summary,
+    };
+    Admission { gpu_containers, caps, set_by_gpubudget, summary }
 }
 
 #[cfg(test)]
@@ -179,7 +178,23 @@ mod tests {
         assert!(a.caps.is_empty());
         assert!(a.summary.starts_with("none set at admission: the GPU container server sets none of"), "{}", a.summary);
         let a = admission(&pod("  - {name: main, image: x}\n"));
-        assert!(a.summary.contains("no container asks for an nvidia.com/ resource"), "{}", a.summary);
+        assert!(a.summary.contains("no container asks for nvidia.com/gpu"), "{}", a.summary);
+        assert!(a.set_by_gpubudget.is_none());
+    }
+
+    #[test]
+    fn says_when_gpubudget_set_the_caps() {
+        let mut p = pod("  - name: server\n    image: x\n    resources: {limits: {nvidia.com/gpu: 2}}\n    env:\n\
+             \x20   - {name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: \"0=8192M,1=8192M\"}\n");
+        let record = r#"{"budget":"llm","limitMib":8192,"containers":[{"name":"server","devices":2,"env":{"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT":"set"}}]}"#;
+        p.metadata.annotations = Some([(caps::ANNOTATION.to_owned(), record.to_owned())].into());
+        let a = admission(&p);
+        assert!(
+            a.summary.starts_with("cap set at admission by gpubudget: budget llm: limit 8192 MiB per GPU container"),
+            "{}",
+            a.summary
+        );
+        assert!(a.summary.contains("8Gi on device 1"), "{}", a.summary);
     }
 
     #[test]

@@ -17,7 +17,7 @@
 //!   carries the `resourceVersion` it was computed from as a precondition, so a write computed from a stale
 //!   cache (or by a deposed leader) fails with a conflict instead of counting an eviction twice.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -40,7 +40,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::Error;
 use crate::index::{Affected, Index};
 use crate::metrics::Metrics;
-use crate::pods::{ObjKey, PodInfo, PodMeta};
+use crate::pods::{ObjKey, PodMeta};
 use crate::status::{self, notices, same_ignoring_timestamps};
 
 /// The field manager of every status write (and the events' reporting controller).
@@ -106,6 +106,7 @@ pub struct Context {
     synced: watch::Sender<bool>,
     written: Mutex<HashMap<ObjKey, Written>>,
     failures: Mutex<HashMap<ObjKey, u32>>,
+    caps_namespaces: watch::Sender<BTreeSet<String>>,
 }
 
 impl std::fmt::Debug for Context {
@@ -132,7 +133,33 @@ impl Context {
             synced: watch::Sender::new(false),
             written: Mutex::default(),
             failures: Mutex::default(),
+            caps_namespaces: watch::Sender::new(BTreeSet::new()),
         }
+    }
+
+    /// The client.
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    /// The event recorder (`reportingController: gpubudget-operator`).
+    pub fn recorder(&self) -> &Recorder {
+        &self.recorder
+    }
+
+    /// Whether this replica may write (leads, or election is off), as it changes.
+    pub fn leader_watch(&self) -> watch::Receiver<bool> {
+        self.leader.clone()
+    }
+
+    /// Whether both caches have listed, as it changes.
+    pub fn synced_watch(&self) -> watch::Receiver<bool> {
+        self.synced.subscribe()
+    }
+
+    /// The namespaces holding a valid budget with caps enabled, as they change.
+    pub fn caps_namespaces(&self) -> watch::Receiver<BTreeSet<String>> {
+        self.caps_namespaces.subscribe()
     }
 
     /// The metrics this context updates.
@@ -295,7 +322,7 @@ async fn watch_pods(
     health: Health,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    // Metadata-only list and watch requests, parsed leanly (see `PodMeta`).
+    // Pods parsed leanly: metadata, GPU limits and cap variables (see `PodMeta`).
     let api: Api<PodMeta> = Api::all(ctx.client.clone());
     let mut config = watcher::Config::default();
     if let Some(fields) = &ctx.settings.pod_field_selector {
@@ -324,7 +351,7 @@ async fn watch_pods(
                     Affected::new()
                 }
                 Event::InitApply(meta) | Event::Apply(meta) => {
-                    PodInfo::from_meta(&meta.metadata).map(|info| index.apply_pod(info)).unwrap_or_default()
+                    meta.info().map(|info| index.apply_pod(info)).unwrap_or_default()
                 }
                 Event::Delete(meta) => ObjKey::of(&meta.metadata).map(|k| index.delete_pod(&k)).unwrap_or_default(),
                 Event::InitDone => {
@@ -398,7 +425,13 @@ fn watch_budgets(
                 }
             };
             index_ctx.update_gauges(&index);
+            let caps_namespaces = index.caps_namespaces();
             drop(index);
+            index_ctx.caps_namespaces.send_if_modified(|known| {
+                let changed = *known != caps_namespaces;
+                *known = caps_namespaces;
+                changed
+            });
             if budgets_listed {
                 // The budget itself comes through the controller's own trigger (when its generation
                 // changed); the others whose pods it shares come from here.
@@ -463,10 +496,12 @@ pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken)
         }
     };
 
+    let labels = crate::caps_webhook::label_namespaces(ctx.clone(), shutdown.clone());
     tokio::select! {
         result = pods => result?,
         () = leadership => {},
         () = controller => {},
+        () = labels => {},
     }
     Ok(())
 }

@@ -107,12 +107,13 @@ mod tests {
             .iter()
             .filter_map(|c| c["name"].as_str())
             .collect();
-        assert_eq!(columns, ["Request", "Limit", "Action", "Matched", "Over", "Evicted", "Age"]);
+        assert_eq!(columns, ["Request", "Limit", "Action", "Matched", "Over", "Capped", "Uncapped", "Evicted", "Age"]);
         let spec = &schema()["properties"]["spec"];
         assert!(spec["properties"]["limit"]["description"].as_str().expect("doc").contains("NVML"));
         assert_eq!(spec["properties"]["action"]["default"], "Evict");
         assert_eq!(spec["properties"]["warnAtPercent"]["default"], 90);
         assert_eq!(spec["properties"]["overLimitSeconds"]["default"], 10);
+        assert_eq!(spec["properties"]["admissionCaps"]["enum"], serde_json::json!(["Enabled", "Disabled"]));
         let required: Vec<&str> =
             spec["required"].as_array().expect("required").iter().filter_map(|v| v.as_str()).collect();
         assert_eq!(required, ["limit", "selector"]);

@@ -273,15 +273,16 @@ pub fn tls_config(certs: Arc<CertReloader>) -> anyhow::Result<ServerConfig> {
     Ok(config)
 }
 
-/// Serves the webhook until `shutdown`: over TLS with `cert_dir`'s pair, or plain HTTP without one (tests).
+/// Serves the webhooks (`app`: [`router`], merged with the caps webhook's) until `shutdown`: over TLS with
+/// `cert_dir`'s pair, or plain HTTP without one (tests).
 pub async fn serve(
     addr: SocketAddr,
     cert_dir: Option<PathBuf>,
-    pods: PodLookup,
+    app: Router,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
-    serve_on(listener, cert_dir, pods, shutdown).await
+    serve_on(listener, cert_dir, app, shutdown).await
 }
 
 /// How often the certificate files are checked for a change.
@@ -291,29 +292,28 @@ pub const CERT_REFRESH: Duration = Duration::from_secs(30);
 pub async fn serve_on(
     listener: tokio::net::TcpListener,
     cert_dir: Option<PathBuf>,
-    pods: PodLookup,
+    app: Router,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    serve_on_with(listener, cert_dir, pods, shutdown, CERT_REFRESH).await
+    serve_on_with(listener, cert_dir, app, shutdown, CERT_REFRESH).await
 }
 
 /// [`serve_on`], checking the certificate files every `refresh`.
 pub async fn serve_on_with(
     listener: tokio::net::TcpListener,
     cert_dir: Option<PathBuf>,
-    pods: PodLookup,
+    app: Router,
     shutdown: CancellationToken,
     refresh: Duration,
 ) -> anyhow::Result<()> {
-    let app = router(pods);
     let Some(dir) = cert_dir else {
-        tracing::warn!(addr = %listener.local_addr()?, "eviction check serving plain HTTP (no certificate directory)");
+        tracing::warn!(addr = %listener.local_addr()?, "webhooks serving plain HTTP (no certificate directory)");
         axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await?;
         return Ok(());
     };
     let certs = Arc::new(CertReloader::load(&dir)?);
     let acceptor = TlsAcceptor::from(Arc::new(tls_config(certs.clone())?));
-    tracing::info!(addr = %listener.local_addr()?, cert_dir = %dir.display(), "eviction check serving HTTPS {PATH}");
+    tracing::info!(addr = %listener.local_addr()?, cert_dir = %dir.display(), "webhooks serving HTTPS");
     let mut refresh = tokio::time::interval(refresh);
     let connections = tokio_util::task::TaskTracker::new();
     loop {

@@ -387,6 +387,25 @@ impl Index {
         Inputs { spec: ns.budgets.get(&budget.name).map(Result::as_ref), selected, recorded }
     }
 
+    /// The valid budgets of a namespace (cloned: the admission webhook resolves a new pod against them
+    /// without holding the index's lock).
+    pub fn budgets_in(&self, namespace: &str) -> Vec<Budget> {
+        self.namespaces
+            .get(namespace)
+            .map(|ns| ns.budgets.values().filter_map(|b| b.as_ref().ok()).cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Namespaces holding at least one valid budget with `admissionCaps: Enabled`: those the caps webhook
+    /// is scoped to.
+    pub fn caps_namespaces(&self) -> BTreeSet<String> {
+        self.namespaces
+            .iter()
+            .filter(|(_, ns)| ns.budgets.values().any(|b| b.as_ref().is_ok_and(|b| b.admission_caps)))
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
     /// Budgets known (valid or not).
     pub fn budget_count(&self) -> usize {
         self.budgets
@@ -441,6 +460,7 @@ mod tests {
             labels: labels.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
             record: None,
             terminating: false,
+            gpu: Vec::new(),
         }
     }
 

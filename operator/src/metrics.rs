@@ -40,6 +40,17 @@ pub struct Metrics {
     pub events: Counter,
     /// 1 while this replica writes status (the leader, or election off) (`_leader`).
     pub leader: Gauge,
+    /// Requests the caps webhook answered, by result (`_caps_admissions_total{result}`).
+    pub caps_admissions: Family<ResultLabels, Counter>,
+    /// Namespace label writes of the caps webhook's scope (`_caps_namespace_label_writes_total`).
+    pub namespace_label_writes: Counter,
+}
+
+/// The `result` label of the caps webhook's answers.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `capped`, `uncapped`, `skipped` or `failed` ([`crate::caps_webhook::Verdict::label`]).
+    pub result: String,
 }
 
 impl Default for Metrics {
@@ -55,6 +66,8 @@ impl Default for Metrics {
             status_writes: Counter::default(),
             events: Counter::default(),
             leader: Gauge::default(),
+            caps_admissions: Family::default(),
+            namespace_label_writes: Counter::default(),
         }
     }
 }
@@ -78,7 +91,22 @@ impl Metrics {
         r.register("status_writes", "GpuMemoryBudget status writes (server-side apply)", m.status_writes.clone());
         r.register("events", "Events published on budgets", m.events.clone());
         r.register("leader", "1 while this replica writes status (leader, or election off)", m.leader.clone());
+        r.register(
+            "caps_admissions",
+            "Pod admissions the caps webhook answered, by result (capped, uncapped, skipped, failed)",
+            m.caps_admissions.clone(),
+        );
+        r.register(
+            "caps_namespace_label_writes",
+            "Namespace label writes that scope the caps webhook",
+            m.namespace_label_writes.clone(),
+        );
         m
+    }
+
+    /// Counts an answer of the caps webhook.
+    pub fn caps_admitted(&self, result: &str) {
+        self.caps_admissions.get_or_create(&ResultLabels { result: result.to_owned() }).inc();
     }
 
     /// Counts a failed reconcile.

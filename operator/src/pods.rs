@@ -1,14 +1,18 @@
-//! What the operator keeps of a pod: its name, UID, labels and the agent's record, nothing else.
+//! What the operator keeps of a pod: its name, UID, labels, the agent's record and its GPU containers'
+//! cap variables, nothing else.
 //!
-//! The operator watches pod *metadata* only (`PartialObjectMeta<Pod>`), and of that it keeps what the
-//! status needs. Everything else a pod carries (managed fields, other annotations, owner references, the
-//! spec and status it never receives) is dropped as each event arrives, which is what keeps the operator
-//! small with 10 000 pods (docs/performance.md).
+//! The operator watches pods and keeps what the status needs. Everything else a pod carries (managed
+//! fields, other annotations, owner references, the rest of the spec, the status) is skipped by the parser
+//! as each event arrives, which is what keeps the operator small with 10 000 pods (docs/performance.md).
+//! The spec is read (not a metadata-only watch) for one reason: whether a pod is capped is read from its
+//! GPU containers' environment, which is fixed at creation and cannot be forged afterwards (common's
+//! `caps`).
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 
+use gpubudget_common::caps::{self, GpuContainer};
 use gpubudget_common::pod_record::{self, PodRecord};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -59,6 +63,8 @@ pub struct PodInfo {
     /// The pod is being deleted (`metadata.deletionTimestamp`), as an evicted pod is once the Eviction API
     /// accepted the request; a pod deleted from the cache is remembered with this set.
     pub terminating: bool,
+    /// Its GPU containers with their cap variables (fixed at creation); empty without GPU containers.
+    pub gpu: Vec<GpuContainer>,
 }
 
 impl PodInfo {
@@ -72,6 +78,7 @@ impl PodInfo {
             labels: meta.labels.clone().unwrap_or_default(),
             record: meta.annotations.as_ref().and_then(PodRecord::from_annotations),
             terminating: meta.deletion_timestamp.is_some(),
+            gpu: Vec::new(),
         })
     }
 
@@ -106,17 +113,24 @@ pub fn strip(meta: &mut ObjectMeta) {
     }
 }
 
-/// A pod's metadata as the operator reads it from a metadata-only list or watch
-/// (`PartialObjectMetadata`), lean from the start: only the name, namespace, UID, resourceVersion, labels
-/// and the `gpubudget.io/` annotations are deserialized. Managed fields, owner references, other annotations
-/// (`last-applied-configuration` is often kilobytes) are skipped by the parser without being allocated, so
-/// a 10 000-pod list costs a fraction of what `PartialObjectMeta<Pod>` costs to read.
-///
-/// It requests metadata-only responses exactly as `PartialObjectMeta<Pod>` does ([`Resource::metadata_api`]).
+/// A pod as the operator reads it from a list or watch, lean from the start: only the name, namespace,
+/// UID, resourceVersion, labels, the `gpubudget.io/` annotations and, of each container, its GPU limits
+/// and the three cap variables are kept. Managed fields, owner references, other annotations
+/// (`last-applied-configuration` is often kilobytes), the rest of the spec and the status are skipped by
+/// the parser; containers that ask for no GPU are dropped as soon as they are read.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PodMeta {
     /// What was kept of `metadata`.
     pub metadata: ObjectMeta,
+    /// The GPU containers (init containers first), with their cap variables.
+    pub gpu: Vec<GpuContainer>,
+}
+
+impl PodMeta {
+    /// What the operator keeps of this pod; `None` without a name or namespace.
+    pub fn info(&self) -> Option<PodInfo> {
+        PodInfo::from_meta(&self.metadata).map(|info| PodInfo { gpu: self.gpu.clone(), ..info })
+    }
 }
 
 impl Resource for PodMeta {
@@ -148,7 +162,8 @@ impl Resource for PodMeta {
     }
 
     fn metadata_api() -> bool {
-        true
+        // The caps status reads the containers' environment (see the module's comment).
+        false
     }
 }
 
@@ -158,7 +173,17 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
         struct Wire {
             #[serde(default)]
             metadata: Lean,
+            #[serde(default)]
+            spec: Option<LeanSpec>,
         }
+        #[derive(serde::Deserialize, Default)]
+        #[serde(rename_all = "camelCase")]
+        struct LeanSpec {
+            init_containers: Option<Vec<LeanContainer>>,
+            containers: Option<Vec<LeanContainer>>,
+        }
+        #[derive(serde::Deserialize)]
+        struct LeanContainer(#[serde(deserialize_with = "gpu_container")] Option<GpuContainer>);
         #[derive(serde::Deserialize, Default)]
         #[serde(rename_all = "camelCase")]
         struct Lean {
@@ -172,6 +197,8 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
             annotations: ContractAnnotations,
         }
         let wire = Wire::deserialize(deserializer)?;
+        let spec = wire.spec.unwrap_or_default();
+        let gpu = spec.init_containers.into_iter().chain(spec.containers).flatten().filter_map(|c| c.0).collect();
         let m = wire.metadata;
         let annotations = Some(m.annotations.0).filter(|a| !a.is_empty());
         Ok(Self {
@@ -185,8 +212,59 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
                 annotations,
                 ..ObjectMeta::default()
             },
+            gpu,
         })
     }
+}
+
+/// A container, kept only if it asks for a GPU: its name, device count and cap variables.
+fn gpu_container<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<GpuContainer>, D::Error> {
+    #[derive(serde::Deserialize, Default)]
+    struct Resources {
+        // Quantities are strings from the API server; a number (as a hand-written object may hold) is read
+        // too rather than failing the whole pod event.
+        limits: Option<BTreeMap<String, serde_json::Value>>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Env {
+        name: String,
+        value: Option<String>,
+        #[serde(rename = "valueFrom")]
+        value_from: Option<IgnoredAny>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Lean {
+        #[serde(default)]
+        name: String,
+        resources: Option<Resources>,
+        env: Option<Vec<Env>>,
+    }
+    let c = <Lean as serde::Deserialize>::deserialize(deserializer)?;
+    let limits = c.resources.and_then(|r| r.limits).unwrap_or_default();
+    let limits: Vec<(&str, String)> =
+        limits.iter().map(|(k, v)| (k.as_str(), v.as_str().map_or_else(|| v.to_string(), str::to_owned))).collect();
+    let devices = caps::device_count(limits.iter().map(|(k, v)| (*k, v.as_str())));
+    if devices == 0 {
+        return Ok(None);
+    }
+    let env: Vec<k8s_openapi::api::core::v1::EnvVar> = c
+        .env
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| [caps::MPS_LIMIT, caps::MEMORY_LIMIT, caps::MEMORY_REQUEST].contains(&e.name.as_str()))
+        .map(|e| k8s_openapi::api::core::v1::EnvVar {
+            name: e.name,
+            value: e.value,
+            value_from: e.value_from.map(|_| Default::default()),
+        })
+        .collect();
+    Ok(Some(GpuContainer {
+        name: c.name,
+        devices,
+        mps_limit: caps::env_value(&env, caps::MPS_LIMIT),
+        memory_limit: caps::env_value(&env, caps::MEMORY_LIMIT),
+        memory_request: caps::env_value(&env, caps::MEMORY_REQUEST),
+    }))
 }
 
 /// The `gpubudget.io/` contract annotations of a map; every other entry is skipped unallocated.
@@ -279,8 +357,39 @@ mod tests {
         let bare: PodMeta =
             serde_json::from_str(r#"{"metadata": {"name": "p", "annotations": null}}"#).expect("parses");
         assert!(bare.metadata.annotations.is_none());
-        assert!(PodMeta::metadata_api());
+        assert!(!PodMeta::metadata_api(), "the caps status reads the spec");
         assert_eq!(PodMeta::plural(&()), "pods");
+    }
+
+    #[test]
+    fn pod_meta_keeps_the_gpu_containers_cap_variables_only() {
+        let wire = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+            "spec": {
+                "initContainers": [{"name": "warm", "resources": {"limits": {"nvidia.com/gpu.shared": 1}},
+                                    "env": [{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                                             "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]}],
+                "containers": [
+                    {"name": "main", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "2", "cpu": "1"}},
+                     "env": [{"name": "OTHER", "value": "1"}, {"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "8192"},
+                             {"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=1G"},
+                             {"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=2G,1=2G"}],
+                     "volumeMounts": [{"name": "v", "mountPath": "/v"}]},
+                    {"name": "web", "image": "y", "env": [{"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "1"}]},
+                ],
+                "volumes": [{"name": "v", "emptyDir": {}}],
+            },
+            "status": {"phase": "Running", "containerStatuses": [{"name": "main", "ready": true}]},
+        });
+        let meta: PodMeta = serde_json::from_value(wire).expect("parses");
+        let info = meta.info().expect("named");
+        let gpu: Vec<(&str, u32)> = info.gpu.iter().map(|g| (g.name.as_str(), g.devices)).collect();
+        assert_eq!(gpu, [("warm", 1), ("main", 2)], "init containers first; the CPU-only container dropped");
+        assert_eq!(info.gpu[0].mps_limit, Some(caps::EnvValue::FromSource));
+        assert_eq!(info.gpu[1].mps_limit, Some(caps::EnvValue::Literal("0=2G,1=2G".into())), "the last entry wins");
+        assert_eq!(info.gpu[1].memory_limit, Some(caps::EnvValue::Literal("8192".into())));
+        assert_eq!(info.gpu[1].memory_request, None);
     }
 
     #[test]

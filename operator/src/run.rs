@@ -15,6 +15,7 @@ use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::caps_webhook;
 use crate::controller::{self, CHECK_BUDGETS, CHECK_PODS, Context, Settings};
 use crate::eviction_check::{self, PodLookup};
 use crate::leader::{self, CHECK_LEASE, Election};
@@ -40,10 +41,10 @@ pub struct RunArgs {
     /// Name of the Lease (in the operator's namespace).
     #[arg(long, env = "GPUBUDGET_LEASE_NAME", default_value = "gpubudget-operator")]
     pub lease_name: String,
-    /// Serve the eviction check (POST /validate-eviction) on this address.
+    /// Serve the webhooks (POST /validate-eviction, POST /mutate-pod-caps) on this address.
     #[arg(long, env = "GPUBUDGET_WEBHOOK_ADDR")]
     pub webhook_addr: Option<SocketAddr>,
-    /// Directory holding the eviction check's tls.crt and tls.key (without it: plain HTTP, for tests only).
+    /// Directory holding the webhooks' tls.crt and tls.key (without it: plain HTTP, for tests only).
     #[arg(long, env = "GPUBUDGET_WEBHOOK_CERT_DIR")]
     pub webhook_cert_dir: Option<PathBuf>,
     /// Log format.
@@ -96,13 +97,6 @@ async fn serve(args: RunArgs) -> anyhow::Result<i32> {
         let (health, registry, shutdown) = (health.clone(), Arc::new(registry), shutdown.clone());
         async move { Ok(serve_admin(args.admin_addr, health, registry, shutdown).await?) }
     }));
-    if let Some(addr) = args.webhook_addr {
-        let lookup = PodLookup::new(client.clone());
-        tasks.spawn(named(
-            "webhook",
-            eviction_check::serve(addr, args.webhook_cert_dir.clone(), lookup, shutdown.clone()),
-        ));
-    }
     // Without election this replica always writes; the sender lives as long as the process.
     let (leader_tx, leader_rx) = watch::channel(!args.leader_election);
     if args.leader_election {
@@ -114,6 +108,11 @@ async fn serve(args: RunArgs) -> anyhow::Result<i32> {
     }
     let settings = Settings { instance: Some(identity), ..Settings::default() };
     let ctx = Arc::new(Context::new(client.clone(), metrics, leader_rx, settings));
+    if let Some(addr) = args.webhook_addr {
+        let app = eviction_check::router(PodLookup::new(client.clone())).merge(caps_webhook::router(ctx.clone()));
+        tasks
+            .spawn(named("webhook", eviction_check::serve(addr, args.webhook_cert_dir.clone(), app, shutdown.clone())));
+    }
     tasks.spawn(named("controller", {
         let (health, shutdown) = (health.clone(), shutdown.clone());
         async move {

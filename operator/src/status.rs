@@ -6,6 +6,10 @@
 //!   come from the agent's record (`gpubudget.io/state`) when the record names this budget (the state is
 //!   relative to that budget's limit). `podsAboveRequest` (only when the budget sets a request) counts
 //!   those whose recorded usage is above the request: the candidates for eviction under GPU memory pressure.
+//! - With `admissionCaps: Enabled`, `podsCapped`, `podsUncapped` and `podsCappedAboveLimit` count those
+//!   pods by their GPU containers' environment (`caps::assess`; fixed at creation, never the annotation,
+//!   which a pod's author could have written while the webhook was down). Pods without a GPU container
+//!   count in none of them.
 //! - `evictions` counts each pod once, by UID: a pod whose record names this budget and carries
 //!   `gpubudget.io/eviction-requested-at`. The UIDs already counted are kept in `status.countedEvictions`
 //!   (the newest [`COUNTED_EVICTIONS_MAX`]), so a restart or a re-list does not count a pod twice.
@@ -14,9 +18,10 @@
 //! - A condition keeps its `lastTransitionTime` while its status does not change, so a status computed
 //!   twice from the same inputs is equal, and [`same_ignoring_timestamps`] tells whether a write is needed.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::str::FromStr;
 
+use gpubudget_common::caps::{self, Assessment, Caps};
 use gpubudget_common::crd::{COUNTED_EVICTIONS_MAX, EvictionRecord, GpuMemoryBudgetStatus, TOP_PODS_MAX, TopPod};
 use gpubudget_common::pod_record::PodRecord;
 use gpubudget_common::quantity::HumanBytes;
@@ -101,6 +106,8 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
     let mut overlap = Overlap::default();
     let mut top: Vec<(&PodInfo, &PodRecord)> = Vec::new();
     let mut above_request = 0;
+    let caps = Caps::of(budget);
+    let mut assessed: HashMap<Assessment, i64> = HashMap::new();
     for selected in &inputs.selected {
         let pod = selected.pod;
         let applies = match gpubudget_common::resolve(selected.selected_by.iter().copied(), &pod.namespace, &pod.labels)
@@ -125,6 +132,9 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
             continue;
         }
         status.matched_pods += 1;
+        if let Some(caps) = caps {
+            *assessed.entry(caps::assess(&pod.gpu, caps)).or_default() += 1;
+        }
         let Some(record) = &pod.record else { continue };
         if record.budget == budget.name {
             match record.state {
@@ -139,6 +149,12 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
         top.push((pod, record));
     }
     status.pods_above_request = budget.request_bytes.map(|_| above_request);
+    if caps.is_some() {
+        let count = |a| assessed.get(&a).copied().unwrap_or_default();
+        status.pods_capped = Some(count(Assessment::Capped));
+        status.pods_uncapped = Some(count(Assessment::Uncapped));
+        status.pods_capped_above_limit = Some(count(Assessment::AboveLimit));
+    }
     top.sort_by(|a, b| b.1.usage_bytes.cmp(&a.1.usage_bytes).then_with(|| a.0.name.cmp(&b.0.name)));
     status.top_pods = top
         .into_iter()
@@ -384,6 +400,7 @@ mod tests {
                 eviction_requested_at: None,
             }),
             terminating: false,
+            gpu: Vec::new(),
         }
     }
 
@@ -406,6 +423,46 @@ mod tests {
     }
 
     const GI: u64 = 1 << 30;
+
+    fn with_env(name: &str, mps: Option<&str>) -> PodInfo {
+        use gpubudget_common::caps::{EnvValue, GpuContainer};
+        let gpu = GpuContainer {
+            name: "main".into(),
+            devices: 1,
+            mps_limit: mps.map(|m| EnvValue::Literal(m.into())),
+            ..GpuContainer::default()
+        };
+        PodInfo { gpu: vec![gpu], ..pod(name, "llm", None) }
+    }
+
+    #[test]
+    fn caps_are_counted_from_the_environment_only_with_the_opt_in() {
+        let pods = [
+            with_env("capped", Some("0=8192M")),
+            with_env("smaller", Some("0=2G")),
+            with_env("uncapped", None),
+            with_env("bare", Some("8G")),
+            with_env("lowered-since", Some("0=16384M")),
+            pod("cpu-only", "llm", None),
+        ];
+        // A forged annotation changes nothing: PodInfo does not even keep it.
+        let count = |caps: bool| {
+            let mut r = resource("llm", "8Gi", "{}");
+            if caps {
+                r.spec.admission_caps = gpubudget_common::AdmissionCaps::Enabled;
+            }
+            let b = compiled(&r);
+            let inputs = Inputs {
+                spec: None,
+                selected: pods.iter().map(|p| Selected { pod: p, selected_by: vec![&b] }).collect(),
+                recorded: vec![],
+            };
+            let s = compute(&r, &inputs, None, t(0));
+            (s.pods_capped, s.pods_uncapped, s.pods_capped_above_limit)
+        };
+        assert_eq!(count(true), (Some(2), Some(2), Some(1)));
+        assert_eq!(count(false), (None, None, None));
+    }
 
     #[test]
     fn counts_the_pods_it_applies_to_and_lists_the_top_ones() {

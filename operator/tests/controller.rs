@@ -315,12 +315,14 @@ async fn status_is_written_only_when_it_changes() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(op.ctx.metrics().reconciles.get() >= 2, "every budget was reconciled");
     assert_eq!(status_writes(&fake), 0);
-    // Metadata-only pod requests, never full pods.
+    // Full pod requests (the caps status reads the containers' environment; the parser keeps only that
+    // of the spec), of active pods only.
     let pod_requests: Vec<_> = fake.requests().into_iter().filter(|r| r.resource == "pods").collect();
     assert!(!pod_requests.is_empty());
     for r in &pod_requests {
         let accept = r.accept.clone().unwrap_or_default();
-        assert!(accept.contains("as=PartialObjectMetadata"), "{} {}?{} accept {accept}", r.method, r.path, r.query);
+        assert!(!accept.contains("as=PartialObjectMetadata"), "{} {}?{} accept {accept}", r.method, r.path, r.query);
+        assert!(r.query.contains("fieldSelector=status.phase"), "{} {}?{}", r.method, r.path, r.query);
     }
     op.stop().await;
 }

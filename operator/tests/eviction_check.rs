@@ -62,8 +62,12 @@ async fn allows_only_evictions_of_the_agents_own_node() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
     let addr = listener.local_addr().expect("addr");
     let shutdown = CancellationToken::new();
-    let server =
-        tokio::spawn(eviction_check::serve_on(listener, None, PodLookup::new(fake.client()), shutdown.clone()));
+    let server = tokio::spawn(eviction_check::serve_on(
+        listener,
+        None,
+        eviction_check::router(PodLookup::new(fake.client())),
+        shutdown.clone(),
+    ));
 
     let ok = post(addr, &review("on-gpu-1", Some("gpu-1"))).await;
     assert_eq!(ok["response"]["allowed"], true, "{ok}");
@@ -123,7 +127,7 @@ async fn serves_https_with_the_mounted_certificate() {
     let server = tokio::spawn(eviction_check::serve_on_with(
         listener,
         Some(dir.path().to_owned()),
-        PodLookup::new(fake.client()),
+        eviction_check::router(PodLookup::new(fake.client())),
         shutdown.clone(),
         Duration::from_millis(200),
     ));

@@ -33,6 +33,7 @@ fn forged(namespace: &str, name: &str, terminating: bool) -> PodInfo {
             eviction_requested_at: Some("2026-11-21T18:00:00Z".into()),
         }),
         terminating,
+        gpu: Vec::new(),
     }
 }
 

@@ -92,7 +92,7 @@ fn admit(policy: &serde_yaml::Value, request: Json, object: Json, old: Json) -> 
     ctx.add_variable_from_value("object", to_cel(&object));
     ctx.add_variable_from_value("oldObject", to_cel(&old));
     let spec = &policy["spec"];
-    for condition in spec["matchConditions"].as_sequence().expect("match conditions") {
+    for condition in spec["matchConditions"].as_sequence().into_iter().flatten() {
         match eval(&ctx, condition["expression"].as_str().expect("expression")) {
             Ok(Value::Bool(true)) => {}
             Ok(Value::Bool(false)) => return Verdict::NotMatched,
@@ -307,4 +307,49 @@ fn no_one_but_the_agent_writes_records() {
     assert_eq!(admit(&p, request(tenant, None, "UPDATE"), relabelled, recorded.clone()), Verdict::Allowed);
     // The agent itself is not matched (its own policy governs it).
     assert_eq!(admit(&p, request(AGENT, Some(NODE), "UPDATE"), forged, plain), Verdict::NotMatched);
+}
+
+/// The chart's policy that keeps the caps webhook's record (`gpubudget.io/caps`) as written at creation.
+fn caps_record_policy() -> serde_yaml::Value {
+    let mut docs = render(include_str!("../../charts/gpubudget/templates/operator/caps-record-policy.yaml"));
+    assert_eq!(docs.len(), 1, "one caps record policy");
+    docs.remove(0)
+}
+
+#[test]
+fn no_one_adds_changes_or_removes_the_caps_record_after_creation() {
+    let p = caps_record_policy();
+    assert!(p["spec"]["matchConditions"].is_null(), "it applies to every identity, the operator's included");
+    let tenant = "system:serviceaccount:team-a:deployer";
+    let record = r#"{"budget":"llm","limitMib":8192,"containers":[]}"#;
+    let plain = pod(NODE);
+    let capped = with_annotation(pod(NODE), "gpubudget.io/caps", record);
+    let forged = with_annotation(pod(NODE), "gpubudget.io/caps", r#"{"budget":"llm","limitMib":1,"containers":[]}"#);
+    let denied = |v: Verdict| matches!(v, Verdict::Denied(m) if m.contains("cannot be added, changed or removed"));
+    // Adding one to a pod created without (the webhook was down): refused.
+    assert!(denied(admit(&p, request(tenant, None, "UPDATE"), capped.clone(), plain.clone())));
+    // Changing or removing the webhook's: refused, whoever asks.
+    assert!(denied(admit(&p, request(tenant, None, "UPDATE"), forged.clone(), capped.clone())));
+    assert!(denied(admit(&p, request(tenant, None, "UPDATE"), plain.clone(), capped.clone())));
+    assert!(denied(admit(&p, request(AGENT, Some(NODE), "UPDATE"), forged, capped.clone())));
+    // Any other update, the record kept as it was: allowed.
+    let relabelled = {
+        let mut p = capped.clone();
+        p["metadata"]["labels"]["app"] = json!("other");
+        p
+    };
+    assert_eq!(admit(&p, request(tenant, None, "UPDATE"), relabelled, capped.clone()), Verdict::Allowed);
+    assert_eq!(admit(&p, request(tenant, None, "UPDATE"), plain.clone(), plain), Verdict::Allowed);
+}
+
+#[test]
+fn the_agents_records_policy_leaves_the_caps_record_to_admission() {
+    // At creation the caps webhook writes gpubudget.io/caps in the creator's request: the agent's records
+    // policy must let that through (and still refuse the agent's own keys).
+    let p = records_policy();
+    let tenant = "system:serviceaccount:team-a:deployer";
+    let capped = with_annotation(pod(NODE), "gpubudget.io/caps", r#"{"budget":"llm"}"#);
+    assert_eq!(admit(&p, request(tenant, None, "CREATE"), capped.clone(), Json::Null), Verdict::Allowed);
+    let both = with_annotation(capped, "gpubudget.io/state", "Within");
+    assert!(matches!(admit(&p, request(tenant, None, "CREATE"), both, Json::Null), Verdict::Denied(_)));
 }

@@ -114,11 +114,16 @@ fn words(text: &str) -> Vec<Vec<&str>> {
     text.lines().map(|l| l.split_whitespace().collect()).collect()
 }
 
-/// The gmb CRD's printer column names, as kubectl prints them in the header.
+/// The gmb CRD's printer column names, as kubectl prints them in the header (priority 0 only: the others
+/// need `-o wide`).
 fn printer_columns() -> Vec<String> {
     let crd = serde_json::to_value(GpuMemoryBudget::crd()).unwrap();
     let columns = crd["spec"]["versions"][0]["additionalPrinterColumns"].as_array().unwrap().clone();
-    columns.iter().map(|c| c["name"].as_str().unwrap().to_uppercase()).collect()
+    columns
+        .iter()
+        .filter(|c| c["priority"].as_i64().unwrap_or(0) == 0)
+        .map(|c| c["name"].as_str().unwrap().to_uppercase())
+        .collect()
 }
 
 #[tokio::test]
@@ -127,13 +132,13 @@ async fn kubectl_gets_budgets_with_printer_columns_and_pods() {
     let Some(kubectl) = Kubectl::start(&fake).await else { return };
     let mut header = vec!["NAME".to_owned()];
     header.extend(printer_columns());
-    assert_eq!(header[1..7], ["REQUEST", "LIMIT", "ACTION", "MATCHED", "OVER", "EVICTED"]);
+    assert_eq!(header[1..8], ["REQUEST", "LIMIT", "ACTION", "MATCHED", "OVER", "CAPPED", "EVICTED"]);
 
     let out = kubectl.run(&["get", "gmb", "-n", "team-a"]).await;
     println!("$ kubectl get gmb -n team-a\n{out}");
     let lines = words(&out);
     assert_eq!(lines[0], header);
-    // No request set: kubectl leaves the REQUEST cell empty (the API's cell is null).
+    // No request set, no admissionCaps: kubectl leaves the REQUEST and CAPPED cells empty (the API's are null).
     assert_eq!(lines[1][..6], ["llm", "8Gi", "Evict", "3", "1", "2"]);
     assert!(lines[1][6].ends_with('s'), "an age in seconds: {out}");
     assert_eq!(lines.len(), 2);
@@ -345,15 +350,28 @@ async fn tables_for_custom_resources_pods_events_and_the_rest() {
     assert_eq!((table["kind"].as_str(), table["apiVersion"].as_str()), (Some("Table"), Some("meta.k8s.io/v1")));
     let names: Vec<&str> =
         table["columnDefinitions"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["Name", "Request", "Limit", "Action", "Matched", "Over", "Evicted", "Age"]);
+    assert_eq!(
+        names,
+        ["Name", "Request", "Limit", "Action", "Matched", "Over", "Capped", "Uncapped", "Evicted", "Age"]
+    );
     assert_eq!(table["columnDefinitions"][0]["format"], "name");
     assert_eq!(table["columnDefinitions"][4]["type"], "integer");
     let row = &table["rows"][0];
     assert_eq!(
-        row["cells"].as_array().unwrap()[..7],
-        [json!("llm"), json!(null), json!("8Gi"), json!("Evict"), json!(3), json!(1), json!(2)]
+        row["cells"].as_array().unwrap()[..9],
+        [
+            json!("llm"),
+            json!(null),
+            json!("8Gi"),
+            json!("Evict"),
+            json!(3),
+            json!(1),
+            json!(null),
+            json!(null),
+            json!(2)
+        ]
     );
-    assert!(row["cells"][7].as_str().unwrap().ends_with('s'));
+    assert!(row["cells"][9].as_str().unwrap().ends_with('s'));
     assert_eq!(row["object"]["kind"], "PartialObjectMetadata");
     assert_eq!(row["object"]["metadata"]["namespace"], "team-a");
     assert!(row["object"].get("spec").is_none());

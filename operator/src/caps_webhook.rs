@@ -1,0 +1,275 @@
+//! Caps set at admission (`POST /mutate-pod-caps`): when a pod is created in a namespace whose budgets
+//! enable `admissionCaps`, its GPU containers get the driver's memory caps in their environment
+//! (`gpubudget_common::caps`), and the pod gets the `gpubudget.io/caps` annotation saying what was done.
+//!
+//! - Scope: the chart's `MutatingWebhookConfiguration` sends only pods of namespaces labelled
+//!   [`NAMESPACE_LABEL`], which the leader keeps on exactly the namespaces holding a budget with caps
+//!   enabled ([`namespaces_to_label`]); other pods never reach the operator.
+//! - Never in the way: every answer allows the pod. A request it cannot read, or a patch it cannot
+//!   encode, is allowed unchanged and counted (`gpubudget_operator_caps_admissions_total{result="failed"}`),
+//!   and the chart's `failurePolicy: Ignore` does the same when the operator cannot be reached. A pod
+//!   created uncapped is reported (`status.podsUncapped`) and still evicted over its budget.
+//! - The record cannot be forged: at CREATE the webhook replaces (or removes) whatever `gpubudget.io/caps`
+//!   the author wrote, the chart's ValidatingAdmissionPolicy refuses later changes to it, and the status
+//!   counts come from the containers' environment, never from the annotation.
+//!
+//! The decision ([`decide`]) is a pure function of the request and the namespace's budgets.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, PoisonError};
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use gpubudget_common::Budget;
+use gpubudget_common::caps::{self, Record};
+use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Pod};
+use kube::Api;
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
+use kube::runtime::events::{Event, EventType};
+use tokio_util::sync::CancellationToken;
+
+use crate::controller::Context;
+
+/// The path the chart's `MutatingWebhookConfiguration` calls.
+pub const PATH: &str = "/mutate-pod-caps";
+/// The label the leader keeps on namespaces holding a budget with `admissionCaps: Enabled`; the webhook's
+/// `namespaceSelector` matches it.
+pub const NAMESPACE_LABEL: &str = "gpubudget.io/admission-caps";
+/// The label's value.
+pub const NAMESPACE_LABEL_VALUE: &str = "enabled";
+/// The field manager of the namespace label (server-side apply).
+pub const LABEL_FIELD_MANAGER: &str = "gpubudget-operator-caps";
+
+/// What an admission did, for the metric's `result` label.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    /// Not a pod creation (or not a pod): allowed unchanged.
+    NotPodCreate,
+    /// No budget with caps applies; a `gpubudget.io/caps` annotation the author wrote was removed if any.
+    NoCaps,
+    /// Caps set (the record is also in the patch, as the annotation).
+    Capped(Record),
+    /// The request could not be read or the patch not encoded: allowed unchanged.
+    Failed(String),
+}
+
+impl Verdict {
+    /// The metric label: `skipped`, `uncapped`, `capped` or `failed`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Verdict::NotPodCreate => "skipped",
+            Verdict::NoCaps => "uncapped",
+            Verdict::Capped(_) => "capped",
+            Verdict::Failed(_) => "failed",
+        }
+    }
+}
+
+/// The answer to a request, given the valid budgets of its namespace. Always allows.
+pub fn decide(request: &AdmissionRequest<DynamicObject>, budgets: &[Budget]) -> (AdmissionResponse, Verdict) {
+    let response = AdmissionResponse::from(request);
+    let is_pod = request.resource.group.is_empty() && request.resource.resource == "pods";
+    if request.operation != Operation::Create || !is_pod || request.sub_resource.is_some() {
+        return (response, Verdict::NotPodCreate);
+    }
+    let pod: Pod = match request.object.as_ref().map(|o| serde_json::to_value(o).and_then(serde_json::from_value)) {
+        Some(Ok(pod)) => pod,
+        Some(Err(error)) => return (response, Verdict::Failed(format!("the pod cannot be read: {error}"))),
+        None => return (response, Verdict::Failed("the request carries no pod".into())),
+    };
+    let namespace = request.namespace.clone().or_else(|| pod.metadata.namespace.clone()).unwrap_or_default();
+    let labels = pod.metadata.labels.clone().unwrap_or_default();
+    let resolution = gpubudget_common::resolve(budgets, &namespace, &labels);
+    let admission = caps::admit(&pod, resolution.as_ref().map(|r| r.budget));
+    let verdict = match admission.record {
+        Some(record) => Verdict::Capped(record),
+        None => Verdict::NoCaps,
+    };
+    if admission.patch.is_empty() {
+        return (response, verdict);
+    }
+    let patch = serde_json::from_value::<json_patch::Patch>(serde_json::Value::Array(admission.patch))
+        .map_err(|e| e.to_string())
+        .and_then(|patch| response.clone().with_patch(patch).map_err(|e| e.to_string()));
+    match patch {
+        Ok(patched) => (patched, verdict),
+        Err(error) => (response, Verdict::Failed(format!("the patch cannot be encoded: {error}"))),
+    }
+}
+
+/// The namespace label changes that make the labelled set equal to `wanted`: (label these, unlabel these).
+pub fn namespaces_to_label(labelled: &BTreeSet<String>, wanted: &BTreeSet<String>) -> (Vec<String>, Vec<String>) {
+    (wanted.difference(labelled).cloned().collect(), labelled.difference(wanted).cloned().collect())
+}
+
+/// Keeps [`NAMESPACE_LABEL`] on exactly the namespaces holding a budget with caps enabled, while this
+/// replica leads and its caches have listed. Labels are set by server-side apply with
+/// [`LABEL_FIELD_MANAGER`] and removed by a merge patch (whoever wrote them). On becoming leader it lists the labelled
+/// namespaces first, so a label left by a previous leader for a budget since deleted is removed. Failures
+/// are logged and retried after [`LABEL_RETRY`]. Returns when `shutdown` is cancelled.
+pub async fn label_namespaces(ctx: Arc<Context>, shutdown: CancellationToken) {
+    let api: Api<Namespace> = Api::all(ctx.client());
+    let mut wanted_rx = ctx.caps_namespaces();
+    let mut leader = ctx.leader_watch();
+    let mut synced = ctx.synced_watch();
+    let mut labelled: Option<BTreeSet<String>> = None;
+    loop {
+        let ready = *leader.borrow_and_update() && *synced.borrow_and_update();
+        if !ready {
+            labelled = None;
+        } else {
+            let wanted = wanted_rx.borrow_and_update().clone();
+            match sync_labels(&api, &ctx, labelled.take(), &wanted).await {
+                Ok(now) => labelled = Some(now),
+                Err(error) => {
+                    tracing::warn!(%error, "cannot label the namespaces of caps-enabled budgets; retrying");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(LABEL_RETRY) => continue,
+                    }
+                }
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = changed(&mut wanted_rx) => {}
+            () = changed(&mut leader) => {}
+            () = changed(&mut synced) => {}
+        }
+    }
+}
+
+/// Waits for the next change; never returns once the sender is gone (a value that cannot change any more,
+/// such as leadership without election, must not end the labeller, nor with it the controller).
+async fn changed<T>(rx: &mut tokio::sync::watch::Receiver<T>) {
+    if rx.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// How long after a failed label write the labeller tries again.
+pub const LABEL_RETRY: Duration = Duration::from_secs(5);
+
+async fn sync_labels(
+    api: &Api<Namespace>,
+    ctx: &Context,
+    labelled: Option<BTreeSet<String>>,
+    wanted: &BTreeSet<String>,
+) -> Result<BTreeSet<String>, kube::Error> {
+    let mut labelled = match labelled {
+        Some(known) => known,
+        None => {
+            let selector = format!("{NAMESPACE_LABEL}={NAMESPACE_LABEL_VALUE}");
+            let list = api.list_metadata(&ListParams::default().labels(&selector)).await?;
+            list.items.into_iter().filter_map(|n| n.metadata.name).collect()
+        }
+    };
+    let (add, remove) = namespaces_to_label(&labelled, wanted);
+    for (name, label) in add.iter().map(|n| (n, true)).chain(remove.iter().map(|n| (n, false))) {
+        let written = if label {
+            let body = serde_json::json!({"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": name, "labels": {NAMESPACE_LABEL: NAMESPACE_LABEL_VALUE}}});
+            api.patch(name, &PatchParams::apply(LABEL_FIELD_MANAGER).force(), &Patch::Apply(&body)).await
+        } else {
+            // A merge patch, not an apply: the label goes even if someone else (or a manager of another
+            // name) wrote it; the label is the webhook's scope and nothing else's.
+            let body = serde_json::json!({"metadata": {"labels": {NAMESPACE_LABEL: null}}});
+            let params = PatchParams { field_manager: Some(LABEL_FIELD_MANAGER.into()), ..PatchParams::default() };
+            api.patch(name, &params, &Patch::Merge(&body)).await
+        };
+        match written {
+            Ok(_) => {}
+            // A namespace being deleted (or gone) needs no label.
+            Err(kube::Error::Api(e)) if !label && e.code == 404 => {}
+            Err(error) => return Err(error),
+        }
+        ctx.metrics().namespace_label_writes.inc();
+        tracing::info!(namespace = %name, label = NAMESPACE_LABEL, set = label, "caps webhook scope changed");
+        if label {
+            labelled.insert(name.clone());
+        } else {
+            labelled.remove(name);
+        }
+    }
+    Ok(labelled)
+}
+
+/// How the pod is named in messages: its name, or `generateName*` before the API server names it.
+fn pod_name(request: &AdmissionRequest<DynamicObject>) -> String {
+    if !request.name.is_empty() {
+        return request.name.clone();
+    }
+    let generated = request.object.as_ref().and_then(|o| o.metadata.generate_name.clone()).unwrap_or_default();
+    format!("{generated}*")
+}
+
+/// The webhook's route, sharing the controller's context (its budget cache).
+pub fn router(ctx: Arc<Context>) -> axum::Router {
+    axum::Router::new().route(PATH, axum::routing::post(mutate)).with_state(ctx)
+}
+
+/// `POST /mutate-pod-caps`.
+pub async fn mutate(
+    State(ctx): State<Arc<Context>>,
+    Json(review): Json<AdmissionReview<DynamicObject>>,
+) -> Json<AdmissionReview<DynamicObject>> {
+    let request: AdmissionRequest<DynamicObject> = match review.try_into() {
+        Ok(request) => request,
+        Err(error) => {
+            tracing::warn!(%error, "caps webhook: malformed AdmissionReview; answering nothing to patch");
+            ctx.metrics().caps_admitted("failed");
+            // Without a request UID the API server cannot match the answer; `failurePolicy: Ignore` admits.
+            return Json(AdmissionResponse::invalid(error.to_string()).into_review());
+        }
+    };
+    let namespace = request.namespace.clone().unwrap_or_default();
+    let budgets = ctx.index.read().unwrap_or_else(PoisonError::into_inner).budgets_in(&namespace);
+    let (response, verdict) = decide(&request, &budgets);
+    ctx.metrics().caps_admitted(verdict.label());
+    let pod = pod_name(&request);
+    match &verdict {
+        Verdict::Capped(record) => {
+            tracing::debug!(%namespace, %pod, caps = %record.summary(), "caps set at admission");
+            if !request.dry_run {
+                publish(ctx.clone(), &namespace, record.clone());
+            }
+        }
+        Verdict::Failed(error) => tracing::warn!(%namespace, %pod, %error, "caps webhook: pod admitted unchanged"),
+        Verdict::NoCaps | Verdict::NotPodCreate => {}
+    }
+    Json(response.into_review())
+}
+
+/// Publishes a `CapsSet` event on the budget, in the background (admission does not wait for it). On the
+/// budget, not the pod: at admission a pod has no UID yet, often no name. The note names no pod, so the
+/// recorder folds the creations of one workload into one event series.
+fn publish(ctx: Arc<Context>, namespace: &str, record: Record) {
+    let reference = ObjectReference {
+        api_version: Some("gpubudget.io/v1alpha1".into()),
+        kind: Some("GpuMemoryBudget".into()),
+        name: Some(record.budget.clone()),
+        namespace: Some(namespace.to_owned()),
+        ..ObjectReference::default()
+    };
+    let event = Event {
+        type_: EventType::Normal,
+        reason: "CapsSet".into(),
+        note: Some(format!("caps set at admission on a new pod: {}", record.summary())),
+        action: "Admit".into(),
+        secondary: None,
+    };
+    tokio::spawn(async move {
+        match ctx.recorder().publish(&event, &reference).await {
+            Ok(()) => {
+                ctx.metrics().events.inc();
+            }
+            Err(error) => tracing::warn!(budget = %record.budget, %error, "cannot publish the CapsSet event"),
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests;

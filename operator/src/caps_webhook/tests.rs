@@ -1,0 +1,127 @@
+use super::*;
+use gpubudget_common::caps::{ANNOTATION, MEMORY_LIMIT, MPS_LIMIT, Outcome};
+use serde_json::{Value, json};
+
+fn budget(name: &str, limit: &str, selector: &str, caps: bool) -> Budget {
+    let caps = if caps { ", admissionCaps: Enabled" } else { "" };
+    let spec = serde_yaml::from_str(&format!("{{selector: {selector}, limit: {limit}{caps}}}")).expect("spec");
+    Budget::from_spec("team-a", name, &spec).expect("valid")
+}
+
+fn review(operation: &str, resource: &str, sub: Option<&str>, object: Value) -> AdmissionRequest<DynamicObject> {
+    let review = json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "req-1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": resource},
+            "subResource": sub, "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "name": "", "namespace": "team-a", "operation": operation,
+            "userInfo": {"username": "alice"}, "object": object, "dryRun": false,
+        }
+    });
+    let review: AdmissionReview<DynamicObject> = serde_json::from_value(review).expect("review fixture");
+    review.try_into().expect("request")
+}
+
+fn gpu_pod(labels: Value, annotations: Value, env: Value) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"generateName": "trainer-", "namespace": "team-a", "labels": labels, "annotations": annotations},
+        "spec": {"containers": [
+            {"name": "main", "image": "pytorch", "resources": {"limits": {"nvidia.com/gpu": "1"}}, "env": env},
+        ]},
+    })
+}
+
+/// The pod after the response's patch, as the API server would store it.
+fn patched(object: &Value, response: &AdmissionResponse) -> Value {
+    let review = serde_json::to_value(response.clone().into_review()).expect("json");
+    let mut pod = object.clone();
+    if let Some(bytes) = &response.patch {
+        assert_eq!(review["response"]["patchType"], "JSONPatch");
+        let patch: json_patch::Patch = serde_json::from_slice(bytes).expect("a JSON patch");
+        json_patch::patch(&mut pod, &patch).expect("applies");
+    }
+    pod
+}
+
+fn env(pod: &Value) -> Vec<(String, String)> {
+    pod["spec"]["containers"][0]["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            (e["name"].as_str().unwrap_or_default().to_owned(), e["value"].as_str().unwrap_or("<from>").to_owned())
+        })
+        .collect()
+}
+
+#[test]
+fn a_pod_created_under_a_caps_budget_gets_the_variables_and_the_record() {
+    let object = gpu_pod(json!({"app": "llm"}), json!({}), json!([{"name": MPS_LIMIT, "value": "0=2G"}]));
+    let budgets = [budget("llm", "8Gi", "{matchLabels: {app: llm}}", true)];
+    let (response, verdict) = decide(&review("CREATE", "pods", None, object.clone()), &budgets);
+    assert!(response.allowed);
+    let Verdict::Capped(record) = &verdict else { panic!("{verdict:?}") };
+    assert_eq!(record.containers[0].env[MPS_LIMIT], Outcome::Kept, "the user's smaller value is kept");
+    let pod = patched(&object, &response);
+    assert_eq!(env(&pod), [(MPS_LIMIT.into(), "0=2G".into()), (MEMORY_LIMIT.into(), "8192".into())]);
+    let annotation = pod["metadata"]["annotations"][ANNOTATION].as_str().expect("annotation");
+    assert_eq!(&serde_json::from_str::<Record>(annotation).expect("record"), record);
+    assert_eq!(verdict.label(), "capped");
+}
+
+#[test]
+fn the_budget_that_applies_decides_even_without_caps() {
+    let object = gpu_pod(json!({"app": "llm"}), json!({}), json!([]));
+    // The smaller limit applies (as for eviction); it has caps disabled: nothing is set.
+    let budgets = [budget("wide", "16Gi", "{}", true), budget("llm", "8Gi", "{matchLabels: {app: llm}}", false)];
+    let (response, verdict) = decide(&review("CREATE", "pods", None, object.clone()), &budgets);
+    assert_eq!((response.allowed, verdict), (true, Verdict::NoCaps));
+    assert_eq!(patched(&object, &response), object);
+    // A pod the caps budget alone selects gets its limit.
+    let other = gpu_pod(json!({"app": "batch"}), json!({}), json!([]));
+    let (response, _) = decide(&review("CREATE", "pods", None, other.clone()), &budgets);
+    assert_eq!(env(&patched(&other, &response))[1], (MEMORY_LIMIT.into(), "16384".into()));
+}
+
+#[test]
+fn a_record_written_by_the_pods_author_never_survives_creation() {
+    let forged = json!({ANNOTATION: "{\"budget\":\"llm\",\"limitMib\":1,\"containers\":[]}"});
+    // Under a caps budget: replaced by the real record.
+    let object = gpu_pod(json!({"app": "llm"}), forged.clone(), json!([]));
+    let budgets = [budget("llm", "8Gi", "{}", true)];
+    let (response, _) = decide(&review("CREATE", "pods", None, object.clone()), &budgets);
+    let pod = patched(&object, &response);
+    let record: Record =
+        serde_json::from_str(pod["metadata"]["annotations"][ANNOTATION].as_str().expect("a")).expect("record");
+    assert_eq!((record.limit_mib, record.containers.len()), (8192, 1));
+    // Without one: removed.
+    let (response, verdict) = decide(&review("CREATE", "pods", None, object.clone()), &[]);
+    assert_eq!(verdict, Verdict::NoCaps);
+    assert!(patched(&object, &response)["metadata"]["annotations"].get(ANNOTATION).is_none());
+}
+
+#[test]
+fn only_pod_creations_are_touched_and_trouble_never_refuses_a_pod() {
+    let object = gpu_pod(json!({}), json!({}), json!([]));
+    let budgets = [budget("llm", "8Gi", "{}", true)];
+    for (operation, resource, sub) in
+        [("UPDATE", "pods", None), ("CREATE", "pods", Some("binding")), ("CREATE", "configmaps", None)]
+    {
+        let (response, verdict) = decide(&review(operation, resource, sub, object.clone()), &budgets);
+        assert_eq!((response.allowed, response.patch.is_none(), verdict), (true, true, Verdict::NotPodCreate));
+    }
+    let broken = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": "nope"}});
+    let (response, verdict) = decide(&review("CREATE", "pods", None, broken), &budgets);
+    assert!(response.allowed && response.patch.is_none());
+    assert!(matches!(&verdict, Verdict::Failed(why) if why.contains("cannot be read")), "{verdict:?}");
+    assert_eq!(verdict.label(), "failed");
+}
+
+#[test]
+fn labels_follow_the_namespaces_with_caps_budgets() {
+    let set = |names: &[&str]| names.iter().map(|n| (*n).to_owned()).collect::<BTreeSet<String>>();
+    assert_eq!(namespaces_to_label(&set(&["a", "b"]), &set(&["b", "c"])), (vec!["c".to_owned()], vec!["a".to_owned()]));
+    assert_eq!(namespaces_to_label(&set(&["a"]), &set(&["a"])), (vec![], vec![]));
+}

@@ -1,0 +1,238 @@
+//! Caps set at admission against the in-memory API (gpubudget-testkit): the leader's namespace labels
+//! that scope the webhook, the status counts read from the pods' environment, and the webhook served over
+//! HTTP from the controller's budget cache (its patch, metric and event).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpubudget_common::GpuMemoryBudget;
+use gpubudget_common::caps::{ANNOTATION, MEMORY_LIMIT, MPS_LIMIT};
+use gpubudget_common::crd::GpuMemoryBudgetStatus;
+use gpubudget_daemon::Health;
+use gpubudget_operator::caps_webhook::{self, NAMESPACE_LABEL};
+use gpubudget_operator::controller::{self, CHECK_BUDGETS, CHECK_PODS, Context, Settings};
+use gpubudget_operator::eviction_check::{self, PodLookup};
+use gpubudget_operator::metrics::Metrics;
+use gpubudget_testkit::FakeApi;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+struct Operator {
+    ctx: Arc<Context>,
+    leader: watch::Sender<bool>,
+    shutdown: CancellationToken,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Operator {
+    fn start(fake: &FakeApi, leader: bool) -> Self {
+        let (tx, rx) = watch::channel(leader);
+        let settings =
+            Settings { min_backoff: Duration::from_millis(20), instance: Some("test".into()), ..Settings::default() };
+        let ctx = Arc::new(Context::new(fake.client(), Metrics::default(), rx, settings));
+        let health = Health::new(&[CHECK_PODS, CHECK_BUDGETS]);
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(controller::run(ctx.clone(), health, shutdown.clone()));
+        Self { ctx, leader: tx, shutdown, task }
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(WAIT, self.task).await.expect("stops in time").expect("joins").expect("runs cleanly");
+    }
+}
+
+fn namespace(fake: &FakeApi, name: &str, labels: Value) {
+    fake.put_object(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}))
+        .expect("namespace stored");
+}
+
+fn budget(fake: &FakeApi, ns: &str, name: &str, limit: &str, caps: &str) {
+    fake.put_object(json!({
+        "apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
+        "metadata": {"name": name, "namespace": ns, "generation": 1},
+        "spec": {"selector": {}, "limit": limit, "admissionCaps": caps},
+    }))
+    .expect("budget stored");
+}
+
+fn gpu_pod(fake: &FakeApi, name: &str, env: Value, annotations: Value) {
+    fake.put_object(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "team-a", "annotations": annotations},
+        "spec": {"containers": [{"name": "main", "image": "x", "env": env,
+                                 "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+        "status": {"phase": "Running"},
+    }))
+    .expect("pod stored");
+}
+
+fn labelled(fake: &FakeApi, ns: &str) -> bool {
+    fake.get("namespaces", "", ns).is_some_and(|n| n["metadata"]["labels"][NAMESPACE_LABEL] == "enabled")
+}
+
+fn status(fake: &FakeApi, name: &str) -> GpuMemoryBudgetStatus {
+    fake.typed::<GpuMemoryBudget>("team-a", name).and_then(|b| b.status).unwrap_or_default()
+}
+
+async fn until(fake: &FakeApi, what: &str, mut check: impl FnMut(&FakeApi) -> bool) {
+    assert!(fake.wait_until(WAIT, |f| check(f)).await, "timed out waiting for {what}");
+}
+
+#[tokio::test]
+async fn the_leader_labels_exactly_the_namespaces_with_caps_budgets() {
+    let fake = FakeApi::new();
+    namespace(&fake, "team-a", json!({}));
+    namespace(&fake, "team-b", json!({}));
+    // Left by an earlier leader for a budget since deleted.
+    namespace(&fake, "team-c", json!({NAMESPACE_LABEL: "enabled", "keep": "me"}));
+    budget(&fake, "team-a", "llm", "8Gi", "Enabled");
+    budget(&fake, "team-b", "plain", "8Gi", "Disabled");
+
+    // A follower labels nothing.
+    let op = Operator::start(&fake, false);
+    until(&fake, "the caches", |_| *op.ctx.synced_watch().borrow()).await;
+    assert!(!fake.wait_until(Duration::from_millis(300), |f| labelled(f, "team-a")).await, "a follower wrote");
+    op.leader.send_replace(true);
+    until(&fake, "team-a labelled, team-c unlabelled", |f| labelled(f, "team-a") && !labelled(f, "team-c")).await;
+    assert!(!labelled(&fake, "team-b"));
+    assert_eq!(fake.get("namespaces", "", "team-c").expect("ns")["metadata"]["labels"]["keep"], "me");
+
+    // Caps turned off: the label goes; on in another namespace: it comes.
+    fake.modify("gpumemorybudgets", "team-a", "llm", |b| {
+        b["spec"]["admissionCaps"] = "Disabled".into();
+        b["metadata"]["generation"] = 2.into();
+    });
+    budget(&fake, "team-b", "capped", "4Gi", "Enabled");
+    until(&fake, "labels to follow", |f| !labelled(f, "team-a") && labelled(f, "team-b")).await;
+    let writes = op.ctx.metrics().namespace_label_writes.get();
+    assert_eq!(writes, 4, "team-a on, team-c off, team-a off, team-b on");
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn status_counts_caps_from_the_environment_never_from_the_annotation() {
+    let fake = FakeApi::new();
+    budget(&fake, "team-a", "llm", "8Gi", "Enabled");
+    gpu_pod(&fake, "capped", json!([{"name": MPS_LIMIT, "value": "0=8192M"}]), json!({}));
+    gpu_pod(&fake, "smaller", json!([{"name": MPS_LIMIT, "value": "0=2G"}]), json!({}));
+    // Created while the webhook was down, with a record its author wrote: still uncapped.
+    gpu_pod(
+        &fake,
+        "forged",
+        json!([]),
+        json!({ANNOTATION: "{\"budget\":\"llm\",\"limitMib\":8192,\"containers\":[]}"}),
+    );
+    gpu_pod(&fake, "bare", json!([{"name": MPS_LIMIT, "value": "8G"}]), json!({}));
+    let op = Operator::start(&fake, true);
+    until(&fake, "the caps counts", |f| status(f, "llm").pods_capped == Some(2)).await;
+    let s = status(&fake, "llm");
+    assert_eq!((s.matched_pods, s.pods_uncapped, s.pods_capped_above_limit), (4, Some(2), Some(0)));
+    // The limit lowered after the pods started: their environment is fixed; they are capped above it now.
+    fake.modify("gpumemorybudgets", "team-a", "llm", |b| {
+        b["spec"]["limit"] = "4Gi".into();
+        b["metadata"]["generation"] = 2.into();
+    });
+    until(&fake, "the lowered limit", |f| status(f, "llm").pods_capped_above_limit == Some(1)).await;
+    assert_eq!(status(&fake, "llm").pods_capped, Some(1), "0=2G is still within 4Gi");
+    op.stop().await;
+}
+
+async fn post(addr: std::net::SocketAddr, body: &Value) -> Value {
+    let body = body.to_string();
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connects");
+    let request = format!(
+        "POST {} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        caps_webhook::PATH,
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.expect("writes");
+    let mut out = String::new();
+    stream.read_to_string(&mut out).await.expect("reads");
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    serde_json::from_str(out.split("\r\n\r\n").nth(1).expect("a body")).expect("json")
+}
+
+fn create_review(ns: &str) -> Value {
+    json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "u-1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": "", "namespace": ns, "operation": "CREATE", "userInfo": {"username": "alice"}, "dryRun": false,
+            "object": {"apiVersion": "v1", "kind": "Pod", "metadata": {"generateName": "w-", "namespace": ns},
+                       "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}},
+        }
+    })
+}
+
+#[tokio::test]
+async fn the_webhook_caps_from_the_controllers_cache_and_reports_it() {
+    let fake = FakeApi::new();
+    budget(&fake, "team-a", "llm", "8Gi", "Enabled");
+    let op = Operator::start(&fake, true);
+    until(&fake, "the caches", |_| *op.ctx.synced_watch().borrow()).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let addr = listener.local_addr().expect("addr");
+    let app = eviction_check::router(PodLookup::new(fake.client())).merge(caps_webhook::router(op.ctx.clone()));
+    let server = tokio::spawn(eviction_check::serve_on(listener, None, app, op.shutdown.clone()));
+
+    let answer = post(addr, &create_review("team-a")).await;
+    assert_eq!(
+        (answer["response"]["allowed"].as_bool(), answer["response"]["uid"].as_str()),
+        (Some(true), Some("u-1"))
+    );
+    assert_eq!(answer["response"]["patchType"], "JSONPatch");
+    // The patch as the API server reads it ([]byte in JSON).
+    let bytes: Vec<u8> = serde_json::from_value(answer["response"]["patch"].clone()).expect("patch bytes");
+    let patch: Value = serde_json::from_slice(&bytes).expect("a JSON patch");
+    assert_eq!(
+        patch[0]["value"],
+        json!([{"name": MPS_LIMIT, "value": "0=8192M,1=8192M"}, {"name": MEMORY_LIMIT, "value": "8192"}])
+    );
+    // Another namespace: no budget, nothing to do (the chart never sends it; the webhook copes anyway).
+    let other = post(addr, &create_review("team-z")).await;
+    assert!(other["response"]["patch"].is_null());
+    let count = |result: &str| {
+        op.ctx
+            .metrics()
+            .caps_admissions
+            .get_or_create(&gpubudget_operator::metrics::ResultLabels { result: result.into() })
+            .get()
+    };
+    assert_eq!((count("capped"), count("uncapped")), (1, 1));
+    until(&fake, "the CapsSet event", |f| {
+        f.list("events.events.k8s.io", Some("team-a")).iter().any(|e| {
+            e["reason"] == "CapsSet"
+                && e["regarding"]["name"] == "llm"
+                && e["note"].as_str().is_some_and(|n| n.contains("limit 8192 MiB"))
+        })
+    })
+    .await;
+    op.stop().await;
+    server.await.expect("joins").expect("serves cleanly");
+}
+
+#[tokio::test]
+async fn a_leader_without_election_keeps_running_and_labelling() {
+    // Without election the leadership sender may be dropped at once (it cannot change): the labeller must not
+    // take that as the end, nor stop the controller with it.
+    let fake = FakeApi::new();
+    namespace(&fake, "team-a", json!({}));
+    let (tx, rx) = watch::channel(true);
+    drop(tx);
+    let ctx = Arc::new(Context::new(fake.client(), Metrics::default(), rx, Settings::default()));
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(controller::run(ctx.clone(), Health::new(&[CHECK_PODS, CHECK_BUDGETS]), shutdown.clone()));
+    until(&fake, "the caches", |_| *ctx.synced_watch().borrow()).await;
+    budget(&fake, "team-a", "llm", "8Gi", "Enabled");
+    until(&fake, "team-a labelled", |f| labelled(f, "team-a")).await;
+    assert!(!task.is_finished(), "the controller is still running");
+    shutdown.cancel();
+    tokio::time::timeout(WAIT, task).await.expect("stops in time").expect("joins").expect("runs cleanly");
+}
