@@ -354,32 +354,17 @@ apply_example llm-inference.yaml "$NS_A"
 apply_example training-warn.yaml "$NS_A"
 apply_example namespace-wide.yaml "$NS_B"
 apply_example llm-inference.yaml "$NS_B"
-kubectl apply -f - <<EOF | sed 's/^/    /'
-apiVersion: gpubudget.io/v1alpha1
-kind: GpuMemoryBudget
-metadata: {name: roll-evict, namespace: $NS_A}
-spec: {selector: {matchLabels: {app: roll}}, limit: 8Gi, action: Evict, overLimitSeconds: 10}
-EOF
+apply_budget() { # NAME NAMESPACE SPEC (flow-style YAML)
+  printf 'apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: %s, namespace: %s}\nspec: %s\n' "$1" "$2" "$3" \
+    | kubectl apply -f - | sed 's/^/    /'
+}
+apply_budget roll-evict "$NS_A" '{selector: {matchLabels: {app: roll}}, limit: 8Gi, action: Evict, overLimitSeconds: 10}'
 if [ "$DRAIN" = 1 ]; then
-  kubectl apply -f - <<EOF | sed 's/^/    /'
-apiVersion: gpubudget.io/v1alpha1
-kind: GpuMemoryBudget
-metadata: {name: countdown-evict, namespace: $NS_A}
-spec: {selector: {matchLabels: {app: countdown}}, limit: 8Gi, action: Evict, overLimitSeconds: 3600}
-EOF
+  apply_budget countdown-evict "$NS_A" '{selector: {matchLabels: {app: countdown}}, limit: 8Gi, action: Evict, overLimitSeconds: 3600}'
 fi
 if [ -n "$HOST_PROC" ]; then
-  kubectl apply -f - <<EOF | sed 's/^/    /'
-apiVersion: gpubudget.io/v1alpha1
-kind: GpuMemoryBudget
-metadata: {name: multi-audit, namespace: $NS_C}
-spec: {selector: {matchLabels: {app: multi}}, limit: 40Gi, action: Warn, overLimitSeconds: 30}
----
-apiVersion: gpubudget.io/v1alpha1
-kind: GpuMemoryBudget
-metadata: {name: slow-evict, namespace: $NS_C}
-spec: {selector: {matchLabels: {app: slow}}, limit: 8Gi, action: Evict, overLimitSeconds: 10, evictionGracePeriodSeconds: 90}
-EOF
+  apply_budget multi-audit "$NS_C" '{selector: {matchLabels: {app: multi}}, limit: 40Gi, action: Warn, overLimitSeconds: 30}'
+  apply_budget slow-evict "$NS_C" '{selector: {matchLabels: {app: slow}}, limit: 8Gi, action: Evict, overLimitSeconds: 10, evictionGracePeriodSeconds: 90}'
 fi
 
 say "the agents record what they replay (state, usage, budget annotations)"

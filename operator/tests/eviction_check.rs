@@ -1,11 +1,13 @@
 //! The eviction check served over HTTP(S), looking pods up in the in-memory API.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use gpubudget_operator::eviction_check::{self, CERT_REFRESH, NODE_NAME_EXTRA, PATH, PodLookup};
 use gpubudget_testkit::FakeApi;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 fn review(pod: &str, node: Option<&str>) -> Value {
@@ -28,7 +30,7 @@ fn review(pod: &str, node: Option<&str>) -> Value {
     })
 }
 
-async fn post(addr: std::net::SocketAddr, body: &Value) -> Value {
+async fn post(addr: SocketAddr, body: &Value) -> Value {
     let body = body.to_string();
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connects");
     let request = format!(
@@ -75,6 +77,25 @@ async fn read_response(stream: &mut tokio::net::TcpStream) -> (String, Value) {
     (head, serde_json::from_slice(&body).expect("json"))
 }
 
+/// Serves the check over plain HTTP for `fake`'s pods on a free port, answering for `drain` after the signal.
+async fn serve_plain(
+    fake: &FakeApi,
+    drain: Duration,
+) -> (SocketAddr, CancellationToken, JoinHandle<anyhow::Result<()>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let addr = listener.local_addr().expect("addr");
+    let shutdown = CancellationToken::new();
+    let server = tokio::spawn(eviction_check::serve_on_with(
+        listener,
+        None,
+        PodLookup::new(fake.client()),
+        shutdown.clone(),
+        CERT_REFRESH,
+        drain,
+    ));
+    (addr, shutdown, server)
+}
+
 fn cluster() -> FakeApi {
     let fake = FakeApi::new();
     for (name, node) in [("on-gpu-1", "gpu-1"), ("on-gpu-2", "gpu-2")] {
@@ -91,17 +112,7 @@ fn cluster() -> FakeApi {
 #[tokio::test]
 async fn allows_only_evictions_of_the_agents_own_node() {
     let fake = cluster();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
-    let addr = listener.local_addr().expect("addr");
-    let shutdown = CancellationToken::new();
-    let server = tokio::spawn(eviction_check::serve_on_with(
-        listener,
-        None,
-        PodLookup::new(fake.client()),
-        shutdown.clone(),
-        CERT_REFRESH,
-        Duration::ZERO,
-    ));
+    let (addr, shutdown, server) = serve_plain(&fake, Duration::ZERO).await;
 
     let ok = post(addr, &review("on-gpu-1", Some("gpu-1"))).await;
     assert_eq!(ok["response"]["allowed"], true, "{ok}");
@@ -215,17 +226,7 @@ async fn serves_https_with_the_mounted_certificate() {
 #[tokio::test]
 async fn answers_through_the_drain_closing_each_connection() {
     let fake = cluster();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
-    let addr = listener.local_addr().expect("addr");
-    let shutdown = CancellationToken::new();
-    let server = tokio::spawn(eviction_check::serve_on_with(
-        listener,
-        None,
-        PodLookup::new(fake.client()),
-        shutdown.clone(),
-        CERT_REFRESH,
-        Duration::from_secs(3600),
-    ));
+    let (addr, shutdown, server) = serve_plain(&fake, Duration::from_secs(3600)).await;
 
     let mut kept = tokio::net::TcpStream::connect(addr).await.expect("connects");
     kept.write_all(keep_alive_request(&review("on-gpu-1", Some("gpu-1"))).as_bytes()).await.expect("writes");
