@@ -16,8 +16,9 @@
 # attribution story (several containers, forked children, a restarted container) runs; it needs
 # GPUBUDGET_E2E_SHELL_IMAGE (an image with /bin/sh and /bin/sleep). GPUBUDGET_E2E_ALLOW_KUBE_1_32=1 installs a
 # copy of the chart whose kubeVersion also admits 1.32 (the chart itself keeps >=1.33), for a 1.32 test node.
-# GPUBUDGET_E2E_DRAIN=1 also runs the node-drain story: `kubectl drain` of the node of the first agent pod (every
-# pod on it is evicted, the node is cordoned, then uncordoned): only for a test cluster (realk8s.sh sets it).
+# GPUBUDGET_E2E_DRAIN=1 also runs the node-drain story on a one-node cluster (skipped on more): `kubectl drain` of
+# the node (every pod on it is evicted, the node is cordoned, then uncordoned): only for a test cluster
+# (realk8s.sh sets it).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -677,10 +678,12 @@ after_accepted=$(echo "$EVICTIONS_AFTER" | sed -n 's/.*accepted=\([0-9]*\).*/\1/
   || die "the agent's refused or failed evictions changed during the rollout: [$EVICTIONS_BEFORE] -> [$EVICTIONS_AFTER]"
 info "roll evicted once, accepted at the first request, counted once (roll-evict EVICTED 1, lastEviction roll)"
 
-if [ "$DRAIN" = 1 ]; then
+NODES=$(kubectl get nodes -o name | wc -l)
+if [ "$DRAIN" = 1 ] && [ "$NODES" != 1 ]; then
+  say "node drain: skipped: the story needs a one-node cluster (every test pod and both operator replicas on the drained node); this one has $NODES"
+elif [ "$DRAIN" = 1 ]; then
   DRAIN_NODE=$(kubectl get pod "$AGENT_POD" -n "$NS" -o jsonpath='{.spec.nodeName}')
   say "node drain: kubectl drain $DRAIN_NODE (the agent's node); gpubudget's webhook never sees it, the agent stays, nothing it evicts counts as a budget's eviction"
-  NODES=$(kubectl get nodes -o name | wc -l)
   wait_for "countdown Over under countdown-evict (9Gi of 8Gi; Evict, but only after 3600 s)" annotation_is "$NS_A" countdown state Over
   # budget_counts: "ns/name=EVICTED/MATCHED/OVER ..." for every budget of this run.
   budget_counts() {
@@ -708,16 +711,12 @@ if [ "$DRAIN" = 1 ]; then
   info "kubectl drain exited $DRAIN_RC after $((SECONDS - DRAIN_AT)) s: $(grep -c 'evicted$' "$WORK/drain.log") pods evicted"
   stop_probes
   running_operators() { kubectl get pods -n "$NS" -l app.kubernetes.io/component=operator --field-selector status.phase=Running -o name | wc -l; }
-  if [ "$NODES" = 1 ]; then
-    # One node: the replacement of the first operator replica evicted cannot be scheduled (cordoned), so the
-    # PodDisruptionBudget (maxUnavailable 1) refuses the last one's eviction: the eviction check stays up.
-    [ "$DRAIN_RC" != 0 ] || die "kubectl drain of the only node completed: the operator's PodDisruptionBudget should have kept one replica"
-    grep -q "disruption budget" "$WORK/drain.log" || { sed 's/^/    /' "$WORK/drain.log"; die "kubectl drain failed, but not on the operator's PodDisruptionBudget"; }
-    [ "$(running_operators)" = 1 ] || die "expected one operator replica left running by its PodDisruptionBudget, found $(running_operators)"
-    info "the drain waited on the last operator replica (its PodDisruptionBudget): $(grep -m1 'disruption budget' "$WORK/drain.log" | cut -c1-160)"
-  else
-    [ "$DRAIN_RC" = 0 ] || { sed 's/^/    /' "$WORK/drain.log"; die "kubectl drain failed"; }
-  fi
+  # One node: the replacement of the first operator replica evicted cannot be scheduled (cordoned), so the
+  # PodDisruptionBudget (maxUnavailable 1) refuses the last one's eviction: the eviction check stays up.
+  [ "$DRAIN_RC" != 0 ] || die "kubectl drain of the only node completed: the operator's PodDisruptionBudget should have kept one replica"
+  grep -q "disruption budget" "$WORK/drain.log" || { sed 's/^/    /' "$WORK/drain.log"; die "kubectl drain failed, but not on the operator's PodDisruptionBudget"; }
+  [ "$(running_operators)" = 1 ] || die "expected one operator replica left running by its PodDisruptionBudget, found $(running_operators)"
+  info "the drain waited on the last operator replica (its PodDisruptionBudget): $(grep -m1 'disruption budget' "$WORK/drain.log" | cut -c1-160)"
   [ "$(agent_on "$DRAIN_NODE")" = "$AGENT_BEFORE" ] || die "the agent pod $AGENT_BEFORE of $DRAIN_NODE was replaced by the drain"
   [ -z "$(kubectl get pod "$AGENT_BEFORE" -n "$NS" -o jsonpath='{.metadata.deletionTimestamp}')" ] || die "the drain evicted the agent"
   info "the agent ($AGENT_BEFORE, a DaemonSet pod: --ignore-daemonsets) stays on the cordoned node"
@@ -736,19 +735,17 @@ if [ "$DRAIN" = 1 ]; then
     || die "the agent requested evictions during the drain: [$AGENT_EVICTIONS_BEFORE] -> [$(agent_evictions "$DRAIN_NODE")]"
   has_event "$NS_A" countdown EvictingForGpuMemory && die "countdown (due in 3600 s) got an EvictingForGpuMemory event"
   info "countdown (over its Evict budget when drained) is not counted; the agent's eviction requests unchanged [$AGENT_EVICTIONS_BEFORE]"
-  if [ "$NODES" = 1 ]; then
-    say "node drain, finished without the PodDisruptionBudget (--disable-eviction): no operator runs"
-    kubectl drain "$DRAIN_NODE" --ignore-daemonsets --force --disable-eviction --timeout=60s > "$WORK/drain2.log" 2>&1 \
-      || { sed 's/^/    /' "$WORK/drain2.log"; die "kubectl drain --disable-eviction failed"; }
-    wait_for "no operator replica running" bash -c "[ \"\$(kubectl get pods -n $NS -l app.kubernetes.io/component=operator --field-selector status.phase=Running -o name)\" = '' ]"
-    LINE=$(probe_eviction "$BOUND_TOKEN" "$NS" "$AGENT_BEFORE")
-    [[ "$LINE" == 500\ *"failed calling webhook"* ]] || die "with no operator, the agent's eviction was not refused as failurePolicy Fail says: $LINE"
-    info "the agent's eviction, no operator running: refused (failurePolicy Fail): ${LINE#* * }"
-    printf '{"apiVersion":"policy/v1","kind":"Eviction","metadata":{"name":"%s","namespace":"%s"}}' "$AGENT_BEFORE" "$NS" > "$WORK/eviction.json"
-    kubectl create --raw "/api/v1/namespaces/$NS/pods/$AGENT_BEFORE/eviction?dryRun=All" -f "$WORK/eviction.json" >/dev/null \
-      || die "with no operator, an administrator's eviction was refused"
-    info "an administrator's eviction (dry run) goes through: only the agent's evictions are sent to the webhook"
-  fi
+  say "node drain, finished without the PodDisruptionBudget (--disable-eviction): no operator runs"
+  kubectl drain "$DRAIN_NODE" --ignore-daemonsets --force --disable-eviction --timeout=60s > "$WORK/drain2.log" 2>&1 \
+    || { sed 's/^/    /' "$WORK/drain2.log"; die "kubectl drain --disable-eviction failed"; }
+  wait_for "no operator replica running" bash -c "[ \"\$(kubectl get pods -n $NS -l app.kubernetes.io/component=operator --field-selector status.phase=Running -o name)\" = '' ]"
+  LINE=$(probe_eviction "$BOUND_TOKEN" "$NS" "$AGENT_BEFORE")
+  [[ "$LINE" == 500\ *"failed calling webhook"* ]] || die "with no operator, the agent's eviction was not refused as failurePolicy Fail says: $LINE"
+  info "the agent's eviction, no operator running: refused (failurePolicy Fail): ${LINE#* * }"
+  printf '{"apiVersion":"policy/v1","kind":"Eviction","metadata":{"name":"%s","namespace":"%s"}}' "$AGENT_BEFORE" "$NS" > "$WORK/eviction.json"
+  kubectl create --raw "/api/v1/namespaces/$NS/pods/$AGENT_BEFORE/eviction?dryRun=All" -f "$WORK/eviction.json" >/dev/null \
+    || die "with no operator, an administrator's eviction was refused"
+  info "an administrator's eviction (dry run) goes through: only the agent's evictions are sent to the webhook"
   UNCORDON_AT=$SECONDS
   kubectl uncordon "$DRAIN_NODE" >/dev/null
   DRAINED=""
@@ -757,6 +754,7 @@ if [ "$DRAIN" = 1 ]; then
   answered() { [[ "$(probe_eviction "$BOUND_TOKEN" "$NS" "$AGENT_BEFORE")" == 201\ * ]]; }
   wait_for "the agent's eviction allowed again" answered
   info "figure: uncordon to the eviction check answering again with both replicas ready: $((SECONDS - UNCORDON_AT)) s"
+  DRAIN_PASSED=1
 fi
 
 say "helm uninstall: nothing of the chart is left that could refuse a request"
@@ -774,4 +772,4 @@ kubectl create --raw "/api/v1/namespaces/$NS_B/pods/last/eviction" -f "$WORK/evi
 info "no webhook or admission policy of $RELEASE left; an eviction and a gpubudget.io annotation go through"
 
 FAILED=0
-say "PASS: Evict, Warn, overlapping budgets$( [ -n "${AS:-}" ] && echo ", node restriction")${HOST_PROC:+, attribution through real cgroups, agent rollout}, operator rollout$( [ "$DRAIN" = 1 ] && echo ", node drain"), helm uninstall ($((SECONDS - START)) s)"
+say "PASS: Evict, Warn, overlapping budgets$( [ -n "${AS:-}" ] && echo ", node restriction")${HOST_PROC:+, attribution through real cgroups, agent rollout}, operator rollout${DRAIN_PASSED:+, node drain}, helm uninstall ($((SECONDS - START)) s)"
