@@ -232,7 +232,7 @@ write_sample $((9 * GI)) $((9 * GI)) $((45 * GI))
 wait_for "GpuMemoryOverBudget on second" has_event "$NS_A" second GpuMemoryOverBudget
 OVER_SECOND=$(date +%s)
 helm_ upgrade "$RELEASE" "$WORK/chart" --reuse-values --set agent.image.tag=0.2.0 --set operator.image.tag=0.2.0 \
-  --set agent.interval=500ms --set logFormat=text | head -n 3 | sed 's/^/    /'
+  --set agent.interval=500ms --set logFormat=text | sed -n '1,3s/^/    /p'
 [ "$(kubectl get ds "$RELEASE-agent" -n "$NS" -o jsonpath='{.spec.template.spec.containers[0].image}')" = "example.invalid/gpubudget/gpubudget-agent:0.2.0" ] \
   || die "the agent DaemonSet's image is not 0.2.0 after the upgrade"
 terminating "$NS_A" first || die "first is not in its grace period at the rollout"

@@ -16,6 +16,9 @@
 # attribution story (several containers, forked children, a restarted container) runs; it needs
 # GPUBUDGET_E2E_SHELL_IMAGE (an image with /bin/sh and /bin/sleep). GPUBUDGET_E2E_ALLOW_KUBE_1_32=1 installs a
 # copy of the chart whose kubeVersion also admits 1.32 (the chart itself keeps >=1.33), for a 1.32 test node.
+# GPUBUDGET_E2E_DRAIN=1 also runs the node-drain story on a one-node cluster (skipped on more): `kubectl drain` of
+# the node (every pod on it is evicted, the node is cordoned, then uncordoned): only for a test cluster
+# (realk8s.sh sets it).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -48,6 +51,7 @@ STEP_TIMEOUT=${GPUBUDGET_E2E_STEP_TIMEOUT:-180}
 HOST_PROC=${GPUBUDGET_E2E_HOST_PROC:-}
 SHELL_IMAGE=${GPUBUDGET_E2E_SHELL_IMAGE:-}
 ALLOW_132=${GPUBUDGET_E2E_ALLOW_KUBE_1_32:-0}
+DRAIN=${GPUBUDGET_E2E_DRAIN:-0}
 [ -z "$HOST_PROC" ] || [ -n "$SHELL_IMAGE" ] || { echo "FAIL: GPUBUDGET_E2E_HOST_PROC needs GPUBUDGET_E2E_SHELL_IMAGE" >&2; exit 1; }
 # shellcheck source=../lib.sh
 . "$REPO/e2e/lib.sh"
@@ -68,6 +72,8 @@ CRD=gpumemorybudgets.gpubudget.io
 CRD_EXISTED=$(kubectl get crd "$CRD" -o name 2>/dev/null || true)
 FAILED=1
 START=$SECONDS
+PROBE_PID=""   # the eviction-probe loop running in the background, if any
+DRAINED=""     # the node the drain story cordoned, until it is uncordoned
 
 POLL=2
 
@@ -85,7 +91,9 @@ diagnostics() {
 
 cleanup() {
   local rc=$?
+  if [ -n "$PROBE_PID" ]; then touch "$WORK/stop-probes"; wait "$PROBE_PID" 2>/dev/null || true; fi
   [ "$FAILED" = 0 ] || diagnostics
+  if [ -n "$DRAINED" ]; then kubectl uncordon "$DRAINED" >/dev/null 2>&1 || true; fi
   if [ "${GPUBUDGET_E2E_KEEP:-0}" = 1 ]; then
     say "keeping namespaces $NS $NS_A $NS_B ${HOST_PROC:+$NS_C }and release $RELEASE (GPUBUDGET_E2E_KEEP=1)"
   else
@@ -113,6 +121,7 @@ pod_gone_or_terminating() {
   out=$(kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.deletionTimestamp}' 2>&1) && [ -n "$out" ] && return 0
   [[ "$out" == *NotFound* ]]
 }
+pod_gone() { [[ "$(kubectl get pod "$2" -n "$1" -o name 2>&1)" == *NotFound* ]]; }
 
 say "cluster"
 kubectl version 2>/dev/null | sed 's/^/    /'
@@ -172,6 +181,8 @@ make_pod "$NS_A" llm-evict app=llm                # Evict story: 6Gi → 7.5Gi �
 make_pod "$NS_A" trainer job-type=training        # Warn story: 20Gi → 35Gi → 45Gi of 40Gi (Warn, 80 %)
 make_pod "$NS_B" llm-b app=llm                    # matched by llm-inference (8Gi) and team-b-default (20Gi)
 make_pod "$NS_B" other-b tier=batch               # matched by team-b-default only
+make_pod "$NS_A" roll app=roll                    # operator rollout story: evicted (roll-evict, 8Gi) during the rollout
+[ "$DRAIN" != 1 ] || make_pod "$NS_A" countdown app=countdown # drain story: over an Evict budget, 3600 s to go
 if [ -n "$HOST_PROC" ]; then
   # Attribution through real cgroups: two containers, one a shell that forks two children. Their GPU usage is
   # replayed per host PID, so the agent must find pod and container from /proc/<pid>/cgroup as the kubelet
@@ -242,7 +253,8 @@ host_pids() {
   local pod_uid cid
   pod_uid=$(uid "$1" "$2" 2>/dev/null) && [ -n "$pod_uid" ] || return 1
   cid=$(container_id "$1" "$2" "$3") && [ -n "$cid" ] || return 1
-  grep -l -E "pod(${pod_uid}|${pod_uid//-/_})[/.].*${cid}" "$HOST_PROC"/[0-9]*/cgroup 2>/dev/null \
+  # A process that exits during the scan makes grep exit 2 (its file is gone): not an error here.
+  { grep -l -E "pod(${pod_uid}|${pod_uid//-/_})[/.].*${cid}" "$HOST_PROC"/[0-9]*/cgroup 2>/dev/null || true; } \
     | sed -E 's|.*/([0-9]+)/cgroup$|\1|' | sort -n
 }
 # entries NAMESPACE POD CONTAINER BYTES: the sample's process entries for one container. With HOST_PROC, one
@@ -262,6 +274,7 @@ pid_count_is() { [ "$(host_pids "$1" "$2" "$3" | wc -l)" = "$4" ]; }
 in_cgroup() { grep -qsF "$1" "$HOST_PROC"/[0-9]*/cgroup; }
 SOLO_BYTES=2Gi
 SLOW_BYTES=1Gi
+ROLL_BYTES=1Gi
 # write_sample PHASE EVICT TRAINER: the sample file the agents replay (every agent reads the same file and
 # charges only the pods on its own node), as a ConfigMap; then nudge the agent pods so the kubelet refreshes
 # the mounted file at once instead of at its next periodic sync.
@@ -272,6 +285,8 @@ write_sample() {
     entries "$NS_A" trainer main "$3"
     entries "$NS_B" llm-b main 1Gi
     entries "$NS_B" other-b main 2Gi
+    entries "$NS_A" roll main "$ROLL_BYTES"
+    [ "$DRAIN" != 1 ] || entries "$NS_A" countdown main 9Gi
     if [ -n "$HOST_PROC" ]; then
       entries "$NS_C" multi forker 1Gi
       entries "$NS_C" multi solo "$SOLO_BYTES"
@@ -340,18 +355,17 @@ apply_example llm-inference.yaml "$NS_A"
 apply_example training-warn.yaml "$NS_A"
 apply_example namespace-wide.yaml "$NS_B"
 apply_example llm-inference.yaml "$NS_B"
+apply_budget() { # NAME NAMESPACE SPEC (flow-style YAML)
+  printf 'apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: %s, namespace: %s}\nspec: %s\n' "$1" "$2" "$3" \
+    | kubectl apply -f - | sed 's/^/    /'
+}
+apply_budget roll-evict "$NS_A" '{selector: {matchLabels: {app: roll}}, limit: 8Gi, action: Evict, overLimitSeconds: 10}'
+if [ "$DRAIN" = 1 ]; then
+  apply_budget countdown-evict "$NS_A" '{selector: {matchLabels: {app: countdown}}, limit: 8Gi, action: Evict, overLimitSeconds: 3600}'
+fi
 if [ -n "$HOST_PROC" ]; then
-  kubectl apply -f - <<EOF | sed 's/^/    /'
-apiVersion: gpubudget.io/v1alpha1
-kind: GpuMemoryBudget
-metadata: {name: multi-audit, namespace: $NS_C}
-spec: {selector: {matchLabels: {app: multi}}, limit: 40Gi, action: Warn, overLimitSeconds: 30}
----
-apiVersion: gpubudget.io/v1alpha1
-kind: GpuMemoryBudget
-metadata: {name: slow-evict, namespace: $NS_C}
-spec: {selector: {matchLabels: {app: slow}}, limit: 8Gi, action: Evict, overLimitSeconds: 10, evictionGracePeriodSeconds: 90}
-EOF
+  apply_budget multi-audit "$NS_C" '{selector: {matchLabels: {app: multi}}, limit: 40Gi, action: Warn, overLimitSeconds: 30}'
+  apply_budget slow-evict "$NS_C" '{selector: {matchLabels: {app: slow}}, limit: 8Gi, action: Evict, overLimitSeconds: 10, evictionGracePeriodSeconds: 90}'
 fi
 
 say "the agents record what they replay (state, usage, budget annotations)"
@@ -525,17 +539,237 @@ if [ -n "$HOST_PROC" ]; then
   done
 fi
 
+# --- The agent's evictions, probed: dry-run evictions through the API server as the agent's service account ---
+# The chart sends the agent's evictions (and only those: matchConditions on its username) to the operator's
+# webhook, failurePolicy Fail, behind a Service of the operator pods. A probe POSTs a policy/v1 Eviction with
+# dryRun=All (admission runs, webhooks included, since the webhook declares sideEffects None; nothing is evicted)
+# twice: with a token of the agent's service account bound to the pod's node (the webhook must allow: 201) and
+# with one bound to nothing (the webhook must deny, saying why: 403). Anything else (500 "failed calling webhook"
+# because no replica answered, a timeout) is a failure: the agent's eviction would have been refused.
+API_SERVER=$(kubectl config view --raw --minify -o jsonpath='{.clusters[0].cluster.server}')
+CURL_TLS=(--insecure)
+if [ "$(kubectl config view --raw --minify -o jsonpath='{.clusters[0].cluster.insecure-skip-tls-verify}')" != true ]; then
+  CA_FILE=$(kubectl config view --raw --minify -o jsonpath='{.clusters[0].cluster.certificate-authority}')
+  if [ -z "$CA_FILE" ]; then
+    CA_FILE=$WORK/api-ca.crt
+    kubectl config view --raw --minify -o jsonpath='{.clusters[0].cluster.certificate-authority-data}' | base64 -d > "$CA_FILE"
+  fi
+  CURL_TLS=(--cacert "$CA_FILE")
+fi
+# probe_eviction TOKEN NAMESPACE POD: one dry-run eviction; prints "<http code> <seconds> <message>".
+probe_eviction() {
+  local out body=$WORK/probe.$BASHPID
+  out=$(curl -sS "${CURL_TLS[@]}" --max-time 15 -o "$body" -w '%{http_code} %{time_total}' -X POST \
+    -H "Authorization: Bearer $1" -H 'Content-Type: application/json' \
+    --data "{\"apiVersion\":\"policy/v1\",\"kind\":\"Eviction\",\"metadata\":{\"name\":\"$3\",\"namespace\":\"$2\"}}" \
+    "$API_SERVER/api/v1/namespaces/$2/pods/$3/eviction?dryRun=All" 2>/dev/null) || true
+  printf '%s %s\n' "${out:-000 0}" "$(jq -r '.message // empty' "$body" 2>/dev/null | tr '\n' ' ' | cut -c1-300)"
+}
+# agent_tokens NODE: BOUND_TOKEN (the agent's service account, bound to NODE, as the kubelet's projected token
+# names it) and UNBOUND_TOKEN (the same account, bound to nothing).
+agent_tokens() {
+  BOUND_TOKEN=$(kubectl create token "$AGENT_SA" -n "$NS" --bound-object-kind Node --bound-object-name "$1" --duration 1h)
+  UNBOUND_TOKEN=$(kubectl create token "$AGENT_SA" -n "$NS" --duration 1h)
+}
+# probe_classify WHO LINE: "allowed|denied|FAILED(WHO) LINE" for a line of probe_eviction.
+probe_classify() {
+  case "$1:$2" in
+    bound:201\ *) echo "allowed $2" ;;
+    unbound:403\ *"denied the request"*"may evict only pods of its own node"*) echo "denied $2" ;;
+    *) echo "FAILED($1) $2" ;;
+  esac
+}
+# start_probes LOG NAMESPACE POD: in the background until stop_probes, a bound and an unbound probe of the pod
+# after another (pause 0.1 s), one classified line each in LOG.
+start_probes() {
+  rm -f "$WORK/stop-probes"
+  : > "$1"
+  (
+    while [ ! -e "$WORK/stop-probes" ]; do
+      probe_classify bound "$(probe_eviction "$BOUND_TOKEN" "$2" "$3")" >> "$1"
+      probe_classify unbound "$(probe_eviction "$UNBOUND_TOKEN" "$2" "$3")" >> "$1"
+      sleep 0.1
+    done
+  ) &
+  PROBE_PID=$!
+}
+stop_probes() { touch "$WORK/stop-probes"; wait "$PROBE_PID" || true; PROBE_PID=""; }
+# probe_summary LOG: "N requests (A allowed, D denied by the webhook), F failed; latency p50 X ms, p99 Y ms, max Z ms".
+probe_summary() {
+  awk '{n++; if ($1 ~ /^FAILED/) f++; else if ($1 == "allowed") a++; else d++; print $3}
+       END {printf "%d %d %d %d\n", n, a, d, f > "/dev/stderr"}' "$1" 2>"$WORK/probe-counts" | sort -n > "$WORK/probe-latency"
+  read -r n a d f < "$WORK/probe-counts"
+  pct() { awk -v q="$1" '{v[NR] = $1} END {i = int(NR * q); if (i < NR * q) i++; if (i < 1) i = 1; printf "%d", v[i] * 1000}' "$WORK/probe-latency"; }
+  echo "$n requests ($a allowed, $d denied by the webhook), $f failed; latency p50 $(pct 0.5) ms, p99 $(pct 0.99) ms, max $(pct 1) ms"
+  PROBE_TOTAL=$n PROBE_FAILED=$f
+}
+# probe_check LOG WHAT: the summary; every failure printed and fatal.
+probe_check() {
+  probe_summary "$1" > "$WORK/probe-summary"
+  info "figure: the agent's evictions checked $2: $(cat "$WORK/probe-summary")"
+  [ "$PROBE_TOTAL" -gt 0 ] || die "no eviction probe ran $2"
+  if [ "$PROBE_FAILED" != 0 ]; then
+    grep '^FAILED' "$1" | head -n 10 | sed 's/^/    /'
+    die "$PROBE_FAILED of $PROBE_TOTAL of the agent's evictions were not answered by the eviction check $2"
+  fi
+}
+operator_pods() { kubectl get pods -n "$NS" -l app.kubernetes.io/component=operator -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}'; }
+lease_holder() { kubectl get lease "$LEASE" -n "$NS" -o jsonpath='{.spec.holderIdentity}'; }
+AGENT_ADMIN_PORT=$(kubectl get pod "$AGENT_POD" -n "$NS" -o jsonpath='{.spec.containers[0].ports[0].containerPort}')
+# agent_on NODE: the agent pod of that node.
+agent_on() {
+  kubectl get pods -n "$NS" -l app.kubernetes.io/component=agent --field-selector "spec.nodeName=$1" -o jsonpath='{.items[0].metadata.name}'
+}
+# agent_metrics NODE: the /metrics of that node's agent.
+agent_metrics() { kubectl get --raw "/api/v1/namespaces/$NS/pods/$(agent_on "$1"):$AGENT_ADMIN_PORT/proxy/metrics"; }
+# agent_evictions NODE: that agent's eviction requests by result ("accepted=N blocked=N ..."), from
+# gpubudget_evictions_total.
+agent_evictions() {
+  agent_metrics "$1" | sed -n 's/^gpubudget_evictions_total{result="\([a-z]*\)"} \([0-9]*\).*/\1=\2/p' | sort | paste -sd' ' -
+}
+
+say "operator rollout: two replicas, helm upgrade with a changed operator value, while the agent's evictions are checked"
+LEASE=$("$HELM" get values "$RELEASE" -n "$NS" -a -o json | jq -r '.operator.leaderElection.leaseName')
+OLD_OPERATORS=$(operator_pods)
+[ "$(echo "$OLD_OPERATORS" | wc -l)" = 2 ] || die "expected the chart's 2 operator replicas, found: $OLD_OPERATORS"
+wait_for "an operator replica holds the Lease $LEASE" bash -c "kubectl get lease $LEASE -n $NS -o jsonpath='{.spec.holderIdentity}' | grep -qxF '$OLD_OPERATORS'"
+OLD_HOLDER=$(lease_holder)
+ROLL_NODE=$(kubectl get pod roll -n "$NS_A" -o jsonpath='{.spec.nodeName}')
+TRAINER_NODE=$(kubectl get pod trainer -n "$NS_A" -o jsonpath='{.spec.nodeName}')
+info "operator replicas: $(echo "$OLD_OPERATORS" | paste -sd' ' -), leader $OLD_HOLDER; webhook failurePolicy $(kubectl get validatingwebhookconfiguration "$RELEASE-agent-eviction" -o jsonpath='{.webhooks[0].failurePolicy}'), strategy $(kubectl get deploy "$RELEASE-operator" -n "$NS" -o jsonpath='{.spec.strategy.rollingUpdate}')"
+agent_tokens "$TRAINER_NODE"
+EVICTIONS_BEFORE=$(agent_evictions "$ROLL_NODE")
+# roll goes over roll-evict (8Gi, Evict after 10 s) just before the rollout: the agent evicts it during it.
+ROLL_BYTES=9Gi
+write_sample 6 9Gi 45Gi
+wait_for "GpuMemoryOverBudget on roll (9Gi of 8Gi, evicted 10 s later)" has_event "$NS_A" roll GpuMemoryOverBudget
+start_probes "$WORK/probes-rollout" "$NS_A" trainer
+sleep 4 # the upgrade takes about 5 s here: roll's eviction falls within it
+ROLLOUT_AT=$SECONDS
+ROLLOUT_WALL=$(date -u +%TZ)
+"$HELM" upgrade "$RELEASE" "$CHART" -n "$NS" --reuse-values --set-string operator.podAnnotations.rollout=e2e \
+  --wait --timeout "$((STEP_TIMEOUT))s" >/dev/null || die "helm upgrade (operator) did not become ready"
+old_operators_gone() { ! operator_pods | grep -qxF "$OLD_OPERATORS"; }
+wait_for "both old operator pods gone" old_operators_gone
+ROLLOUT_S=$((SECONDS - ROLLOUT_AT))
+GONE_WALL=$(date -u +%TZ)
+sleep 5 # and a few more probes against the new replicas alone
+stop_probes
+NEW_OPERATORS=$(operator_pods)
+info "helm upgrade (a changed operator.podAnnotations value): $(echo "$OLD_OPERATORS" | paste -sd' ' -) replaced by $(echo "$NEW_OPERATORS" | paste -sd' ' -) in ${ROLLOUT_S} s (upgrade to the old pods gone)"
+probe_check "$WORK/probes-rollout" "during the operator rollout (one bound and one unbound dry-run eviction of trainer, back to back, from 4 s before the upgrade to 5 s after the old pods were gone)"
+wait_for "roll evicted by the agent (terminating or gone)" pod_gone_or_terminating "$NS_A" roll
+ROLL_EVENT=$(kubectl get events -n "$NS_A" --field-selector involvedObject.name=roll,reason=EvictingForGpuMemory -o json \
+  | jq -r '.items[0] | (.eventTime // .firstTimestamp) | sub("^[^T]*T"; "") | sub("\\.[0-9]*"; "")')
+info "roll: EvictingForGpuMemory at $ROLL_EVENT (helm upgrade started at $ROLLOUT_WALL, the old operator pods were gone at $GONE_WALL)"
+wait_for "the Lease moved to a new replica" bash -c "kubectl get lease $LEASE -n $NS -o jsonpath='{.spec.holderIdentity}' | grep -qxF '$NEW_OPERATORS'"
+info "leader: $OLD_HOLDER -> $(lease_holder)"
+wait_for "roll-evict status: EVICTED 1, written by the new leader" status_is "$NS_A" roll-evict evictions 1
+status_is "$NS_A" roll-evict lastEviction.pod roll || die "roll-evict's lastEviction names $(status_field "$NS_A" roll-evict lastEviction.pod)"
+sleep 5
+status_is "$NS_A" roll-evict evictions 1 || die "roll-evict counts $(status_field "$NS_A" roll-evict evictions) evictions of one pod"
+has_event "$NS_A" roll GpuMemoryEvictionBlocked && die "the agent's eviction of roll was refused: $(event_messages "$NS_A" roll GpuMemoryEvictionBlocked)"
+EVICTIONS_AFTER=$(agent_evictions "$ROLL_NODE")
+info "agent's eviction requests by result: before [$EVICTIONS_BEFORE], after [$EVICTIONS_AFTER]"
+before_accepted=$(echo "$EVICTIONS_BEFORE" | sed -n 's/.*accepted=\([0-9]*\).*/\1/p')
+after_accepted=$(echo "$EVICTIONS_AFTER" | sed -n 's/.*accepted=\([0-9]*\).*/\1/p')
+[ "$((after_accepted - ${before_accepted:-0}))" = 1 ] || die "the agent's accepted evictions went from ${before_accepted:-0} to $after_accepted (expected one more: roll)"
+[ "$(echo "$EVICTIONS_BEFORE" | sed 's/accepted=[0-9]*//')" = "$(echo "$EVICTIONS_AFTER" | sed 's/accepted=[0-9]*//')" ] \
+  || die "the agent's refused or failed evictions changed during the rollout: [$EVICTIONS_BEFORE] -> [$EVICTIONS_AFTER]"
+info "roll evicted once, accepted at the first request, counted once (roll-evict EVICTED 1, lastEviction roll)"
+
+NODES=$(kubectl get nodes -o name | wc -l)
+if [ "$DRAIN" = 1 ] && [ "$NODES" != 1 ]; then
+  say "node drain: skipped: the story needs a one-node cluster (every test pod and both operator replicas on the drained node); this one has $NODES"
+elif [ "$DRAIN" = 1 ]; then
+  DRAIN_NODE=$(kubectl get pod "$AGENT_POD" -n "$NS" -o jsonpath='{.spec.nodeName}')
+  say "node drain: kubectl drain $DRAIN_NODE (the agent's node); gpubudget's webhook never sees it, the agent stays, nothing it evicts counts as a budget's eviction"
+  wait_for "countdown Over under countdown-evict (9Gi of 8Gi; Evict, but only after 3600 s)" annotation_is "$NS_A" countdown state Over
+  # budget_counts: "ns/name=EVICTED/MATCHED/OVER ..." for every budget of this run.
+  budget_counts() {
+    kubectl get gmb -A -o json | jq -r --arg p "gpubudget-e2e-$ID-" '[.items[] | select(.metadata.namespace | startswith($p))
+      | "\(.metadata.namespace | ltrimstr($p))/\(.metadata.name)=\(.status.evictions // 0)/\(.status.matchedPods // 0)/\(.status.podsOverBudget // 0)"] | sort | join(" ")'
+  }
+  evictions_only() { echo "$1" | tr ' ' '\n' | cut -d/ -f1-2 | paste -sd' ' -; }
+  [ -z "$HOST_PROC" ] || wait_for "slow gone (evicted in the agent rollout story, 90 s grace)" pod_gone "$NS_C" slow
+  COUNTS_BEFORE=$(budget_counts)
+  AGENT_BEFORE=$(agent_on "$DRAIN_NODE")
+  AGENT_EVICTIONS_BEFORE=$(agent_evictions "$DRAIN_NODE")
+  info "budgets (EVICTED/MATCHED/OVER) before: $COUNTS_BEFORE"
+  agent_tokens "$DRAIN_NODE"
+  start_probes "$WORK/probes-drain" "$NS" "$AGENT_BEFORE"
+  sleep 1
+  DRAIN_AT=$SECONDS
+  DRAINED=$DRAIN_NODE
+  kubectl drain "$DRAIN_NODE" --ignore-daemonsets --force --timeout=25s > "$WORK/drain.log" 2>&1 &
+  DRAIN_PID=$!
+  test_pods_gone() { [ -z "$(kubectl get pods -n "$NS_A" -o name; kubectl get pods -n "$NS_B" -o name; [ -z "$HOST_PROC" ] || kubectl get pods -n "$NS_C" -o name)" ]; }
+  wait_for "every test pod evicted by the drain and gone" test_pods_gone
+  info "figure: kubectl drain to every test pod gone: $((SECONDS - DRAIN_AT)) s"
+  DRAIN_RC=0
+  wait "$DRAIN_PID" || DRAIN_RC=$?
+  info "kubectl drain exited $DRAIN_RC after $((SECONDS - DRAIN_AT)) s: $(grep -c 'evicted$' "$WORK/drain.log") pods evicted"
+  stop_probes
+  running_operators() { kubectl get pods -n "$NS" -l app.kubernetes.io/component=operator --field-selector status.phase=Running -o name | wc -l; }
+  # One node: the replacement of the first operator replica evicted cannot be scheduled (cordoned), so the
+  # PodDisruptionBudget (maxUnavailable 1) refuses the last one's eviction: the eviction check stays up.
+  [ "$DRAIN_RC" != 0 ] || die "kubectl drain of the only node completed: the operator's PodDisruptionBudget should have kept one replica"
+  grep -q "disruption budget" "$WORK/drain.log" || { sed 's/^/    /' "$WORK/drain.log"; die "kubectl drain failed, but not on the operator's PodDisruptionBudget"; }
+  [ "$(running_operators)" = 1 ] || die "expected one operator replica left running by its PodDisruptionBudget, found $(running_operators)"
+  info "the drain waited on the last operator replica (its PodDisruptionBudget): $(grep -m1 'disruption budget' "$WORK/drain.log" | cut -c1-160)"
+  [ "$(agent_on "$DRAIN_NODE")" = "$AGENT_BEFORE" ] || die "the agent pod $AGENT_BEFORE of $DRAIN_NODE was replaced by the drain"
+  [ -z "$(kubectl get pod "$AGENT_BEFORE" -n "$NS" -o jsonpath='{.metadata.deletionTimestamp}')" ] || die "the drain evicted the agent"
+  info "the agent ($AGENT_BEFORE, a DaemonSet pod: --ignore-daemonsets) stays on the cordoned node"
+  probe_check "$WORK/probes-drain" "during the drain (dry-run evictions of the agent's own pod)"
+  # Nothing of the drain counts: the operator (whichever replica leads) drops the pods from MATCHED and OVER,
+  # counts no eviction; the agent forgets them (no metric series left) and requested no eviction.
+  all_unmatched() { [ "$(budget_counts | tr ' ' '\n' | cut -d/ -f3- | sort -u)" = "0/0" ]; }
+  wait_for "every budget: MATCHED 0, OVER 0 (the drained pods are gone)" all_unmatched
+  COUNTS_AFTER=$(budget_counts)
+  [ "$(evictions_only "$COUNTS_AFTER")" = "$(evictions_only "$COUNTS_BEFORE")" ] \
+    || die "the drain changed the budgets' eviction counts: $COUNTS_BEFORE -> $COUNTS_AFTER"
+  info "budgets after: $COUNTS_AFTER (evictions as before)"
+  no_pod_series() { ! agent_metrics "$DRAIN_NODE" | grep -E '^gpubudget_pod_' | grep -qF "namespace=\"gpubudget-e2e-$ID-"; }
+  wait_for "the agent's metrics hold no series of the drained pods" no_pod_series
+  [ "$(agent_evictions "$DRAIN_NODE")" = "$AGENT_EVICTIONS_BEFORE" ] \
+    || die "the agent requested evictions during the drain: [$AGENT_EVICTIONS_BEFORE] -> [$(agent_evictions "$DRAIN_NODE")]"
+  has_event "$NS_A" countdown EvictingForGpuMemory && die "countdown (due in 3600 s) got an EvictingForGpuMemory event"
+  info "countdown (over its Evict budget when drained) is not counted; the agent's eviction requests unchanged [$AGENT_EVICTIONS_BEFORE]"
+  say "node drain, finished without the PodDisruptionBudget (--disable-eviction): no operator runs"
+  kubectl drain "$DRAIN_NODE" --ignore-daemonsets --force --disable-eviction --timeout=60s > "$WORK/drain2.log" 2>&1 \
+    || { sed 's/^/    /' "$WORK/drain2.log"; die "kubectl drain --disable-eviction failed"; }
+  wait_for "no operator replica running" bash -c "[ \"\$(kubectl get pods -n $NS -l app.kubernetes.io/component=operator --field-selector status.phase=Running -o name)\" = '' ]"
+  LINE=$(probe_eviction "$BOUND_TOKEN" "$NS" "$AGENT_BEFORE")
+  [[ "$LINE" == 500\ *"failed calling webhook"* ]] || die "with no operator, the agent's eviction was not refused as failurePolicy Fail says: $LINE"
+  info "the agent's eviction, no operator running: refused (failurePolicy Fail): ${LINE#* * }"
+  printf '{"apiVersion":"policy/v1","kind":"Eviction","metadata":{"name":"%s","namespace":"%s"}}' "$AGENT_BEFORE" "$NS" > "$WORK/eviction.json"
+  kubectl create --raw "/api/v1/namespaces/$NS/pods/$AGENT_BEFORE/eviction?dryRun=All" -f "$WORK/eviction.json" >/dev/null \
+    || die "with no operator, an administrator's eviction was refused"
+  info "an administrator's eviction (dry run) goes through: only the agent's evictions are sent to the webhook"
+  UNCORDON_AT=$SECONDS
+  kubectl uncordon "$DRAIN_NODE" >/dev/null
+  DRAINED=""
+  wait_for "the operator Deployment available again (2 replicas ready)" \
+    bash -c "[ \"\$(kubectl get deploy $RELEASE-operator -n $NS -o jsonpath='{.status.readyReplicas}')\" = 2 ]"
+  answered() { [[ "$(probe_eviction "$BOUND_TOKEN" "$NS" "$AGENT_BEFORE")" == 201\ * ]]; }
+  wait_for "the agent's eviction allowed again" answered
+  info "figure: uncordon to the eviction check answering again with both replicas ready: $((SECONDS - UNCORDON_AT)) s"
+  DRAIN_PASSED=1
+fi
+
 say "helm uninstall: nothing of the chart is left that could refuse a request"
+make_pod "$NS_B" last tier=batch # a pod that outlived every story (the drain story evicts the others)
+kubectl wait --for=condition=Ready pod/last -n "$NS_B" --timeout="${STEP_TIMEOUT}s" >/dev/null || die "pod last did not become Ready"
 "$HELM" uninstall "$RELEASE" -n "$NS" --wait --timeout 2m >/dev/null || die "helm uninstall failed"
 LEFT=$(kubectl get validatingwebhookconfigurations,mutatingwebhookconfigurations,validatingadmissionpolicies,validatingadmissionpolicybindings -o name 2>/dev/null | grep -F "$RELEASE" || true)
 [ -z "$LEFT" ] || die "left after helm uninstall: $LEFT"
 wait_for "no pod of the release left in $NS" bash -c "[ -z \"\$(kubectl get pods -n $NS -o name)\" ]"
-printf '{"apiVersion":"policy/v1","kind":"Eviction","metadata":{"name":"other-b","namespace":"%s"}}' "$NS_B" > "$WORK/eviction.json"
-kubectl create --raw "/api/v1/namespaces/$NS_B/pods/other-b/eviction" -f "$WORK/eviction.json" >/dev/null \
-  || die "an eviction was refused after helm uninstall"
-kubectl annotate pod trainer -n "$NS_A" gpubudget.io/state=Over --overwrite >/dev/null \
+kubectl annotate pod last -n "$NS_B" gpubudget.io/state=Over --overwrite >/dev/null \
   || die "a gpubudget.io annotation was refused after helm uninstall"
+printf '{"apiVersion":"policy/v1","kind":"Eviction","metadata":{"name":"last","namespace":"%s"}}' "$NS_B" > "$WORK/eviction.json"
+kubectl create --raw "/api/v1/namespaces/$NS_B/pods/last/eviction" -f "$WORK/eviction.json" >/dev/null \
+  || die "an eviction was refused after helm uninstall"
 info "no webhook or admission policy of $RELEASE left; an eviction and a gpubudget.io annotation go through"
 
 FAILED=0
-say "PASS: Evict, Warn, overlapping budgets$( [ -n "${AS:-}" ] && echo ", node restriction")${HOST_PROC:+, attribution through real cgroups}, helm uninstall ($((SECONDS - START)) s)"
+say "PASS: Evict, Warn, overlapping budgets$( [ -n "${AS:-}" ] && echo ", node restriction")${HOST_PROC:+, attribution through real cgroups, agent rollout}, operator rollout${DRAIN_PASSED:+, node drain}, helm uninstall ($((SECONDS - START)) s)"

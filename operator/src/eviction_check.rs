@@ -19,6 +19,13 @@
 //!
 //! Served over TLS (`tls.crt`, `tls.key` from `--webhook-cert-dir`, re-read when they change, so a rotated
 //! certificate is picked up without a restart).
+//!
+//! On shutdown (SIGTERM: a rollout, a drain) the check keeps answering for [`SHUTDOWN_DRAIN`], and every
+//! answer in that time closes its connection (`Connection: close`): the API server keeps sending requests to a
+//! terminating replica until kube-proxy has removed it from the Service, and on the keep-alive connections it
+//! already holds to it after that. Closing an idle keep-alive connection at the moment the API server sends a
+//! request on it fails that request (`EOF`), and with `failurePolicy: Fail` the agent's eviction with it: seen
+//! once in 408 requests during a `kubectl drain` on a real kubelet before this drain existed.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -199,6 +206,21 @@ pub fn router(pods: PodLookup) -> Router {
     Router::new().route(PATH, post(validate_eviction)).with_state(pods)
 }
 
+/// `app`, whose answers close their connection once `draining` is cancelled.
+fn draining(app: Router, draining: CancellationToken) -> Router {
+    app.layer(axum::middleware::map_response(move |mut response: axum::response::Response| {
+        let draining = draining.is_cancelled();
+        async move {
+            if draining {
+                response
+                    .headers_mut()
+                    .insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+            }
+            response
+        }
+    }))
+}
+
 /// A certificate resolver that re-reads `tls.crt` and `tls.key` when they change on disk (a mounted Secret
 /// is updated in place when cert-manager or the chart rotates it).
 #[derive(Debug)]
@@ -288,6 +310,11 @@ pub async fn serve(
 /// How often the certificate files are checked for a change.
 pub const CERT_REFRESH: Duration = Duration::from_secs(30);
 
+/// How long the check keeps answering after the shutdown signal (each answer then closing its connection):
+/// long enough for kube-proxy to take the replica out of the Service and for the API server to use up its
+/// keep-alive connections to it. Within the operator's 20 s shutdown grace and the pod's 30 s termination grace.
+pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(5);
+
 /// [`serve`] on a bound listener.
 pub async fn serve_on(
     listener: tokio::net::TcpListener,
@@ -295,22 +322,36 @@ pub async fn serve_on(
     app: Router,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    serve_on_with(listener, cert_dir, app, shutdown, CERT_REFRESH).await
+    serve_on_with(listener, cert_dir, app, shutdown, CERT_REFRESH, SHUTDOWN_DRAIN).await
 }
 
-/// [`serve_on`], checking the certificate files every `refresh`.
+/// [`serve_on`], checking the certificate files every `refresh` and answering for `drain` after `shutdown`.
 pub async fn serve_on_with(
     listener: tokio::net::TcpListener,
     cert_dir: Option<PathBuf>,
     app: Router,
     shutdown: CancellationToken,
     refresh: Duration,
+    drain: Duration,
 ) -> anyhow::Result<()> {
+    let app = draining(app, shutdown.clone());
+    // Cancelled `drain` after `shutdown`: then no connection is accepted and the open ones are closed.
+    let closing = CancellationToken::new();
+    let closed_after_drain = {
+        let (shutdown, closing) = (shutdown.clone(), closing.clone());
+        async move {
+            shutdown.cancelled().await;
+            tracing::info!("webhooks draining: answering for {drain:?}, closing each connection after its answer");
+            tokio::time::sleep(drain).await;
+            closing.cancel();
+        }
+    };
     let Some(dir) = cert_dir else {
         tracing::warn!(addr = %listener.local_addr()?, "webhooks serving plain HTTP (no certificate directory)");
-        axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await?;
+        axum::serve(listener, app).with_graceful_shutdown(closed_after_drain).await?;
         return Ok(());
     };
+    let mut closed_after_drain = std::pin::pin!(closed_after_drain);
     let certs = Arc::new(CertReloader::load(&dir)?);
     let acceptor = TlsAcceptor::from(Arc::new(tls_config(certs.clone())?));
     tracing::info!(addr = %listener.local_addr()?, cert_dir = %dir.display(), "webhooks serving HTTPS");
@@ -318,7 +359,7 @@ pub async fn serve_on_with(
     let connections = tokio_util::task::TaskTracker::new();
     loop {
         let (stream, peer) = tokio::select! {
-            () = shutdown.cancelled() => break,
+            () = &mut closed_after_drain => break,
             _ = refresh.tick() => { certs.refresh(); continue }
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
@@ -331,7 +372,7 @@ pub async fn serve_on_with(
         };
         let acceptor = acceptor.clone();
         let service = TowerToHyperService::new(app.clone());
-        let shutdown = shutdown.clone();
+        let closing = closing.clone();
         connections.spawn(async move {
             let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream)).await {
                 Ok(Ok(tls)) => tls,
@@ -344,7 +385,7 @@ pub async fn serve_on_with(
                 result = conn.as_mut() => {
                     if let Err(error) = result { tracing::debug!(%peer, %error, "webhook connection"); }
                 }
-                () = shutdown.cancelled() => {
+                () = closing.cancelled() => {
                     conn.as_mut().graceful_shutdown();
                     let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
                 }

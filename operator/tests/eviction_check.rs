@@ -1,11 +1,13 @@
 //! The eviction check served over HTTP(S), looking pods up in the in-memory API.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
-use gpubudget_operator::eviction_check::{self, NODE_NAME_EXTRA, PATH, PodLookup};
+use gpubudget_operator::eviction_check::{self, CERT_REFRESH, NODE_NAME_EXTRA, PATH, PodLookup};
 use gpubudget_testkit::FakeApi;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 fn review(pod: &str, node: Option<&str>) -> Value {
@@ -28,7 +30,7 @@ fn review(pod: &str, node: Option<&str>) -> Value {
     })
 }
 
-async fn post(addr: std::net::SocketAddr, body: &Value) -> Value {
+async fn post(addr: SocketAddr, body: &Value) -> Value {
     let body = body.to_string();
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connects");
     let request = format!(
@@ -41,6 +43,57 @@ async fn post(addr: std::net::SocketAddr, body: &Value) -> Value {
     assert!(out.starts_with("HTTP/1.1 200"), "{out}");
     let json = out.split("\r\n\r\n").nth(1).expect("a body");
     serde_json::from_str(json).expect("json")
+}
+
+/// A request that keeps its connection alive.
+fn keep_alive_request(body: &Value) -> String {
+    let body = body.to_string();
+    format!(
+        "POST {PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// Reads one response (its head, lower-cased, and its JSON body of Content-Length bytes) from a connection that
+/// may stay open.
+async fn read_response(stream: &mut tokio::net::TcpStream) -> (String, Value) {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = stream.read(&mut byte).await.expect("reads");
+        assert_eq!(n, 1, "the connection closed before the answer's head ended: {}", String::from_utf8_lossy(&head));
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8(head).expect("utf-8").to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .expect("a content-length")
+        .trim()
+        .parse()
+        .expect("a length");
+    let mut body = vec![0; length];
+    stream.read_exact(&mut body).await.expect("reads the body");
+    (head, serde_json::from_slice(&body).expect("json"))
+}
+
+/// Serves the check over plain HTTP for `fake`'s pods on a free port, answering for `drain` after the signal.
+async fn serve_plain(
+    fake: &FakeApi,
+    drain: Duration,
+) -> (SocketAddr, CancellationToken, JoinHandle<anyhow::Result<()>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let addr = listener.local_addr().expect("addr");
+    let shutdown = CancellationToken::new();
+    let server = tokio::spawn(eviction_check::serve_on_with(
+        listener,
+        None,
+        eviction_check::router(PodLookup::new(fake.client())),
+        shutdown.clone(),
+        CERT_REFRESH,
+        drain,
+    ));
+    (addr, shutdown, server)
 }
 
 fn cluster() -> FakeApi {
@@ -59,15 +112,7 @@ fn cluster() -> FakeApi {
 #[tokio::test]
 async fn allows_only_evictions_of_the_agents_own_node() {
     let fake = cluster();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
-    let addr = listener.local_addr().expect("addr");
-    let shutdown = CancellationToken::new();
-    let server = tokio::spawn(eviction_check::serve_on(
-        listener,
-        None,
-        eviction_check::router(PodLookup::new(fake.client())),
-        shutdown.clone(),
-    ));
+    let (addr, shutdown, server) = serve_plain(&fake, Duration::ZERO).await;
 
     let ok = post(addr, &review("on-gpu-1", Some("gpu-1"))).await;
     assert_eq!(ok["response"]["allowed"], true, "{ok}");
@@ -130,6 +175,7 @@ async fn serves_https_with_the_mounted_certificate() {
         eviction_check::router(PodLookup::new(fake.client())),
         shutdown.clone(),
         Duration::from_millis(200),
+        Duration::ZERO,
     ));
     tokio::time::sleep(Duration::from_millis(100)).await;
     let body = review("on-gpu-2", Some("gpu-1")).to_string();
@@ -171,4 +217,35 @@ async fn serves_https_with_the_mounted_certificate() {
 
     shutdown.cancel();
     server.await.expect("joins").expect("serves cleanly");
+}
+
+/// After the shutdown signal (a rollout, a drain) the check keeps answering for its drain, on the connections the
+/// API server keeps alive and on new ones, and each answer then closes its connection; before the signal,
+/// connections stay open. (Closing an idle kept-alive connection instead fails a request sent on it at that
+/// moment: an `EOF` the API server turns into a refused eviction with `failurePolicy: Fail`.)
+#[tokio::test]
+async fn answers_through_the_drain_closing_each_connection() {
+    let fake = cluster();
+    let (addr, shutdown, server) = serve_plain(&fake, Duration::from_secs(3600)).await;
+
+    let mut kept = tokio::net::TcpStream::connect(addr).await.expect("connects");
+    kept.write_all(keep_alive_request(&review("on-gpu-1", Some("gpu-1"))).as_bytes()).await.expect("writes");
+    let (head, answer) = read_response(&mut kept).await;
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(!head.contains("connection: close"), "closed before any shutdown: {head}");
+    assert_eq!(answer["response"]["allowed"], true, "{answer}");
+
+    shutdown.cancel();
+    kept.write_all(keep_alive_request(&review("on-gpu-2", Some("gpu-1"))).as_bytes()).await.expect("writes");
+    let (head, answer) = read_response(&mut kept).await;
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("connection: close"), "a draining answer keeps its connection: {head}");
+    assert_eq!(answer["response"]["allowed"], false, "{answer}");
+    let mut rest = Vec::new();
+    assert_eq!(kept.read_to_end(&mut rest).await.expect("reads"), 0, "the connection stays open after its answer");
+
+    let fresh = post(addr, &review("on-gpu-1", Some("gpu-1"))).await;
+    assert_eq!(fresh["response"]["allowed"], true, "a new connection during the drain: {fresh}");
+    assert!(!server.is_finished(), "the check stopped before its drain ended");
+    server.abort();
 }
