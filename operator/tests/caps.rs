@@ -2,6 +2,8 @@
 //! that scope the webhook, the status counts read from the pods' environment, and the webhook served over
 //! HTTP from the controller's budget cache (its patch, metric and event).
 
+mod harness;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,35 +19,9 @@ use gpubudget_testkit::FakeApi;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-const WAIT: Duration = Duration::from_secs(10);
-
-struct Operator {
-    ctx: Arc<Context>,
-    leader: watch::Sender<bool>,
-    shutdown: CancellationToken,
-    task: JoinHandle<anyhow::Result<()>>,
-}
-
-impl Operator {
-    fn start(fake: &FakeApi, leader: bool) -> Self {
-        let (tx, rx) = watch::channel(leader);
-        let settings =
-            Settings { min_backoff: Duration::from_millis(20), instance: Some("test".into()), ..Settings::default() };
-        let ctx = Arc::new(Context::new(fake.client(), Metrics::default(), rx, settings));
-        let health = Health::new(&[CHECK_PODS, CHECK_BUDGETS]);
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(controller::run(ctx.clone(), health, shutdown.clone()));
-        Self { ctx, leader: tx, shutdown, task }
-    }
-
-    async fn stop(self) {
-        self.shutdown.cancel();
-        tokio::time::timeout(WAIT, self.task).await.expect("stops in time").expect("joins").expect("runs cleanly");
-    }
-}
+use harness::{Operator, WAIT};
 
 fn namespace(fake: &FakeApi, name: &str, labels: Value) {
     fake.put_object(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}))

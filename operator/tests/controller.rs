@@ -1,56 +1,21 @@
 //! The controller end to end against the in-memory API (gpubudget-testkit): budgets and pods in, the agent's
 //! records simulated by writing pod annotations, statuses, conditions, events and requests checked.
 
-use std::sync::Arc;
+mod harness;
+
 use std::time::Duration;
 
 use gpubudget_common::GpuMemoryBudget;
 use gpubudget_common::crd::GpuMemoryBudgetStatus;
 use gpubudget_daemon::Health;
-use gpubudget_operator::controller::{self, CHECK_BUDGETS, CHECK_PODS, Context, Settings};
-use gpubudget_operator::metrics::Metrics;
 use gpubudget_testkit::{FakeApi, Verb};
 use serde_json::{Value, json};
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-const WAIT: Duration = Duration::from_secs(10);
+use harness::{Operator, WAIT};
+
 const GI: u64 = 1 << 30;
-
-struct Operator {
-    ctx: Arc<Context>,
-    health: Health,
-    leader: watch::Sender<bool>,
-    shutdown: CancellationToken,
-    task: JoinHandle<anyhow::Result<()>>,
-}
-
-impl Operator {
-    fn start(fake: &FakeApi, leader: bool) -> Self {
-        let (tx, rx) = watch::channel(leader);
-        let settings =
-            Settings { min_backoff: Duration::from_millis(20), instance: Some("test".into()), ..Settings::default() };
-        let ctx = Arc::new(Context::new(fake.client(), Metrics::default(), rx, settings));
-        let health = Health::new(&[CHECK_PODS, CHECK_BUDGETS]);
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(controller::run(ctx.clone(), health.clone(), shutdown.clone()));
-        Self { ctx, health, leader: tx, shutdown, task }
-    }
-
-    async fn stop(self) {
-        self.shutdown.cancel();
-        tokio::time::timeout(WAIT, self.task).await.expect("stops in time").expect("joins").expect("runs cleanly");
-    }
-
-    async fn synced(&self) {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        while !self.health.is_ready() {
-            assert!(tokio::time::Instant::now() < deadline, "caches never synced: {}", self.health.report());
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-}
 
 fn budget(fake: &FakeApi, name: &str, limit: &str, selector: Value) {
     fake.put_object(json!({
