@@ -59,6 +59,7 @@ step "e2e/cluster/run.sh on the node"
 GPUBUDGET_E2E_TAG=$TAG \
   GPUBUDGET_E2E_ALLOW_KUBE_1_32=1 \
   GPUBUDGET_E2E_DRAIN=1 \
+  GPUBUDGET_E2E_ADVERTISE_GPU=1 \
   GPUBUDGET_E2E_HOST_PROC=/proc \
   GPUBUDGET_E2E_SHELL_IMAGE=local/busybox:1 \
   GPUBUDGET_E2E_AGENT_BINARY=$REPO/target/release/gpubudget-agent \

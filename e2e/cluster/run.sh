@@ -19,6 +19,9 @@
 # GPUBUDGET_E2E_DRAIN=1 also runs the node-drain story on a one-node cluster (skipped on more): `kubectl drain` of
 # the node (every pod on it is evicted, the node is cordoned, then uncordoned): only for a test cluster
 # (realk8s.sh sets it).
+# GPUBUDGET_E2E_ADVERTISE_GPU=1: for the caps-at-admission story, the test node's status is patched to advertise
+# the extended resources nvidia.com/gpu and nvidia.com/gpu.shared (one each; removed at the end): only for a test
+# cluster without GPUs (realk8s.sh sets it). Without it the story runs only where a node already advertises both.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -52,6 +55,7 @@ HOST_PROC=${GPUBUDGET_E2E_HOST_PROC:-}
 SHELL_IMAGE=${GPUBUDGET_E2E_SHELL_IMAGE:-}
 ALLOW_132=${GPUBUDGET_E2E_ALLOW_KUBE_1_32:-0}
 DRAIN=${GPUBUDGET_E2E_DRAIN:-0}
+ADVERTISE_GPU=${GPUBUDGET_E2E_ADVERTISE_GPU:-0}
 [ -z "$HOST_PROC" ] || [ -n "$SHELL_IMAGE" ] || { echo "FAIL: GPUBUDGET_E2E_HOST_PROC needs GPUBUDGET_E2E_SHELL_IMAGE" >&2; exit 1; }
 # shellcheck source=../lib.sh
 . "$REPO/e2e/lib.sh"
@@ -64,6 +68,7 @@ NS=gpubudget-e2e-$ID           # the chart
 NS_A=gpubudget-e2e-$ID-a       # the Evict and Warn stories (examples/llm-inference.yaml, examples/training-warn.yaml)
 NS_B=gpubudget-e2e-$ID-b       # overlapping budgets (examples/namespace-wide.yaml + llm-inference)
 NS_C=gpubudget-e2e-$ID-c       # attribution through real cgroups (GPUBUDGET_E2E_HOST_PROC only)
+NS_D=gpubudget-e2e-$ID-d       # caps at admission
 RELEASE=gpubudget-e2e-$ID
 AGENT_SA=$RELEASE-agent        # the chart's <fullname>-agent (the release name contains "gpubudget")
 SAMPLE_CM=gpubudget-e2e-sample
@@ -74,6 +79,7 @@ FAILED=1
 START=$SECONDS
 PROBE_PID=""   # the eviction-probe loop running in the background, if any
 DRAINED=""     # the node the drain story cordoned, until it is uncordoned
+ADVERTISED=""  # the node whose status the caps story patched to advertise GPUs, until the patch is undone
 
 POLL=2
 
@@ -82,7 +88,7 @@ diagnostics() {
   kubectl get pods -n "$NS" -o wide || true
   kubectl logs -n "$NS" -l app.kubernetes.io/component=operator --tail=100 --prefix || true
   kubectl logs -n "$NS" -l app.kubernetes.io/component=agent --tail=200 --prefix || true
-  for ns in "$NS_A" "$NS_B" ${HOST_PROC:+"$NS_C"}; do
+  for ns in "$NS_A" "$NS_B" ${HOST_PROC:+"$NS_C"} "$NS_D"; do
     kubectl get pods -n "$ns" -o wide --show-labels || true
     kubectl get events -n "$ns" --sort-by=.lastTimestamp || true
     kubectl get gmb -n "$ns" -o yaml || true
@@ -94,12 +100,13 @@ cleanup() {
   if [ -n "$PROBE_PID" ]; then touch "$WORK/stop-probes"; wait "$PROBE_PID" 2>/dev/null || true; fi
   [ "$FAILED" = 0 ] || diagnostics
   if [ -n "$DRAINED" ]; then kubectl uncordon "$DRAINED" >/dev/null 2>&1 || true; fi
+  if [ -n "$ADVERTISED" ]; then unadvertise_gpu "$ADVERTISED" >/dev/null 2>&1 || true; fi
   if [ "${GPUBUDGET_E2E_KEEP:-0}" = 1 ]; then
     say "keeping namespaces $NS $NS_A $NS_B ${HOST_PROC:+$NS_C }and release $RELEASE (GPUBUDGET_E2E_KEEP=1)"
   else
     say "cleanup"
     "$HELM" uninstall "$RELEASE" -n "$NS" --wait --timeout 2m >/dev/null 2>&1 || true
-    kubectl delete namespace "$NS" "$NS_A" "$NS_B" ${HOST_PROC:+"$NS_C"} --wait=false --ignore-not-found >/dev/null 2>&1 || true
+    kubectl delete namespace "$NS" "$NS_A" "$NS_B" ${HOST_PROC:+"$NS_C"} "$NS_D" --wait=false --ignore-not-found >/dev/null 2>&1 || true
     if [ -z "$CRD_EXISTED" ]; then
       kubectl delete crd "$CRD" --wait=false --ignore-not-found >/dev/null 2>&1 || true
     fi
@@ -108,6 +115,18 @@ cleanup() {
   exit "$rc"
 }
 trap cleanup EXIT
+# GPU_RESOURCES: the extended resources the caps story advertises on a test node (JSON Pointer names: / is ~1).
+GPU_RESOURCES="nvidia.com~1gpu nvidia.com~1gpu.shared"
+# unadvertise_gpu NODE: removes what the caps story added to the node's status capacity and allocatable (each
+# path on its own: one the kubelet already dropped must not keep the others).
+unadvertise_gpu() {
+  local r f
+  for r in $GPU_RESOURCES; do
+    for f in capacity allocatable; do
+      kubectl patch node "$1" --subresource=status --type=json -p "[{\"op\":\"remove\",\"path\":\"/status/$f/$r\"}]" >/dev/null 2>&1 || true
+    done
+  done
+}
 
 
 # event_messages NAMESPACE POD REASON: the messages of the pod's events with that reason.
@@ -678,6 +697,98 @@ after_accepted=$(echo "$EVICTIONS_AFTER" | sed -n 's/.*accepted=\([0-9]*\).*/\1/
   || die "the agent's refused or failed evictions changed during the rollout: [$EVICTIONS_BEFORE] -> [$EVICTIONS_AFTER]"
 info "roll evicted once, accepted at the first request, counted once (roll-evict EVICTED 1, lastEviction roll)"
 
+say "caps at admission: a GPU pod created under a budget with admissionCaps: Enabled runs with the driver's caps in its environment"
+# allocatable_gpus NODE: "<nvidia.com/gpu>/<nvidia.com/gpu.shared>" the node advertises as allocatable.
+allocatable_gpus() {
+  kubectl get node "$1" -o json | jq -r '.status.allocatable | "\(.["nvidia.com/gpu"] // 0)/\(.["nvidia.com/gpu.shared"] // 0)"'
+}
+CAPS_NODE=$(kubectl get nodes -o json | jq -r '[.items[] | select((.status.allocatable["nvidia.com/gpu"] // "0") != "0"
+  and (.status.allocatable["nvidia.com/gpu.shared"] // "0") != "0") | .metadata.name] | first // empty')
+if [ -z "$CAPS_NODE" ] && [ "$ADVERTISE_GPU" = 1 ] && [ -n "$SHELL_IMAGE" ]; then
+  # A test node without GPUs: advertise one of each through the node's status, as Kubernetes documents for an
+  # extended resource ("Advertise Extended Resources for a Node"). Nothing allocates a device for a resource no
+  # device plugin registered: the kubelet admits the pod against the node's allocatable and runs it as it is.
+  CAPS_NODE=$(kubectl get pod "$AGENT_POD" -n "$NS" -o jsonpath='{.spec.nodeName}')
+  ADVERTISED=$CAPS_NODE
+  ops=""
+  for r in $GPU_RESOURCES; do
+    ops+="{\"op\":\"add\",\"path\":\"/status/capacity/$r\",\"value\":\"1\"},{\"op\":\"add\",\"path\":\"/status/allocatable/$r\",\"value\":\"1\"},"
+  done
+  kubectl patch node "$CAPS_NODE" --subresource=status --type=json -p "[${ops%,}]" >/dev/null
+  advertises() { [ "$(allocatable_gpus "$CAPS_NODE")" = 1/1 ]; }
+  wait_for "$CAPS_NODE advertises nvidia.com/gpu 1 and nvidia.com/gpu.shared 1 (allocatable)" advertises
+fi
+if [ -z "$SHELL_IMAGE" ]; then
+  info "skipped: the story needs GPUBUDGET_E2E_SHELL_IMAGE (an image with /bin/sh and /bin/sleep)"
+elif [ -z "$CAPS_NODE" ]; then
+  info "skipped: no node advertises nvidia.com/gpu and nvidia.com/gpu.shared (GPUBUDGET_E2E_ADVERTISE_GPU=1 patches a test node's status to)"
+else
+  kubectl create namespace "$NS_D" >/dev/null
+  apply_budget capped "$NS_D" '{selector: {matchLabels: {app: capped}}, limit: 6Gi, request: 4Gi, admissionCaps: Enabled}'
+  caps_labelled() { [ "$(kubectl get namespace "$NS_D" -o jsonpath='{.metadata.labels.gpubudget\.io/admission-caps}')" = enabled ]; }
+  wait_for "the leader labels $NS_D gpubudget.io/admission-caps=enabled (the webhook's namespaceSelector)" caps_labelled
+  # Two GPU containers, as a user writes them: main asks for a whole GPU and sets nothing; side asks for a
+  # shared one and sets its own, smaller MPS cap (kept: the webhook never raises a user's value).
+  kubectl apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata:
+  name: capped
+  namespace: $NS_D
+  labels: {app: capped, e2e.gpubudget.io/run: "$ID"}
+spec:
+  terminationGracePeriodSeconds: 1
+  securityContext: {runAsNonRoot: true, runAsUser: 65534, runAsGroup: 65534, seccompProfile: {type: RuntimeDefault}}
+  containers:
+    - name: main
+      image: $SHELL_IMAGE
+      imagePullPolicy: IfNotPresent
+      command: [/bin/sleep, "86400"]
+      resources: {requests: {cpu: 5m, memory: 8Mi}, limits: {memory: 32Mi, nvidia.com/gpu: 1}}
+      securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+    - name: side
+      image: $SHELL_IMAGE
+      imagePullPolicy: IfNotPresent
+      command: [/bin/sleep, "86400"]
+      env: [{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: "0=2048M"}]
+      resources: {requests: {cpu: 5m, memory: 8Mi}, limits: {memory: 32Mi, nvidia.com/gpu.shared: 1}}
+      securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+EOF
+  kubectl wait --for=condition=Ready pod/capped -n "$NS_D" --timeout="${STEP_TIMEOUT}s" >/dev/null \
+    || die "pod capped (asking for nvidia.com/gpu and nvidia.com/gpu.shared) did not become Ready on $CAPS_NODE"
+  info "capped runs on $(kubectl get pod capped -n "$NS_D" -o jsonpath='{.spec.nodeName}') (node allocatable nvidia.com/gpu / gpu.shared: $(allocatable_gpus "$CAPS_NODE"))"
+  # caps_env CONTAINER: the gpubudget variables in the running container's environment, sorted, as its processes
+  # see it (kubectl exec, through the kubelet and the runtime; not the pod spec).
+  caps_env() {
+    kubectl exec capped -n "$NS_D" -c "$1" -- /bin/sh -c 'export -p' \
+      | sed -nE "s/^export (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT|NVIDIA_GPU_MEMORY_LIMIT|NVIDIA_GPU_MEMORY_REQUEST)='?([^']*)'?$/\1=\2/p" | sort
+  }
+  for c in main side; do caps_env "$c" | sed "s/^/    kubectl exec capped -c $c: /"; done
+  [ "$(caps_env main)" = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=6144M
+NVIDIA_GPU_MEMORY_LIMIT=6144
+NVIDIA_GPU_MEMORY_REQUEST=4096" ] || die "capped/main's environment does not carry the budget's caps (6Gi, request 4Gi)"
+  [ "$(caps_env side)" = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M
+NVIDIA_GPU_MEMORY_LIMIT=6144
+NVIDIA_GPU_MEMORY_REQUEST=4096" ] || die "capped/side's environment: the user's smaller MPS cap not kept, or a cap missing"
+  CAPS_RECORD=$(annotation "$NS_D" capped caps)
+  info "gpubudget.io/caps: $CAPS_RECORD"
+  echo "$CAPS_RECORD" | jq -e '.budget == "capped" and .limitMib == 6144 and .requestMib == 4096
+    and ([.containers[] | "\(.name):\(.devices):\(.env.CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)"] | sort) == ["main:1:set", "side:1:kept"]' >/dev/null \
+    || die "unexpected gpubudget.io/caps record on capped: $CAPS_RECORD"
+  capped_counts() { [ "$(kubectl get gmb capped -n "$NS_D" -o jsonpath='{.status.matchedPods}/{.status.podsCapped}/{.status.podsUncapped}')" = 1/1/0 ]; }
+  wait_for "capped status: MATCHED 1, CAPPED 1 (read from the containers' environment), UNCAPPED 0" capped_counts
+  kubectl get gmb capped -n "$NS_D" -o wide | sed 's/^/    /'
+  kubectl delete pod capped -n "$NS_D" --wait=false >/dev/null
+  wait_for "capped deleted (the drain story counts every test pod)" pod_gone "$NS_D" capped
+  if [ -n "$ADVERTISED" ]; then
+    unadvertise_gpu "$ADVERTISED"
+    no_gpu_left() { [ "$(kubectl get node "$ADVERTISED" -o json | jq '[.status.capacity, .status.allocatable | keys[] | select(startswith("nvidia.com/"))] | length')" = 0 ]; }
+    wait_for "$ADVERTISED no longer advertises nvidia.com/gpu or nvidia.com/gpu.shared" no_gpu_left
+    ADVERTISED=""
+  fi
+  CAPS_PASSED=1
+fi
+
 NODES=$(kubectl get nodes -o name | wc -l)
 if [ "$DRAIN" = 1 ] && [ "$NODES" != 1 ]; then
   say "node drain: skipped: the story needs a one-node cluster (every test pod and both operator replicas on the drained node); this one has $NODES"
@@ -772,4 +883,4 @@ kubectl create --raw "/api/v1/namespaces/$NS_B/pods/last/eviction" -f "$WORK/evi
 info "no webhook or admission policy of $RELEASE left; an eviction and a gpubudget.io annotation go through"
 
 FAILED=0
-say "PASS: Evict, Warn, overlapping budgets$( [ -n "${AS:-}" ] && echo ", node restriction")${HOST_PROC:+, attribution through real cgroups, agent rollout}, operator rollout${DRAIN_PASSED:+, node drain}, helm uninstall ($((SECONDS - START)) s)"
+say "PASS: Evict, Warn, overlapping budgets$( [ -n "${AS:-}" ] && echo ", node restriction")${HOST_PROC:+, attribution through real cgroups, agent rollout}, operator rollout${CAPS_PASSED:+, caps at admission}${DRAIN_PASSED:+, node drain}, helm uninstall ($((SECONDS - START)) s)"
