@@ -33,6 +33,9 @@ pub enum Command {
     Capture(CaptureArgs),
     /// Enforce budgets and pods read from files, without an API server: decisions as JSON lines.
     Standalone(StandaloneArgs),
+    /// Whether this node's NVML has the driver's per-cgroup GPU memory limits (R615), and what they are for
+    /// given cgroups.
+    DriverLimits(DriverLimitsArgs),
 }
 
 /// Sampling options shared by the subcommands.
@@ -225,6 +228,19 @@ pub struct CaptureArgs {
     /// Proc root (with --attribute).
     #[arg(long, env = "GPUBUDGET_PROC_ROOT", default_value = "/proc")]
     pub proc_root: PathBuf,
+}
+
+/// `driver-limits`.
+#[derive(Debug, Clone, Args)]
+pub struct DriverLimitsArgs {
+    /// The GPU (UUID, as `nvidia-smi -L` shows it) the cgroups are read on.
+    #[arg(long)]
+    pub gpu: Option<String>,
+    /// Cgroups to read, by their full sysfs path (`/sys/fs/cgroup/kubepods.slice/…/cri-containerd-<id>.scope`).
+    pub cgroups: Vec<PathBuf>,
+    /// The NVML library to open.
+    #[arg(long, default_value = gpubudget_nvml_limits::LIBRARY)]
+    pub library: PathBuf,
 }
 
 /// `standalone`.

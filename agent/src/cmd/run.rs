@@ -28,12 +28,13 @@ use crate::attribute::ProcAttributor;
 use crate::attribute::budgets::{BudgetCache, Change};
 use crate::attribute::pods::{PodTable, PodView, slim_pod};
 use crate::cli::RunArgs;
-use crate::decide::Settings;
+use crate::decide::{Settings, driver_limits};
 use crate::pipeline::Engine;
 use crate::report::metrics::Metrics;
 use crate::sample::file::RecordedSampler;
 use crate::sample::nvml::NvmlSampler;
 use crate::sample::{SamplerFactory, SamplerSlot};
+use gpubudget_nvml_limits::DriverLimits;
 
 /// Readiness checks.
 pub const CHECKS: [&str; 3] = ["gpu", "pods", "budgets"];
@@ -177,6 +178,21 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
         metrics.clone(),
     );
     let (mut executor, mut feedback) = KubeExecutor::new(client, &node, metrics.act.clone());
+    // The driver's per-cgroup limits, once per start (not when replaying a sample file: no driver then).
+    if args.sample_file.is_none() {
+        let detected = DriverLimits::open();
+        metrics.driver_limits_available.set(i64::from(detected.is_ok()));
+        match &detected {
+            Ok(limits) => tracing::info!(
+                driver = limits.driver_version().unwrap_or_default(),
+                "driver limits: available (per-cgroup GPU memory limits are read back)"
+            ),
+            Err(why) => {
+                tracing::info!(reason = %why, "driver limits: unavailable; eviction only");
+                executor.dispatch([driver_limits::unavailable(why)]);
+            }
+        }
+    }
     let mut interval = tokio::time::interval(args.sample.interval);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut table = PodTable::default();

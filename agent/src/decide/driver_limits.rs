@@ -20,7 +20,20 @@
 //! Bytes are compared with a tolerance of 1 MiB per pair: the toolkit takes MiB.
 
 use gpubudget_common::quantity::HumanBytes;
-use gpubudget_nvml_limits::Reading;
+use gpubudget_nvml_limits::{Reading, Unavailable};
+
+use super::{Action, NodeReason};
+
+/// What the agent says on its Node, once per start, when the driver's limits cannot be read
+/// ([`NodeReason::DriverLimitsUnavailable`], Normal): why, with the driver's version, and that budgets are
+/// enforced by eviction only there.
+pub fn unavailable(why: &Unavailable) -> Action {
+    let note = format!(
+        "the NVIDIA driver's per-cgroup GPU memory limits cannot be read on this node ({why}): budgets are \
+         enforced by eviction only (MPS caps set in a pod's environment still apply)"
+    );
+    Action::NodeEvent { reason: NodeReason::DriverLimitsUnavailable, note: super::bounded(note) }
+}
 
 /// The toolkit's unit: what one pair's limit may differ by after rounding to MiB.
 pub const TOLERANCE_PER_PAIR: u64 = 1 << 20;
@@ -268,6 +281,15 @@ mod tests {
         assert_eq!(compare(8 * GI, None, true, &view(&[set(0, 6 * GI)])), None, "a user's smaller cap is fine");
         assert_eq!(compare(8 * GI, Some(4 * GI), true, &view(&[set(4 * GI - 1000, 8 * GI + 1000)])), None);
         assert_eq!(compare(8 * GI, None, true, &view(&[set(0, 8 * GI + (1 << 20) + 1)])).map(D::kind), Some(3));
+    }
+
+    #[test]
+    fn an_unavailable_driver_is_told_with_its_version_and_eviction_only() {
+        let why = Unavailable::Symbol { symbol: "nvmlDeviceGetMemoryLimits_v1", driver: "580.159.04".into() };
+        let Action::NodeEvent { reason, note } = unavailable(&why) else { panic!("a Node event") };
+        assert_eq!(reason.as_str(), "DriverLimitsUnavailable");
+        assert!(!reason.is_warning());
+        assert!(note.contains("driver 580.159.04") && note.contains("eviction only"), "{note}");
     }
 
     #[test]

@@ -106,6 +106,8 @@ pub enum NodeReason {
     Unaccounted,
     /// NVML gives no per-process figure for some processes on a GPU (once per GPU).
     Unavailable,
+    /// The driver's per-cgroup memory limits (R615) cannot be read here: eviction only (once per agent start).
+    DriverLimitsUnavailable,
 }
 
 impl NodeReason {
@@ -119,12 +121,13 @@ impl NodeReason {
             Self::GpuSampleRecovered => "GpuSampleRecovered",
             Self::Unaccounted => "GpuMemoryUnaccounted",
             Self::Unavailable => "GpuProcessMemoryUnavailable",
+            Self::DriverLimitsUnavailable => "DriverLimitsUnavailable",
         }
     }
 
     /// Warning (true) or Normal.
     pub fn is_warning(self) -> bool {
-        !matches!(self, Self::PressureEnded | Self::GpuSampleRecovered)
+        !matches!(self, Self::PressureEnded | Self::GpuSampleRecovered | Self::DriverLimitsUnavailable)
     }
 }
 

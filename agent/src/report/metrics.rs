@@ -100,6 +100,8 @@ pub struct Metrics {
     pub sample_duration: Histogram,
     /// `gpubudget_pod_table_rebuilds_total`.
     pub table_rebuilds: Counter,
+    /// `gpubudget_driver_limits_available`.
+    pub driver_limits_available: Gauge,
 }
 
 impl Metrics {
@@ -122,7 +124,13 @@ impl Metrics {
             gpu_budgeted: Family::default(),
             sample_duration: Histogram::new(buckets),
             table_rebuilds: Counter::default(),
+            driver_limits_available: Gauge::default(),
         };
+        registry.register(
+            "gpubudget_driver_limits_available",
+            "1 when this node's NVML has the driver's per-cgroup GPU memory limits (nvmlDeviceGetMemoryLimits_v1, driver R615 or newer), 0 when it has not (eviction only); checked at the agent's start",
+            m.driver_limits_available.clone(),
+        );
         registry.register(
             "gpubudget_pod_table_rebuilds",
             "Rebuilds of the agent's table of its pods and their budgets: on changes of its pods, and of budgets' specs (not of their status)",
