@@ -20,7 +20,9 @@
 //! Bytes are compared with a tolerance of 1 MiB per pair: the toolkit takes MiB.
 
 use gpubudget_common::quantity::HumanBytes;
-use gpubudget_nvml_limits::{Reading, Unavailable};
+use gpubudget_nvml_limits::Unavailable;
+
+pub use crate::attribute::driver_limits::DriverView;
 
 use super::{Action, NodeReason};
 
@@ -37,66 +39,6 @@ pub fn unavailable(why: &Unavailable) -> Action {
 
 /// The toolkit's unit: what one pair's limit may differ by after rounding to MiB.
 pub const TOLERANCE_PER_PAIR: u64 = 1 << 20;
-
-/// What the driver holds for a pod, summed over its (container cgroup, GPU) pairs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DriverView {
-    /// Pairs read (failed reads included).
-    pub pairs: u32,
-    /// Pairs whose read failed.
-    pub failed: u32,
-    /// Pairs the driver does not partition (`NVML_ERROR_NOT_SUPPORTED`).
-    pub unsupported: u32,
-    /// Pairs with a hard limit, and their sum.
-    pub hard_pairs: u32,
-    /// Bytes.
-    pub hard_sum: u64,
-    /// Pairs with a soft limit, and their sum.
-    pub soft_pairs: u32,
-    /// Bytes.
-    pub soft_sum: u64,
-}
-
-impl DriverView {
-    /// Adds one pair's reading (`None`: the read failed).
-    pub fn add(&mut self, reading: Option<Reading>) {
-        self.pairs = self.pairs.saturating_add(1);
-        match reading {
-            None => self.failed = self.failed.saturating_add(1),
-            Some(Reading::NotSupported) => self.unsupported = self.unsupported.saturating_add(1),
-            Some(Reading::NotSet) => {}
-            Some(Reading::Set(limits)) => {
-                if let Some(hard) = limits.hard_limit() {
-                    self.hard_pairs = self.hard_pairs.saturating_add(1);
-                    self.hard_sum = self.hard_sum.saturating_add(hard);
-                }
-                if let Some(soft) = limits.soft_limit() {
-                    self.soft_pairs = self.soft_pairs.saturating_add(1);
-                    self.soft_sum = self.soft_sum.saturating_add(soft);
-                }
-            }
-        }
-    }
-
-    /// Pairs the driver answered for.
-    pub fn answered(&self) -> u32 {
-        self.pairs - self.failed
-    }
-
-    /// The hard limits summed, when every answered pair has one: the most the driver lets the pod hold.
-    pub fn hard(&self) -> Option<u64> {
-        (self.answered() > 0 && self.hard_pairs == self.answered()).then_some(self.hard_sum)
-    }
-
-    /// The soft limits summed, when every answered pair has one.
-    pub fn soft(&self) -> Option<u64> {
-        (self.answered() > 0 && self.soft_pairs == self.answered()).then_some(self.soft_sum)
-    }
-
-    fn tolerance(&self) -> u64 {
-        TOLERANCE_PER_PAIR.saturating_mul(u64::from(self.answered()))
-    }
-}
 
 /// How the driver's limits disagree with a pod's budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -203,7 +145,7 @@ pub fn compare(limit: u64, request: Option<u64>, caps_expected: bool, view: &Dri
     let Some(hard) = view.hard() else {
         return Some(Disagreement::PartlyCapped { capped: view.hard_pairs, of: answered });
     };
-    let tolerance = view.tolerance();
+    let tolerance = TOLERANCE_PER_PAIR.saturating_mul(u64::from(answered));
     if hard > limit.saturating_add(tolerance) {
         return Some(Disagreement::HardAboveLimit { hard, limit });
     }
@@ -221,7 +163,7 @@ pub fn compare(limit: u64, request: Option<u64>, caps_expected: bool, view: &Dri
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpubudget_nvml_limits::Limits;
+    use gpubudget_nvml_limits::{Limits, Reading};
     use proptest::prelude::*;
 
     const GI: u64 = 1 << 30;
