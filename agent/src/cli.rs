@@ -159,6 +159,10 @@ pub struct RunArgs {
     /// Replay this sample file instead of NVML (re-read when it changes).
     #[arg(long, env = "GPUBUDGET_SAMPLE_FILE")]
     pub sample_file: Option<PathBuf>,
+    /// Where the host's cgroup v2 hierarchy is, as the NVIDIA driver sees it: pods' container cgroups are
+    /// named to the driver under it when their limits are read (driver R615 or newer).
+    #[arg(long, env = "GPUBUDGET_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
+    pub cgroup_root: PathBuf,
     #[command(flatten)]
     pub pressure: PressureArgs,
     #[command(flatten)]
@@ -174,6 +178,7 @@ impl RunArgs {
             sample: SampleArgs { proc_root, interval },
             admin_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             sample_file: Some(sample_file),
+            cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             pressure: PressureArgs::default(),
             accounting: AccountingArgs::default(),
         }

@@ -24,7 +24,8 @@ use gpubudget_nvml_limits::Unavailable;
 
 pub use crate::attribute::driver_limits::DriverView;
 
-use super::{Action, NodeReason};
+use super::{Action, Enforcer, NodeReason, Reason, bounded};
+use crate::attribute::pods::PodTable;
 
 /// What the agent says on its Node, once per start, when the driver's limits cannot be read
 /// ([`NodeReason::DriverLimitsUnavailable`], Normal): why, with the driver's version, and that budgets are
@@ -34,7 +35,43 @@ pub fn unavailable(why: &Unavailable) -> Action {
         "the NVIDIA driver's per-cgroup GPU memory limits cannot be read on this node ({why}): budgets are \
          enforced by eviction only (MPS caps set in a pod's environment still apply)"
     );
-    Action::NodeEvent { reason: NodeReason::DriverLimitsUnavailable, note: super::bounded(note) }
+    Action::NodeEvent { reason: NodeReason::DriverLimitsUnavailable, note: bounded(note) }
+}
+
+impl Enforcer {
+    /// The driver's limits this tick (`views` indexed like `table.pods`; `None`: not read, or no pair): for each
+    /// pod with a budget that this enforcer remembers (so after [`Enforcer::tick`]), how they stand against its
+    /// budget ([`compare`]), kept for [`Enforcer::driver_disagreement`], and a `GpuMemoryDriverLimitsDisagree`
+    /// warning the first time each kind of disagreement is seen for the pod (told once per pod per kind, for as
+    /// long as the agent remembers the pod). Caps are not expected of any pod yet: the admission webhook's
+    /// record of what it set will say which pods expect them.
+    pub fn driver_limits(&mut self, table: &PodTable, views: &[Option<DriverView>], out: &mut Vec<Action>) {
+        for (i, pod) in table.pods.iter().enumerate() {
+            let (Some(budget), Some(mem)) = (table.budget(i), self.pods.get_mut(&pod.uid)) else { continue };
+            let verdict = views
+                .get(i)
+                .copied()
+                .flatten()
+                .and_then(|v| compare(budget.limit_bytes, budget.request_bytes, false, &v));
+            mem.driver = verdict;
+            let Some(d) = verdict else { continue };
+            let bit = 1_u8 << d.kind();
+            if mem.driver_told & bit == 0 {
+                mem.driver_told |= bit;
+                let note = format!("{} (budget {})", d.note(), budget.key());
+                out.push(Action::Event {
+                    pod: mem.pod.clone(),
+                    reason: Reason::DriverLimitsDisagree,
+                    note: bounded(note),
+                });
+            }
+        }
+    }
+
+    /// How the driver's limits disagree with the pod's budget, as of the last [`Enforcer::driver_limits`].
+    pub fn driver_disagreement(&self, uid: &str) -> Option<Disagreement> {
+        self.pods.get(uid).and_then(|m| m.driver)
+    }
 }
 
 /// The toolkit's unit: what one pair's limit may differ by after rounding to MiB.

@@ -76,6 +76,10 @@ pub(in crate::decide) struct PodMemory {
     pub(in crate::decide) seen: u64,
     /// The GPU whose memory pressure this pod is being evicted for.
     pub(in crate::decide) pressure: Option<usize>,
+    /// How the driver's limits disagree with the budget now ([`super::driver_limits`]).
+    pub(in crate::decide) driver: Option<super::driver_limits::Disagreement>,
+    /// The kinds of disagreement told already (bit per [`super::driver_limits::Disagreement::kind`]).
+    pub(in crate::decide) driver_told: u8,
 }
 
 fn percent_changed(old: u64, new: u64, percent: u64) -> bool {
@@ -175,6 +179,8 @@ impl Enforcer {
             last_budget: String::new(),
             seen: 0,
             pressure: None,
+            driver: None,
+            driver_told: 0,
         }
     }
 

@@ -51,6 +51,9 @@ pub enum Reason {
     Deleting,
     /// The budget's action or `overLimitSeconds` changed while the pod was over: the period starts afresh.
     BudgetChanged,
+    /// The driver's per-cgroup limits disagree with the budget ([`driver_limits`](super::driver_limits)); once
+    /// per pod per kind of disagreement.
+    DriverLimitsDisagree,
 }
 
 impl Reason {
@@ -65,6 +68,7 @@ impl Reason {
             Reason::RecordNotWritten => "GpuMemoryEvictionRecordFailed",
             Reason::Deleting => "DeletingForGpuMemory",
             Reason::BudgetChanged => "GpuMemoryBudgetChanged",
+            Reason::DriverLimitsDisagree => "GpuMemoryDriverLimitsDisagree",
         }
     }
 
@@ -78,11 +82,12 @@ impl Reason {
                 | Reason::EvictionBlocked
                 | Reason::RecordNotWritten
                 | Reason::Deleting
+                | Reason::DriverLimitsDisagree
         )
     }
 
     /// How many reasons there are.
-    pub(super) const COUNT: usize = 8;
+    pub(super) const COUNT: usize = 9;
 
     pub(super) fn slot(self) -> usize {
         self as usize

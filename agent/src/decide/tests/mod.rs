@@ -620,3 +620,46 @@ proptest! {
 }
 
 mod pressure_eviction;
+
+#[test]
+fn driver_limits_disagreements_are_told_once_per_pod_per_kind() {
+    use super::driver_limits::{Disagreement, DriverView};
+    let mut h = Harness::new(pod("", ""), &[budget("")]);
+    let told = |out: &[Action]| -> Vec<String> {
+        out.iter()
+            .filter_map(|a| match a {
+                Action::Event { reason: Reason::DriverLimitsDisagree, note, .. } => Some(note.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    // Two GPUs with the 8Gi limit each: the driver allows 16Gi.
+    let above = DriverView { pairs: 2, hard_pairs: 2, hard_sum: 16 * GI, ..DriverView::default() };
+    let mut out = h.tick(0, GI);
+    h.enforcer.driver_limits(&h.table, &[Some(above)], &mut out);
+    let first = told(&out);
+    assert_eq!(first.len(), 1, "{out:?}");
+    assert!(first[0].starts_with("driver allows more than the budget") && first[0].contains("budget team-a/llm"));
+    assert!(matches!(h.enforcer.driver_disagreement("uid-1"), Some(Disagreement::HardAboveLimit { .. })));
+    // Steady, agreeing, then the same kind again: nothing more told.
+    let agree = DriverView { pairs: 1, hard_pairs: 1, hard_sum: 8 * GI, ..DriverView::default() };
+    for (t, view) in [(250, above), (500, agree), (750, above)] {
+        let mut out = h.tick(t, GI);
+        h.enforcer.driver_limits(&h.table, &[Some(view)], &mut out);
+        assert!(told(&out).is_empty(), "{out:?}");
+        if view == agree {
+            assert_eq!(h.enforcer.driver_disagreement("uid-1"), None);
+        }
+    }
+    // Another kind is told, once.
+    let partly = DriverView { pairs: 2, hard_pairs: 1, hard_sum: 4 * GI, ..DriverView::default() };
+    let mut out = h.tick(1_000, GI);
+    h.enforcer.driver_limits(&h.table, &[Some(partly)], &mut out);
+    assert_eq!(told(&out).len(), 1);
+    assert!(told(&out)[0].contains("caps 1 of the pod's 2"));
+    // Not read this tick: no verdict, nothing told.
+    let mut out = h.tick(1_250, GI);
+    h.enforcer.driver_limits(&h.table, &[None], &mut out);
+    assert!(told(&out).is_empty());
+    assert_eq!(h.enforcer.driver_disagreement("uid-1"), None);
+}
