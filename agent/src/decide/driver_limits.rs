@@ -19,6 +19,7 @@
 //!
 //! Bytes are compared with a tolerance of 1 MiB per pair: the toolkit takes MiB.
 
+use gpubudget_common::pod_record::DriverLimitsRecord;
 use gpubudget_common::quantity::HumanBytes;
 use gpubudget_nvml_limits::Unavailable;
 
@@ -48,12 +49,16 @@ impl Enforcer {
     pub fn driver_limits(&mut self, table: &PodTable, views: &[Option<DriverView>], out: &mut Vec<Action>) {
         for (i, pod) in table.pods.iter().enumerate() {
             let (Some(budget), Some(mem)) = (table.budget(i), self.pods.get_mut(&pod.uid)) else { continue };
-            let verdict = views
-                .get(i)
-                .copied()
-                .flatten()
-                .and_then(|v| compare(budget.limit_bytes, budget.request_bytes, false, &v));
+            let view = views.get(i).copied().flatten();
+            let verdict = view.and_then(|v| compare(budget.limit_bytes, budget.request_bytes, false, &v));
             mem.driver = verdict;
+            mem.driver_record = view.filter(|v| v.answered() > 0).map(|v| DriverLimitsRecord {
+                pairs: v.pairs,
+                capped: v.hard_pairs,
+                hard_bytes: v.hard(),
+                soft_bytes: v.soft(),
+                note: verdict.map(Disagreement::note),
+            });
             let Some(d) = verdict else { continue };
             let bit = 1_u8 << d.kind();
             if mem.driver_told & bit == 0 {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use gpubudget_common::BudgetState;
-use gpubudget_common::pod_record::PodRecord;
+use gpubudget_common::pod_record::{DriverLimitsRecord, PodRecord};
 
 use crate::attribute::pods::PodView;
 
@@ -160,6 +160,9 @@ pub enum Action {
         pod: PodRef,
         /// The record.
         record: PodRecord,
+        /// What the driver caps the pod at, where the node's driver can tell (`gpubudget.io/driver-limits`,
+        /// written in the same apply).
+        driver: Option<DriverLimitsRecord>,
     },
     /// Remove the agent's annotations (no budget applies any more).
     Clear {
