@@ -212,6 +212,9 @@ pub struct TopArgs {
     /// Replay a sample file instead of NVML.
     #[arg(long = "sample", value_name = "FILE")]
     pub sample_file: Option<PathBuf>,
+    /// The host's cgroup v2 hierarchy, as the NVIDIA driver sees it (for the driver's limits, R615 or newer).
+    #[arg(long, env = "GPUBUDGET_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
+    pub cgroup_root: PathBuf,
     /// Node whose pods give names (default: NODE_NAME, else this host's name).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,

@@ -52,13 +52,7 @@ impl Enforcer {
             let view = views.get(i).copied().flatten();
             let verdict = view.and_then(|v| compare(budget.limit_bytes, budget.request_bytes, false, &v));
             mem.driver = verdict;
-            mem.driver_record = view.filter(|v| v.answered() > 0).map(|v| DriverLimitsRecord {
-                pairs: v.pairs,
-                capped: v.hard_pairs,
-                hard_bytes: v.hard(),
-                soft_bytes: v.soft(),
-                note: verdict.map(Disagreement::note),
-            });
+            mem.driver_record = view.filter(|v| v.answered() > 0).map(|v| record(&v, verdict));
             let Some(d) = verdict else { continue };
             let bit = 1_u8 << d.kind();
             if mem.driver_told & bit == 0 {
@@ -76,6 +70,17 @@ impl Enforcer {
     /// How the driver's limits disagree with the pod's budget, as of the last [`Enforcer::driver_limits`].
     pub fn driver_disagreement(&self, uid: &str) -> Option<Disagreement> {
         self.pods.get(uid).and_then(|m| m.driver)
+    }
+}
+
+/// What the pod's record (`gpubudget.io/driver-limits`) and `top` say of the driver's limits.
+pub fn record(view: &DriverView, verdict: Option<Disagreement>) -> DriverLimitsRecord {
+    DriverLimitsRecord {
+        pairs: view.pairs,
+        capped: view.hard_pairs,
+        hard_bytes: view.hard(),
+        soft_bytes: view.soft(),
+        note: verdict.map(Disagreement::note),
     }
 }
 
