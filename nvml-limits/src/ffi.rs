@@ -1,4 +1,6 @@
-//! The only `unsafe` code in gpubudget: four NVML entry points resolved by name from `libnvidia-ml.so.1`.
+//! The only `unsafe` code in gpubudget: five NVML entry points resolved by name from `libnvidia-ml.so.1`
+//! (`nvmlInit_v2`, `nvmlShutdown`, `nvmlSystemGetDriverVersion`, `nvmlDeviceGetHandleByUUID` and, where the
+//! driver has it, `nvmlDeviceGetMemoryLimits_v1`).
 //!
 //! Why FFI at all: nvml-wrapper (0.13, and nvml-wrapper-sys under it) was generated from NVML headers older
 //! than driver R615 and binds neither `nvmlDeviceGetMemoryLimits_v1` nor `nvmlDeviceSetMemoryLimits_v1`. They
