@@ -33,6 +33,9 @@ pub enum Command {
     Capture(CaptureArgs),
     /// Enforce budgets and pods read from files, without an API server: decisions as JSON lines.
     Standalone(StandaloneArgs),
+    /// Whether this node's NVML has the driver's per-cgroup GPU memory limits (R615), and what they are for
+    /// given cgroups.
+    DriverLimits(DriverLimitsArgs),
 }
 
 /// Sampling options shared by the subcommands.
@@ -156,6 +159,10 @@ pub struct RunArgs {
     /// Replay this sample file instead of NVML (re-read when it changes).
     #[arg(long, env = "GPUBUDGET_SAMPLE_FILE")]
     pub sample_file: Option<PathBuf>,
+    /// Where the host's cgroup v2 hierarchy is, as the NVIDIA driver sees it: pods' container cgroups are
+    /// named to the driver under it when their limits are read (driver R615 or newer).
+    #[arg(long, env = "GPUBUDGET_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
+    pub cgroup_root: PathBuf,
     #[command(flatten)]
     pub pressure: PressureArgs,
     #[command(flatten)]
@@ -171,6 +178,7 @@ impl RunArgs {
             sample: SampleArgs { proc_root, interval },
             admin_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             sample_file: Some(sample_file),
+            cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             pressure: PressureArgs::default(),
             accounting: AccountingArgs::default(),
         }
@@ -204,6 +212,9 @@ pub struct TopArgs {
     /// Replay a sample file instead of NVML.
     #[arg(long = "sample", value_name = "FILE")]
     pub sample_file: Option<PathBuf>,
+    /// The host's cgroup v2 hierarchy, as the NVIDIA driver sees it (for the driver's limits, R615 or newer).
+    #[arg(long, env = "GPUBUDGET_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
+    pub cgroup_root: PathBuf,
     /// Node whose pods give names (default: NODE_NAME, else this host's name).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
@@ -225,6 +236,19 @@ pub struct CaptureArgs {
     /// Proc root (with --attribute).
     #[arg(long, env = "GPUBUDGET_PROC_ROOT", default_value = "/proc")]
     pub proc_root: PathBuf,
+}
+
+/// `driver-limits`.
+#[derive(Debug, Clone, Args)]
+pub struct DriverLimitsArgs {
+    /// The GPU (UUID, as `nvidia-smi -L` shows it) the cgroups are read on.
+    #[arg(long)]
+    pub gpu: Option<String>,
+    /// Cgroups to read, by their full sysfs path (`/sys/fs/cgroup/kubepods.slice/…/cri-containerd-<id>.scope`).
+    pub cgroups: Vec<PathBuf>,
+    /// The NVML library to open.
+    #[arg(long, default_value = gpubudget_nvml_limits::LIBRARY)]
+    pub library: PathBuf,
 }
 
 /// `standalone`.

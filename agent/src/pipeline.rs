@@ -6,10 +6,11 @@ use std::time::{Duration, Instant};
 
 use crate::attribute::ProcAttributor;
 use crate::attribute::Usage;
+use crate::attribute::driver_limits::{DriverReader, DriverView};
 use crate::attribute::pods::PodTable;
 use crate::decide::Enforcer;
 use crate::decide::{Action, Feedback, Now, Settings};
-use crate::report::metrics::{Metrics, SeriesTracker};
+use crate::report::metrics::{DriverSeries, Metrics, SeriesTracker};
 use crate::sample::{SamplerSlot, SlotOutcome, Snapshot};
 
 /// What a tick did.
@@ -38,7 +39,12 @@ pub struct Engine {
     pub enforcer: Enforcer,
     /// Metric families.
     pub metrics: Metrics,
+    /// The NVIDIA driver's per-cgroup limits, where this node's NVML has them (set by `run`).
+    pub driver: Option<DriverReader>,
+    /// Per pod of the table: what the driver caps it at (this tick's, or the last read).
+    pub driver_views: Vec<Option<DriverView>>,
     series: SeriesTracker,
+    driver_series: DriverSeries,
     started: Instant,
     actions: Vec<Action>,
 }
@@ -53,7 +59,10 @@ impl Engine {
             usage: Usage::default(),
             enforcer: Enforcer::new(settings),
             metrics,
+            driver: None,
+            driver_views: Vec::new(),
             series: SeriesTracker::default(),
+            driver_series: DriverSeries::default(),
             started: Instant::now(),
             actions: Vec::new(),
         }
@@ -80,10 +89,22 @@ impl Engine {
             SlotOutcome::Waiting => return TickReport { sampled: false, sample_time, tick_time: start.elapsed() },
         }
         self.usage.compute(&self.snapshot, table, &mut self.attributor, now.mono_ms);
+        if let Some(reader) = &mut self.driver {
+            let failures = reader.failures;
+            let (snapshot, owners, attributor) = (&self.snapshot, &self.usage.owners, &self.attributor);
+            reader.observe(snapshot, owners, attributor, table.pods.len(), now.mono_ms, &mut self.driver_views);
+            for _ in failures..reader.failures {
+                self.metrics.nvml_error("memory_limits");
+            }
+            self.driver_series.update(&self.metrics, table, &self.driver_views);
+        }
         if enforce {
             self.enforcer.tick(now, table, &self.usage.pods, &self.snapshot.gpus, &mut self.actions);
             self.enforcer.pressure(now, table, &self.usage.pods, &self.snapshot, &mut self.actions);
             self.enforcer.watch_gpus(now, &self.snapshot, &self.usage.unaccounted, &mut self.actions);
+            if self.driver.is_some() {
+                self.enforcer.driver_limits(table, &self.driver_views, &mut self.actions);
+            }
         }
         let enforcer = &self.enforcer;
         self.series.update(

@@ -319,7 +319,7 @@ mod pipeline {
             let actions: Vec<Action> = engine.take_actions().collect();
             for action in &actions {
                 let feedback = match action {
-                    Action::Apply { pod, record } => {
+                    Action::Apply { pod, record, .. } => {
                         Feedback::Written { uid: pod.uid.clone(), record: Some(record.clone()), ok: true }
                     }
                     Action::Evict { pod, .. } => {

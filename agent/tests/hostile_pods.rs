@@ -75,7 +75,7 @@ fn tick(enforcer: &mut Enforcer, ms: u64, table: &PodTable, usage: &Usage) -> Ve
         enforcer.tick(at(ms), table, &usage.pods, &gpus, &mut out);
         for a in &out {
             match a {
-                Action::Apply { pod, record } => enforcer.feedback(
+                Action::Apply { pod, record, .. } => enforcer.feedback(
                     at(ms),
                     Feedback::Written { uid: pod.uid.clone(), record: Some(record.clone()), ok: true },
                     &mut Vec::new(),

@@ -422,7 +422,7 @@ impl World {
     fn check(&mut self, out: &[Action], allowed: &HashMap<Arc<str>, Result<(), String>>) -> Result<(), TestCaseError> {
         for action in out {
             match action {
-                Action::Apply { pod, record } => {
+                Action::Apply { pod, record, .. } => {
                     if record.state == BudgetState::Evicting && record.eviction_requested_at.is_some() {
                         self.seen.entry(pod.uid.clone()).or_default().evicting_applied = true;
                     }

@@ -19,6 +19,12 @@ pub const NODE: &str = "gpubudget.io/node";
 /// When the agent requested the pod's eviction (RFC 3339); present only once it has.
 pub const EVICTION_REQUESTED_AT: &str = "gpubudget.io/eviction-requested-at";
 
+/// What the NVIDIA driver caps the pod at (driver R615 per-cgroup limits, read back by the agent), as JSON
+/// ([`DriverLimitsRecord`]); present only where the node's driver can tell. Informational: the operator does not
+/// read it, so it is not in [`ALL`]; the agent writes it in the same apply as the record (and an apply of none
+/// removes it with the rest).
+pub const DRIVER_LIMITS: &str = "gpubudget.io/driver-limits";
+
 /// Every annotation key of the contract.
 pub const ALL: [&str; 5] = [STATE, USAGE_BYTES, BUDGET, NODE, EVICTION_REQUESTED_AT];
 
@@ -69,6 +75,39 @@ impl PodRecord {
     }
 }
 
+/// The value of [`DRIVER_LIMITS`]: the driver's limits on the pod's containers, summed over each
+/// (container cgroup, GPU) pair the pod uses. Every field has a default, so a reader ignores what it does not
+/// know and a writer may leave out what it does not have.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct DriverLimitsRecord {
+    /// (container cgroup, GPU) pairs read.
+    pub pairs: u32,
+    /// Of which carry a hard limit.
+    pub capped: u32,
+    /// The hard limits added up, bytes, when every pair has one (the most the driver lets the pod hold).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hard_bytes: Option<u64>,
+    /// The soft limits added up, bytes, when every pair has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub soft_bytes: Option<u64>,
+    /// How the driver's limits disagree with the budget, in words; absent when they agree.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+impl DriverLimitsRecord {
+    /// The annotation's value.
+    pub fn to_annotation(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Reads the annotation's value; `None` when it is not this record's JSON.
+    pub fn from_annotation(value: &str) -> Option<Self> {
+        serde_json::from_str(value).ok()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,5 +131,23 @@ mod tests {
         bad.insert(STATE.into(), "Fine".into());
         assert_eq!(PodRecord::from_annotations(&bad), None);
         assert_eq!(agent_field_manager("n1"), "gpubudget-agent/n1");
+    }
+
+    #[test]
+    fn driver_limits_round_trip_and_unknown_fields_are_ignored() {
+        let record = DriverLimitsRecord {
+            pairs: 2,
+            capped: 2,
+            hard_bytes: Some(8 << 30),
+            soft_bytes: None,
+            note: Some("driver allows more".into()),
+        };
+        let text = record.to_annotation();
+        assert_eq!(text, r#"{"pairs":2,"capped":2,"hardBytes":8589934592,"note":"driver allows more"}"#);
+        assert_eq!(DriverLimitsRecord::from_annotation(&text), Some(record));
+        // A newer writer's extra field, an older writer's missing ones: read, not refused.
+        let newer = DriverLimitsRecord::from_annotation(r#"{"pairs":1,"future":true}"#).expect("read");
+        assert_eq!(newer, DriverLimitsRecord { pairs: 1, ..DriverLimitsRecord::default() });
+        assert_eq!(DriverLimitsRecord::from_annotation("8Gi"), None);
     }
 }

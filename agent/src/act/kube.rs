@@ -143,13 +143,13 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
     let m = &shared.counters;
     match action {
         Action::Transition { .. } => None,
-        Action::Apply { pod, record } => {
+        Action::Apply { pod, record, driver } => {
             // `metadata.uid` is a precondition: the API server refuses (409) a write to a pod that took the name.
             let body = json!({
                 "apiVersion": "v1",
                 "kind": "Pod",
                 "metadata": {"name": &*pod.name, "namespace": &*pod.namespace, "uid": &*pod.uid,
-                             "annotations": record.to_annotations()},
+                             "annotations": super::annotations(&record, driver.as_ref())},
             });
             let ok = apply(shared, &pod, &body, "apply").await;
             Some(Feedback::Written { uid: pod.uid, record: Some(record), ok })

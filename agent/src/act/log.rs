@@ -26,7 +26,9 @@ pub fn action_line(action: &Action, now: jiff::Timestamp) -> Value {
             "kind": "transition", "from": from.as_str(), "to": to.as_str(),
             "usage_bytes": usage, "limit_bytes": limit, "budget": budget,
         }),
-        Action::Apply { record, .. } => json!({"kind": "apply", "annotations": record.to_annotations()}),
+        Action::Apply { record, driver, .. } => {
+            json!({"kind": "apply", "annotations": super::annotations(record, driver.as_ref())})
+        }
         Action::Clear { .. } => json!({"kind": "clear"}),
         Action::Event { reason, note, .. } => json!({
             "kind": "event", "reason": reason.as_str(),
@@ -74,7 +76,7 @@ impl<W: Write> LogExecutor<W> {
         for action in actions {
             self.line(&action_line(&action, now))?;
             match action {
-                Action::Apply { pod, record } => {
+                Action::Apply { pod, record, .. } => {
                     feedback.push(Feedback::Written { uid: pod.uid, record: Some(record), ok: true });
                 }
                 Action::Clear { pod } => feedback.push(Feedback::Written { uid: pod.uid, record: None, ok: true }),

@@ -47,3 +47,39 @@ impl Counters {
         self.evictions.get_or_create(&ResultLabels { result: result.to_owned() }).inc();
     }
 }
+
+/// The annotations an [`Action::Apply`](crate::decide::Action::Apply) writes: the record's, and
+/// `gpubudget.io/driver-limits` when the driver's limits are known.
+pub fn annotations(
+    record: &gpubudget_common::pod_record::PodRecord,
+    driver: Option<&gpubudget_common::pod_record::DriverLimitsRecord>,
+) -> std::collections::BTreeMap<String, String> {
+    let mut out = record.to_annotations();
+    if let Some(driver) = driver {
+        out.insert(gpubudget_common::pod_record::DRIVER_LIMITS.to_owned(), driver.to_annotation());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use gpubudget_common::BudgetState;
+    use gpubudget_common::pod_record::{DRIVER_LIMITS, DriverLimitsRecord, PodRecord};
+
+    #[test]
+    fn the_driver_limits_ride_in_the_records_apply_when_known() {
+        let record = PodRecord {
+            state: BudgetState::Within,
+            usage_bytes: 1,
+            budget: "llm".into(),
+            node: "n1".into(),
+            eviction_requested_at: None,
+        };
+        assert_eq!(super::annotations(&record, None), record.to_annotations());
+        let driver =
+            DriverLimitsRecord { pairs: 1, capped: 1, hard_bytes: Some(8 << 30), ..DriverLimitsRecord::default() };
+        let with = super::annotations(&record, Some(&driver));
+        assert_eq!(with.len(), record.to_annotations().len() + 1);
+        assert_eq!(DriverLimitsRecord::from_annotation(&with[DRIVER_LIMITS]), Some(driver));
+    }
+}

@@ -76,6 +76,46 @@ struct PodSegment {
     inline_container: Option<String>,
 }
 
+/// The container's cgroup v2 path from the hierarchy's root (`/kubepods.slice/…/cri-containerd-<id>.scope`),
+/// from the whole content of `/proc/<pid>/cgroup`: the `0::` line's path cut after the container's segment
+/// (the driver's per-cgroup limits are set on that cgroup). A path relative to the reader's cgroup namespace
+/// (`/../../kubepods-burstable-pod<uid>.slice/…`, the agent in its own cgroup namespace) is rebuilt from the
+/// systemd pod slice's name, which spells its ancestors (`a-b-c.slice` is in `a.slice/a-b.slice`); a relative
+/// cgroupfs path cannot be rebuilt. `None` then, and for no `0::` line, no pod, no container, or the
+/// `slice:runtime:id` form.
+pub fn container_cgroup_v2(content: &str) -> Option<String> {
+    let path = content.lines().find_map(|l| l.strip_prefix("0::"))?.trim_end();
+    let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty() && *s != ".").collect();
+    let relative = segments.contains(&"..");
+    let segments: Vec<&str> = segments.into_iter().filter(|s| *s != "..").collect();
+    let (index, pod) = segments.iter().enumerate().find_map(|(i, s)| pod_in_segment(s).map(|p| (i, p)))?;
+    if pod.inline_container.is_some() {
+        return None;
+    }
+    let container = *segments.get(index + 1)?;
+    container_in_segment(container)?;
+    let mut out = String::new();
+    if relative {
+        let slice = segments[index].strip_suffix(".slice")?;
+        let mut end = 0;
+        for part in slice.split('-') {
+            end += part.len();
+            out.push('/');
+            out.push_str(&slice[..end]);
+            out.push_str(".slice");
+            end += 1;
+        }
+    } else {
+        for s in &segments[..=index] {
+            out.push('/');
+            out.push_str(s);
+        }
+    }
+    out.push('/');
+    out.push_str(container);
+    Some(out)
+}
+
 /// `pod<UID>` (cgroupfs), `…kubepods…-pod<UID_>.slice` (systemd) or `…-pod<UID_>.slice:<prefix>:<id>`.
 fn pod_in_segment(segment: &str) -> Option<PodSegment> {
     if let Some(rest) = segment.strip_prefix("pod") {
@@ -271,8 +311,58 @@ mod tests {
         }
     }
 
+    #[test]
+    fn container_cgroups_for_the_drivers_limits() {
+        let u = UID.replace('-', "_");
+        let full = format!(
+            "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{u}.slice/cri-containerd-{CID}.scope"
+        );
+        // Absolute: cut after the container (a nested leaf is the container's).
+        assert_eq!(container_cgroup_v2(&format!("0::{full}\n")), Some(full.clone()));
+        assert_eq!(container_cgroup_v2(&format!("0::{full}/init\n")), Some(full.clone()));
+        assert_eq!(
+            container_cgroup_v2(&format!("0::/kubepods/burstable/pod{UID}/{CID}\n")),
+            Some(format!("/kubepods/burstable/pod{UID}/{CID}"))
+        );
+        // Relative to the agent's cgroup namespace: rebuilt from the systemd slice's name (kind's prefix too).
+        assert_eq!(
+            container_cgroup_v2(&format!("0::/../../kubepods-burstable-pod{u}.slice/cri-containerd-{CID}.scope\n")),
+            Some(full)
+        );
+        assert_eq!(
+            container_cgroup_v2(&format!("0::/../kubelet-kubepods-pod{u}.slice/cri-containerd-{CID}.scope\n")),
+            Some(format!(
+                "/kubelet.slice/kubelet-kubepods.slice/kubelet-kubepods-pod{u}.slice/cri-containerd-{CID}.scope"
+            ))
+        );
+        // Cannot be told: relative cgroupfs, no container, v1 only, the inline form.
+        assert_eq!(container_cgroup_v2(&format!("0::/../../pod{UID}/{CID}\n")), None);
+        assert_eq!(container_cgroup_v2(&format!("0::/kubepods/burstable/pod{UID}\n")), None);
+        assert_eq!(container_cgroup_v2(&format!("4:memory:/kubepods/pod{UID}/{CID}\n")), None);
+        assert_eq!(
+            container_cgroup_v2(&format!(
+                "0::/system.slice/containerd.service/kubepods-pod{u}.slice:cri-containerd:{CID}"
+            )),
+            None
+        );
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(3_000))]
+
+        /// Any content: no panic, and an answer is an absolute path without `.` or `..` segments that names
+        /// the same pod and container as the parser.
+        #[test]
+        fn container_cgroups_are_clean_paths(content in "0::(/(\\.\\.|kubepods(-[a-z]{1,5})?(-pod[0-9a-f_]{36})?\\.slice|pod[0-9a-f-]{36}|cri-containerd-[0-9a-f]{12}\\.scope|[a-z.]{1,6})){0,7}\n") {
+            if let Some(path) = container_cgroup_v2(&content) {
+                prop_assert!(path.starts_with('/'));
+                prop_assert!(path.split('/').skip(1).all(|s| !s.is_empty() && s != "." && s != ".."), "{}", path);
+                let line = content.trim_end().trim_start_matches("0::");
+                let parsed = parse_cgroup_path(line);
+                prop_assert!(parsed.is_some_and(|r| r.container_id.is_some()));
+                prop_assert_eq!(parse_cgroup_path(&path), parse_cgroup_path(line));
+            }
+        }
 
         #[test]
         fn never_panics(content in "\\PC{0,400}") {

@@ -5,16 +5,18 @@
 //! - [`budgets`]: the cluster's budgets, compiled as the watch delivers them, per namespace;
 //! - [`pods`]: the node's pods with their budgets, indexed for the join (rebuilt on cache changes);
 //! - [`join`]: each sampled process to its owner;
-//! - [`usage`]: the pure per-pod sum.
+//! - [`usage`]: the pure per-pod sum;
+//! - [`driver_limits`]: what the NVIDIA driver caps each pod at (R615 per-cgroup limits), read per pair.
 
 pub mod budgets;
 pub mod cgroup;
+pub mod driver_limits;
 pub mod join;
 pub mod pods;
 pub mod procfs;
 pub mod usage;
 
-pub use cgroup::{ContainerRef, normalize_uid, parse_cgroup_file, parse_cgroup_path};
+pub use cgroup::{ContainerRef, container_cgroup_v2, normalize_uid, parse_cgroup_file, parse_cgroup_path};
 pub use join::Owner;
 pub use pods::{PodTable, PodView};
 pub use procfs::{Lookup, ProcAttributor};

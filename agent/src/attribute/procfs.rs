@@ -15,12 +15,16 @@ use std::fmt::Write as _;
 use std::io::Read as _;
 use std::path::Path;
 
-use super::cgroup::{ContainerRef, parse_cgroup_file};
+use std::sync::Arc;
+
+use super::cgroup::{ContainerRef, container_cgroup_v2, parse_cgroup_file};
 
 #[derive(Debug)]
 struct Entry {
     start_time: u64,
     owner: Option<ContainerRef>,
+    /// The container's cgroup v2 path ([`container_cgroup_v2`]), for the driver's limits.
+    cgroup: Option<Arc<str>>,
     /// When the cgroup file was read.
     checked_ms: u64,
     /// When the start time was read.
@@ -118,12 +122,13 @@ impl ProcAttributor {
                     e.validated_ms = now_ms;
                 }
                 _ => {
-                    let owner = self.read_owner(pid);
+                    let (owner, cgroup) = self.read_owner(pid);
                     if owner.is_none() && self.read_start_time(pid).is_none() {
                         self.entries.remove(&pid);
                         return Lookup::Gone;
                     }
-                    let entry = Entry { start_time, owner, checked_ms: now_ms, validated_ms: now_ms, seen: generation };
+                    let entry =
+                        Entry { start_time, owner, cgroup, checked_ms: now_ms, validated_ms: now_ms, seen: generation };
                     self.entries.insert(pid, entry);
                 }
             }
@@ -158,12 +163,21 @@ impl ProcAttributor {
         parse_start_time(&self.buf)
     }
 
-    fn read_owner(&mut self, pid: u32) -> Option<ContainerRef> {
+    fn read_owner(&mut self, pid: u32) -> (Option<ContainerRef>, Option<Arc<str>>) {
         self.reads.cgroup += 1;
         if !self.read_into_buf(pid, "cgroup") {
-            return None;
+            return (None, None);
         }
-        std::str::from_utf8(&self.buf).ok().and_then(parse_cgroup_file)
+        let Ok(text) = std::str::from_utf8(&self.buf) else { return (None, None) };
+        let owner = parse_cgroup_file(text);
+        let cgroup = owner.as_ref().and_then(|_| container_cgroup_v2(text)).map(Arc::from);
+        (owner, cgroup)
+    }
+
+    /// The container cgroup (v2, from the hierarchy's root) of a PID looked up in this round, when its
+    /// `/proc/<pid>/cgroup` tells it ([`container_cgroup_v2`]).
+    pub fn cgroup_of(&self, pid: u32) -> Option<&Arc<str>> {
+        self.entries.get(&pid).filter(|e| e.seen == self.generation).and_then(|e| e.cgroup.as_ref())
     }
 }
 

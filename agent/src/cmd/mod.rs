@@ -2,6 +2,7 @@
 //! (write a sample file from NVML) and [`standalone`] (enforce files, decisions as JSON lines).
 
 pub mod capture;
+pub mod driver_limits;
 pub mod run;
 pub mod standalone;
 pub mod top;
@@ -15,5 +16,6 @@ pub async fn dispatch(cli: cli::Cli) -> anyhow::Result<()> {
         cli::Command::Top(args) => top::run(args).await,
         cli::Command::Capture(args) => capture::run(args),
         cli::Command::Standalone(args) => standalone::run(args).await,
+        cli::Command::DriverLimits(args) => driver_limits::run(&args),
     }
 }

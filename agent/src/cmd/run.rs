@@ -26,14 +26,16 @@ use tokio_util::sync::CancellationToken;
 use crate::act::kube::KubeExecutor;
 use crate::attribute::ProcAttributor;
 use crate::attribute::budgets::{BudgetCache, Change};
+use crate::attribute::driver_limits::DriverReader;
 use crate::attribute::pods::{PodTable, PodView, slim_pod};
 use crate::cli::RunArgs;
-use crate::decide::Settings;
+use crate::decide::{Settings, driver_limits};
 use crate::pipeline::Engine;
 use crate::report::metrics::Metrics;
 use crate::sample::file::RecordedSampler;
 use crate::sample::nvml::NvmlSampler;
 use crate::sample::{SamplerFactory, SamplerSlot};
+use gpubudget_nvml_limits::DriverLimits;
 
 /// Readiness checks.
 pub const CHECKS: [&str; 3] = ["gpu", "pods", "budgets"];
@@ -164,6 +166,8 @@ pub fn sampler_factory(sample_file: Option<&std::path::Path>) -> SamplerFactory 
 /// The agent's main loop, until `shutdown`.
 pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Metrics, shutdown: CancellationToken) {
     let node = args.node_name.clone();
+    // The driver's per-cgroup limits, once per start (not when replaying a sample file: no driver then).
+    let detected = args.sample_file.is_none().then(DriverLimits::open);
     let caches = Caches::start(client.clone(), &node, health.clone(), shutdown.clone());
     let mut engine = Engine::new(
         SamplerSlot::new(sampler_factory(args.sample_file.as_deref())),
@@ -177,6 +181,23 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
         metrics.clone(),
     );
     let (mut executor, mut feedback) = KubeExecutor::new(client, &node, metrics.act.clone());
+    if let Some(detected) = detected {
+        metrics.driver_limits_available.set(i64::from(detected.is_ok()));
+        match detected {
+            Ok(limits) => {
+                tracing::info!(
+                    driver = limits.driver_version().unwrap_or_default(),
+                    cgroup_root = %args.cgroup_root.display(),
+                    "driver limits: available (per-cgroup GPU memory limits are read back)"
+                );
+                engine.driver = Some(DriverReader::new(Box::new(limits), args.cgroup_root.clone()));
+            }
+            Err(why) => {
+                tracing::info!(reason = %why, "driver limits: unavailable; eviction only");
+                executor.dispatch([driver_limits::unavailable(&why)]);
+            }
+        }
+    }
     let mut interval = tokio::time::interval(args.sample.interval);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut table = PodTable::default();

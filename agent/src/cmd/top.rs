@@ -14,11 +14,15 @@ use kube::{Api, Client, ResourceExt as _};
 use serde::Serialize;
 
 use crate::attribute::ProcAttributor;
+use crate::attribute::driver_limits::{DriverReader, DriverView};
 use crate::attribute::pods::{PodTable, PodView};
 use crate::attribute::{Owner, Usage};
 use crate::cli::{Output, TopArgs};
+use crate::decide::driver_limits::{compare, record};
 use crate::decide::pressure::Threshold;
 use crate::sample::{GpuHealth, Sampler, Snapshot};
+use gpubudget_common::pod_record::DriverLimitsRecord;
+use gpubudget_nvml_limits::DriverLimits;
 
 /// A GPU row.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -71,6 +75,9 @@ pub struct PodRow {
     /// The budget's request (never evicted within it); absent when the budget sets none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub request_bytes: Option<u64>,
+    /// What the NVIDIA driver caps the pod at (R615 per-cgroup limits), where the node's driver can tell.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver: Option<DriverLimitsRecord>,
 }
 
 /// A process row.
@@ -171,6 +178,7 @@ pub fn build_view(
                 budget: budget.as_ref().map(|b| b.0.clone()),
                 limit_bytes: budget.as_ref().map(|b| b.1),
                 request_bytes: budget.and_then(|b| b.2),
+                driver: None,
             });
             row.used_bytes += process.charged();
             *row.by_gpu.entry(gpu.clone()).or_insert(0) += process.charged();
@@ -196,6 +204,31 @@ pub fn build_view(
         ))
     });
     View { taken_at: jiff::Timestamp::now().to_string(), names_from_api: names, gpus, pods, processes }
+}
+
+/// Adds what the driver caps each pod at (`views` indexed like `table.pods`), and how that disagrees with its
+/// budget ([`compare`]), to the view's pod rows.
+pub fn add_driver_limits(view: &mut View, table: &PodTable, views: &[Option<DriverView>]) {
+    for row in &mut view.pods {
+        let Some(i) = table.find_uid(&row.uid) else { continue };
+        let Some(v) = views.get(i).copied().flatten().filter(|v| v.answered() > 0) else { continue };
+        let verdict = table.budget(i).and_then(|b| compare(b.limit_bytes, b.request_bytes, false, &v));
+        row.driver = Some(record(&v, verdict));
+    }
+}
+
+/// The DRIVER CAP cell: `8Gi (soft 4Gi)`, `none`, `1 of 2 pairs`.
+fn driver_cell(driver: Option<&DriverLimitsRecord>) -> String {
+    let Some(d) = driver else { return "-".to_owned() };
+    let hard = match d.hard_bytes {
+        Some(h) => HumanBytes(h).to_string(),
+        None if d.capped == 0 => "none".to_owned(),
+        None => format!("{} of {} pairs", d.capped, d.pairs),
+    };
+    match d.soft_bytes {
+        Some(s) => format!("{hard} (soft {})", HumanBytes(s)),
+        None => hard,
+    }
 }
 
 /// Renders the view as an aligned table.
@@ -239,6 +272,11 @@ pub fn render_table(view: &View) -> String {
         header.push("REQUEST".into());
     }
     header.extend(["LIMIT".into(), "BUDGET".into()]);
+    // The DRIVER CAP column only where the node's driver has per-cgroup limits (R615 or newer).
+    let driver = view.pods.iter().any(|p| p.driver.is_some());
+    if driver {
+        header.push("DRIVER CAP".into());
+    }
     let mut pods = vec![header];
     pods.extend(view.pods.iter().map(|p| {
         let mut by_gpu: Vec<String> = p.by_gpu.iter().map(|(g, b)| format!("{g}: {}", HumanBytes(*b))).collect();
@@ -255,9 +293,17 @@ pub fn render_table(view: &View) -> String {
             row.push(request);
         }
         row.extend([bytes_or_dash(p.limit_bytes), p.budget.clone().unwrap_or_else(|| "-".into())]);
+        if driver {
+            row.push(driver_cell(p.driver.as_ref()));
+        }
         row
     }));
     out.push_str(&table(&pods));
+    for p in &view.pods {
+        if let Some(note) = p.driver.as_ref().and_then(|d| d.note.as_deref()) {
+            let _ = writeln!(out, "{}: {note}", p.pod);
+        }
+    }
     out.push('\n');
     let mut procs =
         vec![vec!["POD".to_owned(), "CONTAINER".into(), "PID".into(), "GPU".into(), "MEMORY".into(), "COMMAND".into()]];
@@ -345,11 +391,21 @@ pub async fn run(args: TopArgs) -> anyhow::Result<()> {
     let mut usage = Usage::default();
     let started = Instant::now();
     let refresh = args.sample.interval.max(Duration::from_secs(1));
+    // The driver's per-cgroup limits, where the node's NVML has them (not for a replayed sample).
+    let mut driver = match args.sample_file {
+        Some(_) => None,
+        None => DriverLimits::open().ok().map(|l| DriverReader::new(Box::new(l), args.cgroup_root.clone())),
+    };
+    let mut driver_views = Vec::new();
     loop {
         sampler.sample(&mut snapshot)?;
         let now_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
         usage.compute(&snapshot, &table, &mut attributor, now_ms);
-        let view = build_view(&snapshot, &table, &usage, &args.sample.proc_root, names, args.pressure_hard.0);
+        let mut view = build_view(&snapshot, &table, &usage, &args.sample.proc_root, names, args.pressure_hard.0);
+        if let Some(reader) = &mut driver {
+            reader.observe(&snapshot, &usage.owners, &attributor, table.pods.len(), now_ms, &mut driver_views);
+            add_driver_limits(&mut view, &table, &driver_views);
+        }
         let text = match args.output {
             Output::Table => render_table(&view),
             Output::Json => serde_json::to_string_pretty(&view)? + "\n",
@@ -382,6 +438,7 @@ mod tests {
             budget: Some("team-a/b".into()),
             limit_bytes: Some(32 * GI),
             request_bytes: request,
+            driver: None,
         }
     }
 
@@ -400,5 +457,36 @@ mod tests {
         assert!(with.contains("REQUEST"), "{with}");
         assert!(with.lines().any(|l| l.starts_with("team-a/a") && l.contains("20Gi (+4Gi)  32Gi")), "{with}");
         assert!(with.lines().any(|l| l.starts_with("team-a/b") && l.contains("20Gi         32Gi")), "{with}");
+    }
+
+    #[test]
+    fn the_driver_cap_column_shows_only_where_the_driver_tells_with_its_disagreement() {
+        let without = render_table(&view(vec![pod("a", 24 * GI, None)]));
+        assert!(!without.contains("DRIVER CAP"), "{without}");
+        let mut capped = pod("a", 24 * GI, None);
+        capped.driver = Some(DriverLimitsRecord {
+            pairs: 2,
+            capped: 2,
+            hard_bytes: Some(48 * GI),
+            soft_bytes: None,
+            note: Some("driver allows more than the budget (…)".into()),
+        });
+        let mut partly = pod("b", 8 * GI, None);
+        partly.driver = Some(DriverLimitsRecord { pairs: 2, capped: 1, ..DriverLimitsRecord::default() });
+        let mut soft = pod("c", 8 * GI, None);
+        soft.driver = Some(DriverLimitsRecord {
+            pairs: 1,
+            capped: 1,
+            hard_bytes: Some(8 * GI),
+            soft_bytes: Some(4 * GI),
+            note: None,
+        });
+        let text = render_table(&view(vec![capped, partly, soft, pod("d", GI, None)]));
+        assert!(text.contains("DRIVER CAP"), "{text}");
+        assert!(text.lines().any(|l| l.starts_with("team-a/a") && l.trim_end().ends_with("48Gi")), "{text}");
+        assert!(text.lines().any(|l| l.starts_with("team-a/b") && l.trim_end().ends_with("1 of 2 pairs")), "{text}");
+        assert!(text.lines().any(|l| l.starts_with("team-a/c") && l.trim_end().ends_with("8Gi (soft 4Gi)")), "{text}");
+        assert!(text.lines().any(|l| l.starts_with("team-a/d") && l.trim_end().ends_with('-')), "{text}");
+        assert!(text.contains("team-a/a: driver allows more than the budget"), "{text}");
     }
 }

@@ -29,11 +29,13 @@
 //! - [`pressure`]: GPU memory pressure: the signal and the choice of the pod to evict, and (in
 //!   `pressure/step.rs`) the step of a tick that acts on them, [`Enforcer::pressure`];
 //! - [`gpus`]: each GPU's health and accounting, told on the Node;
+//! - [`driver_limits`]: the NVIDIA driver's per-cgroup limits (R615) beside the budget: agree or not, and how;
 //! - `notes`: helpers for the text of events.
 //!
 //! Nothing here knows the command line: `cli` turns flags into [`Settings`], never the reverse
 //! (`tests/layering.rs` checks it).
 
+pub mod driver_limits;
 mod enforcer;
 pub mod gpus;
 mod notes;

@@ -2,7 +2,7 @@
 //! transitions, its record (annotations) and its eviction's lifecycle (record first, then the request;
 //! refusals, backoff, delete after `blockedEvictionTimeoutSeconds`), and what the executors report back.
 
-use gpubudget_common::pod_record::PodRecord;
+use gpubudget_common::pod_record::{DriverLimitsRecord, PodRecord};
 use gpubudget_common::quantity::HumanBytes;
 use gpubudget_common::{Budget, BudgetAction, BudgetState, Tracker, step};
 
@@ -76,6 +76,15 @@ pub(in crate::decide) struct PodMemory {
     pub(in crate::decide) seen: u64,
     /// The GPU whose memory pressure this pod is being evicted for.
     pub(in crate::decide) pressure: Option<usize>,
+    /// How the driver's limits disagree with the budget now ([`super::driver_limits`]).
+    pub(in crate::decide) driver: Option<super::driver_limits::Disagreement>,
+    /// The kinds of disagreement told already (bit per [`super::driver_limits::Disagreement::kind`]).
+    pub(in crate::decide) driver_told: u8,
+    /// What the record should say of the driver's limits; what the last accepted write said; what the write in
+    /// flight says.
+    pub(in crate::decide) driver_record: Option<DriverLimitsRecord>,
+    pub(in crate::decide) driver_written: Option<DriverLimitsRecord>,
+    pub(in crate::decide) driver_pending: Option<DriverLimitsRecord>,
 }
 
 fn percent_changed(old: u64, new: u64, percent: u64) -> bool {
@@ -175,6 +184,11 @@ impl Enforcer {
             last_budget: String::new(),
             seen: 0,
             pressure: None,
+            driver: None,
+            driver_told: 0,
+            driver_record: None,
+            driver_written: None,
+            driver_pending: None,
         }
     }
 
@@ -310,7 +324,8 @@ impl Enforcer {
                 let at = now.wall.round(jiff::Unit::Second).unwrap_or(now.wall).to_string();
                 mem.eviction_requested_at = Some(at);
                 let record = self.desired(&mem, cx);
-                out.push(Action::Apply { pod: mem.pod.clone(), record });
+                mem.driver_pending = mem.driver_record.clone();
+                out.push(Action::Apply { pod: mem.pod.clone(), record, driver: mem.driver_record.clone() });
                 mem.write_in_flight = true;
                 applied = true;
                 let note = format!(
@@ -391,8 +406,13 @@ impl Enforcer {
                             && now.mono_ms.saturating_sub(mem.last_write_ms) >= self.settings.usage_min_interval_ms)
                 }
             };
-            if due {
-                out.push(Action::Apply { pod: mem.pod.clone(), record: self.desired(&mem, cx) });
+            // What the driver caps the pod at: rewritten when it changed, at most as often as usage.
+            let driver_due = mem.driver_record != mem.driver_written
+                && now.mono_ms.saturating_sub(mem.last_write_ms) >= self.settings.usage_min_interval_ms;
+            if due || driver_due {
+                mem.driver_pending = mem.driver_record.clone();
+                let driver = mem.driver_record.clone();
+                out.push(Action::Apply { pod: mem.pod.clone(), record: self.desired(&mem, cx), driver });
                 mem.write_in_flight = true;
             }
         }
@@ -434,6 +454,7 @@ impl Enforcer {
                 let Some(mem) = self.pods.get_mut(&uid) else { return };
                 mem.write_in_flight = false;
                 if ok {
+                    mem.driver_written = if record.is_some() { mem.driver_pending.take() } else { None };
                     mem.has_annotations = record.is_some();
                     mem.written = record;
                     mem.last_write_ms = now.mono_ms;

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use gpubudget_common::BudgetState;
-use gpubudget_common::pod_record::PodRecord;
+use gpubudget_common::pod_record::{DriverLimitsRecord, PodRecord};
 
 use crate::attribute::pods::PodView;
 
@@ -51,6 +51,9 @@ pub enum Reason {
     Deleting,
     /// The budget's action or `overLimitSeconds` changed while the pod was over: the period starts afresh.
     BudgetChanged,
+    /// The driver's per-cgroup limits disagree with the budget ([`driver_limits`](super::driver_limits)); once
+    /// per pod per kind of disagreement.
+    DriverLimitsDisagree,
 }
 
 impl Reason {
@@ -65,6 +68,7 @@ impl Reason {
             Reason::RecordNotWritten => "GpuMemoryEvictionRecordFailed",
             Reason::Deleting => "DeletingForGpuMemory",
             Reason::BudgetChanged => "GpuMemoryBudgetChanged",
+            Reason::DriverLimitsDisagree => "GpuMemoryDriverLimitsDisagree",
         }
     }
 
@@ -78,11 +82,12 @@ impl Reason {
                 | Reason::EvictionBlocked
                 | Reason::RecordNotWritten
                 | Reason::Deleting
+                | Reason::DriverLimitsDisagree
         )
     }
 
     /// How many reasons there are.
-    pub(super) const COUNT: usize = 8;
+    pub(super) const COUNT: usize = 9;
 
     pub(super) fn slot(self) -> usize {
         self as usize
@@ -106,6 +111,8 @@ pub enum NodeReason {
     Unaccounted,
     /// NVML gives no per-process figure for some processes on a GPU (once per GPU).
     Unavailable,
+    /// The driver's per-cgroup memory limits (R615) cannot be read here: eviction only (once per agent start).
+    DriverLimitsUnavailable,
 }
 
 impl NodeReason {
@@ -119,12 +126,13 @@ impl NodeReason {
             Self::GpuSampleRecovered => "GpuSampleRecovered",
             Self::Unaccounted => "GpuMemoryUnaccounted",
             Self::Unavailable => "GpuProcessMemoryUnavailable",
+            Self::DriverLimitsUnavailable => "DriverLimitsUnavailable",
         }
     }
 
     /// Warning (true) or Normal.
     pub fn is_warning(self) -> bool {
-        !matches!(self, Self::PressureEnded | Self::GpuSampleRecovered)
+        !matches!(self, Self::PressureEnded | Self::GpuSampleRecovered | Self::DriverLimitsUnavailable)
     }
 }
 
@@ -152,6 +160,9 @@ pub enum Action {
         pod: PodRef,
         /// The record.
         record: PodRecord,
+        /// What the driver caps the pod at, where the node's driver can tell (`gpubudget.io/driver-limits`,
+        /// written in the same apply).
+        driver: Option<DriverLimitsRecord>,
     },
     /// Remove the agent's annotations (no budget applies any more).
     Clear {

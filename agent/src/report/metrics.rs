@@ -53,6 +53,15 @@ pub struct StateLabels {
     pub state: String,
 }
 
+/// `{namespace, pod}`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PodLabels {
+    /// Namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub pod: String,
+}
+
 /// `{call}`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CallLabels {
@@ -100,6 +109,12 @@ pub struct Metrics {
     pub sample_duration: Histogram,
     /// `gpubudget_pod_table_rebuilds_total`.
     pub table_rebuilds: Counter,
+    /// `gpubudget_driver_limits_available`.
+    pub driver_limits_available: Gauge,
+    /// `gpubudget_pod_driver_hard_limit_bytes`.
+    pub pod_driver_hard: Family<PodLabels, Gauge>,
+    /// `gpubudget_pod_driver_soft_limit_bytes`.
+    pub pod_driver_soft: Family<PodLabels, Gauge>,
 }
 
 impl Metrics {
@@ -122,7 +137,25 @@ impl Metrics {
             gpu_budgeted: Family::default(),
             sample_duration: Histogram::new(buckets),
             table_rebuilds: Counter::default(),
+            driver_limits_available: Gauge::default(),
+            pod_driver_hard: Family::default(),
+            pod_driver_soft: Family::default(),
         };
+        registry.register(
+            "gpubudget_pod_driver_hard_limit_bytes",
+            "The NVIDIA driver's hard GPU memory limits on a pod's container cgroups, summed over its (container, GPU) pairs, when every pair has one (driver R615 or newer; bytes)",
+            m.pod_driver_hard.clone(),
+        );
+        registry.register(
+            "gpubudget_pod_driver_soft_limit_bytes",
+            "The NVIDIA driver's soft GPU memory limits on a pod's container cgroups, summed over its (container, GPU) pairs, when every pair has one (driver R615 or newer; bytes)",
+            m.pod_driver_soft.clone(),
+        );
+        registry.register(
+            "gpubudget_driver_limits_available",
+            "1 when this node's NVML has the driver's per-cgroup GPU memory limits (nvmlDeviceGetMemoryLimits_v1, driver R615 or newer), 0 when it has not (eviction only); checked at the agent's start",
+            m.driver_limits_available.clone(),
+        );
         registry.register(
             "gpubudget_pod_table_rebuilds",
             "Rebuilds of the agent's table of its pods and their budgets: on changes of its pods, and of budgets' specs (not of their status)",
@@ -230,6 +263,57 @@ fn budgeted_per_gpu(gpus: usize, table: &PodTable, usage: &Usage) -> Vec<u64> {
         }
     }
     sums
+}
+
+/// The per-pod series of the driver's limits: one pair of gauges per pod the driver caps, removed when the pod
+/// goes or is no longer capped (as many series as pods with limits, like `gpubudget_pod_budget_bytes`).
+#[derive(Debug, Default)]
+pub struct DriverSeries {
+    pods: HashMap<Arc<str>, (PodLabels, Option<u64>, Option<u64>)>,
+}
+
+impl DriverSeries {
+    /// Publishes `views` (indexed like `table.pods`).
+    pub fn update(
+        &mut self,
+        metrics: &Metrics,
+        table: &PodTable,
+        views: &[Option<crate::attribute::driver_limits::DriverView>],
+    ) {
+        let gauge = |bytes: u64| i64::try_from(bytes).unwrap_or(i64::MAX);
+        let mut now: HashMap<Arc<str>, (Option<u64>, Option<u64>)> = HashMap::new();
+        for (view, pod) in views.iter().zip(&table.pods) {
+            let Some(v) = view else { continue };
+            let (hard, soft) = (v.hard(), v.soft());
+            if hard.is_some() || soft.is_some() {
+                now.insert(pod.uid.clone(), (hard, soft));
+            }
+        }
+        self.pods.retain(|uid, (labels, hard, soft)| {
+            let (new_hard, new_soft) = now.get(uid).copied().unwrap_or((None, None));
+            if new_hard.is_none() && hard.is_some() {
+                metrics.pod_driver_hard.remove(labels);
+            }
+            if new_soft.is_none() && soft.is_some() {
+                metrics.pod_driver_soft.remove(labels);
+            }
+            (*hard, *soft) = (new_hard, new_soft);
+            new_hard.is_some() || new_soft.is_some()
+        });
+        for (uid, (hard, soft)) in now {
+            let Some(i) = table.find_uid(&uid) else { continue };
+            let pod = &table.pods[i];
+            let entry = self.pods.entry(uid).or_insert_with(|| {
+                (PodLabels { namespace: pod.namespace.to_string(), pod: pod.name.to_string() }, hard, soft)
+            });
+            if let Some(h) = hard {
+                metrics.pod_driver_hard.get_or_create(&entry.0).set(gauge(h));
+            }
+            if let Some(s) = soft {
+                metrics.pod_driver_soft.get_or_create(&entry.0).set(gauge(s));
+            }
+        }
+    }
 }
 
 type SeriesKey = (Arc<str>, Option<Arc<str>>, usize);

@@ -146,7 +146,9 @@ impl Enforcer {
                     mem.pressure = Some(g);
                     let at = now.wall.round(jiff::Unit::Second).unwrap_or(now.wall).to_string();
                     mem.eviction_requested_at = Some(at);
-                    out.push(Action::Apply { pod: mem.pod.clone(), record: self.desired(&mem, &cx) });
+                    mem.driver_pending = mem.driver_record.clone();
+                    let driver = mem.driver_record.clone();
+                    out.push(Action::Apply { pod: mem.pod.clone(), record: self.desired(&mem, &cx), driver });
                     mem.write_in_flight = true;
                     // With a request, the pod is ranked by its usage above it (the kubelet's rule for RAM).
                     let (used, most) = match cx.above_request() {

@@ -76,7 +76,7 @@ impl Harness {
         let mut feedback = Vec::new();
         for a in &out {
             match a {
-                Action::Apply { pod, record } => feedback.push(Feedback::Written {
+                Action::Apply { pod, record, .. } => feedback.push(Feedback::Written {
                     uid: pod.uid.clone(),
                     record: Some(record.clone()),
                     ok: self.write_ok,
@@ -287,7 +287,7 @@ fn blocked_evictions_retry_with_backoff_one_at_a_time() {
         let written: Vec<Feedback> = out[start..]
             .iter()
             .filter_map(|a| match a {
-                Action::Apply { pod, record } => {
+                Action::Apply { pod, record, .. } => {
                     Some(Feedback::Written { uid: pod.uid.clone(), record: Some(record.clone()), ok: true })
                 }
                 _ => None,
@@ -611,7 +611,7 @@ proptest! {
                 enforcer.feedback(at(now), Feedback::Evicted { uid: Arc::from("uid-1"), outcome }, &mut out);
             }
             for a in &out {
-                if let Action::Apply { pod, record } = a {
+                if let Action::Apply { pod, record, .. } = a {
                     enforcer.feedback(at(now), Feedback::Written { uid: pod.uid.clone(), record: Some(record.clone()), ok: true }, &mut Vec::new());
                 }
             }
@@ -620,3 +620,82 @@ proptest! {
 }
 
 mod pressure_eviction;
+
+#[test]
+fn driver_limits_disagreements_are_told_once_per_pod_per_kind() {
+    use super::driver_limits::{Disagreement, DriverView};
+    let mut h = Harness::new(pod("", ""), &[budget("")]);
+    let told = |out: &[Action]| -> Vec<String> {
+        out.iter()
+            .filter_map(|a| match a {
+                Action::Event { reason: Reason::DriverLimitsDisagree, note, .. } => Some(note.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    // Two GPUs with the 8Gi limit each: the driver allows 16Gi.
+    let above = DriverView { pairs: 2, hard_pairs: 2, hard_sum: 16 * GI, ..DriverView::default() };
+    let mut out = h.tick(0, GI);
+    h.enforcer.driver_limits(&h.table, &[Some(above)], &mut out);
+    let first = told(&out);
+    assert_eq!(first.len(), 1, "{out:?}");
+    assert!(first[0].starts_with("driver allows more than the budget") && first[0].contains("budget team-a/llm"));
+    assert!(matches!(h.enforcer.driver_disagreement("uid-1"), Some(Disagreement::HardAboveLimit { .. })));
+    // Steady, agreeing, then the same kind again: nothing more told.
+    let agree = DriverView { pairs: 1, hard_pairs: 1, hard_sum: 8 * GI, ..DriverView::default() };
+    for (t, view) in [(250, above), (500, agree), (750, above)] {
+        let mut out = h.tick(t, GI);
+        h.enforcer.driver_limits(&h.table, &[Some(view)], &mut out);
+        assert!(told(&out).is_empty(), "{out:?}");
+        if view == agree {
+            assert_eq!(h.enforcer.driver_disagreement("uid-1"), None);
+        }
+    }
+    // Another kind is told, once.
+    let partly = DriverView { pairs: 2, hard_pairs: 1, hard_sum: 4 * GI, ..DriverView::default() };
+    let mut out = h.tick(1_000, GI);
+    h.enforcer.driver_limits(&h.table, &[Some(partly)], &mut out);
+    assert_eq!(told(&out).len(), 1);
+    assert!(told(&out)[0].contains("caps 1 of the pod's 2"));
+    // Not read this tick: no verdict, nothing told.
+    let mut out = h.tick(1_250, GI);
+    h.enforcer.driver_limits(&h.table, &[None], &mut out);
+    assert!(told(&out).is_empty());
+    assert_eq!(h.enforcer.driver_disagreement("uid-1"), None);
+}
+
+#[test]
+fn the_record_carries_the_drivers_limits_once_known_at_most_as_often_as_usage() {
+    use super::driver_limits::DriverView;
+    let mut h = Harness::new(pod("", ""), &[budget("")]);
+    let applied = |out: &[Action]| -> Vec<Option<gpubudget_common::pod_record::DriverLimitsRecord>> {
+        out.iter()
+            .filter_map(|a| match a {
+                Action::Apply { driver, .. } => Some(driver.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    // The first record (no driver reading yet), then the driver's limits arrive.
+    assert_eq!(applied(&h.tick(0, GI)), vec![None]);
+    let capped = DriverView { pairs: 1, hard_pairs: 1, hard_sum: 12 * GI, ..DriverView::default() };
+    let mut quiet = Vec::new();
+    for t in (250..30_000).step_by(250) {
+        let mut out = h.tick(t, GI);
+        h.enforcer.driver_limits(&h.table, &[Some(capped)], &mut out);
+        quiet.extend(applied(&out));
+    }
+    assert!(quiet.is_empty(), "not rewritten before usage would be: {quiet:?}");
+    let out = h.tick(30_000, GI);
+    let written = applied(&out);
+    assert_eq!(written.len(), 1);
+    let record = written[0].clone().expect("driver limits in the record");
+    assert_eq!((record.pairs, record.capped, record.hard_bytes), (1, 1, Some(12 * GI)));
+    assert!(record.note.as_deref().is_some_and(|n| n.starts_with("driver allows more than the budget")));
+    // Written and unchanged: not again.
+    for t in (30_250..70_000).step_by(250) {
+        let mut out = h.tick(t, GI);
+        h.enforcer.driver_limits(&h.table, &[Some(capped)], &mut out);
+        assert!(applied(&out).is_empty());
+    }
+}

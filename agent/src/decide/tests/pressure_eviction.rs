@@ -84,7 +84,7 @@ impl Node {
         let feedback: Vec<Feedback> = out
             .iter()
             .filter_map(|a| match a {
-                Action::Apply { pod, record } => {
+                Action::Apply { pod, record, .. } => {
                     Some(Feedback::Written { uid: pod.uid.clone(), record: Some(record.clone()), ok: true })
                 }
                 Action::Evict { pod, .. } => Some(Feedback::Evicted {
@@ -127,7 +127,7 @@ fn the_most_over_pod_is_evicted_at_once_with_the_pressure_grace_and_the_record_s
     assert_eq!(node_events(&first), [NodeReason::Pressure]);
     assert!(node.enforcer.under_pressure(0));
     let record = first.iter().find_map(|a| match a {
-        Action::Apply { pod, record } if &*pod.name == "grower" => Some(record.clone()),
+        Action::Apply { pod, record, .. } if &*pod.name == "grower" => Some(record.clone()),
         _ => None,
     });
     assert_eq!(record.map(|r| r.state), Some(BudgetState::Evicting), "{first:#?}");
