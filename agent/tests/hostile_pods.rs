@@ -43,6 +43,7 @@ fn pod(uid: &str, name: &str, cid: &str, labels: &[(&str, &str)]) -> PodView {
         mirror_of: None,
         record: None,
         has_annotations: false,
+        caps_expected: false,
     }
 }
 

@@ -141,6 +141,7 @@ impl PodModel {
             mirror_of: None,
             record: self.record.clone(),
             has_annotations: self.record.is_some(),
+            caps_expected: false,
         }
     }
 }

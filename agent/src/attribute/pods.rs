@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use gpubudget_common::caps;
 use gpubudget_common::pod_record::{self, PodRecord};
 use gpubudget_common::{Budget, GpuMemoryBudget, SpecError, is_critical, resolve};
 
@@ -50,6 +51,10 @@ pub struct PodView {
     pub record: Option<PodRecord>,
     /// Whether any contract annotation is present.
     pub has_annotations: bool,
+    /// Whether the admission webhook set the driver's cgroup limit (`NVIDIA_GPU_MEMORY_LIMIT`) in a container
+    /// of this pod at creation (its `gpubudget.io/caps` record says so): then a pod the driver holds no limit
+    /// for was not capped as its budget asked, and the agent says so.
+    pub caps_expected: bool,
 }
 
 /// Strips `containerd://`, `cri-o://`, `docker://` (any scheme) and lowercases.
@@ -110,6 +115,8 @@ impl PodView {
             mirror_of: annotations.and_then(|a| a.get(MIRROR_ANNOTATION)).map(|m| m.to_ascii_lowercase()),
             record: annotations.and_then(PodRecord::from_annotations),
             has_annotations: annotations.is_some_and(|a| pod_record::ALL.iter().any(|k| a.contains_key(*k))),
+            caps_expected: caps::record_of(pod)
+                .is_some_and(|r| r.containers.iter().any(|c| c.env.contains_key(caps::MEMORY_LIMIT))),
         })
     }
 
@@ -339,6 +346,28 @@ status:
             pod("metadata: {name: d, namespace: a, uid: u}\nspec: {containers: []}\nstatus: {phase: Failed}");
         slim_pod(&mut done);
         assert!(PodView::from_pod(&done).is_none());
+    }
+
+    #[test]
+    fn caps_are_expected_only_where_the_webhook_set_the_drivers_cgroup_limit() {
+        let with = |caps: &str| {
+            let p = pod(&format!(
+                "metadata: {{name: a, namespace: n, uid: u, annotations: {{gpubudget.io/caps: '{caps}'}}}}\nspec: {{containers: []}}"
+            ));
+            let mut slim = p.clone();
+            slim_pod(&mut slim);
+            assert_eq!(PodView::from_pod(&slim), PodView::from_pod(&p), "kept by the slim copy");
+            PodView::from_pod(&slim).expect("view").caps_expected
+        };
+        let set = r#"{"budget":"b","limitMib":8192,"containers":[{"name":"m","devices":1,"env":{"NVIDIA_GPU_MEMORY_LIMIT":"set","CUDA_MPS_PINNED_DEVICE_MEM_LIMIT":"set"}}]}"#;
+        let mps_only = r#"{"budget":"b","limitMib":8192,"containers":[{"name":"m","devices":1,"env":{"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT":"kept"}}]}"#;
+        let no_gpu = r#"{"budget":"b","limitMib":8192,"containers":[]}"#;
+        assert!(with(set));
+        assert!(!with(mps_only), "an MPS cap only is not a driver cgroup limit");
+        assert!(!with(no_gpu));
+        assert!(!with("not json"), "an unreadable record expects nothing");
+        let none = pod("metadata: {name: a, namespace: n, uid: u}\nspec: {containers: []}");
+        assert!(!PodView::from_pod(&none).expect("view").caps_expected);
     }
 
     #[test]

@@ -212,7 +212,8 @@ pub fn add_driver_limits(view: &mut View, table: &PodTable, views: &[Option<Driv
     for row in &mut view.pods {
         let Some(i) = table.find_uid(&row.uid) else { continue };
         let Some(v) = views.get(i).copied().flatten().filter(|v| v.answered() > 0) else { continue };
-        let verdict = table.budget(i).and_then(|b| compare(b.limit_bytes, b.request_bytes, false, &v));
+        let verdict =
+            table.budget(i).and_then(|b| compare(b.limit_bytes, b.request_bytes, table.pods[i].caps_expected, &v));
         row.driver = Some(record(&v, verdict));
     }
 }

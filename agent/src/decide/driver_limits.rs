@@ -44,13 +44,13 @@ impl Enforcer {
     /// pod with a budget that this enforcer remembers (so after [`Enforcer::tick`]), how they stand against its
     /// budget ([`compare`]), kept for [`Enforcer::driver_disagreement`], and a `GpuMemoryDriverLimitsDisagree`
     /// warning the first time each kind of disagreement is seen for the pod (told once per pod per kind, for as
-    /// long as the agent remembers the pod). Caps are not expected of any pod yet: the admission webhook's
-    /// record of what it set will say which pods expect them.
+    /// long as the agent remembers the pod). Caps are expected of a pod whose `gpubudget.io/caps` record says
+    /// the admission webhook set `NVIDIA_GPU_MEMORY_LIMIT` in it ([`crate::attribute::pods::PodView::caps_expected`]).
     pub fn driver_limits(&mut self, table: &PodTable, views: &[Option<DriverView>], out: &mut Vec<Action>) {
         for (i, pod) in table.pods.iter().enumerate() {
             let (Some(budget), Some(mem)) = (table.budget(i), self.pods.get_mut(&pod.uid)) else { continue };
             let view = views.get(i).copied().flatten();
-            let verdict = view.and_then(|v| compare(budget.limit_bytes, budget.request_bytes, false, &v));
+            let verdict = view.and_then(|v| compare(budget.limit_bytes, budget.request_bytes, pod.caps_expected, &v));
             mem.driver = verdict;
             mem.driver_record = view.filter(|v| v.answered() > 0).map(|v| record(&v, verdict));
             let Some(d) = verdict else { continue };

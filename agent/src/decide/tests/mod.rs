@@ -665,6 +665,27 @@ fn driver_limits_disagreements_are_told_once_per_pod_per_kind() {
 }
 
 #[test]
+fn a_pod_the_webhook_capped_but_the_driver_holds_no_limit_for_is_told_once() {
+    use super::driver_limits::{Disagreement, DriverView};
+    let record = r#"{"budget":"llm","limitMib":8192,"containers":[{"name":"m","devices":1,"env":{"NVIDIA_GPU_MEMORY_LIMIT":"set"}}]}"#;
+    let uncapped = DriverView { pairs: 1, ..DriverView::default() };
+    let told = |h: &mut Harness, t: u64| -> usize {
+        let mut out = h.tick(t, GI);
+        h.enforcer.driver_limits(&h.table, &[Some(uncapped)], &mut out);
+        out.iter().filter(|a| matches!(a, Action::Event { reason: Reason::DriverLimitsDisagree, .. })).count()
+    };
+    // Capped at admission: the missing driver limit is told, once.
+    let mut h = Harness::new(pod(&format!(", annotations: {{gpubudget.io/caps: '{record}'}}"), ""), &[budget("")]);
+    assert_eq!(told(&mut h, 0), 1);
+    assert_eq!(h.enforcer.driver_disagreement("uid-1"), Some(Disagreement::Missing));
+    assert_eq!(told(&mut h, 250), 0);
+    // Not capped at admission: eviction only, nothing to tell.
+    let mut h = Harness::new(pod("", ""), &[budget("")]);
+    assert_eq!(told(&mut h, 0), 0);
+    assert_eq!(h.enforcer.driver_disagreement("uid-1"), None);
+}
+
+#[test]
 fn the_record_carries_the_drivers_limits_once_known_at_most_as_often_as_usage() {
     use super::driver_limits::DriverView;
     let mut h = Harness::new(pod("", ""), &[budget("")]);
