@@ -6,7 +6,7 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use gpubudget_common::quantity::parse_bytes;
-use gpubudget_common::{Budget, Thresholds, Tracker, resolve, step};
+use gpubudget_common::{Budget, PodLabels, Thresholds, Tracker, resolve, step};
 
 fn budgets(n: usize) -> Vec<Budget> {
     (0..n)
@@ -28,8 +28,12 @@ fn bench(c: &mut Criterion) {
         let all = budgets(n);
         let labels: BTreeMap<String, String> =
             [("app".to_owned(), "app-7".to_owned()), ("tier".to_owned(), "gold".to_owned())].into();
+        let no_labels = BTreeMap::new();
         group.bench_with_input(BenchmarkId::from_parameter(n), &all, |b, all| {
-            b.iter(|| resolve(black_box(all), "team-a", black_box(&labels)).map(|r| r.budget.limit_bytes))
+            b.iter(|| {
+                resolve(black_box(all), black_box(&PodLabels::new("team-a", &no_labels, &labels)))
+                    .map(|r| r.budget.limit_bytes)
+            })
         });
     }
     group.finish();

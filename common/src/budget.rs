@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::crd::{AdmissionCaps, BudgetAction, GpuMemoryBudget, GpuMemoryBudgetSpec};
+use crate::crd::{AdmissionCaps, BudgetAction, ClusterGpuMemoryBudget, GpuMemoryBudget, GpuMemoryBudgetSpec};
 use crate::quantity::{self, QuantityError};
 use crate::selector::{Selector, SelectorError};
 use crate::state::Thresholds;
@@ -71,6 +71,24 @@ pub enum SpecError {
     /// The object has no name or namespace.
     #[error("metadata: a GpuMemoryBudget needs a name and a namespace")]
     Unnamed,
+    /// A `ClusterGpuMemoryBudget` has no name.
+    #[error("metadata: a ClusterGpuMemoryBudget needs a name")]
+    UnnamedCluster,
+    /// `spec.namespaceSelector` is not a valid label selector.
+    #[error("spec.namespaceSelector: {0}")]
+    NamespaceSelector(SelectorError),
+}
+
+/// Where a budget applies.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Scope {
+    /// A `GpuMemoryBudget`: the pods of its own namespace.
+    Namespaced,
+    /// A `ClusterGpuMemoryBudget`: the pods of the namespaces whose labels this selector matches.
+    Cluster {
+        /// The compiled `spec.namespaceSelector`.
+        namespaces: Selector,
+    },
 }
 
 /// The longest grace period a pod's own `terminationGracePeriodSeconds` gets when the budget sets no
@@ -80,8 +98,10 @@ pub const DEFAULT_EVICTION_GRACE_CAP_SECONDS: i64 = 30;
 /// A validated budget, ready for matching and enforcement.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Budget {
-    /// Namespace of the budget (it applies to pods there only).
+    /// Namespace of the budget (it applies to pods there only); empty for a cluster budget.
     pub namespace: String,
+    /// A namespaced or a cluster budget.
+    pub scope: Scope,
     /// Name of the budget.
     pub name: String,
     /// The compiled selector.
@@ -116,6 +136,13 @@ impl Budget {
             return Err(SpecError::Unnamed);
         };
         Self::from_spec(namespace, name, &resource.spec)
+    }
+
+    /// Validates a `ClusterGpuMemoryBudget` into a `Budget` (empty namespace, [`Scope::Cluster`]).
+    pub fn compile_cluster(resource: &ClusterGpuMemoryBudget) -> Result<Self, SpecError> {
+        let name = resource.metadata.name.as_deref().ok_or(SpecError::UnnamedCluster)?;
+        let namespaces = Selector::compile(&resource.spec.namespace_selector).map_err(SpecError::NamespaceSelector)?;
+        Ok(Self { scope: Scope::Cluster { namespaces }, ..Self::from_spec("", name, &resource.spec.budget)? })
     }
 
     /// Validates a spec into a `Budget` named `namespace/name`.
@@ -160,6 +187,7 @@ impl Budget {
         };
         Ok(Self {
             namespace: namespace.to_owned(),
+            scope: Scope::Namespaced,
             name: name.to_owned(),
             selector: Selector::compile(&spec.selector).map_err(SpecError::Selector)?,
             limit_bytes,
@@ -191,14 +219,46 @@ impl Budget {
         self.request_bytes.unwrap_or(self.limit_bytes)
     }
 
-    /// `namespace/name`.
+    /// `namespace/name`; a cluster budget's is its name alone (it has no namespace, and no namespaced key
+    /// lacks the `/`).
     pub fn key(&self) -> String {
-        format!("{}/{}", self.namespace, self.name)
+        match self.scope {
+            Scope::Namespaced => format!("{}/{}", self.namespace, self.name),
+            Scope::Cluster { .. } => self.name.clone(),
+        }
     }
 
-    /// Whether this budget's selector picks a pod in `namespace` with these labels.
-    pub fn selects(&self, namespace: &str, labels: &BTreeMap<String, String>) -> bool {
-        self.namespace == namespace && self.selector.matches(labels)
+    /// A `ClusterGpuMemoryBudget`.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.scope, Scope::Cluster { .. })
+    }
+
+    /// Whether this budget's selectors pick the pod `pod`: for a namespaced budget, a pod of its namespace
+    /// whose labels its selector matches; for a cluster budget, a pod whose namespace's labels its
+    /// `namespaceSelector` matches and whose labels its selector matches.
+    pub fn selects(&self, pod: &PodLabels<'_>) -> bool {
+        let here = match &self.scope {
+            Scope::Namespaced => self.namespace == pod.namespace,
+            Scope::Cluster { namespaces } => namespaces.matches(pod.namespace_labels),
+        };
+        here && self.selector.matches(pod.labels)
+    }
+
+    /// Whether this budget is no looser than `other` in any field that governs enforcement: limit, the
+    /// bytes guaranteed (request), action, `overLimitSeconds`, the most grace an eviction may give,
+    /// `blockedEvictionTimeoutSeconds` (unset: never) and `admissionCaps`. `warnAtPercent` only reports,
+    /// and is not compared.
+    pub fn no_looser_than(&self, other: &Budget) -> bool {
+        let evicts = |b: &Budget| b.action == BudgetAction::Evict;
+        let most_grace = |b: &Budget| b.eviction_grace_period_seconds.unwrap_or(DEFAULT_EVICTION_GRACE_CAP_SECONDS);
+        let blocked = |b: &Budget| b.blocked_eviction_timeout_seconds.unwrap_or(u64::MAX);
+        self.limit_bytes <= other.limit_bytes
+            && self.guaranteed_bytes() <= other.guaranteed_bytes()
+            && (evicts(self) || !evicts(other))
+            && self.over_limit_seconds <= other.over_limit_seconds
+            && most_grace(self) <= most_grace(other)
+            && blocked(self) <= blocked(other)
+            && (self.admission_caps || !other.admission_caps)
     }
 
     /// The state machine's thresholds for a pod under this budget.
@@ -223,32 +283,73 @@ pub fn is_critical(priority_class_name: Option<&str>, priority: Option<i32>) -> 
 /// The budget that applies to a pod, and the others that also select it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Resolution<'a> {
-    /// The budget that applies: the smallest limit, ties broken by name. Its request is the pod's request
-    /// (none when it sets none), whatever the others set: limit and request come from one budget, so the
-    /// request is never above the limit.
+    /// The budget that applies ([`resolve`]): the smallest limit, ties broken by scope and name. Its
+    /// request is the pod's request (none when it sets none), whatever the others set: limit and request
+    /// come from one budget, so the request is never above the limit.
     pub budget: &'a Budget,
     /// Other budgets that select the pod, in the same order.
     pub also_matched: Vec<&'a Budget>,
 }
 
-/// Resolves which budget applies to a pod: among those selecting it, the smallest limit wins; ties go
-/// to the name that sorts first.
-pub fn resolve<'a>(
-    budgets: impl IntoIterator<Item = &'a Budget>,
-    namespace: &str,
-    labels: &BTreeMap<String, String>,
-) -> Option<Resolution<'a>> {
-    let mut matched: Vec<&Budget> = budgets.into_iter().filter(|b| b.selects(namespace, labels)).collect();
-    matched.sort_by(|a, b| a.limit_bytes.cmp(&b.limit_bytes).then_with(|| a.name.cmp(&b.name)));
-    let mut iter = matched.into_iter();
-    let budget = iter.next()?;
-    Some(Resolution { budget, also_matched: iter.collect() })
+/// What budget selection reads of a pod: its namespace, that namespace's labels (for cluster budgets'
+/// `namespaceSelector`) and its own labels.
+#[derive(Debug, Clone, Copy)]
+pub struct PodLabels<'a> {
+    /// The pod's namespace.
+    pub namespace: &'a str,
+    /// The labels of the pod's namespace (empty when unknown: only a `namespaceSelector` of `{}`, or one
+    /// of `NotIn`/`DoesNotExist` alone, matches then).
+    pub namespace_labels: &'a BTreeMap<String, String>,
+    /// The pod's labels.
+    pub labels: &'a BTreeMap<String, String>,
+}
+
+impl<'a> PodLabels<'a> {
+    /// A pod of `namespace`, whose labels are `namespace_labels`, labelled `labels`.
+    pub fn new(
+        namespace: &'a str,
+        namespace_labels: &'a BTreeMap<String, String>,
+        labels: &'a BTreeMap<String, String>,
+    ) -> Self {
+        Self { namespace, namespace_labels, labels }
+    }
+}
+
+/// Resolves which budget applies to a pod, among the namespaced and cluster budgets given.
+///
+/// Among those selecting it, the smallest limit wins, whole (limit, request, action and every other
+/// field come from one budget); ties go to a cluster budget, then to the name that sorts first. When a
+/// cluster budget selects the pod, a namespaced budget may win only if it is
+/// [no looser](Budget::no_looser_than) in any field than the cluster budget that would apply without it:
+/// a namespace can tighten a cluster budget (a smaller limit, a smaller request, a shorter
+/// `overLimitSeconds`…) but never loosen it (a larger limit, or `action: Warn`, a longer
+/// `overLimitSeconds`…). A namespaced budget passed over is still reported in `also_matched`.
+pub fn resolve<'a>(budgets: impl IntoIterator<Item = &'a Budget>, pod: &PodLabels<'_>) -> Option<Resolution<'a>> {
+    let mut matched: Vec<&Budget> = budgets.into_iter().filter(|b| b.selects(pod)).collect();
+    if matched.is_empty() {
+        return None;
+    }
+    matched.sort_by(|a, b| {
+        a.limit_bytes
+            .cmp(&b.limit_bytes)
+            .then_with(|| b.is_cluster().cmp(&a.is_cluster()))
+            .then_with(|| a.name.cmp(&b.name))
+    });
+    let cluster = matched.iter().position(|b| b.is_cluster());
+    let winner = match cluster {
+        None => 0,
+        Some(c) => matched[..c].iter().position(|b| b.no_looser_than(matched[c])).unwrap_or(c),
+    };
+    let budget = matched.remove(winner);
+    Some(Resolution { budget, also_matched: matched })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    static NO_LABELS: BTreeMap<String, String> = BTreeMap::new();
 
     fn budget(yaml: &str) -> Result<Budget, SpecError> {
         Budget::compile(&serde_yaml::from_str(yaml).expect("fixture parses"))
@@ -348,10 +449,10 @@ mod tests {
             .expect("valid fixture")
         };
         let budgets = [with_request("wide", "16Gi", "12Gi"), named("small", "8Gi", "{}")];
-        let r = resolve(&budgets, "team-a", &labels(&[])).expect("matched");
+        let r = resolve(&budgets, &PodLabels::new("team-a", &NO_LABELS, &labels(&[]))).expect("matched");
         assert_eq!((r.budget.name.as_str(), r.budget.request_bytes), ("small", None));
         let budgets = [with_request("wide", "16Gi", "12Gi"), with_request("small", "8Gi", "2Gi")];
-        let r = resolve(&budgets, "team-a", &labels(&[])).expect("matched");
+        let r = resolve(&budgets, &PodLabels::new("team-a", &NO_LABELS, &labels(&[]))).expect("matched");
         assert_eq!((r.budget.name.as_str(), r.budget.request_bytes), ("small", Some(2 << 30)));
     }
 
@@ -363,12 +464,15 @@ mod tests {
             named("also-llm", "8Gi", "{matchLabels: {app: llm}}"),
             named("other", "1Gi", "{matchLabels: {app: web}}"),
         ];
-        let r = resolve(&budgets, "team-a", &labels(&[("app", "llm")])).expect("matched");
+        let r = resolve(&budgets, &PodLabels::new("team-a", &NO_LABELS, &labels(&[("app", "llm")]))).expect("matched");
         assert_eq!(r.budget.name, "also-llm");
         let others: Vec<&str> = r.also_matched.iter().map(|b| b.name.as_str()).collect();
         assert_eq!(others, ["llm", "wide"]);
-        assert!(resolve(&budgets, "team-b", &labels(&[("app", "llm")])).is_none(), "namespaced");
-        let r = resolve(&budgets, "team-a", &labels(&[])).expect("namespace-wide");
+        assert!(
+            resolve(&budgets, &PodLabels::new("team-b", &NO_LABELS, &labels(&[("app", "llm")]))).is_none(),
+            "namespaced"
+        );
+        let r = resolve(&budgets, &PodLabels::new("team-a", &NO_LABELS, &labels(&[]))).expect("namespace-wide");
         assert_eq!((r.budget.name.as_str(), r.also_matched.len()), ("wide", 0));
     }
 
@@ -381,6 +485,110 @@ mod tests {
         assert!(!is_critical(None, None));
     }
 
+    fn cluster(name: &str, namespace_selector: &str, selector: &str, rest: &str) -> Budget {
+        Budget::compile_cluster(
+            &serde_yaml::from_str(&format!(
+                "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {{name: {name}}}\n\
+                 spec: {{namespaceSelector: {namespace_selector}, selector: {selector}, {rest}}}\n"
+            ))
+            .expect("fixture parses"),
+        )
+        .expect("valid fixture")
+    }
+
+    fn namespaced(name: &str, rest: &str) -> Budget {
+        budget(&format!(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: {name}, namespace: team-a}}\n\
+             spec: {{selector: {{}}, {rest}}}\n"
+        ))
+        .expect("valid fixture")
+    }
+
+    /// #23: a cluster budget selects by the namespace's labels and the pod's, in any namespace; its key has no
+    /// namespace; bad selectors are named.
+    #[test]
+    fn a_cluster_budget_selects_by_namespace_and_pod_labels() {
+        let c = cluster("gpu-tenants", "{matchLabels: {tier: tenant}}", "{matchLabels: {app: llm}}", "limit: 8Gi");
+        assert_eq!((c.key(), c.is_cluster(), c.namespace.as_str()), ("gpu-tenants".to_owned(), true, ""));
+        let (tenant, system, llm) =
+            (labels(&[("tier", "tenant")]), labels(&[("tier", "system")]), labels(&[("app", "llm")]));
+        assert!(c.selects(&PodLabels::new("team-a", &tenant, &llm)));
+        assert!(c.selects(&PodLabels::new("team-z", &tenant, &llm)), "any namespace with the label");
+        assert!(!c.selects(&PodLabels::new("team-a", &system, &llm)), "namespaceSelector");
+        assert!(!c.selects(&PodLabels::new("team-a", &tenant, &labels(&[]))), "selector");
+        let everywhere = cluster("all", "{}", "{}", "limit: 8Gi");
+        assert!(everywhere.selects(&PodLabels::new("kube-system", &NO_LABELS, &NO_LABELS)));
+        let bad: Result<Budget, SpecError> = Budget::compile_cluster(
+            &serde_yaml::from_str(
+                "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {name: b}\n\
+                 spec: {namespaceSelector: {matchExpressions: [{key: a, operator: Equals, values: [x]}]}, selector: {}, limit: 1Gi}\n",
+            )
+            .expect("parses"),
+        );
+        assert!(bad.expect_err("bad").to_string().starts_with("spec.namespaceSelector: "));
+        let unnamed: ClusterGpuMemoryBudget =
+            serde_yaml::from_str("apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {}\nspec: {selector: {}, limit: 1Gi}\n")
+                .expect("parses");
+        assert_eq!(Budget::compile_cluster(&unnamed), Err(SpecError::UnnamedCluster));
+    }
+
+    /// #23: a namespace with no budget, or a pod relabelled out of every namespaced selector, is governed by
+    /// the cluster budget; a tighter namespaced budget wins; a looser one (larger limit, or as tight but
+    /// `Warn`, or a longer `overLimitSeconds`, a larger request, no caps) does not loosen it.
+    #[test]
+    fn a_namespace_tightens_a_cluster_budget_but_never_loosens_it() {
+        let admin = cluster("admin", "{}", "{}", "limit: 8Gi, request: 4Gi, overLimitSeconds: 30");
+        let pod = labels(&[("app", "llm")]);
+        let at = |ns: &'static str| PodLabels::new(ns, &NO_LABELS, &NO_LABELS);
+        let of = |budgets: &[Budget], pod: &PodLabels<'_>| resolve(budgets, pod).map(|r| r.budget.key());
+        assert_eq!(of(std::slice::from_ref(&admin), &at("no-budget-here")).as_deref(), Some("admin"));
+        let llm_only = namespaced("llm-only", "limit: 2Gi");
+        let mut llm_only_sel = llm_only.clone();
+        llm_only_sel.selector =
+            Selector::compile(&serde_yaml::from_str("{matchLabels: {app: llm}}").expect("sel")).expect("valid");
+        let budgets = [admin.clone(), llm_only_sel];
+        assert_eq!(of(&budgets, &PodLabels::new("team-a", &NO_LABELS, &pod)).as_deref(), Some("team-a/llm-only"));
+        assert_eq!(of(&budgets, &at("team-a")).as_deref(), Some("admin"), "relabelled out: still the cluster budget");
+        let tighter = [admin.clone(), namespaced("tighter", "limit: 6Gi, request: 1Gi, overLimitSeconds: 5")];
+        let r = resolve(&tighter, &at("team-a")).expect("matched");
+        assert_eq!((r.budget.key(), r.also_matched[0].key()), ("team-a/tighter".to_owned(), "admin".to_owned()));
+        for looser in [
+            "limit: 16Gi",
+            "limit: 8Gi, request: 4Gi, overLimitSeconds: 30",
+            "limit: 6Gi, request: 1Gi, overLimitSeconds: 30, action: Warn",
+            "limit: 6Gi, request: 1Gi, overLimitSeconds: 31",
+            "limit: 6Gi, overLimitSeconds: 5",
+            "limit: 6Gi, request: 1Gi, overLimitSeconds: 5, evictionGracePeriodSeconds: 300",
+        ] {
+            let budgets = [namespaced("ns", looser), admin.clone()];
+            let r = resolve(&budgets, &at("team-a")).expect("matched");
+            assert_eq!((r.budget.key().as_str(), r.also_matched.len()), ("admin", 1), "{looser}");
+        }
+        let capped = cluster("capped", "{}", "{}", "limit: 8Gi, admissionCaps: Enabled");
+        let uncapped = [namespaced("ns", "limit: 6Gi"), capped.clone()];
+        assert_eq!(of(&uncapped, &at("team-a")).as_deref(), Some("capped"), "caps cannot be turned off");
+        let blocking = cluster("blocking", "{}", "{}", "limit: 8Gi, blockedEvictionTimeoutSeconds: 60");
+        let forever = [namespaced("ns", "limit: 6Gi"), blocking.clone()];
+        assert_eq!(of(&forever, &at("team-a")).as_deref(), Some("blocking"), "PDBs cannot hold it longer");
+        let sooner = [namespaced("ns", "limit: 6Gi, blockedEvictionTimeoutSeconds: 10"), blocking];
+        assert_eq!(of(&sooner, &at("team-a")).as_deref(), Some("team-a/ns"));
+    }
+
+    /// Of two cluster budgets the smallest limit wins, as for namespaced ones; a namespaced budget is judged
+    /// against that one.
+    #[test]
+    fn cluster_budgets_resolve_among_themselves_by_limit() {
+        let budgets = [
+            cluster("wide", "{}", "{}", "limit: 16Gi"),
+            cluster("narrow", "{}", "{}", "limit: 4Gi, action: Warn"),
+            namespaced("ns", "limit: 2Gi, action: Warn"),
+        ];
+        let r = resolve(&budgets, &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("matched");
+        assert_eq!(r.budget.key(), "team-a/ns");
+        let r = resolve(&budgets[..2], &PodLabels::new("team-b", &NO_LABELS, &NO_LABELS)).expect("matched");
+        assert_eq!((r.budget.key().as_str(), r.also_matched[0].key().as_str()), ("narrow", "wide"));
+    }
+
     proptest! {
         #[test]
         fn resolution_is_order_independent(limits in proptest::collection::vec(1u64..5, 1..6), seed in any::<u64>()) {
@@ -389,11 +597,38 @@ mod tests {
                 .collect();
             let mut shuffled: Vec<&Budget> = budgets.iter().collect();
             shuffled.rotate_left((seed % budgets.len() as u64) as usize);
-            let a = resolve(budgets.iter(), "team-a", &BTreeMap::new()).expect("matched");
-            let b = resolve(shuffled, "team-a", &BTreeMap::new()).expect("matched");
+            let a = resolve(budgets.iter(), &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("matched");
+            let b = resolve(shuffled, &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("matched");
             prop_assert_eq!(&a.budget.name, &b.budget.name);
             prop_assert_eq!(a.also_matched.len() + 1, budgets.len());
             prop_assert!(budgets.iter().all(|x| x.limit_bytes >= a.budget.limit_bytes));
+        }
+
+        /// #23: whatever namespaced budgets exist, the resolved limit never exceeds the limit of any cluster
+        /// budget that selects the pod, its action is Evict when that one's is, and a namespaced budget no
+        /// looser than the cluster budget and tighter in limit wins.
+        #[test]
+        fn a_cluster_budget_is_never_loosened(
+            cluster_limit in 1u64..8,
+            cluster_warn in any::<bool>(),
+            others in proptest::collection::vec((1u64..12, any::<bool>(), 0i64..20), 0..6),
+        ) {
+            let action = if cluster_warn { "Warn" } else { "Evict" };
+            let admin = cluster("admin", "{}", "{}", &format!("limit: {cluster_limit}Gi, action: {action}, overLimitSeconds: 10"));
+            let mut budgets: Vec<Budget> = others.iter().enumerate().map(|(i, (limit, warn, over))| {
+                let action = if *warn { "Warn" } else { "Evict" };
+                namespaced(&format!("n{i}"), &format!("limit: {limit}Gi, action: {action}, overLimitSeconds: {over}"))
+            }).collect();
+            budgets.push(admin.clone());
+            let r = resolve(&budgets, &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("the cluster budget selects");
+            prop_assert!(r.budget.limit_bytes <= admin.limit_bytes);
+            prop_assert!(r.budget.no_looser_than(&admin));
+            prop_assert!(cluster_warn || r.budget.action == BudgetAction::Evict);
+            let tighter = budgets.iter().filter(|b| !b.is_cluster() && b.limit_bytes < admin.limit_bytes && b.no_looser_than(&admin));
+            match tighter.min_by(|a, b| a.limit_bytes.cmp(&b.limit_bytes).then_with(|| a.name.cmp(&b.name))) {
+                Some(best) => prop_assert_eq!(&r.budget.key(), &best.key()),
+                None => prop_assert_eq!(r.budget.key(), "admin"),
+            }
         }
     }
 }

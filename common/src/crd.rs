@@ -118,6 +118,48 @@ pub struct GpuMemoryBudgetSpec {
     pub admission_caps: AdmissionCaps,
 }
 
+/// A GPU memory budget set by a cluster administrator for pods in any namespace: the same fields as a
+/// `GpuMemoryBudget`, plus `namespaceSelector`. It applies together with the namespaced budgets under the
+/// same rule: among all budgets selecting a pod, the smallest limit wins, so a namespace can tighten a
+/// cluster budget but never loosen it.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "gpubudget.io",
+    version = "v1alpha1",
+    kind = "ClusterGpuMemoryBudget",
+    plural = "clustergpumemorybudgets",
+    singular = "clustergpumemorybudget",
+    shortname = "cgmb",
+    category = "gpubudget",
+    doc = "A cluster-wide GPU memory budget, for administrators: a limit on the GPU memory each pod its namespaceSelector and selector match may hold, in any namespace, enforced by the gpubudget agent like a GpuMemoryBudget. With namespaced budgets the smallest limit wins, so a namespace can tighten it but never loosen it: a GpuMemoryBudget takes over from it only when it is no looser in any field (limit, request, action, overLimitSeconds, evictionGracePeriodSeconds, blockedEvictionTimeoutSeconds, admissionCaps).",
+    status = "GpuMemoryBudgetStatus",
+    derive = "PartialEq",
+    printcolumn = r#"{"name":"Request","type":"string","jsonPath":".spec.request","description":"GPU memory guaranteed to each pod: never evicted within it"}"#,
+    printcolumn = r#"{"name":"Limit","type":"string","jsonPath":".spec.limit","description":"GPU memory one pod may hold"}"#,
+    printcolumn = r#"{"name":"Action","type":"string","jsonPath":".spec.action","description":"Evict or Warn"}"#,
+    printcolumn = r#"{"name":"Matched","type":"integer","jsonPath":".status.matchedPods","description":"Pods the selectors match"}"#,
+    printcolumn = r#"{"name":"Over","type":"integer","jsonPath":".status.podsOverBudget","description":"Matched pods over the limit now"}"#,
+    printcolumn = r#"{"name":"Capped","type":"integer","jsonPath":".status.podsCapped","description":"With admissionCaps: matched pods whose GPU containers carry the driver's caps"}"#,
+    printcolumn = r#"{"name":"Uncapped","type":"integer","priority":1,"jsonPath":".status.podsUncapped","description":"With admissionCaps: matched GPU pods created without the caps (webhook down, or before caps were enabled)"}"#,
+    printcolumn = r#"{"name":"Evicted","type":"integer","jsonPath":".status.evictions","description":"Pods this budget has evicted"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterGpuMemoryBudgetSpec {
+    /// Which namespaces the budget applies in: a standard label selector on the namespaces' labels.
+    /// `{}` (the default) selects every namespace. Only an administrator can label a namespace, so a tenant
+    /// cannot move its namespace out of it.
+    #[serde(default)]
+    #[x_kube(validation = Rule::new("!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['In', 'NotIn', 'Exists', 'DoesNotExist'])").message("namespaceSelector.matchExpressions[].operator must be one of In, NotIn, Exists, DoesNotExist"))]
+    #[x_kube(validation = Rule::new("!has(self.matchExpressions) || self.matchExpressions.all(e, e.operator in ['Exists', 'DoesNotExist'] ? (!has(e.values) || size(e.values) == 0) : (has(e.values) && size(e.values) > 0))").message("namespaceSelector.matchExpressions[].values must be non-empty for In and NotIn, and empty for Exists and DoesNotExist"))]
+    #[schemars(schema_with = "bounded_label_selector")]
+    pub namespace_selector: LabelSelector,
+
+    /// The fields every budget has (`selector` picks pods within the selected namespaces).
+    #[serde(flatten)]
+    pub budget: GpuMemoryBudgetSpec,
+}
+
 /// Whether pods get the driver's memory caps in their environment when they are created.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, schemars::JsonSchema)]
 pub enum AdmissionCaps {
@@ -274,6 +316,13 @@ pub struct TopPod {
     pub usage_bytes: i64,
     /// Where the pod stands against the limit.
     pub state: crate::state::BudgetState,
+}
+
+impl ClusterGpuMemoryBudget {
+    /// The name, the way messages name a cluster budget (no namespace).
+    pub fn key(&self) -> String {
+        self.metadata.name.clone().unwrap_or_default()
+    }
 }
 
 impl GpuMemoryBudget {

@@ -10,6 +10,9 @@ pub mod selector;
 pub mod state;
 pub mod text;
 
-pub use budget::{Budget, Resolution, SpecError, is_critical, resolve};
-pub use crd::{AdmissionCaps, BudgetAction, GpuMemoryBudget, GpuMemoryBudgetSpec, GpuMemoryBudgetStatus};
+pub use budget::{Budget, PodLabels, Resolution, Scope, SpecError, is_critical, resolve};
+pub use crd::{
+    AdmissionCaps, BudgetAction, ClusterGpuMemoryBudget, ClusterGpuMemoryBudgetSpec, GpuMemoryBudget,
+    GpuMemoryBudgetSpec, GpuMemoryBudgetStatus,
+};
 pub use state::{BudgetState, Thresholds, Tracker, step};

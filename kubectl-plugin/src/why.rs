@@ -190,7 +190,9 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
     };
 
     let labels = pod.metadata.labels.clone().unwrap_or_default();
-    let resolution = resolve(&compiled, namespace, &labels);
+    // Namespaced budgets only: `why` does not read ClusterGpuMemoryBudgets yet (#23).
+    let no_namespace_labels = BTreeMap::new();
+    let resolution = resolve(&compiled, &gpubudget_common::PodLabels::new(namespace, &no_namespace_labels, &labels));
     let mut matched: Vec<MatchedBudget> = Vec::new();
     if let Some(r) = &resolution {
         for (i, b) in std::iter::once(r.budget).chain(r.also_matched.iter().copied()).enumerate() {

@@ -82,7 +82,12 @@ pub fn decide(request: &AdmissionRequest<DynamicObject>, budgets: &[Budget]) -> 
     };
     let namespace = request.namespace.clone().or_else(|| pod.metadata.namespace.clone()).unwrap_or_default();
     let labels = pod.metadata.labels.clone().unwrap_or_default();
-    let resolution = gpubudget_common::resolve(budgets, &namespace, &labels);
+    // Namespaced budgets only: the webhook does not read ClusterGpuMemoryBudgets yet (#23, part 3).
+    let no_namespace_labels = std::collections::BTreeMap::new();
+    let resolution = gpubudget_common::resolve(
+        budgets,
+        &gpubudget_common::PodLabels::new(&namespace, &no_namespace_labels, &labels),
+    );
     let admission = caps::admit(&pod, resolution.as_ref().map(|r| r.budget));
     let verdict = match admission.record {
         Some(record) => Verdict::Capped(record),

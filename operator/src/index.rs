@@ -18,7 +18,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
-use gpubudget_common::{Budget, GpuMemoryBudget, SpecError};
+use gpubudget_common::{Budget, GpuMemoryBudget, PodLabels, SpecError};
 
 use crate::pods::{ObjKey, PodInfo};
 use crate::status::{Inputs, Selected};
@@ -337,7 +337,10 @@ impl Index {
     pub fn resolved(&self, pod: &ObjKey) -> Option<ObjKey> {
         let ns = self.namespaces.get(&pod.namespace)?;
         let entry = ns.pods.get(&pod.name)?;
-        let resolution = gpubudget_common::resolve(ns.compiled(&entry.budgets), &pod.namespace, &entry.info.labels)?;
+        // Namespaced budgets only: the index does not hold ClusterGpuMemoryBudgets yet (#23, part 3).
+        let no_namespace_labels = BTreeMap::new();
+        let pod_labels = PodLabels::new(&pod.namespace, &no_namespace_labels, &entry.info.labels);
+        let resolution = gpubudget_common::resolve(ns.compiled(&entry.budgets), &pod_labels)?;
         Some(ObjKey::new(&pod.namespace, &resolution.budget.name))
     }
 
@@ -727,17 +730,17 @@ mod tests {
                     // Brute force: who selects each pod, who applies, counts.
                     let compiled: Vec<Budget> = budgets.values().filter_map(|b| Budget::compile(b).ok()).collect();
                     for p in pods.values() {
-                        let expected: Vec<ObjKey> = compiled.iter().filter(|b| b.selects("a", &p.labels)).map(|b| ObjKey::new("a", &b.name)).collect();
+                        let expected: Vec<ObjKey> = compiled.iter().filter(|b| b.selects(&PodLabels::new("a", &BTreeMap::new(), &p.labels))).map(|b| ObjKey::new("a", &b.name)).collect();
                         let mut expected = expected;
                         expected.sort();
                         prop_assert_eq!(index.budgets_selecting(&p.key()), expected);
-                        let resolved = gpubudget_common::resolve(&compiled, "a", &p.labels).map(|r| ObjKey::new("a", &r.budget.name));
+                        let resolved = gpubudget_common::resolve(&compiled, &PodLabels::new("a", &BTreeMap::new(), &p.labels)).map(|r| ObjKey::new("a", &r.budget.name));
                         prop_assert_eq!(index.resolved(&p.key()), resolved);
                     }
                     prop_assert_eq!(index.pod_count(), pods.len());
                     prop_assert_eq!(index.budget_count(), budgets.len());
                     prop_assert_eq!(index.invalid_budget_count(), budgets.len() - compiled.len());
-                    let selected = pods.values().filter(|p| compiled.iter().any(|b| b.selects("a", &p.labels))).count();
+                    let selected = pods.values().filter(|p| compiled.iter().any(|b| b.selects(&PodLabels::new("a", &BTreeMap::new(), &p.labels)))).count();
                     prop_assert_eq!(index.selected_pod_count(), selected);
                 }
             }

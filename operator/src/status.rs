@@ -110,8 +110,10 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
     let mut assessed: HashMap<Assessment, i64> = HashMap::new();
     for selected in &inputs.selected {
         let pod = selected.pod;
-        let applies = match gpubudget_common::resolve(selected.selected_by.iter().copied(), &pod.namespace, &pod.labels)
-        {
+        // Namespaced budgets only: the operator does not count ClusterGpuMemoryBudgets yet (#23, part 3).
+        let no_namespace_labels = std::collections::BTreeMap::new();
+        let pod_labels = gpubudget_common::PodLabels::new(&pod.namespace, &no_namespace_labels, &pod.labels);
+        let applies = match gpubudget_common::resolve(selected.selected_by.iter().copied(), &pod_labels) {
             Some(resolution) => {
                 if !resolution.also_matched.is_empty() {
                     overlap.pods += 1;

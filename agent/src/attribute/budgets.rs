@@ -7,7 +7,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use gpubudget_common::{Budget, GpuMemoryBudget, SpecError};
+use gpubudget_common::{Budget, ClusterGpuMemoryBudget, GpuMemoryBudget, SpecError};
+use k8s_openapi::api::core::v1::Namespace;
 use kube::runtime::watcher;
 
 /// A budget compiled, or why its spec cannot be enforced.
@@ -145,6 +146,144 @@ impl BudgetCache {
 
     /// The budgets in use.
     pub fn index(&self) -> &BudgetIndex {
+        &self.live
+    }
+}
+
+/// Labels by namespace name.
+pub type NamespaceLabels = HashMap<String, BTreeMap<String, String>>;
+
+/// What cluster budgets need besides the namespaced ones (#23): the `ClusterGpuMemoryBudget`s, compiled, by
+/// name, and the labels of every namespace (their `namespaceSelector` reads them). Both are small: an admin's
+/// handful of budgets, and one label map per namespace.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct ClusterIndex {
+    budgets: BTreeMap<String, Compiled>,
+    namespaces: NamespaceLabels,
+}
+
+impl ClusterIndex {
+    /// An index of these cluster budgets and namespaces' labels.
+    pub fn of<'a>(
+        budgets: impl IntoIterator<Item = &'a ClusterGpuMemoryBudget>,
+        namespaces: impl IntoIterator<Item = (String, BTreeMap<String, String>)>,
+    ) -> Self {
+        let mut index = Self { namespaces: namespaces.into_iter().collect(), ..Self::default() };
+        for b in budgets {
+            ClusterIndex::insert(&mut index.budgets, b);
+        }
+        index
+    }
+
+    /// Compiles and keeps a cluster budget; whether what is kept changed. One without a name is kept as
+    /// invalid ([`SpecError::UnnamedCluster`]).
+    fn insert(budgets: &mut BTreeMap<String, Compiled>, budget: &ClusterGpuMemoryBudget) -> bool {
+        let compiled = Budget::compile_cluster(budget).map(Arc::new);
+        let name = budget.key();
+        if budgets.get(&name) == Some(&compiled) {
+            return false;
+        }
+        budgets.insert(name, compiled);
+        true
+    }
+
+    /// The valid cluster budgets, by name.
+    pub fn valid(&self) -> impl Iterator<Item = &Arc<Budget>> {
+        self.budgets.values().filter_map(|c| c.as_ref().ok())
+    }
+
+    /// Cluster budgets that cannot be enforced, by name, with why.
+    pub fn invalid(&self) -> Vec<(String, SpecError)> {
+        self.budgets.iter().filter_map(|(name, c)| c.as_ref().err().map(|e| (name.clone(), e.clone()))).collect()
+    }
+
+    /// The labels of `namespace`; empty when it is not known.
+    pub fn labels_of(&self, namespace: &str) -> &BTreeMap<String, String> {
+        static NONE: BTreeMap<String, String> = BTreeMap::new();
+        self.namespaces.get(namespace).unwrap_or(&NONE)
+    }
+}
+
+/// A cache fed by one watch: the value in use, and the one a relist is filling (replacing it when the relist
+/// is complete, so objects deleted while the watch was down are dropped).
+#[derive(Debug, Default)]
+struct Relisted<T> {
+    live: T,
+    relist: Option<T>,
+    synced: bool,
+}
+
+impl<T: Default + PartialEq> Relisted<T> {
+    /// Applies a watch event with `apply` (whether it changed the value, `true` for a deletion); whether
+    /// the live value changed.
+    fn apply<K>(&mut self, event: &watcher::Event<K>, apply: impl Fn(&mut T, &K, bool) -> bool) -> bool {
+        match event {
+            watcher::Event::Init => {
+                self.relist = Some(T::default());
+                false
+            }
+            watcher::Event::InitApply(k) => {
+                apply(self.relist.get_or_insert_with(T::default), k, false);
+                false
+            }
+            watcher::Event::InitDone => {
+                let first = !self.synced;
+                self.synced = true;
+                let relisted = self.relist.take().unwrap_or_default();
+                let changed = relisted != self.live;
+                self.live = relisted;
+                changed || first
+            }
+            watcher::Event::Apply(k) => apply(&mut self.live, k, false),
+            watcher::Event::Delete(k) => apply(&mut self.live, k, true),
+        }
+    }
+}
+
+/// The agent's cache of cluster budgets and namespace labels, fed by two watches.
+#[derive(Debug, Default)]
+pub struct ClusterCache {
+    budgets: Relisted<BTreeMap<String, Compiled>>,
+    namespaces: Relisted<NamespaceLabels>,
+    live: ClusterIndex,
+}
+
+impl ClusterCache {
+    /// Applies a `ClusterGpuMemoryBudget` watch event; whether the pod table must be rebuilt.
+    pub fn apply_budget(&mut self, event: &watcher::Event<ClusterGpuMemoryBudget>) -> bool {
+        let changed = self.budgets.apply(event, |budgets, b, delete| {
+            if delete { budgets.remove(&b.key()).is_some() } else { ClusterIndex::insert(budgets, b) }
+        });
+        self.refresh(changed)
+    }
+
+    /// Applies a Namespace watch event (its labels only are kept); whether the pod table must be rebuilt.
+    pub fn apply_namespace(&mut self, event: &watcher::Event<Namespace>) -> bool {
+        let changed = self.namespaces.apply(event, |namespaces, ns, delete| {
+            let name = ns.metadata.name.clone().unwrap_or_default();
+            if delete {
+                return namespaces.remove(&name).is_some();
+            }
+            let labels = ns.metadata.labels.clone().unwrap_or_default();
+            namespaces.insert(name, labels.clone()) != Some(labels)
+        });
+        self.refresh(changed)
+    }
+
+    fn refresh(&mut self, changed: bool) -> bool {
+        if changed {
+            self.live = ClusterIndex { budgets: self.budgets.live.clone(), namespaces: self.namespaces.live.clone() };
+        }
+        changed
+    }
+
+    /// Both watches have their first list.
+    pub fn synced(&self) -> bool {
+        self.budgets.synced && self.namespaces.synced
+    }
+
+    /// The cluster budgets and namespace labels in use.
+    pub fn index(&self) -> &ClusterIndex {
         &self.live
     }
 }

@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use gpubudget_common::caps;
 use gpubudget_common::pod_record::{self, PodRecord};
-use gpubudget_common::{Budget, GpuMemoryBudget, SpecError, is_critical, resolve};
+use gpubudget_common::{Budget, GpuMemoryBudget, PodLabels, SpecError, is_critical, resolve};
 
-use super::budgets::BudgetIndex;
+use super::budgets::{BudgetIndex, ClusterIndex};
 use k8s_openapi::api::core::v1::Pod;
 
 /// Annotation the kubelet puts on the mirror pod of a static pod: the static pod's UID, which is what
@@ -199,15 +199,23 @@ impl PodTable {
         budgets: impl IntoIterator<Item = &'a GpuMemoryBudget>,
         node: Option<&str>,
     ) -> Self {
-        Self::from_index(pods, &BudgetIndex::of(budgets), node)
+        Self::from_index(pods, &BudgetIndex::of(budgets), &ClusterIndex::default(), node)
     }
 
-    /// Builds the table from budgets already compiled: each pod is resolved among its namespace's budgets.
-    pub fn from_index(pods: impl IntoIterator<Item = PodView>, index: &BudgetIndex, node: Option<&str>) -> Self {
+    /// Builds the table from budgets already compiled: each pod is resolved among its namespace's budgets
+    /// and the cluster budgets (#23), with its namespace's labels. The cluster budgets come first in
+    /// `budgets`, once; then each namespace's, once.
+    pub fn from_index(
+        pods: impl IntoIterator<Item = PodView>,
+        index: &BudgetIndex,
+        cluster: &ClusterIndex,
+        node: Option<&str>,
+    ) -> Self {
         let mut pods: Vec<PodView> =
             pods.into_iter().filter(|p| node.is_none() || p.node.is_none() || p.node.as_deref() == node).collect();
         pods.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-        let mut budgets: Vec<Arc<Budget>> = Vec::new();
+        let mut budgets: Vec<Arc<Budget>> = cluster.valid().cloned().collect();
+        let clusters = budgets.len();
         // Pods are sorted by namespace: each namespace's budgets are taken once, as a run of `budgets`.
         let mut run: (Option<&str>, std::ops::Range<usize>) = (None, 0..0);
         let mut budget_of = Vec::with_capacity(pods.len());
@@ -217,10 +225,10 @@ impl PodTable {
                 budgets.extend(index.valid_in(&p.namespace).cloned());
                 run = (Some(&*p.namespace), start..budgets.len());
             }
-            let here = &budgets[run.1.clone()];
-            let applies = resolve(here.iter().map(|b| &**b), &p.namespace, &p.labels)
-                .and_then(|r| here.iter().position(|b| std::ptr::eq(&**b, r.budget)))
-                .map(|i| run.1.start + i);
+            let candidates = (0..clusters).chain(run.1.clone());
+            let pod = PodLabels::new(&p.namespace, cluster.labels_of(&p.namespace), &p.labels);
+            let applies = resolve(candidates.clone().map(|i| &*budgets[i]), &pod)
+                .and_then(|r| candidates.clone().find(|i| std::ptr::eq(&*budgets[*i], r.budget)));
             budget_of.push(applies);
         }
         let mut by_uid = HashMap::with_capacity(pods.len());
@@ -232,7 +240,9 @@ impl PodTable {
             }
             by_name.insert((p.namespace.to_string(), p.name.to_string()), i);
         }
-        Self { pods, budgets, budget_of, invalid_budgets: index.invalid(), by_uid, by_name }
+        let mut invalid_budgets = index.invalid();
+        invalid_budgets.extend(cluster.invalid());
+        Self { pods, budgets, budget_of, invalid_budgets, by_uid, by_name }
     }
 
     /// The pod whose UID (or static pod UID) this is.
@@ -443,7 +453,7 @@ status:
             let all: Vec<Budget> = objects.iter().filter_map(|b| Budget::compile(b).ok()).collect();
             let table = PodTable::build(views.clone(), &objects, Some("n1"));
             for (i, view) in table.pods.iter().enumerate() {
-                let expected = resolve(&all, &view.namespace, &view.labels).map(|r| r.budget.key());
+                let expected = resolve(&all, &PodLabels::new(&view.namespace, &BTreeMap::new(), &view.labels)).map(|r| r.budget.key());
                 proptest::prop_assert_eq!(table.budget(i).map(Budget::key), expected);
             }
             let namespaces: std::collections::BTreeSet<&str> = table.pods.iter().map(|p| &*p.namespace).collect();

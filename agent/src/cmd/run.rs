@@ -1,12 +1,13 @@
 //! `gpubudget-agent run`: the DaemonSet.
 //!
-//! Two watches feed the decisions: the pods of this node only (`fieldSelector=spec.nodeName=<node>`, listed
+//! Four watches feed the decisions: the pods of this node only (`fieldSelector=spec.nodeName=<node>`, listed
 //! 100 at a time, each pod cut down by `slim_pod` to what the decisions read as it arrives) and every
-//! `GpuMemoryBudget` (all namespaces), compiled as it arrives into a `BudgetCache`. The loop samples every
-//! interval, rebuilds its pod table only when a cache changed in a way the table reads (the operator's status
+//! `GpuMemoryBudget` (all namespaces), compiled as it arrives into a `BudgetCache`, with every
+//! `ClusterGpuMemoryBudget` and the labels of every Namespace (their `namespaceSelector` reads them) in a
+//! `ClusterCache`. The loop samples every interval, rebuilds its pod table only when a cache changed in a way the table reads (the operator's status
 //! writes on budgets do not count, nor budgets of namespaces without pods here:
 //! `gpubudget_pod_table_rebuilds_total`), decides, and hands actions to the [`KubeExecutor`] (which never blocks the
-//! loop). `/ready` is true once the GPU sampler works and both caches have synced; nothing is enforced
+//! loop). `/ready` is true once the GPU sampler works and every cache has synced; nothing is enforced
 //! before the caches sync.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -14,9 +15,9 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::Context as _;
 use futures::StreamExt as _;
-use gpubudget_common::GpuMemoryBudget;
+use gpubudget_common::{ClusterGpuMemoryBudget, GpuMemoryBudget};
 use gpubudget_daemon::{Health, serve_admin, shutdown_on_signal};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, Client};
@@ -25,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::act::kube::KubeExecutor;
 use crate::attribute::ProcAttributor;
-use crate::attribute::budgets::{BudgetCache, Change};
+use crate::attribute::budgets::{BudgetCache, Change, ClusterCache};
 use crate::attribute::driver_limits::DriverReader;
 use crate::attribute::pods::{PodTable, PodView, slim_pod};
 use crate::cli::RunArgs;
@@ -50,6 +51,7 @@ pub const POD_PAGE_SIZE: u32 = 100;
 pub struct Caches {
     pods: Store<Pod>,
     budgets: Arc<Mutex<BudgetCache>>,
+    cluster: Arc<Mutex<ClusterCache>>,
     changes: Arc<AtomicU64>,
     pods_ready: Arc<AtomicBool>,
 }
@@ -102,6 +104,49 @@ impl Caches {
             );
         }
         let budgets = Arc::new(Mutex::new(BudgetCache::default()));
+        let cluster = Arc::new(Mutex::new(ClusterCache::default()));
+        // `budgets` is ready once the namespaced budgets, the cluster budgets and the namespaces have listed.
+        let announce = {
+            let (budgets, cluster, health) = (budgets.clone(), cluster.clone(), health.clone());
+            let announced = Arc::new(AtomicBool::new(false));
+            move || {
+                let synced = lock(&budgets).synced() && lock(&cluster).synced();
+                if synced && !announced.swap(true, Ordering::AcqRel) {
+                    health.set("budgets", true);
+                    tracing::info!(cache = "budgets", budgets = lock(&budgets).index().len(), "cache synced");
+                }
+            }
+        };
+        {
+            let (changes, cache, announce) = (changes.clone(), cluster.clone(), announce.clone());
+            spawn_watch(
+                Api::<ClusterGpuMemoryBudget>::all(client.clone()),
+                watcher::Config::default(),
+                "clusterbudgets",
+                shutdown.clone(),
+                move |event| {
+                    if lock(&cache).apply_budget(&event) {
+                        changes.fetch_add(1, Ordering::AcqRel);
+                    }
+                    announce();
+                },
+            );
+        }
+        {
+            let (changes, cache, announce) = (changes.clone(), cluster.clone(), announce.clone());
+            spawn_watch(
+                Api::<Namespace>::all(client.clone()),
+                watcher::Config::default(),
+                "namespaces",
+                shutdown.clone(),
+                move |event: watcher::Event<Namespace>| {
+                    if lock(&cache).apply_namespace(&event) {
+                        changes.fetch_add(1, Ordering::AcqRel);
+                    }
+                    announce();
+                },
+            );
+        }
         {
             let (changes, cache, pods) = (changes.clone(), budgets.clone(), pods.clone());
             spawn_watch(
@@ -110,8 +155,7 @@ impl Caches {
                 "budgets",
                 shutdown,
                 move |event| {
-                    let mut cache = cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                    let was_synced = cache.synced();
+                    let mut cache = lock(&cache);
                     // A budget of a namespace without pods here changes nothing here (a pod that arrives there
                     // later is a pod change, and the table built then reads the budgets as they are).
                     let rebuild = match cache.apply(&event) {
@@ -124,23 +168,21 @@ impl Caches {
                     if rebuild {
                         changes.fetch_add(1, Ordering::AcqRel);
                     }
-                    if !was_synced && cache.synced() {
-                        health.set("budgets", true);
-                        tracing::info!(cache = "budgets", budgets = cache.index().len(), "cache synced");
-                    }
+                    drop(cache);
+                    announce();
                 },
             );
         }
-        Self { pods, budgets, changes, pods_ready }
+        Self { pods, budgets, cluster, changes, pods_ready }
     }
 
     fn budgets(&self) -> std::sync::MutexGuard<'_, BudgetCache> {
-        self.budgets.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.budgets)
     }
 
-    /// Both caches have their first full list.
+    /// Every cache has its first full list.
     pub fn synced(&self) -> bool {
-        self.pods_ready.load(Ordering::Acquire) && self.budgets().synced()
+        self.pods_ready.load(Ordering::Acquire) && self.budgets().synced() && lock(&self.cluster).synced()
     }
 
     /// A counter that moves on every change of either cache that can change the pod table.
@@ -151,8 +193,19 @@ impl Caches {
     /// The pod table of `node` now.
     pub fn table(&self, node: &str) -> PodTable {
         let pods = self.pods.state();
-        PodTable::from_index(pods.iter().filter_map(|p| PodView::from_pod(p)), self.budgets().index(), Some(node))
+        let cluster = lock(&self.cluster);
+        PodTable::from_index(
+            pods.iter().filter_map(|p| PodView::from_pod(p)),
+            self.budgets().index(),
+            cluster.index(),
+            Some(node),
+        )
     }
+}
+
+/// A cache's lock, even if a watch task panicked holding it (the cache is whole between events).
+fn lock<T>(cache: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The sampler factory for `--sample-file` or NVML.
