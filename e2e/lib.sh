@@ -35,12 +35,13 @@ condition_is() {
 }
 uid() { kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.uid}'; }
 
-# apply_crd_and_chart RELEASE NAMESPACE KINDS: the CRD from crds/ (waited for until established), then the chart
+# apply_crd_and_chart RELEASE NAMESPACE KINDS: the CRDs from crds/ (waited for until established), then the chart
 # as `helm template` renders it for Kubernetes 1.33 into NAMESPACE, only the objects whose kind is one of KINDS
 # (space-separated), applied. HELM is the helm binary; REPO the repository root.
 apply_crd_and_chart() {
-  kubectl apply -f "$REPO/crds/gpumemorybudgets.gpubudget.io.yaml" >/dev/null
-  kubectl wait --for=condition=Established crd/gpumemorybudgets.gpubudget.io --timeout=60s >/dev/null
+  kubectl apply -f "$REPO/crds/" >/dev/null
+  kubectl wait --for=condition=Established crd/gpumemorybudgets.gpubudget.io crd/clustergpumemorybudgets.gpubudget.io \
+    --timeout=60s >/dev/null
   "$HELM" template "$1" "$REPO/charts/gpubudget" -n "$2" --kube-version 1.33.0 \
     | yq -y --arg kinds "$3" 'select(.kind as $k | ($kinds | split(" ") | index($k)) != null)' \
     | kubectl apply -f - >/dev/null

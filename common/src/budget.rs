@@ -228,6 +228,38 @@ impl Budget {
         }
     }
 
+    /// Whether `key` is this budget's [`key`](Self::key) (compared without allocating).
+    pub fn has_key(&self, key: &str) -> bool {
+        match self.scope {
+            Scope::Cluster { .. } => key == self.name,
+            Scope::Namespaced => {
+                key.len() == self.namespace.len() + 1 + self.name.len()
+                    && key.starts_with(self.namespace.as_str())
+                    && key.ends_with(self.name.as_str())
+                    && key.as_bytes()[self.namespace.len()] == b'/'
+            }
+        }
+    }
+
+    /// How a pod's record names this budget ([`crate::pod_record::BUDGET`]): its name, after
+    /// [`crate::pod_record::CLUSTER_BUDGET_PREFIX`] for a cluster budget.
+    pub fn record_name(&self) -> String {
+        match self.scope {
+            Scope::Cluster { .. } => format!("{}{}", crate::pod_record::CLUSTER_BUDGET_PREFIX, self.name),
+            Scope::Namespaced => self.name.clone(),
+        }
+    }
+
+    /// Whether a pod record's budget field names this budget (compared without allocating).
+    pub fn is_record_name(&self, recorded: &str) -> bool {
+        match self.scope {
+            Scope::Cluster { .. } => {
+                recorded.strip_prefix(crate::pod_record::CLUSTER_BUDGET_PREFIX) == Some(&self.name)
+            }
+            Scope::Namespaced => recorded == self.name,
+        }
+    }
+
     /// A `ClusterGpuMemoryBudget`.
     pub fn is_cluster(&self) -> bool {
         matches!(self.scope, Scope::Cluster { .. })
@@ -510,6 +542,12 @@ mod tests {
     fn a_cluster_budget_selects_by_namespace_and_pod_labels() {
         let c = cluster("gpu-tenants", "{matchLabels: {tier: tenant}}", "{matchLabels: {app: llm}}", "limit: 8Gi");
         assert_eq!((c.key(), c.is_cluster(), c.namespace.as_str()), ("gpu-tenants".to_owned(), true, ""));
+        assert!(c.has_key("gpu-tenants") && !c.has_key("/gpu-tenants"));
+        assert_eq!(c.record_name(), "ClusterGpuMemoryBudget/gpu-tenants");
+        assert!(c.is_record_name("ClusterGpuMemoryBudget/gpu-tenants") && !c.is_record_name("gpu-tenants"));
+        let n = namespaced("gpu-tenants", "limit: 8Gi");
+        assert!(n.has_key("team-a/gpu-tenants") && !n.has_key("gpu-tenants") && !n.has_key("team-b/gpu-tenants"));
+        assert!(n.is_record_name("gpu-tenants") && !n.is_record_name("ClusterGpuMemoryBudget/gpu-tenants"));
         let (tenant, system, llm) =
             (labels(&[("tier", "tenant")]), labels(&[("tier", "system")]), labels(&[("app", "llm")]));
         assert!(c.selects(&PodLabels::new("team-a", &tenant, &llm)));

@@ -12,8 +12,12 @@ use crate::state::BudgetState;
 pub const STATE: &str = "gpubudget.io/state";
 /// GPU memory the pod holds, in bytes (decimal integer).
 pub const USAGE_BYTES: &str = "gpubudget.io/usage-bytes";
-/// Name of the budget (same namespace) that applies to the pod.
+/// Name of the budget (same namespace) that applies to the pod; for a `ClusterGpuMemoryBudget`, its name after
+/// [`CLUSTER_BUDGET_PREFIX`].
 pub const BUDGET: &str = "gpubudget.io/budget";
+/// What precedes a cluster budget's name in [`BUDGET`] (no budget's name can hold a `/` or capitals, so a
+/// record never names a namespaced budget of the same name).
+pub const CLUSTER_BUDGET_PREFIX: &str = "ClusterGpuMemoryBudget/";
 /// The node whose agent wrote the record.
 pub const NODE: &str = "gpubudget.io/node";
 /// When the agent requested the pod's eviction (RFC 3339); present only once it has.
@@ -40,7 +44,8 @@ pub struct PodRecord {
     pub state: BudgetState,
     /// Bytes it holds.
     pub usage_bytes: u64,
-    /// The budget that applies (name in the pod's namespace).
+    /// The budget that applies: a name in the pod's namespace, or [`CLUSTER_BUDGET_PREFIX`] and a cluster
+    /// budget's name ([`crate::Budget::record_name`]).
     pub budget: String,
     /// The node of the agent that wrote it.
     pub node: String,

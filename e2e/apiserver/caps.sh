@@ -127,8 +127,9 @@ kubectl version 2>/dev/null | sed 's/^/    /'
 info "helm: $("$HELM" version --short 2>/dev/null)  operator: $BIN/gpubudget-operator  run id: $ID  creates per latency run: $N"
 for ns in "$NS" "$NS_A" "$NS_B" "$NS_L1" "$NS_L2"; do kubectl create namespace "$ns" >/dev/null; done
 webhook_cert "$WORK/tls"
-kubectl apply -f "$REPO/crds/$CRD.yaml" >/dev/null
-kubectl wait --for=condition=Established "crd/$CRD" --timeout=60s >/dev/null
+# Both CRDs: the agent watches ClusterGpuMemoryBudgets too, and is not ready before that list.
+kubectl apply -f "$REPO/crds/" >/dev/null
+kubectl wait --for=condition=Established "crd/$CRD" crd/clustergpumemorybudgets.gpubudget.io --timeout=60s >/dev/null
 "$HELM" template "$RELEASE" "$REPO/charts/gpubudget" -n "$NS" --kube-version 1.33.0 \
   | yq -y --arg url "https://$WEBHOOK/mutate-pod-caps" --arg ca "$(base64 -w0 < "$WORK/tls/ca.crt")" \
       'select(. != null) | select(.kind as $k | ["ServiceAccount", "ClusterRole", "ClusterRoleBinding",

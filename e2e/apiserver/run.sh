@@ -126,8 +126,9 @@ SERVER_MINOR=$(kubectl version -o json 2>/dev/null | jq -r '.serverVersion.minor
 info "helm: $("$HELM" version --short)  binaries: $BIN  run id: $ID  work: $WORK"
 
 say "CRD, the chart's RBAC, admission policies and eviction webhook (helm template; the webhook in URL mode)"
-kubectl apply -f "$REPO/crds/$CRD.yaml" >/dev/null
-kubectl wait --for=condition=Established "crd/$CRD" --timeout=60s >/dev/null
+# Both CRDs: the agent watches ClusterGpuMemoryBudgets too, and is not ready before that list.
+kubectl apply -f "$REPO/crds/" >/dev/null
+kubectl wait --for=condition=Established "crd/$CRD" crd/clustergpumemorybudgets.gpubudget.io --timeout=60s >/dev/null
 kubectl create namespace "$NS" >/dev/null
 kubectl create namespace "$NS_A" >/dev/null
 kubectl create namespace "$NS_B" >/dev/null

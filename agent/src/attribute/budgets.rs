@@ -367,6 +367,48 @@ mod tests {
         assert_eq!(names(cache.index(), "a"), ["x"]);
     }
 
+    fn namespace(name: &str, labels: serde_json::Value) -> Namespace {
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name, "labels": labels}})).expect("namespace")
+    }
+
+    fn cluster_budget(name: &str, limit: &str) -> ClusterGpuMemoryBudget {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "gpubudget.io/v1alpha1", "kind": "ClusterGpuMemoryBudget",
+            "metadata": {"name": name},
+            "spec": {"namespaceSelector": {"matchLabels": {"tier": "tenant"}}, "selector": {}, "limit": limit},
+        }))
+        .expect("cluster budget fixture")
+    }
+
+    /// #23: cluster budgets and namespace labels rebuild the table when what a pod table reads moves: a new
+    /// limit, a namespace's labels; not a namespace written with the same labels.
+    #[test]
+    fn the_cluster_cache_changes_when_budgets_or_namespace_labels_do() {
+        let mut cache = ClusterCache::default();
+        assert!(!cache.synced());
+        for e in [Event::Init, Event::InitApply(cluster_budget("tenants", "4Gi"))] {
+            assert!(!cache.apply_budget(&e));
+        }
+        assert!(cache.apply_budget(&Event::InitDone), "the first list");
+        assert!(!cache.synced(), "namespaces not listed yet");
+        cache.apply_namespace(&Event::Init);
+        cache.apply_namespace(&Event::InitApply(namespace("a", serde_json::json!({"tier": "tenant"}))));
+        assert!(cache.apply_namespace(&Event::InitDone));
+        assert!(cache.synced());
+        assert_eq!(cache.index().valid().map(|b| b.key()).collect::<Vec<_>>(), ["tenants"]);
+        assert_eq!(cache.index().labels_of("a").get("tier").map(String::as_str), Some("tenant"));
+        assert!(cache.index().labels_of("unknown").is_empty());
+        assert!(!cache.apply_namespace(&Event::Apply(namespace("a", serde_json::json!({"tier": "tenant"})))));
+        assert!(cache.apply_namespace(&Event::Apply(namespace("a", serde_json::json!({})))), "relabelled");
+        assert!(cache.apply_namespace(&Event::Delete(namespace("a", serde_json::json!({})))));
+        assert!(!cache.apply_budget(&Event::Apply(cluster_budget("tenants", "4Gi"))), "a status write");
+        assert!(cache.apply_budget(&Event::Apply(cluster_budget("tenants", "8Gi"))));
+        assert!(cache.apply_budget(&Event::Apply(cluster_budget("broken", "8 GiB"))));
+        assert_eq!(cache.index().invalid().iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["broken"]);
+        assert!(cache.apply_budget(&Event::Delete(cluster_budget("tenants", "8Gi"))));
+        assert_eq!(cache.index().valid().count(), 0);
+    }
+
     proptest! {
         /// Whatever the order of writes, the cache holds what compiling the last write of each budget gives,
         /// and says "changed" exactly when that compiled set moved.

@@ -92,14 +92,6 @@ fn percent_changed(old: u64, new: u64, percent: u64) -> bool {
     diff * 100 >= u128::from(old) * u128::from(percent) && diff > 0
 }
 
-/// Whether `key` is `budget`'s `namespace/name` (compared without allocating).
-fn is_key(key: &str, budget: &Budget) -> bool {
-    key.len() == budget.namespace.len() + 1 + budget.name.len()
-        && key.starts_with(budget.namespace.as_str())
-        && key.ends_with(budget.name.as_str())
-        && key.as_bytes()[budget.namespace.len()] == b'/'
-}
-
 pub(in crate::decide) struct Context<'a> {
     pub(in crate::decide) view: &'a PodView,
     pub(in crate::decide) budget: &'a Budget,
@@ -251,7 +243,7 @@ impl Enforcer {
         mem.tracker = step(mem.tracker, &thresholds, now.mono_ms, total);
         mem.last_usage = total;
         mem.last_limit = budget.limit_bytes;
-        if !is_key(&mem.last_budget, budget) {
+        if !budget.has_key(&mem.last_budget) {
             mem.last_budget = budget.key();
         }
         let state = mem.tracker.state;
@@ -399,7 +391,7 @@ impl Enforcer {
                 None => true,
                 Some(w) => {
                     w.state != state
-                        || w.budget != budget.name
+                        || !budget.is_record_name(&w.budget)
                         || w.node != self.settings.node
                         || w.eviction_requested_at != mem.eviction_requested_at
                         || (percent_changed(w.usage_bytes, total, self.settings.usage_change_percent)
@@ -435,7 +427,7 @@ impl Enforcer {
         PodRecord {
             state: record_state(mem),
             usage_bytes: cx.usage.total,
-            budget: cx.budget.name.clone(),
+            budget: cx.budget.record_name(),
             node: self.settings.node.clone(),
             eviction_requested_at: mem.eviction_requested_at.clone(),
         }
