@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
-use gpubudget_common::GpuMemoryBudget;
+use gpubudget_common::{ClusterGpuMemoryBudget, GpuMemoryBudget};
 use gpubudget_testkit::{FakeApi, kubeconfig_yaml};
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Pod};
 use k8s_openapi::api::events::v1::Event as NewEvent;
@@ -164,6 +164,34 @@ async fn kubectl_gets_budgets_with_printer_columns_and_pods() {
     assert_eq!([&lines[1][..4], &lines[1][5..]].concat(), ["llm-0", "1/1", "Running", "0", "10.0.0.7", "n1"]);
     assert_eq!(words(&kubectl.run(&["get", "po", "-A"]).await)[1][..2], ["team-a", "llm-0"]);
     assert!(kubectl.run(&["get", "pods"]).await.is_empty(), "no pods in default (the message goes to stderr)");
+}
+
+/// #23: `kubectl get cgmb` (cluster-scoped: no NAMESPACE column, even with `-A`) prints the gmb columns.
+#[tokio::test]
+async fn kubectl_gets_cluster_budgets_with_the_same_columns() {
+    let fake = cluster().await;
+    fake.put_object(serde_json::to_value(ClusterGpuMemoryBudget::crd()).unwrap()).unwrap();
+    fake.put_object(json!({
+        "apiVersion": "gpubudget.io/v1alpha1", "kind": "ClusterGpuMemoryBudget",
+        "metadata": {"name": "tenants"},
+        "spec": {"namespaceSelector": {"matchLabels": {"tier": "tenant"}}, "selector": {}, "limit": "16Gi",
+                 "request": "4Gi", "action": "Evict"},
+        "status": {"matchedPods": 7, "podsOverBudget": 2, "evictions": 5},
+    }))
+    .unwrap();
+    let Some(kubectl) = Kubectl::start(&fake).await else { return };
+    let mut header = vec!["NAME".to_owned()];
+    header.extend(printer_columns());
+    for args in [&["get", "cgmb"][..], &["get", "clustergpumemorybudgets", "-A"]] {
+        let out = kubectl.run(args).await;
+        println!("$ kubectl {}\n{out}", args.join(" "));
+        let lines = words(&out);
+        assert_eq!(lines[0], header, "the gmb columns");
+        assert_eq!(lines[1][..7], ["tenants", "4Gi", "16Gi", "Evict", "7", "2", "5"]);
+        assert_eq!(lines.len(), 2);
+    }
+    let all: Value = serde_yaml::from_str(&kubectl.run(&["get", "cgmb", "-o", "yaml"]).await).unwrap();
+    assert_eq!(all["items"][0]["spec"]["namespaceSelector"]["matchLabels"]["tier"], "tenant");
 }
 
 #[tokio::test]
