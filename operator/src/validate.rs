@@ -1,4 +1,5 @@
-//! `gpubudget-operator validate FILE...`: the API server's rules for `GpuMemoryBudget`, applied offline.
+//! `gpubudget-operator validate FILE...`: the API server's rules for `GpuMemoryBudget` and
+//! `ClusterGpuMemoryBudget`, applied offline.
 //!
 //! The rules are not re-implemented here: the CEL rules (`x-kubernetes-validations`) and defaults are
 //! taken from the generated CRD schema and evaluated with kube-cel, the same expressions the API server
@@ -9,7 +10,7 @@
 use std::io::Read;
 use std::path::PathBuf;
 
-use gpubudget_common::{Budget, GpuMemoryBudget};
+use gpubudget_common::{Budget, ClusterGpuMemoryBudget, GpuMemoryBudget};
 use kube_cel::{CompiledSchema, Validator, compile_schema};
 use serde_json::Value;
 
@@ -43,12 +44,27 @@ impl std::fmt::Display for Problem {
     }
 }
 
-/// The checker: the CRD schema compiled once.
+/// The checker: each CRD's schema compiled once.
 #[derive(Debug)]
 pub struct Checker {
+    kinds: [Kind; 2],
+    validator: Validator,
+}
+
+/// One kind's schema, compiled.
+#[derive(Debug)]
+struct Kind {
+    name: &'static str,
     schema: Value,
     compiled: CompiledSchema,
-    validator: Validator,
+}
+
+impl Kind {
+    fn new(name: &'static str, crd: &Value) -> Self {
+        let schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone();
+        let compiled = compile_schema(&schema);
+        Self { name, schema, compiled }
+    }
 }
 
 impl Default for Checker {
@@ -58,11 +74,13 @@ impl Default for Checker {
 }
 
 impl Checker {
-    /// Compiles the CRD's schema.
+    /// Compiles the CRDs' schemas.
     pub fn new() -> Self {
-        let schema = crate::crd::schema();
-        let compiled = compile_schema(&schema);
-        Self { schema, compiled, validator: Validator::new() }
+        let kinds = [
+            Kind::new("GpuMemoryBudget", &crate::crd::crd()),
+            Kind::new("ClusterGpuMemoryBudget", &crate::crd::cluster_crd()),
+        ];
+        Self { kinds, validator: Validator::new() }
     }
 
     /// Every problem in a YAML stream of one or more documents. Objects of other kinds are skipped.
@@ -90,9 +108,8 @@ impl Checker {
 
     /// Every problem in one object; `label` names it when it has no name.
     pub fn check_value(&self, value: &Value, label: &str) -> Vec<Problem> {
-        if value.get("kind").and_then(Value::as_str) != Some("GpuMemoryBudget") {
-            return Vec::new();
-        }
+        let kind = value.get("kind").and_then(Value::as_str);
+        let Some(kind) = self.kinds.iter().find(|k| Some(k.name) == kind) else { return Vec::new() };
         let object = match (
             value.pointer("/metadata/namespace").and_then(Value::as_str),
             value.pointer("/metadata/name").and_then(Value::as_str),
@@ -114,26 +131,33 @@ impl Checker {
         if value.pointer("/metadata/name").and_then(Value::as_str).is_none_or(str::is_empty) {
             problems.push(problem("metadata.name", "is required".into(), Source::Structure));
         }
-        structural(&self.schema, value, "", &mut |field, message| {
+        structural(&kind.schema, value, "", &mut |field, message| {
             problems.push(problem(field, message, Source::Structure));
         });
-        if let Err(errors) = self.validator.validate_compiled(&self.compiled, value, None) {
+        if let Err(errors) = self.validator.validate_compiled(&kind.compiled, value, None) {
             for e in errors.iter() {
                 problems.push(problem(&e.field_path, e.message.clone(), Source::Cel));
             }
         }
         // Structural problems stop the typed reading: its errors would repeat them.
         if !problems.iter().any(|p| p.source == Source::Structure) {
-            let defaulted = kube_cel::apply_defaults(&self.schema, value);
-            match serde_json::from_value::<GpuMemoryBudget>(defaulted) {
-                Ok(budget) => {
+            let defaulted = kube_cel::apply_defaults(&kind.schema, value);
+            let compiled = if kind.name == "GpuMemoryBudget" {
+                serde_json::from_value::<GpuMemoryBudget>(defaulted).map(|budget| {
                     let ns = budget.metadata.namespace.as_deref().unwrap_or("default");
                     let name = budget.metadata.name.as_deref().unwrap_or_default();
-                    if let Err(e) = Budget::from_spec(ns, name, &budget.spec) {
-                        let text = e.to_string();
-                        let (field, message) = text.split_once(": ").unwrap_or(("spec", text.as_str()));
-                        problems.push(problem(field, message.to_owned(), Source::Spec));
-                    }
+                    Budget::from_spec(ns, name, &budget.spec)
+                })
+            } else {
+                serde_json::from_value::<ClusterGpuMemoryBudget>(defaulted)
+                    .map(|budget| Budget::compile_cluster(&budget))
+            };
+            match compiled {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    let text = e.to_string();
+                    let (field, message) = text.split_once(": ").unwrap_or(("spec", text.as_str()));
+                    problems.push(problem(field, message.to_owned(), Source::Spec));
                 }
                 Err(e) => problems.push(problem("spec", e.to_string(), Source::Structure)),
             }

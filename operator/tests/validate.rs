@@ -178,3 +178,33 @@ proptest! {
         }
     }
 }
+
+/// #23: `validate` checks ClusterGpuMemoryBudgets with their CRD's rules (the namespaced spec's, and
+/// namespaceSelector's) and the operator's reading of the spec; a valid one passes.
+#[test]
+fn cluster_budgets_are_checked_by_their_own_schema() {
+    let checker = Checker::new();
+    let doc = |spec: &str| {
+        format!(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {{name: tenants}}\nspec: {spec}\n"
+        )
+    };
+    let ok = checker.check_yaml(&doc("{namespaceSelector: {matchLabels: {tier: tenant}}, selector: {}, limit: 8Gi}"));
+    assert!(ok.is_empty(), "{ok:?}");
+    for (spec, field, source) in [
+        ("{selector: {}, limit: 1Gi, request: 2Gi}", "spec.request", Source::Cel),
+        ("{selector: {}, limit: 1Gi, warnAtPercent: 0}", "spec.warnAtPercent", Source::Cel),
+        (
+            "{namespaceSelector: {matchExpressions: [{key: a, operator: Equals, values: [x]}]}, selector: {}, limit: 1Gi}",
+            "spec.namespaceSelector",
+            Source::Cel,
+        ),
+        ("{selector: {}, limit: 1Gi, nope: 1}", "spec.nope", Source::Structure),
+        ("{limit: 1Gi}", "spec.selector", Source::Structure),
+    ] {
+        let problems = checker.check_yaml(&doc(spec));
+        let report = Checker::report(&problems);
+        assert!(report.iter().any(|p| p.field.starts_with(field) && p.source == source), "{spec}: {problems:?}");
+        assert!(report.iter().all(|p| p.object == "tenants"), "named by its name alone: {problems:?}");
+    }
+}
