@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use gpubudget_demo::stack::Stack;
-use gpubudget_testkit::FakeApi;
+use gpubudget_testkit::{FakeApi, Verb};
 
 const WAIT: Duration = Duration::from_secs(10);
 const GI: u64 = 1 << 30;
@@ -81,7 +81,10 @@ fn evicted(fake: &FakeApi) -> Vec<String> {
 }
 
 async fn start(usage: &[(&str, u64)]) -> Stack {
-    let fake = FakeApi::new();
+    start_with(FakeApi::new(), usage).await
+}
+
+async fn start_with(fake: FakeApi, usage: &[(&str, u64)]) -> Stack {
     fake.apply_yaml(OBJECTS).expect("objects");
     // An evicted pod stays, terminating, with its record.
     fake.set_graceful_pod_deletion(true);
@@ -146,5 +149,19 @@ async fn labelling_a_namespace_brings_its_pods_under_the_cluster_budget() {
     .expect("namespace");
     assert!(f.wait_until(WAIT, |f| evicted(f) == ["free"]).await, "evicted {:?}", evicted(f));
     assert_eq!(record(f, "free").0, Some("ClusterGpuMemoryBudget/tenants".into()));
+    agent.stop().await;
+}
+
+/// An upgrade whose CRDs were not applied first (Helm installs crds/ on first install only): the cluster
+/// budgets' list is answered 404. The agent is ready and enforces the namespaced budgets all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_cluster_crd_namespaced_budgets_are_enforced() {
+    let fake = FakeApi::new();
+    fake.fail_next(Verb::List, "clustergpumemorybudgets", 10_000, 404);
+    let agent = start_with(fake, &[("tenant-tight", 3 * GI), ("tenant-empty", 6 * GI)]).await;
+    let f = &agent.fake;
+    assert!(f.wait_until(WAIT, |f| evicted(f) == ["tenant-tight"]).await, "evicted {:?}", evicted(f));
+    assert!(agent.agent_health().is_ready(), "{}", agent.agent_health().report());
+    assert_eq!(record(f, "tenant-empty"), (None, None), "no cluster budget known");
     agent.stop().await;
 }

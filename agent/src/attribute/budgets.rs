@@ -270,6 +270,16 @@ impl ClusterCache {
         self.refresh(changed)
     }
 
+    /// The cluster budgets' resource is not served (its CRD is not installed): none, and listed, unless a list
+    /// came in before; whether that is news.
+    pub fn budgets_absent(&mut self) -> bool {
+        if self.budgets.synced {
+            return false;
+        }
+        self.budgets.synced = true;
+        self.refresh(true)
+    }
+
     fn refresh(&mut self, changed: bool) -> bool {
         if changed {
             self.live = ClusterIndex { budgets: self.budgets.live.clone(), namespaces: self.namespaces.live.clone() };

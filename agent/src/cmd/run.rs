@@ -57,10 +57,26 @@ pub struct Caches {
 }
 
 /// Runs a watch with the default backoff until `shutdown`, handing each event to `on`.
-fn spawn_watch<K, F>(api: Api<K>, config: watcher::Config, name: &'static str, shutdown: CancellationToken, mut on: F)
+fn spawn_watch<K, F>(api: Api<K>, config: watcher::Config, name: &'static str, shutdown: CancellationToken, on: F)
 where
     K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
     F: FnMut(watcher::Event<K>) + Send + 'static,
+{
+    spawn_watch_or(api, config, name, shutdown, on, |_| {});
+}
+
+/// [`spawn_watch`], handing each failure to `failed` too (after it is logged).
+fn spawn_watch_or<K, F, E>(
+    api: Api<K>,
+    config: watcher::Config,
+    name: &'static str,
+    shutdown: CancellationToken,
+    mut on: F,
+    mut failed: E,
+) where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+    F: FnMut(watcher::Event<K>) + Send + 'static,
+    E: FnMut(&watcher::Error) + Send + 'static,
 {
     let stream = watcher(api, config).default_backoff();
     tokio::spawn(async move {
@@ -70,7 +86,10 @@ where
                 () = shutdown.cancelled() => break,
                 event = stream.next() => match event {
                     Some(Ok(event)) => on(event),
-                    Some(Err(error)) => tracing::warn!(cache = name, %error, "watch failed; retrying with backoff"),
+                    Some(Err(error)) => {
+                        tracing::warn!(cache = name, %error, "watch failed; retrying with backoff");
+                        failed(&error);
+                    }
                     None => break,
                 },
             }
@@ -119,7 +138,8 @@ impl Caches {
         };
         {
             let (changes, cache, announce) = (changes.clone(), cluster.clone(), announce.clone());
-            spawn_watch(
+            let (absent_changes, absent_cache, absent_announce) = (changes.clone(), cluster.clone(), announce.clone());
+            spawn_watch_or(
                 Api::<ClusterGpuMemoryBudget>::all(client.clone()),
                 watcher::Config::default(),
                 "clusterbudgets",
@@ -129,6 +149,19 @@ impl Caches {
                         changes.fetch_add(1, Ordering::AcqRel);
                     }
                     announce();
+                },
+                // The ClusterGpuMemoryBudget CRD not installed (an upgrade whose CRDs were not applied first: Helm
+                // installs crds/ on first install only): namespaced budgets are enforced all the same, and the
+                // watch keeps trying, so cluster budgets are enforced once the CRD is there.
+                move |error| {
+                    if is_not_found(error) && lock(&absent_cache).budgets_absent() {
+                        tracing::warn!(
+                            "the ClusterGpuMemoryBudget CRD is not installed (apply charts/gpubudget/crds/): \
+                             enforcing namespaced budgets only until it is"
+                        );
+                        absent_changes.fetch_add(1, Ordering::AcqRel);
+                        absent_announce();
+                    }
                 },
             );
         }
@@ -200,6 +233,17 @@ impl Caches {
             cluster.index(),
             Some(node),
         )
+    }
+}
+
+/// The list or watch was answered 404: the resource (a CRD) is not installed.
+fn is_not_found(error: &watcher::Error) -> bool {
+    match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => status.code == 404,
+        watcher::Error::WatchError(status) => status.code == 404,
+        _ => false,
     }
 }
 
