@@ -105,9 +105,7 @@ pub enum Change {
 /// The agent's budget cache, fed by the budget watch: the index in use, and the one a relist is filling.
 #[derive(Debug, Default)]
 pub struct BudgetCache {
-    live: BudgetIndex,
-    relist: Option<BudgetIndex>,
-    synced: bool,
+    index: Relisted<BudgetIndex>,
 }
 
 impl BudgetCache {
@@ -115,38 +113,23 @@ impl BudgetCache {
     /// the live one when it is complete, so budgets deleted while the watch was down are dropped; the live one
     /// serves until then.
     pub fn apply(&mut self, event: &watcher::Event<GpuMemoryBudget>) -> Change {
-        let namespace = |b: &GpuMemoryBudget| Change::In(key(b).0.to_owned());
+        let changed =
+            self.index.apply(event, |index, b, delete| if delete { index.remove(b) } else { index.insert(b) });
         match event {
-            watcher::Event::Init => {
-                self.relist = Some(BudgetIndex::default());
-                Change::Nothing
-            }
-            watcher::Event::InitApply(b) => {
-                self.relist.get_or_insert_with(BudgetIndex::default).insert(b);
-                Change::Nothing
-            }
-            watcher::Event::InitDone => {
-                let first = !self.synced;
-                self.synced = true;
-                let relisted = self.relist.take().unwrap_or_default();
-                let changed = relisted != self.live;
-                self.live = relisted;
-                if changed || first { Change::Everything } else { Change::Nothing }
-            }
-            watcher::Event::Apply(b) if self.live.insert(b) => namespace(b),
-            watcher::Event::Delete(b) if self.live.remove(b) => namespace(b),
-            watcher::Event::Apply(_) | watcher::Event::Delete(_) => Change::Nothing,
+            _ if !changed => Change::Nothing,
+            watcher::Event::Apply(b) | watcher::Event::Delete(b) => Change::In(key(b).0.to_owned()),
+            watcher::Event::Init | watcher::Event::InitApply(_) | watcher::Event::InitDone => Change::Everything,
         }
     }
 
     /// The first list has been applied.
     pub fn synced(&self) -> bool {
-        self.synced
+        self.index.synced
     }
 
     /// The budgets in use.
     pub fn index(&self) -> &BudgetIndex {
-        &self.live
+        &self.index.live
     }
 }
 
@@ -205,7 +188,8 @@ impl ClusterIndex {
 }
 
 /// A cache fed by one watch: the value in use, and the one a relist is filling (replacing it when the relist
-/// is complete, so objects deleted while the watch was down are dropped).
+/// is complete, so objects deleted while the watch was down are dropped). `Init` and `InitApply` change
+/// nothing in use; `InitDone` changes it when the relist differs, and always the first time.
 #[derive(Debug, Default)]
 struct Relisted<T> {
     live: T,
