@@ -133,6 +133,50 @@ impl AccountingArgs {
     }
 }
 
+/// How often a pod's record is rewritten for usage alone (docs/agent.md, "Write load"): the knob that bounds
+/// what a node sends the API server when usage keeps moving. State changes are written at once whatever these say.
+#[derive(Debug, Clone, Args)]
+pub struct RecordArgs {
+    /// A pod's record is rewritten for usage alone at most this often (one write per pod per interval: 110
+    /// pods at the default are at most 220 writes a minute).
+    #[arg(long, env = "GPUBUDGET_USAGE_WRITE_INTERVAL", default_value = "30s", value_parser = parse_usage_write_interval)]
+    pub usage_write_interval: Duration,
+    /// … and only when usage moved by at least this percentage of the value last written (1 to 100).
+    #[arg(long, env = "GPUBUDGET_USAGE_WRITE_CHANGE_PERCENT", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=100))]
+    pub usage_write_change_percent: u64,
+}
+
+/// A usage write interval: a duration of 5 s to 1 h (under 5 s the write load is the tick's; over an hour a
+/// record stops being a reading).
+fn parse_usage_write_interval(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text)?;
+    if (Duration::from_secs(5)..=Duration::from_secs(3600)).contains(&d) {
+        Ok(d)
+    } else {
+        Err(format!("{text}: the usage write interval must be between 5s and 3600s"))
+    }
+}
+
+impl Default for RecordArgs {
+    /// The flags' own defaults.
+    fn default() -> Self {
+        #[derive(Parser)]
+        struct Defaults {
+            #[command(flatten)]
+            records: RecordArgs,
+        }
+        Defaults::parse_from(["defaults"]).records
+    }
+}
+
+impl RecordArgs {
+    /// The decision settings.
+    pub fn apply(&self, settings: &mut Settings) {
+        settings.usage_min_interval_ms = u64::try_from(self.usage_write_interval.as_millis()).unwrap_or(u64::MAX);
+        settings.usage_change_percent = self.usage_write_change_percent;
+    }
+}
+
 /// A pressure threshold, or none ("off").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MaybeThreshold(pub Option<Threshold>);
@@ -167,6 +211,8 @@ pub struct RunArgs {
     pub pressure: PressureArgs,
     #[command(flatten)]
     pub accounting: AccountingArgs,
+    #[command(flatten)]
+    pub records: RecordArgs,
 }
 
 impl RunArgs {
@@ -181,6 +227,7 @@ impl RunArgs {
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             pressure: PressureArgs::default(),
             accounting: AccountingArgs::default(),
+            records: RecordArgs::default(),
         }
     }
 }
@@ -356,6 +403,36 @@ mod tests {
         AccountingArgs::default().apply(&mut settings);
         assert_eq!(settings.accounting, AccountingSettings::DEFAULT);
         assert_eq!(parse_threshold("off"), Ok(MaybeThreshold(None)));
+    }
+
+    #[test]
+    fn record_defaults_are_the_decision_defaults_and_bad_values_are_refused() {
+        let mut settings = Settings::new("n1");
+        let defaults = (settings.usage_min_interval_ms, settings.usage_change_percent);
+        settings.usage_min_interval_ms = 1;
+        settings.usage_change_percent = 1;
+        RecordArgs::default().apply(&mut settings);
+        assert_eq!((settings.usage_min_interval_ms, settings.usage_change_percent), defaults);
+        let run = |extra: &[&str]| {
+            let mut argv = vec!["gpubudget-agent", "run", "--node-name", "n1"];
+            argv.extend_from_slice(extra);
+            Cli::try_parse_from(argv).map(|cli| match cli.command {
+                Command::Run(run) => run.records,
+                _ => panic!("run"),
+            })
+        };
+        let wide = run(&["--usage-write-interval", "2m", "--usage-write-change-percent", "20"]).expect("parses");
+        wide.apply(&mut settings);
+        assert_eq!((settings.usage_min_interval_ms, settings.usage_change_percent), (120_000, 20));
+        for bad in
+            [["--usage-write-interval", "1s"], ["--usage-write-interval", "2h"], ["--usage-write-change-percent", "0"]]
+        {
+            let error = run(&bad).expect_err("refused").to_string();
+            assert!(error.contains(bad[0]), "{error}");
+        }
+        assert!(
+            run(&["--usage-write-interval", "1s"]).expect_err("refused").to_string().contains("between 5s and 3600s")
+        );
     }
 
     #[test]

@@ -176,6 +176,7 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
             let mut settings = Settings::new(&node);
             args.pressure.apply(&mut settings);
             args.accounting.apply(&mut settings);
+            args.records.apply(&mut settings);
             settings
         },
         metrics.clone(),

@@ -11,6 +11,9 @@ pub struct Settings {
     pub usage_change_percent: u64,
     /// … and at most this often per pod.
     pub usage_min_interval_ms: u64,
+    /// A move among Within, Near and Over is written at most this soon after the pod's last write (an
+    /// `Evicting` record, a new budget or eviction time are written at once).
+    pub state_min_interval_ms: u64,
     /// A reason is not repeated for a pod within this.
     pub event_cooldown_ms: u64,
     /// First retry delay after a refused eviction (doubles up to `evict_backoff_max_ms`).
@@ -40,6 +43,7 @@ impl Settings {
             node: node.into(),
             usage_change_percent: 5,
             usage_min_interval_ms: 30_000,
+            state_min_interval_ms: 5_000,
             event_cooldown_ms: 60_000,
             evict_backoff_min_ms: 5_000,
             evict_backoff_max_ms: 60_000,
