@@ -203,7 +203,8 @@ async fn warn_story_events_and_status_but_never_an_eviction() {
     assert!(stack.fake.evictions().is_empty());
     let reasons: Vec<String> = stack.events("team-a", "finetune-0").into_iter().map(|e| e.reason).collect();
     assert!(!reasons.iter().any(|r| r == "EvictingForGpuMemory"), "{reasons:?}");
-    assert_eq!(stack.annotations("team-a", "finetune-0")[pod_record::STATE], "Over");
+    // The Over record follows the Near one 5 s after it at the soonest (a move is spaced per pod).
+    stack.annotations_until("team-a", "finetune-0", "state Over", |a| a[pod_record::STATE] == "Over").await;
     let status = stack.status_until("team-a", "training-audit", "OVER 1", |s| s.pods_over_budget == 1).await;
     assert_eq!((status.matched_pods, status.evictions), (1, 0));
     println!("{}", stack.transcript("team-a", &["finetune-0"]));
