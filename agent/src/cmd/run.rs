@@ -42,8 +42,9 @@ pub const CHECKS: [&str; 3] = ["gpu", "pods", "budgets"];
 /// The readiness checks as a gauge on `/metrics`: `gpubudget_ready{check}` (1 while the check passes).
 pub const READY_METRIC: &str = "gpubudget_ready";
 
-/// Pods are listed this many at a time (a page of full pod objects is held while it is cut down).
-pub const POD_PAGE_SIZE: u32 = 100;
+/// Pods and budgets are listed this many at a time (a page of full objects is held while it is cut down or
+/// compiled; kube's default is 500).
+pub const LIST_PAGE_SIZE: u32 = 100;
 
 /// The two caches the agent decides from.
 #[derive(Debug, Clone)]
@@ -87,7 +88,7 @@ impl Caches {
             let (changes, ready, health) = (changes.clone(), pods_ready.clone(), health.clone());
             spawn_watch(
                 Api::<Pod>::all(client.clone()),
-                watcher::Config::default().fields(&format!("spec.nodeName={node}")).page_size(POD_PAGE_SIZE),
+                watcher::Config::default().fields(&format!("spec.nodeName={node}")).page_size(LIST_PAGE_SIZE),
                 "pods",
                 shutdown.clone(),
                 move |event: watcher::Event<Pod>| {
@@ -106,7 +107,7 @@ impl Caches {
             let (changes, cache, pods) = (changes.clone(), budgets.clone(), pods.clone());
             spawn_watch(
                 Api::<GpuMemoryBudget>::all(client),
-                watcher::Config::default(),
+                watcher::Config::default().page_size(LIST_PAGE_SIZE),
                 "budgets",
                 shutdown,
                 move |event| {
