@@ -111,6 +111,8 @@ pub enum NodeReason {
     Unaccounted,
     /// NVML gives no per-process figure for some processes on a GPU (once per GPU).
     Unavailable,
+    /// Pods no budget selects hold a large share of a GPU, for a while ([`gpus`](super::gpus)).
+    Unbudgeted,
     /// The driver's per-cgroup memory limits (R615) cannot be read here: eviction only (once per agent start).
     DriverLimitsUnavailable,
 }
@@ -126,6 +128,7 @@ impl NodeReason {
             Self::GpuSampleRecovered => "GpuSampleRecovered",
             Self::Unaccounted => "GpuMemoryUnaccounted",
             Self::Unavailable => "GpuProcessMemoryUnavailable",
+            Self::Unbudgeted => "GpuMemoryUnbudgeted",
             Self::DriverLimitsUnavailable => "DriverLimitsUnavailable",
         }
     }
