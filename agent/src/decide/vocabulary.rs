@@ -206,7 +206,8 @@ pub enum Action {
         grace_seconds: Option<i64>,
         /// Whether the API has the `Evicting` record (false: the wait for it ran out, see
         /// [`Settings::record_wait_attempts`](super::Settings::record_wait_attempts)); counted in
-        /// `gpubudget_evictions_without_record_total`.
+        /// `gpubudget_evictions_without_record_total`. A pressure eviction of a pod no budget selects has no
+        /// record to wait for (no budget counts it): true, so it is not counted there.
         recorded: bool,
     },
 }

@@ -173,7 +173,8 @@ impl Enforcer {
                         );
                         mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
                         out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::Evicting, note: bounded(note) });
-                        out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: Some(grace), recorded: false });
+                        // `recorded`: no record is missing (none is written for a pod without a budget).
+                        out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: Some(grace), recorded: true });
                         mem.eviction = Eviction::InFlight { attempts: 0, refused_since: None };
                         self.pods.insert(view.uid.clone(), mem);
                         continue;

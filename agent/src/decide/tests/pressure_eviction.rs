@@ -199,6 +199,8 @@ fn under_ranked_the_pod_no_budget_selects_goes_first_at_once_without_a_record_an
     assert_eq!(node.enforcer.settings.unbudgeted_pods, Unbudgeted::Ranked, "the default");
     let first = node.tick(0, &[30 * GI, 47 * GI], 0);
     assert_eq!(evicted(&first), [("nobudget".to_owned(), Some(5))]);
+    // Not counted as an eviction that missed its record (gpubudget_evictions_without_record_total).
+    assert!(first.iter().any(|a| matches!(a, Action::Evict { recorded: true, .. })), "{first:#?}");
     // No record: no budget counts the eviction (and the agent writes nothing on pods without one).
     assert!(
         !first
