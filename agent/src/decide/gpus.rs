@@ -21,7 +21,7 @@ use gpubudget_common::quantity::HumanBytes;
 
 use super::pressure::{Threshold, Unbudgeted};
 use super::{Action, NodeReason, bounded, seconds};
-use crate::sample::{GpuHealth, GpuReading, Snapshot};
+use crate::sample::{GpuHealth, GpuInfo, GpuReading, Snapshot};
 
 /// When unaccounted memory is told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,14 +65,49 @@ pub struct UnbudgetedMemory<'a> {
     pub policy: Unbudgeted,
 }
 
+/// A condition told once per episode, once it has lasted.
+#[derive(Debug, Clone, Copy, Default)]
+struct Episode {
+    since: Option<u64>,
+    told: bool,
+}
+
+impl Episode {
+    /// Whether to tell it now: it `holds` at `now_ms`, has since `after_ms` ago, and was not told in this
+    /// episode. `Some(false)` ends the episode; `None` (not known) restarts the clock and keeps it told.
+    fn tell(&mut self, holds: Option<bool>, now_ms: u64, after_ms: u64) -> bool {
+        match holds {
+            None => {
+                self.since = None;
+                false
+            }
+            Some(false) => {
+                *self = Self::default();
+                false
+            }
+            Some(true) => {
+                let since = *self.since.get_or_insert(now_ms);
+                if self.told || now_ms.saturating_sub(since) < after_ms {
+                    return false;
+                }
+                self.told = true;
+                true
+            }
+        }
+    }
+}
+
+/// `0 (GPU-…)`, or the label alone without a UUID.
+fn gpu_name(info: &GpuInfo) -> String {
+    if info.uuid.is_empty() { info.label.clone() } else { format!("{} ({})", info.label, info.uuid) }
+}
+
 #[derive(Debug, Clone, Default)]
 struct Track {
     label: String,
     failed: bool,
-    large_since: Option<u64>,
-    told_unaccounted: bool,
-    unbudgeted_since: Option<u64>,
-    told_unbudgeted: bool,
+    unaccounted: Episode,
+    unbudgeted: Episode,
 }
 
 /// The per-GPU watch. Keyed by the snapshot's GPU order; a changed GPU list starts afresh (UUIDs told
@@ -101,13 +136,12 @@ impl GpuWatch {
         for (g, info) in snapshot.gpus.iter().enumerate() {
             let Some(reading) = snapshot.readings.get(g) else { continue };
             let track = &mut self.gpus[g];
-            let name =
-                if info.uuid.is_empty() { info.label.clone() } else { format!("{} ({})", info.label, info.uuid) };
+            let name = gpu_name(info);
             match &reading.health {
                 GpuHealth::Failed { error, .. } => {
                     if !track.failed {
                         track.failed = true;
-                        track.large_since = None;
+                        track.unaccounted.since = None;
                         let note = format!(
                             "GPU {name}: sample failed ({error}); nothing is decided from this GPU until it is sampled again (retried with backoff); the other GPUs are enforced as before"
                         );
@@ -131,19 +165,13 @@ impl GpuWatch {
                 out.push(Action::NodeEvent { reason: NodeReason::Unavailable, note });
             }
             let (Some(threshold), Some(Some(bytes))) = (settings.threshold, unaccounted.get(g)) else {
-                track.large_since = None;
+                track.unaccounted.tell(None, now_ms, settings.after_ms);
                 continue;
             };
-            if *bytes < threshold.bytes(info.total_bytes) {
-                track.large_since = None;
-                track.told_unaccounted = false;
+            let large = *bytes >= threshold.bytes(info.total_bytes);
+            if !track.unaccounted.tell(Some(large), now_ms, settings.after_ms) {
                 continue;
             }
-            let since = *track.large_since.get_or_insert(now_ms);
-            if track.told_unaccounted || now_ms.saturating_sub(since) < settings.after_ms {
-                continue;
-            }
-            track.told_unaccounted = true;
             let listed = snapshot.processes.iter().filter(|p| p.gpu == g).count();
             let used = snapshot.memory(g).map_or(0, |m| m.used);
             let note = format!(
@@ -172,18 +200,12 @@ impl GpuWatch {
         let UnbudgetedMemory { bytes: unbudgeted, policy } = held;
         for (g, (info, track)) in snapshot.gpus.iter().zip(&mut self.gpus).enumerate() {
             let bytes = unbudgeted.get(g).copied().unwrap_or(0);
-            let Some(threshold) = settings.threshold.filter(|t| bytes >= t.bytes(info.total_bytes)) else {
-                track.unbudgeted_since = None;
-                track.told_unbudgeted = false;
-                continue;
-            };
-            let since = *track.unbudgeted_since.get_or_insert(now_ms);
-            if track.told_unbudgeted || now_ms.saturating_sub(since) < settings.after_ms {
+            let threshold = settings.threshold.map(|t| t.bytes(info.total_bytes));
+            let large = threshold.is_some_and(|t| bytes >= t);
+            if !track.unbudgeted.tell(Some(large), now_ms, settings.after_ms) {
                 continue;
             }
-            track.told_unbudgeted = true;
-            let name =
-                if info.uuid.is_empty() { info.label.clone() } else { format!("{} ({})", info.label, info.uuid) };
+            let name = gpu_name(info);
             let used = snapshot.memory(g).map_or(0, |m| m.used);
             let then = match policy {
                 Unbudgeted::Ranked => {
@@ -200,7 +222,7 @@ impl GpuWatch {
                  (gpubudget_unbudgeted_bytes): {}; {then}. Give their namespaces a GpuMemoryBudget",
                 HumanBytes(bytes),
                 HumanBytes(used),
-                HumanBytes(threshold.bytes(info.total_bytes)),
+                HumanBytes(threshold.unwrap_or_default()),
                 seconds(settings.after_ms),
                 pods(g)
             );

@@ -395,23 +395,30 @@ mod tests {
         assert_eq!(choose(&[pods[2].clone(), smaller_here], RANKED), Some(0));
     }
 
-    proptest! {
-        /// Under `Ranked`: a pod within its guarantee is never chosen, whenever an evictable unbudgeted pod holds
-        /// memory here something is chosen, the chosen pod is the most above its guarantee (an unbudgeted pod's
-        /// whole usage), and the order of the pods does not matter. Under `Never` no unbudgeted pod is chosen.
-        #[test]
-        fn unbudgeted_rules(pods in proptest::collection::vec(
-            (0u64..64, proptest::option::of((1u64..64, proptest::option::of(0u64..64))), 0u64..8, any::<bool>()), 0..12),
-            rotate in 0usize..12) {
-            let pods: Vec<Candidate> = pods.iter().enumerate()
+    /// Up to 12 pods: usage, a budget or none (a limit, and a request or none), bytes on this GPU, evictable.
+    fn pods_with_requests() -> impl Strategy<Value = Vec<Candidate>> {
+        let pod = (0u64..64, proptest::option::of((1u64..64, proptest::option::of(0u64..64))), 0u64..8, any::<bool>());
+        proptest::collection::vec(pod, 0..12).prop_map(|pods| {
+            pods.iter()
+                .enumerate()
                 .map(|(i, (u, budget, g, e))| {
                     let c = candidate(&format!("ns/p{i}"), u * GI, budget.map(|(l, _)| l * GI), g * GI, *e);
+                    // A request at most the limit, as the CRD's rule and the spec reader allow.
                     match budget {
                         Some((l, Some(r))) => with_request(c, (*r).min(*l) * GI),
                         _ => c,
                     }
                 })
-                .collect();
+                .collect()
+        })
+    }
+
+    proptest! {
+        /// Under `Ranked`: a pod within its guarantee is never chosen, whenever an evictable unbudgeted pod holds
+        /// memory here something is chosen, the chosen pod is the most above its guarantee (an unbudgeted pod's
+        /// whole usage), and the order of the pods does not matter. Under `Never` no unbudgeted pod is chosen.
+        #[test]
+        fn unbudgeted_rules(pods in pods_with_requests(), rotate in 0usize..12) {
             let ranked = choose(&pods, RANKED);
             if let Some(i) = ranked {
                 let c = &pods[i];
@@ -436,19 +443,7 @@ mod tests {
         /// With requests: the chosen pod is above its request, no pod within its request is ever chosen,
         /// the chosen one is the most above its guarantee, and the order of the pods does not matter.
         #[test]
-        fn request_rules(pods in proptest::collection::vec(
-            (0u64..64, proptest::option::of((1u64..64, proptest::option::of(0u64..64))), 0u64..8, any::<bool>()), 0..12),
-            rotate in 0usize..12) {
-            let pods: Vec<Candidate> = pods.iter().enumerate()
-                .map(|(i, (u, budget, g, e))| {
-                    let c = candidate(&format!("ns/p{i}"), u * GI, budget.map(|(l, _)| l * GI), g * GI, *e);
-                    // A request at most the limit, as the CRD's rule and the spec reader allow.
-                    match budget {
-                        Some((l, Some(r))) => with_request(c, (*r).min(*l) * GI),
-                        _ => c,
-                    }
-                })
-                .collect();
+        fn request_rules(pods in pods_with_requests(), rotate in 0usize..12) {
             let chosen = choose(&pods, NEVER);
             if let Some(i) = chosen {
                 let c = &pods[i];
