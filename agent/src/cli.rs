@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::decide::Settings;
 use crate::decide::gpus::AccountingSettings;
-use crate::decide::pressure::{PressureSettings, Threshold};
+use crate::decide::pressure::{PressureSettings, Threshold, Unbudgeted};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use gpubudget_daemon::LogFormat;
 
@@ -69,6 +69,31 @@ pub struct PressureArgs {
     /// when lower, wins).
     #[arg(long, env = "GPUBUDGET_PRESSURE_GRACE_SECONDS", default_value_t = 5, value_parser = clap::value_parser!(i64).range(0..=3600))]
     pub pressure_grace_seconds: i64,
+    /// What pressure does to pods no budget selects (a namespace without a budget, a pod relabelled out of
+    /// every selector): "Ranked" counts all their usage as above their guarantee, so they go before any pod
+    /// within its budget (critical and static pods excepted); "Never" never evicts them for pressure.
+    #[arg(long, env = "GPUBUDGET_UNBUDGETED_PODS", value_enum, default_value = "Ranked")]
+    pub unbudgeted_pods: UnbudgetedPods,
+}
+
+/// `--unbudgeted-pods` (docs/agent.md, "Pressure").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum UnbudgetedPods {
+    /// Ranked as guaranteed nothing (the default: it protects the budgeted neighbour).
+    #[value(name = "Ranked", alias = "ranked")]
+    Ranked,
+    /// Never evicted for pressure.
+    #[value(name = "Never", alias = "never")]
+    Never,
+}
+
+impl From<UnbudgetedPods> for Unbudgeted {
+    fn from(arg: UnbudgetedPods) -> Self {
+        match arg {
+            UnbudgetedPods::Ranked => Self::Ranked,
+            UnbudgetedPods::Never => Self::Never,
+        }
+    }
 }
 
 impl Default for PressureArgs {
@@ -95,6 +120,7 @@ impl PressureArgs {
             transition_ms: ms(self.pressure_transition),
         };
         settings.pressure_grace_seconds = self.pressure_grace_seconds;
+        settings.unbudgeted_pods = self.unbudgeted_pods.into();
     }
 }
 
@@ -442,6 +468,23 @@ mod tests {
         assert_eq!(d.pressure_soft, MaybeThreshold(None));
         assert_eq!((d.pressure_soft_grace, d.pressure_transition), (Duration::from_secs(10), Duration::from_secs(10)));
         assert_eq!(d.pressure_grace_seconds, 5);
+        assert_eq!(d.unbudgeted_pods, UnbudgetedPods::Ranked);
+        let mut settings = Settings::new("n1");
+        settings.unbudgeted_pods = Unbudgeted::Never;
+        d.apply(&mut settings);
+        assert_eq!(settings.unbudgeted_pods, Settings::new("n1").unbudgeted_pods, "the flag's default is decide's");
+        #[derive(Parser)]
+        struct P {
+            #[command(flatten)]
+            pressure: PressureArgs,
+        }
+        for (text, want) in
+            [("Never", UnbudgetedPods::Never), ("never", UnbudgetedPods::Never), ("ranked", UnbudgetedPods::Ranked)]
+        {
+            let parsed = P::try_parse_from(["p", "--unbudgeted-pods", text]).expect("parses").pressure;
+            assert_eq!(parsed.unbudgeted_pods, want);
+        }
+        assert!(P::try_parse_from(["p", "--unbudgeted-pods", "sometimes"]).is_err());
         assert_eq!(parse_threshold("off"), Ok(MaybeThreshold(None)));
         assert_eq!(parse_threshold("4Gi"), Ok(MaybeThreshold(Some(Threshold::Bytes(4 << 30)))));
         assert!(parse_threshold("lots").is_err());

@@ -211,6 +211,7 @@ impl Enforcer {
         mem.reported = BudgetState::Within;
         if matches!(mem.eviction, Eviction::Blocked { .. } | Eviction::AwaitingRecord { .. }) {
             mem.eviction = Eviction::Idle;
+            mem.pressure = None;
         }
         // A record of ours with no budget behind it any more: remove it, once.
         let ours = view.record.as_ref().is_some_and(|r| r.node == self.settings.node) || mem.written.is_some();
@@ -509,13 +510,18 @@ impl Enforcer {
                         } else {
                             ""
                         };
-                        let note = format!(
-                            "eviction refused: {message}{check}; using {} of {} (budget {}); retrying in {}s",
-                            HumanBytes(mem.last_usage),
-                            HumanBytes(mem.last_limit),
-                            mem.last_budget,
-                            seconds(backoff)
-                        );
+                        let using = if mem.last_budget.is_empty() {
+                            format!("using {}, no budget selects this pod", HumanBytes(mem.last_usage))
+                        } else {
+                            format!(
+                                "using {} of {} (budget {})",
+                                HumanBytes(mem.last_usage),
+                                HumanBytes(mem.last_limit),
+                                mem.last_budget
+                            )
+                        };
+                        let note =
+                            format!("eviction refused: {message}{check}; {using}; retrying in {}s", seconds(backoff));
                         self.event(&mut mem, now.mono_ms, Reason::EvictionBlocked, note, out);
                     }
                 }

@@ -24,6 +24,9 @@ pub struct Settings {
     pub write_backoff_min_ms: u64,
     /// The GPU memory pressure signal ([`pressure`]); off: budgets alone.
     pub pressure: pressure::PressureSettings,
+    /// What pressure does to pods no budget selects ([`pressure::Unbudgeted`]); by default they are ranked as
+    /// guaranteed nothing, so a namespace without a budget cannot fill a GPU at a budgeted neighbour's cost.
+    pub unbudgeted_pods: pressure::Unbudgeted,
     /// Termination grace of a pressure eviction, seconds; a budget's `evictionGracePeriodSeconds` caps it.
     pub pressure_grace_seconds: i64,
     /// When memory no process accounts for is told on the Node ([`gpus`]).
@@ -49,6 +52,7 @@ impl Settings {
             evict_backoff_max_ms: 60_000,
             write_backoff_min_ms: 1_000,
             pressure: pressure::PressureSettings::OFF,
+            unbudgeted_pods: pressure::Unbudgeted::Ranked,
             pressure_grace_seconds: 5,
             accounting: gpus::AccountingSettings::DEFAULT,
             record_wait_attempts: 3,
