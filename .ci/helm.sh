@@ -154,7 +154,8 @@ def one(docs, kind, suffix=""):
 AGENT_ENV = {"NODE_NAME", "GPUBUDGET_PROC_ROOT", "GPUBUDGET_INTERVAL", "GPUBUDGET_ADMIN_ADDR",
              "GPUBUDGET_SAMPLE_FILE", "GPUBUDGET_LOG_FORMAT", "RUST_LOG",
              "GPUBUDGET_PRESSURE_HARD", "GPUBUDGET_PRESSURE_SOFT", "GPUBUDGET_PRESSURE_SOFT_GRACE",
-             "GPUBUDGET_PRESSURE_TRANSITION", "GPUBUDGET_PRESSURE_GRACE_SECONDS",
+             "GPUBUDGET_PRESSURE_TRANSITION", "GPUBUDGET_PRESSURE_GRACE_SECONDS", "GPUBUDGET_UNBUDGETED_PODS",
+             "GPUBUDGET_USAGE_WRITE_INTERVAL", "GPUBUDGET_USAGE_WRITE_CHANGE_PERCENT",
              "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
 OPERATOR_ENV = {"POD_NAME", "POD_NAMESPACE", "GPUBUDGET_ADMIN_ADDR", "GPUBUDGET_LEADER_ELECTION",
                 "GPUBUDGET_LEASE_NAME", "GPUBUDGET_WEBHOOK_ADDR", "GPUBUDGET_WEBHOOK_CERT_DIR",
@@ -162,7 +163,7 @@ OPERATOR_ENV = {"POD_NAME", "POD_NAMESPACE", "GPUBUDGET_ADMIN_ADDR", "GPUBUDGET_
 EXTRA = {"EXAMPLE"}  # extraEnv in ci/all-features-values.yaml
 METRICS = {"gpubudget_pod_gpu_memory_bytes", "gpubudget_pod_budget_bytes", "gpubudget_pod_state",
            "gpubudget_evictions_total", "gpubudget_api_writes_total", "gpubudget_nvml_errors_total",
-           "gpubudget_unattributed_bytes", "gpubudget_sample_duration_seconds",
+           "gpubudget_unattributed_bytes", "gpubudget_unbudgeted_bytes", "gpubudget_sample_duration_seconds",
            "gpubudget_gpu_free_bytes", "gpubudget_gpu_memory_pressure", "gpubudget_gpu_sampled",
            "gpubudget_gpu_unaccounted_bytes", "gpubudget_gpu_processes_unavailable",
            "gpubudget_pod_table_rebuilds_total"}

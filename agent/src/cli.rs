@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::decide::Settings;
 use crate::decide::gpus::AccountingSettings;
-use crate::decide::pressure::{PressureSettings, Threshold};
+use crate::decide::pressure::{PressureSettings, Threshold, Unbudgeted};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use gpubudget_daemon::LogFormat;
 
@@ -69,6 +69,31 @@ pub struct PressureArgs {
     /// when lower, wins).
     #[arg(long, env = "GPUBUDGET_PRESSURE_GRACE_SECONDS", default_value_t = 5, value_parser = clap::value_parser!(i64).range(0..=3600))]
     pub pressure_grace_seconds: i64,
+    /// What pressure does to pods no budget selects (a namespace without a budget, a pod relabelled out of
+    /// every selector): "Ranked" counts all their usage as above their guarantee, so they go before any pod
+    /// within its budget (critical and static pods excepted); "Never" never evicts them for pressure.
+    #[arg(long, env = "GPUBUDGET_UNBUDGETED_PODS", value_enum, default_value = "Ranked")]
+    pub unbudgeted_pods: UnbudgetedPods,
+}
+
+/// `--unbudgeted-pods` (docs/agent.md, "Pressure").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum UnbudgetedPods {
+    /// Ranked as guaranteed nothing (the default: it protects the budgeted neighbour).
+    #[value(name = "Ranked", alias = "ranked")]
+    Ranked,
+    /// Never evicted for pressure.
+    #[value(name = "Never", alias = "never")]
+    Never,
+}
+
+impl From<UnbudgetedPods> for Unbudgeted {
+    fn from(arg: UnbudgetedPods) -> Self {
+        match arg {
+            UnbudgetedPods::Ranked => Self::Ranked,
+            UnbudgetedPods::Never => Self::Never,
+        }
+    }
 }
 
 impl Default for PressureArgs {
@@ -95,6 +120,7 @@ impl PressureArgs {
             transition_ms: ms(self.pressure_transition),
         };
         settings.pressure_grace_seconds = self.pressure_grace_seconds;
+        settings.unbudgeted_pods = self.unbudgeted_pods.into();
     }
 }
 
@@ -133,6 +159,50 @@ impl AccountingArgs {
     }
 }
 
+/// How often a pod's record is rewritten for usage alone (docs/agent.md, "Write load"): the knob that bounds
+/// what a node sends the API server when usage keeps moving. State changes are written at once whatever these say.
+#[derive(Debug, Clone, Args)]
+pub struct RecordArgs {
+    /// A pod's record is rewritten for usage alone at most this often (one write per pod per interval: 110
+    /// pods at the default are at most 220 writes a minute).
+    #[arg(long, env = "GPUBUDGET_USAGE_WRITE_INTERVAL", default_value = "30s", value_parser = parse_usage_write_interval)]
+    pub usage_write_interval: Duration,
+    /// … and only when usage moved by at least this percentage of the value last written (1 to 100).
+    #[arg(long, env = "GPUBUDGET_USAGE_WRITE_CHANGE_PERCENT", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=100))]
+    pub usage_write_change_percent: u64,
+}
+
+/// A usage write interval: a duration of 5 s to 1 h (under 5 s the write load is the tick's; over an hour a
+/// record stops being a reading).
+fn parse_usage_write_interval(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text)?;
+    if (Duration::from_secs(5)..=Duration::from_secs(3600)).contains(&d) {
+        Ok(d)
+    } else {
+        Err(format!("{text}: the usage write interval must be between 5s and 3600s"))
+    }
+}
+
+impl Default for RecordArgs {
+    /// The flags' own defaults.
+    fn default() -> Self {
+        #[derive(Parser)]
+        struct Defaults {
+            #[command(flatten)]
+            records: RecordArgs,
+        }
+        Defaults::parse_from(["defaults"]).records
+    }
+}
+
+impl RecordArgs {
+    /// The decision settings.
+    pub fn apply(&self, settings: &mut Settings) {
+        settings.usage_min_interval_ms = u64::try_from(self.usage_write_interval.as_millis()).unwrap_or(u64::MAX);
+        settings.usage_change_percent = self.usage_write_change_percent;
+    }
+}
+
 /// A pressure threshold, or none ("off").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MaybeThreshold(pub Option<Threshold>);
@@ -167,6 +237,8 @@ pub struct RunArgs {
     pub pressure: PressureArgs,
     #[command(flatten)]
     pub accounting: AccountingArgs,
+    #[command(flatten)]
+    pub records: RecordArgs,
 }
 
 impl RunArgs {
@@ -181,6 +253,7 @@ impl RunArgs {
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             pressure: PressureArgs::default(),
             accounting: AccountingArgs::default(),
+            records: RecordArgs::default(),
         }
     }
 }
@@ -359,12 +432,59 @@ mod tests {
     }
 
     #[test]
+    fn record_defaults_are_the_decision_defaults_and_bad_values_are_refused() {
+        let mut settings = Settings::new("n1");
+        let defaults = (settings.usage_min_interval_ms, settings.usage_change_percent);
+        settings.usage_min_interval_ms = 1;
+        settings.usage_change_percent = 1;
+        RecordArgs::default().apply(&mut settings);
+        assert_eq!((settings.usage_min_interval_ms, settings.usage_change_percent), defaults);
+        let run = |extra: &[&str]| {
+            let mut argv = vec!["gpubudget-agent", "run", "--node-name", "n1"];
+            argv.extend_from_slice(extra);
+            Cli::try_parse_from(argv).map(|cli| match cli.command {
+                Command::Run(run) => run.records,
+                _ => panic!("run"),
+            })
+        };
+        let wide = run(&["--usage-write-interval", "2m", "--usage-write-change-percent", "20"]).expect("parses");
+        wide.apply(&mut settings);
+        assert_eq!((settings.usage_min_interval_ms, settings.usage_change_percent), (120_000, 20));
+        for bad in
+            [["--usage-write-interval", "1s"], ["--usage-write-interval", "2h"], ["--usage-write-change-percent", "0"]]
+        {
+            let error = run(&bad).expect_err("refused").to_string();
+            assert!(error.contains(bad[0]), "{error}");
+        }
+        assert!(
+            run(&["--usage-write-interval", "1s"]).expect_err("refused").to_string().contains("between 5s and 3600s")
+        );
+    }
+
+    #[test]
     fn pressure_defaults_are_the_flags_and_off_disables() {
         let d = PressureArgs::default();
         assert_eq!(d.pressure_hard, MaybeThreshold(Some(Threshold::Percent(5))));
         assert_eq!(d.pressure_soft, MaybeThreshold(None));
         assert_eq!((d.pressure_soft_grace, d.pressure_transition), (Duration::from_secs(10), Duration::from_secs(10)));
         assert_eq!(d.pressure_grace_seconds, 5);
+        assert_eq!(d.unbudgeted_pods, UnbudgetedPods::Ranked);
+        let mut settings = Settings::new("n1");
+        settings.unbudgeted_pods = Unbudgeted::Never;
+        d.apply(&mut settings);
+        assert_eq!(settings.unbudgeted_pods, Settings::new("n1").unbudgeted_pods, "the flag's default is decide's");
+        #[derive(Parser)]
+        struct P {
+            #[command(flatten)]
+            pressure: PressureArgs,
+        }
+        for (text, want) in
+            [("Never", UnbudgetedPods::Never), ("never", UnbudgetedPods::Never), ("ranked", UnbudgetedPods::Ranked)]
+        {
+            let parsed = P::try_parse_from(["p", "--unbudgeted-pods", text]).expect("parses").pressure;
+            assert_eq!(parsed.unbudgeted_pods, want);
+        }
+        assert!(P::try_parse_from(["p", "--unbudgeted-pods", "sometimes"]).is_err());
         assert_eq!(parse_threshold("off"), Ok(MaybeThreshold(None)));
         assert_eq!(parse_threshold("4Gi"), Ok(MaybeThreshold(Some(Threshold::Bytes(4 << 30)))));
         assert!(parse_threshold("lots").is_err());

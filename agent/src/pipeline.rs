@@ -101,7 +101,7 @@ impl Engine {
         if enforce {
             self.enforcer.tick(now, table, &self.usage.pods, &self.snapshot.gpus, &mut self.actions);
             self.enforcer.pressure(now, table, &self.usage.pods, &self.snapshot, &mut self.actions);
-            self.enforcer.watch_gpus(now, &self.snapshot, &self.usage.unaccounted, &mut self.actions);
+            self.enforcer.watch_gpus(now, &self.snapshot, table, &self.usage, &mut self.actions);
             if self.driver.is_some() {
                 self.enforcer.driver_limits(table, &self.driver_views, &mut self.actions);
             }

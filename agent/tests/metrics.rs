@@ -56,6 +56,22 @@ fn cached_series_follow_the_pods() {
         assert!(!text.contains("pod=\"p0\""), "p0's series stay after it left:\n{text}");
         assert!(text.contains("pod=\"p1\""));
     }
+    // Every pod has a budget: nothing is unbudgeted. The same pods with no budget in the table: the bytes of
+    // each GPU's pods are.
+    engine.tick(&full, true);
+    assert!(encode(&registry).contains("gpubudget_unbudgeted_bytes{gpu=\"0\"} 0"));
+    let no_budgets = PodTable::build(node.pods.iter().filter_map(PodView::from_pod), &[], Some("n1"));
+    engine.tick(&no_budgets, true);
+    let text = encode(&registry);
+    let value = |line: &str| line.rsplit(' ').next().and_then(|v| v.parse::<u64>().ok()).expect("a value");
+    let pods_on_0: u64 = text
+        .lines()
+        .filter(|l| l.starts_with("gpubudget_pod_gpu_memory_bytes{") && l.contains("gpu=\"0\""))
+        .map(value)
+        .sum();
+    let unbudgeted_0 = text.lines().find(|l| l.starts_with("gpubudget_unbudgeted_bytes{gpu=\"0\"}")).map(value);
+    assert!(pods_on_0 > 0);
+    assert_eq!(unbudgeted_0, Some(pods_on_0), "{text}");
 }
 
 #[test]

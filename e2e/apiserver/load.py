@@ -9,6 +9,7 @@ GPUBUDGET_TOKEN. Certificates are not verified (a local test control plane).
     load.py pods PREFIX NAMESPACES PER_NS PER_BUDGET_NS NODES [--records]
     load.py record-latency PREFIX NAMESPACES PER_NS PER_BUDGET_NS CHANGES
     load.py stream status|spec NAMES_FILE RATE SECONDS       NAMES_FILE: namespace/name lines
+    load.py edit-all NAMES_FILE SPEC_JSON                     every budget's spec merge-patched at once
 """
 import http.client
 import json
@@ -210,9 +211,24 @@ def cmd_stream(kind, names_file, rate, seconds):
     print(f"{i} {kind} writes in {elapsed:.1f} s ({i / elapsed:.1f}/s)")
 
 
+def cmd_edit_all(names_file, spec_json):
+    """Merge-patches the spec of every budget named in NAMES_FILE with SPEC_JSON, THREADS writes at a time: a
+    fleet-wide edit, as an admin's script or a GitOps sync of every budget would make it."""
+    names = [line.strip().split("/") for line in open(names_file) if line.strip()]
+    spec = json.loads(spec_json)
+    t0 = time.monotonic()
+
+    def edit(namespace, name):
+        return lambda: request("PATCH", budget_path(namespace, name), {"spec": spec}, "application/merge-patch+json")
+
+    parallel([edit(namespace, name) for namespace, name in names])
+    print(f"{len(names)} budgets patched with {spec_json} in {time.monotonic() - t0:.1f} s")
+
+
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
-    {"budgets": cmd_budgets, "pods": cmd_pods, "record-latency": cmd_record_latency, "stream": cmd_stream}[cmd](*args)
+    {"budgets": cmd_budgets, "pods": cmd_pods, "record-latency": cmd_record_latency, "stream": cmd_stream,
+     "edit-all": cmd_edit_all}[cmd](*args)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,18 @@
 # Environment: GPUBUDGET_E2E_BIN (default target/release), HELM, GPUBUDGET_E2E_BUDGETS (default 1000),
 # GPUBUDGET_E2E_STREAM ("status spec elsewhere": the streams to run after each count; elsewhere: spec changes
 # of 100 budgets in a namespace without pods on the node), GPUBUDGET_E2E_STREAM_RATE
-# (writes per second, default 20), GPUBUDGET_E2E_KEEP=1. The agent runs with the chart's RBAC and admission policies and a node-bound token,
+# (writes per second, default 20), GPUBUDGET_E2E_WRITES=1 (then the agent's write load, below),
+# GPUBUDGET_E2E_KEEP=1. The agent runs with the chart's RBAC and admission policies and a node-bound token,
 # as in run.sh; its budgets are all Within (no events, no evictions): what is measured is the records.
+#
+# GPUBUDGET_E2E_WRITES=1: the agent's write load (issue 25), every API write it makes (records, events,
+# evictions: gpubudget_api_writes_total) per phase, as writes per minute: `steady` (60 s, nothing moves),
+# `usage` (60 s, every pod's usage moves by 20 % every 5 s), `crossing` (60 s, a tenth of the pods cycle
+# Within -> Near -> Over every 5 s), `flapping` (60 s, a tenth of the pods swing between 30 and 37 GiB, Within and Near, every
+# second, as a tenant trying to make its node write would), `pod-churn` (60 s, a pod deleted and another created every 6 s),
+# `budgets-edited` (every budget's limit raised at once, no pod's state changes; 60 s from the edit),
+# `budgets-tightened` (every budget set to 1Gi with action Warn at once: every pod goes Over; 60 s),
+# `operator-restart` (the operator killed and started again; 60 s). docs/performance.md multiplies them out to a fleet.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -38,6 +48,7 @@ ADMIN=127.0.0.1:$((20000 + RANDOM % 20000))
 OPERATOR_ADMIN=127.0.0.1:$((20000 + RANDOM % 20000))
 AGENT_PID="" OPERATOR_PID=""
 STREAMS=${GPUBUDGET_E2E_STREAM:-}
+WRITES=${GPUBUDGET_E2E_WRITES:-0}
 RATE=${GPUBUDGET_E2E_STREAM_RATE:-20}
 START=$SECONDS
 # sockets PID: "local-port bytes-received" of each of the agent's open connections to the API server.
@@ -53,6 +64,24 @@ received() { sockets "$1" | awk '{s += $2} END {printf "%d\n", s}'; }
 received_since() { sockets "$1" | awk 'NR == FNR {before[$1] = $2; next} {s += $2 - before[$1]} END {printf "%d\n", s}' "$2" -; }
 cpu_ms() { awk '{print ($14 + $15) * 10}' "/proc/$1/stat"; }
 metric() { curl -fsS "http://$ADMIN/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
+# writes: the agent's API writes so far, by kind and in all ("apply=110 event=3 all=113").
+writes() {
+  curl -fsS "http://$ADMIN/metrics" | awk '$1 ~ /^gpubudget_api_writes_total[{]/ {
+    match($1, /kind="[a-z]*"/); k = substr($1, RSTART + 6, RLENGTH - 7); n[k] += $2; all += $2 }
+    END {for (k in n) printf "%s=%d ", k, n[k]; printf "all=%d\n", all}'
+}
+# per_minute BEFORE AFTER SECONDS: each kind's writes between two `writes` lines, per minute.
+per_minute() {
+  awk -v a="$1" -v b="$2" -v s="$3" 'BEGIN {
+    split(a, x, " "); for (i in x) {split(x[i], kv, "="); before[kv[1]] = kv[2]}
+    split(b, y, " "); for (i in y) {split(y[i], kv, "="); k = kv[1]; printf "%s=%.0f/min ", k, (kv[2] - before[k]) * 60 / s}
+  }'
+}
+start_operator() {
+  KUBECONFIG=$WORK/operator.kubeconfig POD_NAMESPACE=$NS RUST_LOG=info "$BIN/gpubudget-operator" run \
+    --admin-addr "$OPERATOR_ADMIN" >> "$WORK/operator.log" 2>&1 &
+  OPERATOR_PID=$!
+}
 cleanup() {
   local rc=$?
   [ -z "$AGENT_PID" ] || kill "$AGENT_PID" 2>/dev/null || true
@@ -88,6 +117,7 @@ T0=$SECONDS
 # Four kubectl at once (one creates one object at a time).
 jq -c '.items[]' "$WORK/budgets.json" | split -n r/4 - "$WORK/budgets-part-"
 for part in "$WORK"/budgets-part-*; do
+  [ -s "$part" ] || continue # none with GPUBUDGET_E2E_BUDGETS=0
   jq -s '{apiVersion: "v1", kind: "List", items: .}' "$part" | kubectl create -f - >/dev/null &
 done
 wait
@@ -107,9 +137,7 @@ fi
 # cluster, and the agents' budget watches see its writes.
 token_kubeconfig "$WORK/operator.kubeconfig" scale-operator "$(kubectl create token "$RELEASE-operator" -n "$NS" --duration=1h)"
 T0=$SECONDS
-KUBECONFIG=$WORK/operator.kubeconfig POD_NAMESPACE=$NS RUST_LOG=info "$BIN/gpubudget-operator" run \
-  --admin-addr "$OPERATOR_ADMIN" > "$WORK/operator.log" 2>&1 &
-OPERATOR_PID=$!
+start_operator
 with_status() { kubectl get gmb -A -o json | jq '[.items[] | select(.status.observedGeneration != null)] | length'; }
 until [ "$(with_status)" -ge "$BUDGETS" ]; do
   [ $((SECONDS - T0)) -lt 600 ] || { echo "FAIL: budgets without status after 600 s: $(with_status) of $BUDGETS" >&2; exit 1; }
@@ -161,7 +189,10 @@ EOF
     conn=$(ss -tnpH state established "( dport = :$API_PORT )" 2>/dev/null | grep -c "pid=$AGENT_PID," || true)
     [ "$conn" -le "$max_conn" ] || max_conn=$conn
     applies=$(curl -fsS "http://$ADMIN/metrics" 2>/dev/null | sed -n 's/^gpubudget_api_writes_total{kind="apply",result="ok"} \([0-9]*\).*/\1/p' || true)
-    if [ "${applies:-0}" -ge "$pods" ]; then done_at=$((SECONDS - started)); break; fi
+    # Every pod's first record; without budgets there is none to write, so the agent being ready will do.
+    if [ "${applies:-0}" -ge "$pods" ] || { [ "$BUDGETS" = 0 ] && curl -fsS "http://$ADMIN/ready" >/dev/null 2>&1; }; then
+      done_at=$((SECONDS - started)); break
+    fi
     sleep 0.2
   done
   local peak_during
@@ -178,6 +209,12 @@ EOF
     "$label" "$pods" "$BUDGETS" "$recorded" "$pods" "${done_at:-timeout}" "$(echo "$peak_during / 1024" | bc -l)" \
     "$(echo "$rss / 1024" | bc -l)" "$max_conn" "$conn" "${errors:-0}" "$(echo "$(received "$AGENT_PID") / 1048576" | bc -l)" \
     "$(metric gpubudget_pod_table_rebuilds_total)" | tee -a "$WORK/results.txt"
+  # The agent's CPU over 30 s with nothing changing: sampling (replayed) and deciding every 250 ms.
+  local c0
+  c0=$(cpu_ms "$AGENT_PID")
+  sleep 30
+  printf '    IDLE   %-6s budgets=%s  agent_cpu=%sms in 30 s (%s ticks)\n' "$label" "$BUDGETS" \
+    "$(( $(cpu_ms "$AGENT_PID") - c0 ))" 120 | tee -a "$WORK/results.txt"
   local kind
   for kind in $STREAMS; do
     local r0 c0
@@ -193,10 +230,79 @@ EOF
       "$(awk '/VmRSS/ {print $2 / 1024}' "/proc/$AGENT_PID/status")" "$(awk '/VmHWM/ {print $2 / 1024}' "/proc/$AGENT_PID/status")" \
       | tee -a "$WORK/results.txt"
   done
+  [ "$WRITES" != 1 ] || write_load "$label" "$pods"
   kill "$AGENT_PID"
   wait "$AGENT_PID" 2>/dev/null || true
   AGENT_PID=""
 }
+
+# sample LABEL FACTOR [CROSSING]: rewrites the replayed sample: pod j holds (1 + j % 8) GiB x FACTOR; with
+# CROSSING (30, 37 or 42 GiB: Within, Near, Over of the 40Gi budgets) every tenth pod holds that instead.
+sample() {
+  python3 - "$WORK/pods-$1.json" "$WORK/sample-$1.json" "$2" "${3:-0}" <<'EOF'
+import json, os, sys
+pods, out, factor, crossing = json.load(open(sys.argv[1]))["items"], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+procs = []
+for j, p in enumerate(pods):
+    gib = crossing if crossing and j % 10 == 0 else (1 + j % 8) * factor
+    procs.append({"namespace": p["metadata"]["namespace"], "pod": p["metadata"]["name"], "container": "main",
+                  "used_bytes": int(gib * (1 << 30))})
+json.dump({"version": 1, "gpus": [{"index": 0, "uuid": "GPU-scale", "name": "replayed", "memory_total_bytes": 85520809984,
+           "processes": procs}]}, open(out + ".new", "w"))
+os.replace(out + ".new", out)
+EOF
+}
+
+# write_load LABEL PODS: the agent's writes per minute in each phase (GPUBUDGET_E2E_WRITES).
+write_load() {
+  local label=$1 pods=$2 w0 w1 t0 t i
+  # mark: the start of a phase. phase NAME SECONDS: waits SECONDS, then prints the writes per minute since the mark.
+  mark() { w0=$(writes); t0=$(date +%s.%N); }
+  phase() {
+    sleep "$2"
+    w1=$(writes)
+    local s
+    s=$(echo "$(date +%s.%N) - $t0" | bc -l)
+    printf '    WRITES %-6s %-17s (%3.0f s): %s\n' "$label" "$1" "$s" "$(per_minute "$w0" "$w1" "$s")" | tee -a "$WORK/results.txt"
+  }
+  say "$label: write load ($pods pods)"
+  sleep 35 # past the first records' 30 s minimum interval
+  mark; phase steady 60
+  mark
+  for i in $(seq 1 12); do sample "$label" "$([ $((i % 2)) = 0 ] && echo 1 || echo 1.2)"; sleep 5; done
+  phase usage 0
+  sample "$label" 1; sleep 35
+  mark
+  for i in $(seq 1 12); do sample "$label" 1 "$(echo "30 37 42" | cut -d' ' -f$(( (i - 1) % 3 + 1 )))"; sleep 5; done
+  phase crossing 0
+  sample "$label" 1; sleep 35
+  mark
+  for i in $(seq 1 60); do sample "$label" 1 "$([ $((i % 2)) = 0 ] && echo 30 || echo 37)"; sleep 1; done
+  phase flapping 0
+  sample "$label" 1; sleep 35
+  mark
+  jq -c '.items[]' "$WORK/pods-$label.json" > "$WORK/churn-pods"
+  for i in $(seq 1 10); do
+    t=$(sed -n "${i}p" "$WORK/churn-pods")
+    kubectl delete pod -n "$(jq -r .metadata.namespace <<< "$t")" "$(jq -r .metadata.name <<< "$t")" --wait=false >/dev/null
+    jq '.metadata.name += "-churn"' <<< "$t" | kubectl create -f - >/dev/null
+    sleep 6
+  done
+  phase pod-churn 0
+  sleep 30
+  mark
+  info "$(GPUBUDGET_API=$SERVER GPUBUDGET_TOKEN=$ADMIN_TOKEN python3 "$HERE/load.py" edit-all "$WORK/budget-names.txt" '{"limit":"48Gi"}')"
+  phase budgets-edited 60
+  mark
+  info "$(GPUBUDGET_API=$SERVER GPUBUDGET_TOKEN=$ADMIN_TOKEN python3 "$HERE/load.py" edit-all "$WORK/budget-names.txt" '{"limit":"1Gi","action":"Warn"}')"
+  phase budgets-tightened 60
+  mark
+  kill "$OPERATOR_PID"; wait "$OPERATOR_PID" 2>/dev/null || true
+  start_operator
+  phase operator-restart 60
+  info "agent RSS after the write phases: $(awk '/VmRSS/ {printf "%.1f", $2 / 1024}' "/proc/$AGENT_PID/status") MiB (peak $(awk '/VmHWM/ {printf "%.1f", $2 / 1024}' "/proc/$AGENT_PID/status") MiB)"
+}
+
 for n in "${COUNTS[@]}"; do measure "n$n" "$n"; done
 say "results ($BIN)"
 cat "$WORK/results.txt"

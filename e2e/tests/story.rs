@@ -203,7 +203,8 @@ async fn warn_story_events_and_status_but_never_an_eviction() {
     assert!(stack.fake.evictions().is_empty());
     let reasons: Vec<String> = stack.events("team-a", "finetune-0").into_iter().map(|e| e.reason).collect();
     assert!(!reasons.iter().any(|r| r == "EvictingForGpuMemory"), "{reasons:?}");
-    assert_eq!(stack.annotations("team-a", "finetune-0")[pod_record::STATE], "Over");
+    // The Over record follows the Near one 5 s after it at the soonest (a move is spaced per pod).
+    stack.annotations_until("team-a", "finetune-0", "state Over", |a| a[pod_record::STATE] == "Over").await;
     let status = stack.status_until("team-a", "training-audit", "OVER 1", |s| s.pods_over_budget == 1).await;
     assert_eq!((status.matched_pods, status.evictions), (1, 0));
     println!("{}", stack.transcript("team-a", &["finetune-0"]));
@@ -294,6 +295,61 @@ async fn pressure_story_the_gpu_fills_and_the_pod_most_over_its_budget_goes_at_o
     assert_eq!(status.last_eviction.map(|e| e.pod), Some("llm-0".to_owned()));
     assert_eq!(fake.evictions().len(), 1);
     assert!(fake.get("pods", "team-a", "finetune-0").is_some_and(|p| p["metadata"]["deletionTimestamp"].is_null()));
+    stack.stop().await;
+}
+
+/// Issue 23: a namespace nobody gave a budget fills the GPU beside a budgeted pod within its budget. Under the
+/// default node policy (`unbudgetedPods: Ranked`) the pod no budget selects is guaranteed nothing: it is the one
+/// evicted for pressure, through the eviction API with the pressure grace, with an event that says why, and
+/// without any record written on it; the budgeted neighbour stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unbudgeted_story_a_namespace_without_a_budget_fills_the_gpu_and_goes_before_the_budgeted_neighbour() {
+    let stack = Stack::new(kubelet_like_api());
+    let fake = &stack.fake;
+    put_example(fake, "llm-inference.yaml", "team-a", |b| b["spec"]["limit"] = "40Gi".into());
+    let neighbour = put_pod(fake, "team-a", "llm-0", json!({"app": "llm"}), LLM_CID);
+    let cid = "3b".repeat(32);
+    // The namespace `scratch` has no budget.
+    let filler = put_pod(fake, "scratch", "filler-0", json!({"app": "filler"}), &cid);
+    stack.process(4242, &neighbour, LLM_CID);
+    stack.process(6161, &filler, &cid);
+    // 30Gi within its 40Gi budget, and 20Gi no budget covers: 50Gi of the H100's 79.6Gi, no pressure.
+    stack.set_usage_and_device(&[(4242, 30 * GI), (6161, 20 * GI)], 50 * GI);
+    let stack = stack.started().await;
+    let fake = &stack.fake;
+    assert!(
+        fake.wait_until(Duration::from_secs(5), |_| stack
+            .agent_metrics()
+            .contains("gpubudget_unbudgeted_bytes{gpu=\"0\"} 21474836480"))
+            .await,
+        "{}",
+        stack.agent_metrics()
+    );
+
+    // The filler climbs to 47Gi: 77Gi used, under the default hard threshold (5 %, about 4Gi free).
+    stack.set_usage_and_device(&[(4242, 30 * GI), (6161, 47 * GI)], 77 * GI);
+    let evicting = stack.event("scratch", "filler-0", "EvictingForGpuMemory", Duration::from_secs(5)).await;
+    assert!(
+        evicting.message.starts_with("no budget selects this pod; node policy unbudgetedPods=Ranked"),
+        "{}",
+        evicting.message
+    );
+    assert!(fake.wait_until(Duration::from_secs(5), |f| f.evictions().len() == 1).await);
+    let evictions = fake.evictions();
+    assert_eq!(
+        (&evictions[0]["metadata"]["namespace"], &evictions[0]["metadata"]["name"]),
+        (&json!("scratch"), &json!("filler-0"))
+    );
+    assert_eq!(evictions[0]["deleteOptions"]["gracePeriodSeconds"], 5, "the pressure grace");
+    // No record on a pod no budget selects; the neighbour within its budget is not evicted.
+    assert!(
+        stack
+            .annotations("scratch", "filler-0")
+            .as_object()
+            .is_none_or(|a| a.keys().all(|k| !k.starts_with("gpubudget.io/")))
+    );
+    assert_eq!(fake.evictions().len(), 1);
+    assert!(fake.get("pods", "team-a", "llm-0").is_some_and(|p| p["metadata"]["deletionTimestamp"].is_null()));
     stack.stop().await;
 }
 

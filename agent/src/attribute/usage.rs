@@ -46,6 +46,10 @@ pub struct Usage {
     /// when the device's figures are known: what no process accounts for (the driver's allocations, an
     /// MPS server's share, processes the agent cannot see, figures NVML does not give).
     pub unaccounted: Vec<Option<u64>>,
+    /// Per GPU of the snapshot: bytes charged to pods of the table that no budget selects (a namespace
+    /// without a budget, a pod relabelled out of every selector). Unlike [`Self::unattributed`], these pods
+    /// are known; they are simply not covered by any budget.
+    pub unbudgeted: Vec<u64>,
 }
 
 impl Usage {
@@ -56,6 +60,24 @@ impl Usage {
         join::owners(snapshot, table, attributor, now_ms, &mut owners);
         self.owners = owners;
         self.sum(snapshot, table.pods.len());
+        self.count_unbudgeted(table, snapshot.gpus.len());
+    }
+
+    /// Fills [`Self::unbudgeted`] from [`Self::pods`] (indexed like `table.pods`): per GPU, the bytes of the pods
+    /// `table` gives no budget. Pure.
+    pub fn count_unbudgeted(&mut self, table: &PodTable, gpus: usize) {
+        self.unbudgeted.clear();
+        self.unbudgeted.resize(gpus, 0);
+        for (i, usage) in self.pods.iter().enumerate() {
+            if table.budget(i).is_some() {
+                continue;
+            }
+            for holder in &usage.holders {
+                if let Some(u) = self.unbudgeted.get_mut(holder.gpu) {
+                    *u = u.saturating_add(holder.bytes);
+                }
+            }
+        }
     }
 
     /// Sums `snapshot` per pod from [`Self::owners`] (one per process): every byte is charged to exactly one
@@ -168,6 +190,9 @@ mod tests {
         let names: Vec<Option<&str>> = usage.pods[0].holders.iter().map(|h| h.container.as_deref()).collect();
         assert_eq!(names, [Some("trainer"), Some("trainer"), Some("bbbbbbbbbbbb"), Some("trainer")]);
         assert_eq!(usage.unattributed, vec![1000, 3 + 5]);
+        // llm-0 is known and no budget selects it (the table has none): its bytes are unbudgeted, per GPU;
+        // the unattributed ones are not.
+        assert_eq!(usage.unbudgeted, vec![100 + (1 << 20), 50 + 7]);
         assert!(matches!(&usage.owners[4], Owner::UnknownPod { uid, .. } if uid == other));
 
         // Again: same answer, from the cache.
@@ -205,6 +230,12 @@ mod tests {
             prop_assert_eq!(charged + usage.unattributed.iter().sum::<u64>(), total);
             let mine: u64 = samples.iter().filter(|s| s.2).map(|s| s.1).sum();
             prop_assert_eq!(charged, mine);
+            // No budget in the table: every charged byte is unbudgeted, on its GPU.
+            prop_assert_eq!(usage.unbudgeted.iter().sum::<u64>(), charged);
+            for g in 0..3 {
+                let on_g: u64 = samples.iter().filter(|s| s.2 && s.0 == g).map(|s| s.1).sum();
+                prop_assert_eq!(usage.unbudgeted[g], on_g);
+            }
         }
     }
 }

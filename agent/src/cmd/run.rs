@@ -43,8 +43,9 @@ pub const CHECKS: [&str; 3] = ["gpu", "pods", "budgets"];
 /// The readiness checks as a gauge on `/metrics`: `gpubudget_ready{check}` (1 while the check passes).
 pub const READY_METRIC: &str = "gpubudget_ready";
 
-/// Pods are listed this many at a time (a page of full pod objects is held while it is cut down).
-pub const POD_PAGE_SIZE: u32 = 100;
+/// Pods, budgets and namespaces are listed this many at a time (a page of full objects is held while it is cut down or
+/// compiled; kube's default is 500).
+pub const LIST_PAGE_SIZE: u32 = 100;
 
 /// The two caches the agent decides from.
 #[derive(Debug, Clone)]
@@ -99,7 +100,8 @@ fn spawn_watch_or<K, F, E>(
 
 impl Caches {
     /// Starts the watches: the pods of `node` (into a reflector, each pod cut down by [`slim_pod`] as it
-    /// arrives) and every budget (compiled into a [`BudgetCache`]).
+    /// arrives), every budget (compiled into a [`BudgetCache`]), and the cluster budgets with the namespaces'
+    /// labels they select by (a [`ClusterCache`]).
     pub fn start(client: Client, node: &str, health: Health, shutdown: CancellationToken) -> Self {
         let changes = Arc::new(AtomicU64::new(0));
         let pods_ready = Arc::new(AtomicBool::new(false));
@@ -108,7 +110,7 @@ impl Caches {
             let (changes, ready, health) = (changes.clone(), pods_ready.clone(), health.clone());
             spawn_watch(
                 Api::<Pod>::all(client.clone()),
-                watcher::Config::default().fields(&format!("spec.nodeName={node}")).page_size(POD_PAGE_SIZE),
+                watcher::Config::default().fields(&format!("spec.nodeName={node}")).page_size(LIST_PAGE_SIZE),
                 "pods",
                 shutdown.clone(),
                 move |event: watcher::Event<Pod>| {
@@ -141,7 +143,7 @@ impl Caches {
             let (absent_changes, absent_cache, absent_announce) = (changes.clone(), cluster.clone(), announce.clone());
             spawn_watch_or(
                 Api::<ClusterGpuMemoryBudget>::all(client.clone()),
-                watcher::Config::default(),
+                watcher::Config::default().page_size(LIST_PAGE_SIZE),
                 "clusterbudgets",
                 shutdown.clone(),
                 move |event| {
@@ -169,7 +171,7 @@ impl Caches {
             let (changes, cache, announce) = (changes.clone(), cluster.clone(), announce.clone());
             spawn_watch(
                 Api::<Namespace>::all(client.clone()),
-                watcher::Config::default(),
+                watcher::Config::default().page_size(LIST_PAGE_SIZE),
                 "namespaces",
                 shutdown.clone(),
                 move |event: watcher::Event<Namespace>| {
@@ -184,7 +186,7 @@ impl Caches {
             let (changes, cache, pods) = (changes.clone(), budgets.clone(), pods.clone());
             spawn_watch(
                 Api::<GpuMemoryBudget>::all(client),
-                watcher::Config::default(),
+                watcher::Config::default().page_size(LIST_PAGE_SIZE),
                 "budgets",
                 shutdown,
                 move |event| {
@@ -273,6 +275,7 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
             let mut settings = Settings::new(&node);
             args.pressure.apply(&mut settings);
             args.accounting.apply(&mut settings);
+            args.records.apply(&mut settings);
             settings
         },
         metrics.clone(),

@@ -40,6 +40,10 @@ pub struct GpuRow {
     /// The device's used bytes that no listed process accounts for, when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub unaccounted_bytes: Option<u64>,
+    /// Bytes held by known pods that no budget selects (`gpubudget_unbudgeted_bytes`); only with names from the
+    /// API server (without it, no pod's budget is known).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unbudgeted_bytes: Option<u64>,
     /// Processes whose figure NVML reports as unavailable.
     pub unavailable: u32,
     /// Processes listed as MPS clients.
@@ -144,6 +148,7 @@ pub fn build_view(
                 },
                 used_bytes: snapshot.processes.iter().filter(|p| p.gpu == i).map(|p| p.charged()).sum(),
                 unaccounted_bytes: usage.unaccounted.get(i).copied().flatten(),
+                unbudgeted_bytes: names.then(|| usage.unbudgeted.get(i).copied().unwrap_or(0)),
                 unavailable: reading.unavailable,
                 mps_clients: reading.mps_clients,
                 total_bytes: g.total_bytes,
@@ -241,6 +246,7 @@ pub fn render_table(view: &View) -> String {
         "STATE".into(),
         "USED".into(),
         "UNACCOUNTED".into(),
+        "NO BUDGET".into(),
         "TOTAL".into(),
         "FREE".into(),
     ]];
@@ -259,6 +265,7 @@ pub fn render_table(view: &View) -> String {
             state,
             HumanBytes(g.used_bytes).to_string(),
             unaccounted,
+            g.unbudgeted_bytes.map_or_else(|| "-".to_owned(), |u| HumanBytes(u).to_string()),
             HumanBytes(g.total_bytes).to_string(),
             free,
         ]
@@ -445,6 +452,35 @@ mod tests {
 
     fn view(pods: Vec<PodRow>) -> View {
         View { taken_at: String::new(), names_from_api: true, gpus: Vec::new(), pods, processes: Vec::new() }
+    }
+
+    #[test]
+    fn the_no_budget_column_shows_what_pods_no_budget_selects_hold_and_a_dash_without_names() {
+        let gpu = |unbudgeted_bytes| GpuRow {
+            gpu: "0".into(),
+            name: "H100".into(),
+            uuid: "GPU-0".into(),
+            state: "ok".into(),
+            used_bytes: 70 * GI,
+            unaccounted_bytes: Some(0),
+            unbudgeted_bytes,
+            unavailable: 0,
+            mps_clients: 0,
+            total_bytes: 80 * GI,
+            free_bytes: Some(10 * GI),
+            pressure: false,
+        };
+        let mut v = view(Vec::new());
+        v.gpus = vec![gpu(Some(40 * GI))];
+        let text = render_table(&v);
+        let header = text.lines().next().expect("header");
+        assert!(header.contains("UNACCOUNTED  NO BUDGET  TOTAL"), "{text}");
+        assert!(text.lines().nth(1).is_some_and(|l| l.contains("0B           40Gi       80Gi")), "{text}");
+        assert!(serde_json::to_string(&v).expect("json").contains("\"unbudgeted_bytes\":42949672960"));
+        // Without the API server no pod's budget is known: a dash, and nothing in the JSON.
+        v.gpus = vec![gpu(None)];
+        assert!(render_table(&v).lines().nth(1).is_some_and(|l| l.contains("0B           -          80Gi")));
+        assert!(!serde_json::to_string(&v).expect("json").contains("unbudgeted_bytes"));
     }
 
     #[test]

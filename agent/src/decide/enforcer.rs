@@ -10,9 +10,10 @@ use gpubudget_common::BudgetState;
 use super::pod::{Context, PodMemory};
 use super::pressure::step::GpuPressure;
 use super::{Action, Now, Settings, gpus};
-use crate::attribute::PodUsage;
 use crate::attribute::pods::PodTable;
+use crate::attribute::{PodUsage, Usage};
 use crate::sample::{GpuInfo, Snapshot};
+use gpubudget_common::quantity::HumanBytes;
 
 /// Remembers each pod between ticks and decides what to do.
 #[derive(Debug)]
@@ -33,10 +34,21 @@ impl Enforcer {
     }
 
     /// Looks at each GPU's health and accounting ([`gpus`]): Node events for a GPU whose sample fails or
-    /// recovers, memory no process accounts for, and figures NVML does not give. `unaccounted` per GPU of
-    /// the snapshot ([`crate::attribute::Usage::unaccounted`]).
-    pub fn watch_gpus(&mut self, now: Now, snapshot: &Snapshot, unaccounted: &[Option<u64>], out: &mut Vec<Action>) {
-        self.watch.observe(&self.settings.accounting, now.mono_ms, snapshot, unaccounted, out);
+    /// recovers, memory no process accounts for, figures NVML does not give, and memory held by pods no budget
+    /// selects. `usage` is this sample's, attributed to `table`'s pods.
+    pub fn watch_gpus(
+        &mut self,
+        now: Now,
+        snapshot: &Snapshot,
+        table: &PodTable,
+        usage: &Usage,
+        out: &mut Vec<Action>,
+    ) {
+        let settings = &self.settings.accounting;
+        self.watch.observe(settings, now.mono_ms, snapshot, &usage.unaccounted, out);
+        let pods = |g: usize| unbudgeted_pods(table, &usage.pods, g);
+        let held = gpus::UnbudgetedMemory { bytes: &usage.unbudgeted, policy: self.settings.unbudgeted_pods };
+        self.watch.observe_unbudgeted(settings, now.mono_ms, snapshot, held, pods, out);
     }
 
     /// The settings.
@@ -76,4 +88,25 @@ impl Enforcer {
         let generation = self.generation;
         self.pods.retain(|_, m| m.seen == generation);
     }
+}
+
+/// The pods no budget selects that hold memory on GPU `g` (`usage` indexed like `table.pods`), the largest
+/// first: `ns/a 30Gi, ns/b 10Gi`, at most five named.
+fn unbudgeted_pods(table: &PodTable, usage: &[PodUsage], g: usize) -> String {
+    let mut pods: Vec<(u64, String)> = table
+        .pods
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| table.budget(*i).is_none())
+        .filter_map(|(i, view)| {
+            let bytes: u64 = usage.get(i)?.holders.iter().filter(|h| h.gpu == g).map(|h| h.bytes).sum();
+            (bytes > 0).then(|| (bytes, view.key()))
+        })
+        .collect();
+    pods.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    let mut named: Vec<String> = pods.iter().take(5).map(|(b, k)| format!("{k} {}", HumanBytes(*b))).collect();
+    if pods.len() > 5 {
+        named.push(format!("and {} more", pods.len() - 5));
+    }
+    named.join(", ")
 }

@@ -9,15 +9,19 @@
 //!   above [`AccountingSettings::threshold`] (2 GiB by default) for [`AccountingSettings::after_ms`] (60 s),
 //!   one `GpuMemoryUnaccounted` warning names the likely cause ([`likely_cause`]); again only after it
 //!   has dropped under the threshold.
+//! - **memory no budget covers**: the bytes of the known pods of this node that no budget selects. When they
+//!   stay at or above the same threshold for the same time as unaccounted memory, one `GpuMemoryUnbudgeted`
+//!   warning names the largest such pods and the node's `unbudgetedPods` policy; again only after they have
+//!   dropped under the threshold.
 //! - **unavailable figures**: the first time NVML gives no per-process figure on a GPU (by UUID), one
 //!   `GpuProcessMemoryUnavailable` warning: such processes are counted, never charged, never the basis of
 //!   an eviction.
 
 use gpubudget_common::quantity::HumanBytes;
 
-use super::pressure::Threshold;
+use super::pressure::{Threshold, Unbudgeted};
 use super::{Action, NodeReason, bounded, seconds};
-use crate::sample::{GpuHealth, GpuReading, Snapshot};
+use crate::sample::{GpuHealth, GpuInfo, GpuReading, Snapshot};
 
 /// When unaccounted memory is told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,12 +56,58 @@ pub fn likely_cause(reading: &GpuReading, listed: usize) -> String {
     }
 }
 
+/// The memory of pods no budget selects, per GPU, and what pressure does to them on this node.
+#[derive(Debug, Clone, Copy)]
+pub struct UnbudgetedMemory<'a> {
+    /// Bytes per GPU of the snapshot ([`crate::attribute::Usage::unbudgeted`]).
+    pub bytes: &'a [u64],
+    /// The node's `--unbudgeted-pods`.
+    pub policy: Unbudgeted,
+}
+
+/// A condition told once per episode, once it has lasted.
+#[derive(Debug, Clone, Copy, Default)]
+struct Episode {
+    since: Option<u64>,
+    told: bool,
+}
+
+impl Episode {
+    /// Whether to tell it now: it `holds` at `now_ms`, has since `after_ms` ago, and was not told in this
+    /// episode. `Some(false)` ends the episode; `None` (not known) restarts the clock and keeps it told.
+    fn tell(&mut self, holds: Option<bool>, now_ms: u64, after_ms: u64) -> bool {
+        match holds {
+            None => {
+                self.since = None;
+                false
+            }
+            Some(false) => {
+                *self = Self::default();
+                false
+            }
+            Some(true) => {
+                let since = *self.since.get_or_insert(now_ms);
+                if self.told || now_ms.saturating_sub(since) < after_ms {
+                    return false;
+                }
+                self.told = true;
+                true
+            }
+        }
+    }
+}
+
+/// `0 (GPU-…)`, or the label alone without a UUID.
+fn gpu_name(info: &GpuInfo) -> String {
+    if info.uuid.is_empty() { info.label.clone() } else { format!("{} ({})", info.label, info.uuid) }
+}
+
 #[derive(Debug, Clone, Default)]
 struct Track {
     label: String,
     failed: bool,
-    large_since: Option<u64>,
-    told_unaccounted: bool,
+    unaccounted: Episode,
+    unbudgeted: Episode,
 }
 
 /// The per-GPU watch. Keyed by the snapshot's GPU order; a changed GPU list starts afresh (UUIDs told
@@ -86,13 +136,12 @@ impl GpuWatch {
         for (g, info) in snapshot.gpus.iter().enumerate() {
             let Some(reading) = snapshot.readings.get(g) else { continue };
             let track = &mut self.gpus[g];
-            let name =
-                if info.uuid.is_empty() { info.label.clone() } else { format!("{} ({})", info.label, info.uuid) };
+            let name = gpu_name(info);
             match &reading.health {
                 GpuHealth::Failed { error, .. } => {
                     if !track.failed {
                         track.failed = true;
-                        track.large_since = None;
+                        track.unaccounted.since = None;
                         let note = format!(
                             "GPU {name}: sample failed ({error}); nothing is decided from this GPU until it is sampled again (retried with backoff); the other GPUs are enforced as before"
                         );
@@ -116,19 +165,13 @@ impl GpuWatch {
                 out.push(Action::NodeEvent { reason: NodeReason::Unavailable, note });
             }
             let (Some(threshold), Some(Some(bytes))) = (settings.threshold, unaccounted.get(g)) else {
-                track.large_since = None;
+                track.unaccounted.tell(None, now_ms, settings.after_ms);
                 continue;
             };
-            if *bytes < threshold.bytes(info.total_bytes) {
-                track.large_since = None;
-                track.told_unaccounted = false;
+            let large = *bytes >= threshold.bytes(info.total_bytes);
+            if !track.unaccounted.tell(Some(large), now_ms, settings.after_ms) {
                 continue;
             }
-            let since = *track.large_since.get_or_insert(now_ms);
-            if track.told_unaccounted || now_ms.saturating_sub(since) < settings.after_ms {
-                continue;
-            }
-            track.told_unaccounted = true;
             let listed = snapshot.processes.iter().filter(|p| p.gpu == g).count();
             let used = snapshot.memory(g).map_or(0, |m| m.used);
             let note = format!(
@@ -139,6 +182,51 @@ impl GpuWatch {
                 likely_cause(reading, listed)
             );
             out.push(Action::NodeEvent { reason: NodeReason::Unaccounted, note: bounded(note) });
+        }
+    }
+
+    /// Looks at the memory of pods no budget selects, after [`Self::observe`] on the same sample: `held`, its
+    /// bytes per GPU and the node's policy; `pods(g)` names the largest such pods on GPU `g` (called only when
+    /// the event is sent). Node events go to `out`.
+    pub fn observe_unbudgeted(
+        &mut self,
+        settings: &AccountingSettings,
+        now_ms: u64,
+        snapshot: &Snapshot,
+        held: UnbudgetedMemory<'_>,
+        pods: impl Fn(usize) -> String,
+        out: &mut Vec<Action>,
+    ) {
+        let UnbudgetedMemory { bytes: unbudgeted, policy } = held;
+        for (g, (info, track)) in snapshot.gpus.iter().zip(&mut self.gpus).enumerate() {
+            let bytes = unbudgeted.get(g).copied().unwrap_or(0);
+            let threshold = settings.threshold.map(|t| t.bytes(info.total_bytes));
+            let large = threshold.is_some_and(|t| bytes >= t);
+            if !track.unbudgeted.tell(Some(large), now_ms, settings.after_ms) {
+                continue;
+            }
+            let name = gpu_name(info);
+            let used = snapshot.memory(g).map_or(0, |m| m.used);
+            let then = match policy {
+                Unbudgeted::Ranked => {
+                    "under memory pressure they are guaranteed nothing and go before any pod within its budget \
+                     (node policy unbudgetedPods=Ranked)"
+                }
+                Unbudgeted::Never => {
+                    "under memory pressure they are never evicted (node policy unbudgetedPods=Never): they can \
+                     fill the GPU and starve a budgeted neighbour"
+                }
+            };
+            let note = format!(
+                "GPU {name}: {} of the {} in use (at or above {}) is held by pods no budget selects, for {}s or more \
+                 (gpubudget_unbudgeted_bytes): {}; {then}. Give their namespaces a GpuMemoryBudget",
+                HumanBytes(bytes),
+                HumanBytes(used),
+                HumanBytes(threshold.unwrap_or_default()),
+                seconds(settings.after_ms),
+                pods(g)
+            );
+            out.push(Action::NodeEvent { reason: NodeReason::Unbudgeted, note: bounded(note) });
         }
     }
 }
@@ -231,6 +319,48 @@ mod tests {
         assert!(out.is_empty());
         watch.observe(&s, 182_000, &view, &[Some(3 * GI)], &mut out);
         assert_eq!(reasons(&out).len(), 1);
+    }
+
+    #[test]
+    fn memory_of_pods_no_budget_selects_is_told_once_per_episode_with_the_policy() {
+        let mut watch = GpuWatch::default();
+        let s = AccountingSettings { threshold: Some(Threshold::Bytes(2 * GI)), after_ms: 60_000 };
+        let mut out = Vec::new();
+        let view = snapshot(vec![sampled(50 * GI), sampled(10 * GI)], &[]);
+        let pods = |g: usize| format!("free/filler-{g} 40Gi");
+        let at = |watch: &mut GpuWatch, ms: u64, bytes: [u64; 2], policy, out: &mut Vec<Action>| {
+            watch.observe(&s, ms, &view, &[Some(0), Some(0)], out);
+            watch.observe_unbudgeted(&s, ms, &view, UnbudgetedMemory { bytes: &bytes, policy }, pods, out);
+        };
+        // GPU 0: 40Gi held by pods no budget selects; GPU 1: 1Gi, under the threshold.
+        at(&mut watch, 0, [40 * GI, GI], Unbudgeted::Ranked, &mut out);
+        at(&mut watch, 59_999, [40 * GI, GI], Unbudgeted::Ranked, &mut out);
+        assert!(out.is_empty(), "not before it has lasted");
+        at(&mut watch, 60_000, [40 * GI, GI], Unbudgeted::Ranked, &mut out);
+        let told = reasons(&out);
+        assert_eq!(told.len(), 1, "{told:?}");
+        assert_eq!((told[0].0, told[0].0.as_str()), (NodeReason::Unbudgeted, "GpuMemoryUnbudgeted"));
+        let note = &told[0].1;
+        assert!(note.starts_with("GPU 0 (GPU-0): 40Gi of the 50Gi in use"), "{note}");
+        assert!(note.contains("free/filler-0 40Gi") && note.contains("unbudgetedPods=Ranked"), "{note}");
+        out.clear();
+        at(&mut watch, 120_000, [40 * GI, GI], Unbudgeted::Ranked, &mut out);
+        assert!(out.is_empty(), "told once per episode");
+        // Under the threshold ends the episode; the next one is told again, with the policy of the node.
+        at(&mut watch, 121_000, [GI, GI], Unbudgeted::Never, &mut out);
+        at(&mut watch, 122_000, [3 * GI, GI], Unbudgeted::Never, &mut out);
+        at(&mut watch, 182_000, [3 * GI, GI], Unbudgeted::Never, &mut out);
+        let told = reasons(&out);
+        assert_eq!(told.len(), 1, "{told:?}");
+        assert!(told[0].1.contains("unbudgetedPods=Never") && told[0].1.contains("starve"), "{}", told[0].1);
+        // "off" never tells.
+        let mut quiet = GpuWatch::default();
+        let off = AccountingSettings { threshold: None, after_ms: 0 };
+        out.clear();
+        quiet.observe(&off, 0, &view, &[None, None], &mut out);
+        let all = UnbudgetedMemory { bytes: &[80 * GI, 80 * GI], policy: Unbudgeted::Ranked };
+        quiet.observe_unbudgeted(&off, 0, &view, all, pods, &mut out);
+        assert!(out.is_empty());
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! - **events** on transitions, deduplicated: a reason is not repeated for a pod within
 //!   [`Settings::event_cooldown_ms`]; the state the events speak for survives restarts (seeded from the
 //!   pod's `gpubudget.io/state`), so a restart does not repeat them;
-//! - **records** (annotations, server-side apply): at once on a change of state, budget or eviction time;
+//! - **records** (annotations, server-side apply): at once on `Evicting`, a change of budget or eviction time,
+//!   a move among Within/Near/Over at most [`Settings::state_min_interval_ms`] after the pod's last write;
 //!   usage alone only when it moved by ≥ [`Settings::usage_change_percent`] and the last write is
 //!   [`Settings::usage_min_interval_ms`] old; nothing in steady state; one write in flight per pod;
 //!   failed writes retried with backoff;

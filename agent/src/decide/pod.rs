@@ -203,6 +203,7 @@ impl Enforcer {
         mem.reported = BudgetState::Within;
         if matches!(mem.eviction, Eviction::Blocked { .. } | Eviction::AwaitingRecord { .. }) {
             mem.eviction = Eviction::Idle;
+            mem.pressure = None;
         }
         // A record of ours with no budget behind it any more: remove it, once.
         let ours = view.record.as_ref().is_some_and(|r| r.node == self.settings.node) || mem.written.is_some();
@@ -387,20 +388,25 @@ impl Enforcer {
         // The record: compared field by field, built only when due.
         let state = record_state(&mem);
         if !applied && !mem.write_in_flight && now.mono_ms >= mem.write_retry_at {
+            let since_write = now.mono_ms.saturating_sub(mem.last_write_ms);
             let due = match &mem.written {
                 None => true,
                 Some(w) => {
-                    w.state != state
+                    // At once: what an eviction or another reader depends on. A move among Within, Near and
+                    // Over is spaced by `state_min_interval_ms`, so a pod whose usage swings across a
+                    // threshold every tick cannot make its node write every tick.
+                    let moved = w.state != state;
+                    (moved && (state == BudgetState::Evicting || since_write >= self.settings.state_min_interval_ms))
                         || !budget.is_record_name(&w.budget)
                         || w.node != self.settings.node
                         || w.eviction_requested_at != mem.eviction_requested_at
                         || (percent_changed(w.usage_bytes, total, self.settings.usage_change_percent)
-                            && now.mono_ms.saturating_sub(mem.last_write_ms) >= self.settings.usage_min_interval_ms)
+                            && since_write >= self.settings.usage_min_interval_ms)
                 }
             };
             // What the driver caps the pod at: rewritten when it changed, at most as often as usage.
-            let driver_due = mem.driver_record != mem.driver_written
-                && now.mono_ms.saturating_sub(mem.last_write_ms) >= self.settings.usage_min_interval_ms;
+            let driver_due =
+                mem.driver_record != mem.driver_written && since_write >= self.settings.usage_min_interval_ms;
             if due || driver_due {
                 mem.driver_pending = mem.driver_record.clone();
                 let driver = mem.driver_record.clone();
@@ -496,13 +502,18 @@ impl Enforcer {
                         } else {
                             ""
                         };
-                        let note = format!(
-                            "eviction refused: {message}{check}; using {} of {} (budget {}); retrying in {}s",
-                            HumanBytes(mem.last_usage),
-                            HumanBytes(mem.last_limit),
-                            mem.last_budget,
-                            seconds(backoff)
-                        );
+                        let using = if mem.last_budget.is_empty() {
+                            format!("using {}, no budget selects this pod", HumanBytes(mem.last_usage))
+                        } else {
+                            format!(
+                                "using {} of {} (budget {})",
+                                HumanBytes(mem.last_usage),
+                                HumanBytes(mem.last_limit),
+                                mem.last_budget
+                            )
+                        };
+                        let note =
+                            format!("eviction refused: {message}{check}; {using}; retrying in {}s", seconds(backoff));
                         self.event(&mut mem, now.mono_ms, Reason::EvictionBlocked, note, out);
                     }
                 }

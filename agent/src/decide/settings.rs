@@ -11,6 +11,9 @@ pub struct Settings {
     pub usage_change_percent: u64,
     /// … and at most this often per pod.
     pub usage_min_interval_ms: u64,
+    /// A move among Within, Near and Over is written at most this soon after the pod's last write (an
+    /// `Evicting` record, a new budget or eviction time are written at once).
+    pub state_min_interval_ms: u64,
     /// A reason is not repeated for a pod within this.
     pub event_cooldown_ms: u64,
     /// First retry delay after a refused eviction (doubles up to `evict_backoff_max_ms`).
@@ -21,6 +24,9 @@ pub struct Settings {
     pub write_backoff_min_ms: u64,
     /// The GPU memory pressure signal ([`pressure`]); off: budgets alone.
     pub pressure: pressure::PressureSettings,
+    /// What pressure does to pods no budget selects ([`pressure::Unbudgeted`]); by default they are ranked as
+    /// guaranteed nothing, so a namespace without a budget cannot fill a GPU at a budgeted neighbour's cost.
+    pub unbudgeted_pods: pressure::Unbudgeted,
     /// Termination grace of a pressure eviction, seconds; a budget's `evictionGracePeriodSeconds` caps it.
     pub pressure_grace_seconds: i64,
     /// When memory no process accounts for is told on the Node ([`gpus`]).
@@ -40,11 +46,13 @@ impl Settings {
             node: node.into(),
             usage_change_percent: 5,
             usage_min_interval_ms: 30_000,
+            state_min_interval_ms: 5_000,
             event_cooldown_ms: 60_000,
             evict_backoff_min_ms: 5_000,
             evict_backoff_max_ms: 60_000,
             write_backoff_min_ms: 1_000,
             pressure: pressure::PressureSettings::OFF,
+            unbudgeted_pods: pressure::Unbudgeted::Ranked,
             pressure_grace_seconds: 5,
             accounting: gpus::AccountingSettings::DEFAULT,
             record_wait_attempts: 3,

@@ -111,6 +111,8 @@ pub enum NodeReason {
     Unaccounted,
     /// NVML gives no per-process figure for some processes on a GPU (once per GPU).
     Unavailable,
+    /// Pods no budget selects hold a large share of a GPU, for a while ([`gpus`](super::gpus)).
+    Unbudgeted,
     /// The driver's per-cgroup memory limits (R615) cannot be read here: eviction only (once per agent start).
     DriverLimitsUnavailable,
 }
@@ -126,6 +128,7 @@ impl NodeReason {
             Self::GpuSampleRecovered => "GpuSampleRecovered",
             Self::Unaccounted => "GpuMemoryUnaccounted",
             Self::Unavailable => "GpuProcessMemoryUnavailable",
+            Self::Unbudgeted => "GpuMemoryUnbudgeted",
             Self::DriverLimitsUnavailable => "DriverLimitsUnavailable",
         }
     }
@@ -203,7 +206,8 @@ pub enum Action {
         grace_seconds: Option<i64>,
         /// Whether the API has the `Evicting` record (false: the wait for it ran out, see
         /// [`Settings::record_wait_attempts`](super::Settings::record_wait_attempts)); counted in
-        /// `gpubudget_evictions_without_record_total`.
+        /// `gpubudget_evictions_without_record_total`. A pressure eviction of a pod no budget selects has no
+        /// record to wait for (no budget counts it): true, so it is not counted there.
         recorded: bool,
     },
 }

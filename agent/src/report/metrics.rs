@@ -91,6 +91,8 @@ pub struct Metrics {
     pub nvml_errors: Family<CallLabels, Counter>,
     /// `gpubudget_unattributed_bytes`.
     pub unattributed: Family<GpuLabels, Gauge>,
+    /// `gpubudget_unbudgeted_bytes`.
+    pub unbudgeted: Family<GpuLabels, Gauge>,
     /// `gpubudget_gpu_free_bytes`.
     pub gpu_free: Family<GpuLabels, Gauge>,
     /// `gpubudget_gpu_memory_pressure`.
@@ -128,6 +130,7 @@ impl Metrics {
             act: Counters::default(),
             nvml_errors: Family::default(),
             unattributed: Family::default(),
+            unbudgeted: Family::default(),
             gpu_free: Family::default(),
             gpu_pressure: Family::default(),
             gpu_sampled: Family::default(),
@@ -237,6 +240,11 @@ impl Metrics {
             m.unattributed.clone(),
         );
         registry.register(
+            "gpubudget_unbudgeted_bytes",
+            "GPU memory of known pods on this node that no budget selects, per GPU (bytes): under pressure they are ranked by the agent's --unbudgeted-pods policy",
+            m.unbudgeted.clone(),
+        );
+        registry.register(
             "gpubudget_sample_duration_seconds",
             "Time to sample, attribute and decide, per tick",
             m.sample_duration.clone(),
@@ -332,6 +340,7 @@ struct PodSeries {
 struct GpuSeries {
     labels: GpuLabels,
     unattributed: Gauge,
+    unbudgeted: Gauge,
     free: Gauge,
     pressure: Gauge,
     sampled: Gauge,
@@ -376,6 +385,7 @@ impl SeriesTracker {
         {
             for s in self.gpus.drain(..) {
                 metrics.unattributed.remove(&s.labels);
+                metrics.unbudgeted.remove(&s.labels);
                 metrics.gpu_free.remove(&s.labels);
                 metrics.gpu_pressure.remove(&s.labels);
                 metrics.gpu_sampled.remove(&s.labels);
@@ -394,6 +404,7 @@ impl SeriesTracker {
                     let labels = GpuLabels { gpu: g.label.clone() };
                     GpuSeries {
                         unattributed: metrics.unattributed.get_or_create(&labels).clone(),
+                        unbudgeted: metrics.unbudgeted.get_or_create(&labels).clone(),
                         free: metrics.gpu_free.get_or_create(&labels).clone(),
                         pressure: metrics.gpu_pressure.get_or_create(&labels).clone(),
                         sampled: metrics.gpu_sampled.get_or_create(&labels).clone(),
@@ -411,6 +422,7 @@ impl SeriesTracker {
         let budgeted = budgeted_per_gpu(self.gpus.len(), table, usage);
         for (g, series) in self.gpus.iter_mut().enumerate() {
             series.unattributed.set(gauge(usage.unattributed.get(g).copied().unwrap_or(0)));
+            series.unbudgeted.set(gauge(usage.unbudgeted.get(g).copied().unwrap_or(0)));
             if let Some(memory) = snapshot.memory(g) {
                 series.free.set(gauge(memory.free));
             }

@@ -9,7 +9,11 @@
 //! - while under pressure, **one** pod at a time per GPU is evicted, the one most above its guarantee:
 //!   its budget's request when the budget sets one (as the kubelet ranks pods by usage above their memory
 //!   request), else its limit. Only pods above it are candidates: a pod within its request (or, without
-//!   one, within its limit) is the neighbour being protected and is never evicted for pressure.
+//!   one, within its limit) is the neighbour being protected and is never evicted for pressure;
+//! - a pod **no budget selects** is ranked by the node's [`Unbudgeted`] policy: by default
+//!   ([`Unbudgeted::Ranked`]) it is guaranteed nothing, so its whole usage counts as above its guarantee and
+//!   it goes before any pod within its budget; with [`Unbudgeted::Never`] it is never evicted for pressure
+//!   (the behaviour before the policy existed), and may fill the GPU and starve a budgeted neighbour.
 //!
 //! The step of a tick that acts on them, [`Enforcer::pressure`](crate::decide::Enforcer::pressure), is in
 //! `step.rs` beside this.
@@ -46,6 +50,29 @@ impl Threshold {
         gpubudget_common::quantity::parse_bytes(text)
             .map(Self::Bytes)
             .map_err(|e| format!("{text:?}: expected bytes (2Gi, 2147483648) or a percentage (5%): {e}"))
+    }
+}
+
+/// What pressure does to the pods no budget selects (a namespace without a budget, a pod relabelled out of
+/// every selector): a node policy (`--unbudgeted-pods`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Unbudgeted {
+    /// Ranked as guaranteed nothing: all their usage is above their guarantee, so under pressure they go before
+    /// any pod within its budget (the default: it protects the budgeted neighbour). Critical and static pods
+    /// are still never evicted.
+    #[default]
+    Ranked,
+    /// Never evicted for pressure.
+    Never,
+}
+
+impl Unbudgeted {
+    /// The policy's name, as the flag and the chart spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ranked => "Ranked",
+            Self::Never => "Never",
+        }
     }
 }
 
@@ -173,7 +200,7 @@ pub struct Candidate {
     pub key: String,
     /// The pod's usage over all its GPUs (what its budget counts).
     pub usage: u64,
-    /// Its budget's limit; `None` for a pod without a budget (never evicted for pressure).
+    /// Its budget's limit; `None` for a pod no budget selects (ranked by the [`Unbudgeted`] policy).
     pub limit: Option<u64>,
     /// Its budget's request (at most the limit); `None`: the budget sets none, the limit is the line.
     pub request: Option<u64>,
@@ -185,28 +212,36 @@ pub struct Candidate {
 }
 
 impl Candidate {
-    /// What the pod is guaranteed: its request, else its limit; `None` without a budget.
-    pub fn guaranteed(&self) -> Option<u64> {
-        self.limit.map(|limit| self.request.map_or(limit, |request| request.min(limit)))
+    /// What the pod is guaranteed: its request, else its limit; without a budget, nothing under
+    /// [`Unbudgeted::Ranked`], and `None` (never a candidate) under [`Unbudgeted::Never`].
+    pub fn guaranteed(&self, unbudgeted: Unbudgeted) -> Option<u64> {
+        match self.limit {
+            Some(limit) => Some(self.request.map_or(limit, |request| request.min(limit))),
+            None if unbudgeted == Unbudgeted::Ranked => Some(0),
+            None => None,
+        }
     }
 
-    /// Bytes above what the pod is guaranteed (its request, else its limit); 0 within it or without a
-    /// budget.
-    pub fn over(&self) -> u64 {
-        self.guaranteed().map_or(0, |line| self.usage.saturating_sub(line))
+    /// Bytes above what the pod is guaranteed (its request, else its limit; without a budget, all of its usage
+    /// under [`Unbudgeted::Ranked`]); 0 within it, or without a budget under [`Unbudgeted::Never`].
+    pub fn over(&self, unbudgeted: Unbudgeted) -> u64 {
+        self.guaranteed(unbudgeted).map_or(0, |line| self.usage.saturating_sub(line))
     }
 }
 
 /// The pod to evict for pressure on one GPU: among the evictable pods above their guarantee (request, else
-/// limit) that hold memory on it, the one most above it; ties: more bytes on this GPU, then the key that
-/// sorts first. `None` when no pod qualifies: the guarantees on this GPU add up to more than it holds, or
-/// the memory is held by pods that may not be evicted.
-pub fn choose(candidates: &[Candidate]) -> Option<usize> {
+/// limit; a pod no budget selects is guaranteed nothing under [`Unbudgeted::Ranked`] and is never a candidate
+/// under [`Unbudgeted::Never`]) that hold memory on it, the one most above it; ties: more bytes on this GPU,
+/// then the key that sorts first (a budgeted pod and an unbudgeted one are ranked alike: the bytes above the
+/// guarantee decide, not whether there is a budget). `None` when no pod qualifies: the guarantees on this GPU
+/// add up to more than it holds, or the memory is held by pods that may not be evicted.
+pub fn choose(candidates: &[Candidate], unbudgeted: Unbudgeted) -> Option<usize> {
+    let over = |c: &Candidate| c.over(unbudgeted);
     candidates
         .iter()
         .enumerate()
-        .filter(|(_, c)| c.evictable && c.over() > 0 && c.on_gpu > 0)
-        .max_by(|(_, a), (_, b)| a.over().cmp(&b.over()).then(a.on_gpu.cmp(&b.on_gpu)).then_with(|| b.key.cmp(&a.key)))
+        .filter(|(_, c)| c.evictable && over(c) > 0 && c.on_gpu > 0)
+        .max_by(|(_, a), (_, b)| over(a).cmp(&over(b)).then(a.on_gpu.cmp(&b.on_gpu)).then_with(|| b.key.cmp(&a.key)))
         .map(|(i, _)| i)
 }
 
@@ -217,6 +252,9 @@ mod tests {
 
     const GI: u64 = 1 << 30;
     const TOTAL: u64 = 80 * GI;
+    /// The rule before the node policy: pods no budget selects are never evicted for pressure.
+    const NEVER: Unbudgeted = Unbudgeted::Never;
+    const RANKED: Unbudgeted = Unbudgeted::Ranked;
 
     fn settings() -> PressureSettings {
         PressureSettings {
@@ -277,9 +315,9 @@ mod tests {
             candidate("a/no-budget", 40 * GI, None, 40 * GI, true),
             candidate("kube-system/critical", 60 * GI, Some(GI), 60 * GI, false),
         ];
-        assert_eq!(choose(&pods), Some(2));
-        assert_eq!(choose(&pods[..2]), Some(1));
-        assert_eq!(choose(&[pods[0].clone(), pods[3].clone(), pods[4].clone()]), None);
+        assert_eq!(choose(&pods, NEVER), Some(2));
+        assert_eq!(choose(&pods[..2], NEVER), Some(1));
+        assert_eq!(choose(&[pods[0].clone(), pods[3].clone(), pods[4].clone()], NEVER), None);
     }
 
     fn with_request(mut c: Candidate, request: u64) -> Candidate {
@@ -299,22 +337,22 @@ mod tests {
             // A request of 0: all its usage is above it.
             with_request(candidate("a/best-effort", 5 * GI, Some(8 * GI), 5 * GI, true), 0),
         ];
-        assert_eq!(choose(&pods), Some(0));
-        assert_eq!((pods[0].over(), pods[1].over(), pods[3].over()), (12 * GI, 0, 5 * GI));
-        assert_eq!(choose(&pods[1..]), Some(1), "10Gi over the limit beats 5Gi above a request of 0");
-        assert_eq!(choose(&pods[1..2]), None, "within its request: never");
+        assert_eq!(choose(&pods, NEVER), Some(0));
+        assert_eq!((pods[0].over(NEVER), pods[1].over(NEVER), pods[3].over(NEVER)), (12 * GI, 0, 5 * GI));
+        assert_eq!(choose(&pods[1..], NEVER), Some(1), "10Gi over the limit beats 5Gi above a request of 0");
+        assert_eq!(choose(&pods[1..2], NEVER), None, "within its request: never");
         // A request above the limit (refused by the CRD and the spec reader) is read as the limit.
-        assert_eq!(with_request(candidate("a/x", 9 * GI, Some(8 * GI), GI, true), 20 * GI).over(), GI);
+        assert_eq!(with_request(candidate("a/x", 9 * GI, Some(8 * GI), GI, true), 20 * GI).over(NEVER), GI);
     }
 
     /// The key of the pod chosen among `pods` rotated left by `rotate` (the choice must not depend on order).
-    fn chosen_after_rotating(pods: &[Candidate], rotate: usize) -> Option<String> {
+    fn chosen_after_rotating(pods: &[Candidate], rotate: usize, unbudgeted: Unbudgeted) -> Option<String> {
         let mut rotated = pods.to_vec();
         if !rotated.is_empty() {
             let k = rotate % rotated.len();
             rotated.rotate_left(k);
         }
-        choose(&rotated).map(|i| rotated[i].key.clone())
+        choose(&rotated, unbudgeted).map(|i| rotated[i].key.clone())
     }
 
     /// The rule before requests: the most over its limit among evictable pods holding memory here.
@@ -330,14 +368,39 @@ mod tests {
             .map(|(i, _)| i)
     }
 
-    proptest! {
-        /// With requests: the chosen pod is above its request, no pod within its request is ever chosen,
-        /// the chosen one is the most above its guarantee, and the order of the pods does not matter.
-        #[test]
-        fn request_rules(pods in proptest::collection::vec(
-            (0u64..64, proptest::option::of((1u64..64, proptest::option::of(0u64..64))), 0u64..8, any::<bool>()), 0..12),
-            rotate in 0usize..12) {
-            let pods: Vec<Candidate> = pods.iter().enumerate()
+    #[test]
+    fn under_ranked_a_pod_no_budget_selects_is_guaranteed_nothing_and_goes_before_any_pod_within_its_budget() {
+        let pods = [
+            // Within its 40Gi limit: the neighbour being protected.
+            candidate("a/within", 30 * GI, Some(40 * GI), 30 * GI, true),
+            // Within its 4Gi request, however much it holds.
+            with_request(candidate("a/steady", 4 * GI, Some(40 * GI), 4 * GI, true), 4 * GI),
+            // No budget selects it: 40Gi, all of it above its (nothing) guarantee.
+            candidate("free/filler", 40 * GI, None, 40 * GI, true),
+            // Critical, no budget: never.
+            candidate("kube-system/critical", 60 * GI, None, 60 * GI, false),
+        ];
+        assert_eq!(pods[2].guaranteed(RANKED), Some(0));
+        assert_eq!((pods[2].over(RANKED), pods[2].over(NEVER)), (40 * GI, 0));
+        assert_eq!(choose(&pods, RANKED), Some(2));
+        assert_eq!(choose(&pods, NEVER), None, "under Never it is never chosen: the budgets alone decide");
+        assert_eq!(choose(&[pods[0].clone(), pods[1].clone(), pods[3].clone()], RANKED), None);
+        // Ranked alike with budgeted pods: a pod 50Gi over its limit goes before a 40Gi unbudgeted one …
+        let over = candidate("a/way-over", 58 * GI, Some(8 * GI), 10 * GI, true);
+        assert_eq!(choose(&[pods[2].clone(), over.clone()], RANKED), Some(1));
+        // … and on equal bytes above the guarantee, more bytes on this GPU, then the key that sorts first.
+        let tie = candidate("a/tie", 48 * GI, Some(8 * GI), 40 * GI, true);
+        assert_eq!(choose(&[pods[2].clone(), tie.clone()], RANKED), Some(1), "a/tie sorts before free/filler");
+        let smaller_here = candidate("a/tie", 48 * GI, Some(8 * GI), 39 * GI, true);
+        assert_eq!(choose(&[pods[2].clone(), smaller_here], RANKED), Some(0));
+    }
+
+    /// Up to 12 pods: usage, a budget or none (a limit, and a request or none), bytes on this GPU, evictable.
+    fn pods_with_requests() -> impl Strategy<Value = Vec<Candidate>> {
+        let pod = (0u64..64, proptest::option::of((1u64..64, proptest::option::of(0u64..64))), 0u64..8, any::<bool>());
+        proptest::collection::vec(pod, 0..12).prop_map(|pods| {
+            pods.iter()
+                .enumerate()
                 .map(|(i, (u, budget, g, e))| {
                     let c = candidate(&format!("ns/p{i}"), u * GI, budget.map(|(l, _)| l * GI), g * GI, *e);
                     // A request at most the limit, as the CRD's rule and the spec reader allow.
@@ -346,22 +409,56 @@ mod tests {
                         _ => c,
                     }
                 })
-                .collect();
-            let chosen = choose(&pods);
+                .collect()
+        })
+    }
+
+    proptest! {
+        /// Under `Ranked`: a pod within its guarantee is never chosen, whenever an evictable unbudgeted pod holds
+        /// memory here something is chosen, the chosen pod is the most above its guarantee (an unbudgeted pod's
+        /// whole usage), and the order of the pods does not matter. Under `Never` no unbudgeted pod is chosen.
+        #[test]
+        fn unbudgeted_rules(pods in pods_with_requests(), rotate in 0usize..12) {
+            let ranked = choose(&pods, RANKED);
+            if let Some(i) = ranked {
+                let c = &pods[i];
+                prop_assert!(c.evictable && c.on_gpu > 0);
+                prop_assert!(c.limit.is_none() || c.usage > c.request.unwrap_or(c.limit.unwrap_or(0)));
+                let best = pods.iter().filter(|p| p.evictable && p.over(RANKED) > 0 && p.on_gpu > 0)
+                    .map(|p| p.over(RANKED)).max();
+                prop_assert_eq!(Some(c.over(RANKED)), best);
+            }
+            if pods.iter().any(|p| p.limit.is_none() && p.evictable && p.usage > 0 && p.on_gpu > 0) {
+                prop_assert!(ranked.is_some(), "an evictable unbudgeted pod holds memory here: one is chosen");
+            }
+            prop_assert_eq!(chosen_after_rotating(&pods, rotate, RANKED), ranked.map(|i| pods[i].key.clone()));
+            if let Some(i) = choose(&pods, NEVER) {
+                prop_assert!(pods[i].limit.is_some(), "under Never an unbudgeted pod is never chosen");
+            }
+            // Budgeted pods alone: the policy changes nothing.
+            let budgeted: Vec<Candidate> = pods.iter().filter(|p| p.limit.is_some()).cloned().collect();
+            prop_assert_eq!(choose(&budgeted, RANKED), choose(&budgeted, NEVER));
+        }
+
+        /// With requests: the chosen pod is above its request, no pod within its request is ever chosen,
+        /// the chosen one is the most above its guarantee, and the order of the pods does not matter.
+        #[test]
+        fn request_rules(pods in pods_with_requests(), rotate in 0usize..12) {
+            let chosen = choose(&pods, NEVER);
             if let Some(i) = chosen {
                 let c = &pods[i];
                 prop_assert!(c.evictable && c.on_gpu > 0);
                 prop_assert!(c.request.is_none_or(|r| c.usage > r), "chosen within its request: {c:?}");
                 prop_assert!(c.limit.is_some_and(|l| c.usage > c.request.unwrap_or(l)));
-                let best = pods.iter().filter(|p| p.evictable && p.over() > 0 && p.on_gpu > 0).map(Candidate::over).max();
-                prop_assert_eq!(Some(c.over()), best);
+                let best = pods.iter().filter(|p| p.evictable && p.over(NEVER) > 0 && p.on_gpu > 0).map(|p| p.over(NEVER)).max();
+                prop_assert_eq!(Some(c.over(NEVER)), best);
             }
             for p in &pods {
                 if p.request.is_some_and(|r| p.usage <= r) {
                     prop_assert!(chosen.is_none_or(|i| pods[i].key != p.key));
                 }
             }
-            prop_assert_eq!(chosen_after_rotating(&pods, rotate), chosen.map(|i| pods[i].key.clone()));
+            prop_assert_eq!(chosen_after_rotating(&pods, rotate, NEVER), chosen.map(|i| pods[i].key.clone()));
         }
 
         /// With no request set, the choice is exactly the rule before requests.
@@ -371,7 +468,7 @@ mod tests {
             let pods: Vec<Candidate> = pods.iter().enumerate()
                 .map(|(i, (u, l, g, e))| candidate(&format!("ns/p{i}"), u * GI, l.map(|l| l * GI), g * GI, *e))
                 .collect();
-            prop_assert_eq!(choose(&pods), old_choose(&pods));
+            prop_assert_eq!(choose(&pods, NEVER), old_choose(&pods));
         }
 
         /// Never a pod within its budget, without one, or protected; always one of the most over; the answer
@@ -382,16 +479,16 @@ mod tests {
             let pods: Vec<Candidate> = pods.iter().enumerate()
                 .map(|(i, (u, l, g, e))| candidate(&format!("ns/p{i}"), u * GI, l.map(|l| l * GI), g * GI, *e))
                 .collect();
-            let chosen = choose(&pods);
+            let chosen = choose(&pods, NEVER);
             if let Some(i) = chosen {
                 let c = &pods[i];
                 prop_assert!(c.evictable && c.limit.is_some() && c.usage > c.limit.unwrap_or(u64::MAX) && c.on_gpu > 0);
-                let best = pods.iter().filter(|p| p.evictable && p.over() > 0 && p.on_gpu > 0).map(Candidate::over).max();
-                prop_assert_eq!(Some(c.over()), best);
+                let best = pods.iter().filter(|p| p.evictable && p.over(NEVER) > 0 && p.on_gpu > 0).map(|p| p.over(NEVER)).max();
+                prop_assert_eq!(Some(c.over(NEVER)), best);
             } else {
-                prop_assert!(!pods.iter().any(|p| p.evictable && p.over() > 0 && p.on_gpu > 0));
+                prop_assert!(!pods.iter().any(|p| p.evictable && p.over(NEVER) > 0 && p.on_gpu > 0));
             }
-            prop_assert_eq!(chosen_after_rotating(&pods, rotate), chosen.map(|i| pods[i].key.clone()));
+            prop_assert_eq!(chosen_after_rotating(&pods, rotate, NEVER), chosen.map(|i| pods[i].key.clone()));
         }
 
         /// The signal is on whenever free memory is under the hard threshold, and never ends sooner than the

@@ -5,10 +5,10 @@
 use gpubudget_common::BudgetAction;
 use gpubudget_common::quantity::HumanBytes;
 
-use super::{Candidate, Cause, Change, Signal, choose};
+use super::{Candidate, Cause, Change, Signal, Unbudgeted, choose};
 use crate::attribute::PodUsage;
 use crate::attribute::pods::PodTable;
-use crate::decide::notes::{bounded, seconds};
+use crate::decide::notes::{bounded, holders_summary, seconds};
 use crate::decide::pod::{Context, Eviction};
 use crate::decide::{Action, Enforcer, NodeReason, Now, Reason};
 use crate::sample::Snapshot;
@@ -38,8 +38,10 @@ impl Enforcer {
     /// used bytes (`used`, per GPU; `None`: unknown, no signal), events on the Node when it begins and ends,
     /// and while it lasts one eviction at a time per GPU: the evictable pod most above its guarantee (its
     /// budget's request, else its limit) among those holding memory on it ([`choose`]), without waiting for
-    /// `overLimitSeconds`. Pods within their request (without one, their limit), without a budget, with a
-    /// `Warn` budget, critical or static are never chosen. While a pod
+    /// `overLimitSeconds`. Pods within their request (without one, their limit), with a `Warn` budget,
+    /// critical or static are never chosen; pods no budget selects are ranked as guaranteed nothing under the
+    /// node policy [`Unbudgeted::Ranked`] (evicted at once, without a record: no budget counts them) and never
+    /// chosen under [`Unbudgeted::Never`]. While a pod
     /// this agent is evicting (record on its way, request out, or accepted) still holds memory on the GPU,
     /// no other is chosen (the kubelet's "wait for reclaim"); a refused one gives the GPU's turn back, and the
     /// next choice waits for the eviction backoff (so at most one pressure eviction per GPU is in flight).
@@ -61,6 +63,7 @@ impl Enforcer {
             let Some(memory) = snapshot.memory(g).filter(|_| info.total_bytes > 0) else { continue };
             let (free, total) = (memory.free, info.total_bytes);
             let settings = self.settings.pressure;
+            let unbudgeted = self.settings.unbudgeted_pods;
             let gpu = &mut self.gpus[g];
             match gpu.signal.observe(&settings, free, total, now.mono_ms) {
                 Change::Began(cause) => {
@@ -69,8 +72,14 @@ impl Enforcer {
                         Cause::Soft => ("soft", settings.soft),
                     };
                     let threshold = threshold.map_or(0, |t| t.bytes(total));
+                    let unbudgeted = match self.settings.unbudgeted_pods {
+                        Unbudgeted::Ranked => {
+                            " (pods no budget selects count as guaranteed nothing: unbudgetedPods=Ranked)"
+                        }
+                        Unbudgeted::Never => " (pods no budget selects are never evicted for it: unbudgetedPods=Never)",
+                    };
                     let note = format!(
-                        "GPU {}: {} free of {}, under the {name} threshold ({}); evicting pods over their budgets on it, the most over first, one at a time",
+                        "GPU {}: {} free of {}, under the {name} threshold ({}); evicting pods over their budgets on it{unbudgeted}, the most over first, one at a time",
                         info.label,
                         HumanBytes(free),
                         HumanBytes(total),
@@ -121,7 +130,8 @@ impl Enforcer {
                     continue;
                 }
                 let budget = table.budget(i);
-                let evictable = budget.is_some_and(|b| b.action == BudgetAction::Evict)
+                // A pod no budget selects is evictable only as the node policy says (`--unbudgeted-pods`).
+                let evictable = budget.map_or(unbudgeted == Unbudgeted::Ranked, |b| b.action == BudgetAction::Evict)
                     && view.never_evicted().is_none()
                     && !view.terminating
                     && view.node.as_deref() == Some(self.settings.node.as_str())
@@ -137,11 +147,38 @@ impl Enforcer {
                     evictable,
                 });
             }
-            match choose(&candidates) {
+            match choose(&candidates, unbudgeted) {
                 Some(c) => {
                     let i = on_this_gpu[c];
                     let (view, budget) = (&table.pods[i], table.budget(i));
-                    let (Some(budget), Some(mut mem)) = (budget, self.pods.remove(&view.uid)) else { continue };
+                    let Some(mut mem) = self.pods.remove(&view.uid) else { continue };
+                    let Some(budget) = budget else {
+                        // No budget selects it (and the policy is `Ranked`): no record to write (no budget counts
+                        // the eviction), so the request goes out at once, through the same eviction path.
+                        let pod_usage = usage.get(i).unwrap_or(&empty);
+                        mem.pressure = Some(g);
+                        mem.last_usage = pod_usage.total;
+                        let grace = self.settings.pressure_grace_seconds;
+                        let note = format!(
+                            "no budget selects this pod; node policy unbudgetedPods={}: a pod without a budget is \
+                             guaranteed nothing, so all its {} count as above its guarantee; GPU {} is under memory \
+                             pressure ({} free of {}) and this pod is the most above its guarantee there: evicting \
+                             with {grace}s grace; held by {}",
+                            unbudgeted.as_str(),
+                            HumanBytes(pod_usage.total),
+                            info.label,
+                            HumanBytes(free),
+                            HumanBytes(total),
+                            holders_summary(&pod_usage.holders, &snapshot.gpus)
+                        );
+                        mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
+                        out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::Evicting, note: bounded(note) });
+                        // `recorded`: no record is missing (none is written for a pod without a budget).
+                        out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: Some(grace), recorded: true });
+                        mem.eviction = Eviction::InFlight { attempts: 0, refused_since: None };
+                        self.pods.insert(view.uid.clone(), mem);
+                        continue;
+                    };
                     let cx = Context { view, budget, usage: usage.get(i).unwrap_or(&empty), gpus: &snapshot.gpus };
                     mem.pressure = Some(g);
                     let at = now.wall.round(jiff::Unit::Second).unwrap_or(now.wall).to_string();
@@ -174,7 +211,7 @@ impl Enforcer {
                         .take(5)
                         .map(|c| {
                             let line = match (c.request, c.limit) {
-                                (_, None) => "no budget".to_owned(),
+                                (_, None) => format!("no budget, unbudgetedPods={}", unbudgeted.as_str()),
                                 (Some(r), Some(l)) => format!("request {}, limit {}", HumanBytes(r), HumanBytes(l)),
                                 (None, Some(l)) => format!("limit {}", HumanBytes(l)),
                             };

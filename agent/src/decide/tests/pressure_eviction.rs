@@ -1,9 +1,10 @@
 //! Pressure on a GPU evicts the pod most over its budget (with a request: most above its request) at once,
-//! one at a time, and never a pod within its budget (its request), without one, critical or static.
+//! one at a time, and never a pod within its budget (its request), critical or static; a pod no budget selects
+//! as the node policy says (`Ranked`: guaranteed nothing; `Never`: never).
 
 use super::*;
 use crate::decide::NodeReason;
-use crate::decide::pressure::{PressureSettings, Threshold};
+use crate::decide::pressure::{PressureSettings, Threshold, Unbudgeted};
 
 const TOTAL: u64 = 80 * GI;
 
@@ -166,7 +167,7 @@ fn one_at_a_time_per_gpu_while_the_first_still_holds_memory() {
 }
 
 #[test]
-fn within_budget_warn_critical_static_and_unbudgeted_pods_are_never_evicted_and_the_node_is_told_once() {
+fn within_budget_warn_critical_static_and_under_never_unbudgeted_pods_are_never_evicted_and_the_node_is_told_once() {
     let views = vec![
         view("neighbour", "n", "", ""),
         view("audit", "w", "", ""),
@@ -175,6 +176,7 @@ fn within_budget_warn_critical_static_and_unbudgeted_pods_are_never_evicted_and_
         view("nobudget", "none", "", ""),
     ];
     let mut node = Node::new(views);
+    node.enforcer.settings.unbudgeted_pods = Unbudgeted::Never;
     let bytes = [39 * GI, 10 * GI, 10 * GI, 10 * GI, 9 * GI];
     let all: Vec<Action> = (0..20).flat_map(|k| node.tick(k * 250, &bytes, 0)).collect();
     assert!(evicted(&all).is_empty(), "{all:#?}");
@@ -187,6 +189,66 @@ fn within_budget_warn_critical_static_and_unbudgeted_pods_are_never_evicted_and_
         })
         .expect("told");
     assert!(note.contains("add up to more than it holds") && note.contains("team-a/neighbour"), "{note}");
+    assert!(note.contains("team-a/nobudget 10Gi (no budget, unbudgetedPods=Never)"), "{note}");
+}
+
+#[test]
+fn under_ranked_the_pod_no_budget_selects_goes_first_at_once_without_a_record_and_the_event_says_why() {
+    // The table sorts by name: neighbour (30Gi of its 40Gi), nobudget (47Gi, no budget selects it).
+    let mut node = Node::new(vec![view("neighbour", "n", "", ""), view("nobudget", "none", "", "")]);
+    assert_eq!(node.enforcer.settings.unbudgeted_pods, Unbudgeted::Ranked, "the default");
+    let first = node.tick(0, &[30 * GI, 47 * GI], 0);
+    assert_eq!(evicted(&first), [("nobudget".to_owned(), Some(5))]);
+    // Not counted as an eviction that missed its record (gpubudget_evictions_without_record_total).
+    assert!(first.iter().any(|a| matches!(a, Action::Evict { recorded: true, .. })), "{first:#?}");
+    // No record: no budget counts the eviction (and the agent writes nothing on pods without one).
+    assert!(
+        !first
+            .iter()
+            .any(|a| matches!(a, Action::Apply { pod, .. } | Action::Clear { pod } if &*pod.name == "nobudget")),
+        "{first:#?}"
+    );
+    let note = note_of(&first, Reason::Evicting).expect("told");
+    assert!(note.starts_with("no budget selects this pod; node policy unbudgetedPods=Ranked"), "{note}");
+    assert!(note.contains("GPU 0 is under memory pressure (3Gi free of 80Gi)"), "{note}");
+    let began = first
+        .iter()
+        .find_map(|a| match a {
+            Action::NodeEvent { reason: NodeReason::Pressure, note } => Some(note.clone()),
+            _ => None,
+        })
+        .expect("began");
+    assert!(began.contains("unbudgetedPods=Ranked"), "{began}");
+    // While it terminates and holds its memory, nobody else goes (the neighbour is within its budget anyway).
+    let waiting: Vec<Action> = (1..20).flat_map(|k| node.tick(k * 250, &[30 * GI, 47 * GI], 0)).collect();
+    assert!(evicted(&waiting).is_empty(), "{waiting:#?}");
+}
+
+#[test]
+fn under_ranked_a_refused_eviction_of_an_unbudgeted_pod_gives_the_turn_back_and_says_it_has_no_budget() {
+    let mut node = Node::new(vec![view("neighbour", "n", "", ""), view("nobudget", "none", "", "")]);
+    let first = node.tick_with(0, &[30 * GI, 47 * GI], 0, true);
+    assert_eq!(evicted(&first), [("nobudget".to_owned(), Some(5))]);
+    let note = note_of(&first, Reason::EvictionBlocked).expect("told");
+    assert!(note.contains("using 47Gi, no budget selects this pod"), "{note}");
+    // The backoff (5s) is waited out, then it is chosen again: never the neighbour within its budget.
+    let backoff: Vec<Action> = (1..20).flat_map(|k| node.tick_with(k * 250, &[30 * GI, 47 * GI], 0, true)).collect();
+    assert!(evicted(&backoff).is_empty(), "{backoff:#?}");
+    let again: Vec<Action> = (20..23).flat_map(|k| node.tick(k * 250, &[30 * GI, 47 * GI], 0)).collect();
+    assert_eq!(evicted(&again), [("nobudget".to_owned(), Some(5))]);
+}
+
+#[test]
+fn a_pod_relabelled_out_of_every_selector_is_ranked_as_unbudgeted() {
+    // grower is within its 8Gi budget at 6Gi; the neighbour 39Gi of its 40Gi.
+    let mut node = Node::new(vec![view("grower", "grower", "", ""), view("neighbour", "n", "", "")]);
+    assert!(evicted(&node.tick(0, &[6 * GI, 39 * GI], 0)).is_empty());
+    // Relabelled out of its budget's selector, it grows to 38Gi: 77Gi used, 3Gi free.
+    node.table =
+        PodTable::build(vec![view("grower", "gone", "", ""), view("neighbour", "n", "", "")], &budgets(), Some(NODE));
+    let all: Vec<Action> = (1..4).flat_map(|k| node.tick(k * 250, &[38 * GI, 39 * GI], 0)).collect();
+    assert_eq!(evicted(&all), [("grower".to_owned(), Some(5))]);
+    assert!(note_of(&all, Reason::Evicting).is_some_and(|n| n.starts_with("no budget selects this pod")));
 }
 
 #[test]
