@@ -74,6 +74,9 @@ pub enum SpecError {
     /// A `ClusterGpuMemoryBudget` has no name.
     #[error("metadata: a ClusterGpuMemoryBudget needs a name")]
     UnnamedCluster,
+    /// A `ClusterGpuMemoryQuota` has no name.
+    #[error("metadata: a ClusterGpuMemoryQuota needs a name")]
+    UnnamedQuota,
     /// `spec.namespaceSelector` is not a valid label selector.
     #[error("spec.namespaceSelector: {0}")]
     NamespaceSelector(SelectorError),

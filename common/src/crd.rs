@@ -335,3 +335,186 @@ impl GpuMemoryBudget {
         )
     }
 }
+
+/// The most namespaces listed in a quota's `status.namespaces`.
+pub const QUOTA_NAMESPACES_MAX: usize = 100;
+/// The most pods listed per namespace in a quota's `status.namespaces[].topPods`.
+pub const QUOTA_TOP_PODS_MAX: usize = 5;
+
+/// A cap on the GPU memory all the selected pods of one namespace hold together, across every node, set by
+/// a cluster administrator. The operator adds up the agents' records; over the limit for `overLimitSeconds`,
+/// it evicts the pod that took the namespace over (the most recently started one).
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "gpubudget.io",
+    version = "v1alpha1",
+    kind = "ClusterGpuMemoryQuota",
+    plural = "clustergpumemoryquotas",
+    singular = "clustergpumemoryquota",
+    shortname = "cgmq",
+    category = "gpubudget",
+    doc = "A namespace total, for administrators: the most GPU memory the pods its selectors match may hold together in each namespace its namespaceSelector matches, across all nodes. The gpubudget operator adds up the agents' records; a namespace over the limit for overLimitSeconds loses its most recently started pod (ties: the name last in alphabetical order) through the Eviction API, one pod at a time, with the same warnings, grace and PodDisruptionBudget handling as a GpuMemoryBudget.",
+    status = "ClusterGpuMemoryQuotaStatus",
+    derive = "PartialEq",
+    printcolumn = r#"{"name":"Limit","type":"string","jsonPath":".spec.limit","description":"GPU memory each selected namespace may hold in total"}"#,
+    printcolumn = r#"{"name":"Action","type":"string","jsonPath":".spec.action","description":"Evict or Warn"}"#,
+    printcolumn = r#"{"name":"Namespaces","type":"integer","jsonPath":".status.namespacesSelected","description":"Namespaces the namespaceSelector matches that hold selected pods"}"#,
+    printcolumn = r#"{"name":"Over","type":"integer","jsonPath":".status.namespacesOver","description":"Namespaces over the limit now"}"#,
+    printcolumn = r#"{"name":"Evicted","type":"integer","jsonPath":".status.evictions","description":"Pods this quota has evicted"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterGpuMemoryQuotaSpec {
+    /// Which namespaces the quota applies in: a standard label selector on the namespaces' labels. `{}`
+    /// selects every namespace. Each selected namespace gets the whole limit for itself.
+    #[serde(default)]
+    #[schemars(schema_with = "bounded_label_selector")]
+    pub namespace_selector: LabelSelector,
+
+    /// Which pods, in the selected namespaces, count towards the total: a standard label selector on the
+    /// pods' labels. `{}` (the default) counts every pod.
+    #[serde(default)]
+    #[schemars(schema_with = "bounded_label_selector")]
+    pub selector: LabelSelector,
+
+    /// A quantity of bytes (64Gi, 500Mi or 68719476736): the GPU memory the selected pods of one namespace
+    /// may hold together, summed over all their containers, processes, GPUs and nodes. Counted as NVML
+    /// counts it: the framework's reserved pool plus about 0.5 GiB of CUDA context per process.
+    pub limit: Quantity,
+
+    /// Percent of the limit at which a namespace is reported as near its quota (an event and status, never
+    /// an eviction). 1 to 100; default 90.
+    #[serde(default = "default_warn_at_percent")]
+    pub warn_at_percent: i32,
+
+    /// What to do when a namespace stays over the limit for `overLimitSeconds`: `Evict` (the default) asks
+    /// the API server to evict its most recently started pod, honouring PodDisruptionBudgets, then the next
+    /// while the namespace is still over; `Warn` only records events and status.
+    #[serde(default)]
+    pub action: BudgetAction,
+
+    /// How long the namespace's total must be over the limit before the action is taken. Seconds, 0 or
+    /// more; default 10. Dips do not reset it: time at or under the limit takes back half as much. A change
+    /// of operator leader does not restart it (it is kept in the status).
+    #[serde(default = "default_over_limit_seconds")]
+    pub over_limit_seconds: i64,
+
+    /// Termination grace period, in seconds, given to a pod this quota evicts: 1 or more. Unset: the pod's
+    /// own `terminationGracePeriodSeconds`, capped at 30.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eviction_grace_period_seconds: Option<i64>,
+
+    /// How long evictions may be refused (a PodDisruptionBudget with no disruption allowed, or any other
+    /// refusal) before the operator deletes the pod instead, with the same grace period. Seconds, 0 to
+    /// 86400. Unset (the default): PodDisruptionBudgets are always respected.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocked_eviction_timeout_seconds: Option<i64>,
+}
+
+impl ClusterGpuMemoryQuotaSpec {
+    /// The same fields as a budget's spec (no request, no caps), so a quota is validated and its
+    /// thresholds and grace are computed by the one code that does it for budgets (`Budget::from_spec`).
+    pub fn as_budget_spec(&self) -> GpuMemoryBudgetSpec {
+        GpuMemoryBudgetSpec {
+            selector: self.selector.clone(),
+            limit: self.limit.clone(),
+            request: None,
+            warn_at_percent: self.warn_at_percent,
+            action: self.action,
+            over_limit_seconds: self.over_limit_seconds,
+            eviction_grace_period_seconds: self.eviction_grace_period_seconds,
+            blocked_eviction_timeout_seconds: self.blocked_eviction_timeout_seconds,
+            admission_caps: AdmissionCaps::Disabled,
+        }
+    }
+}
+
+/// What the operator observed for a quota, and what it must remember across a change of leader.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterGpuMemoryQuotaStatus {
+    /// The `metadata.generation` this status was computed for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Namespaces the namespaceSelector matches that hold selected pods with GPU memory.
+    #[serde(default)]
+    pub namespaces_selected: i64,
+    /// Namespaces over the limit now, including those losing a pod.
+    #[serde(default)]
+    pub namespaces_over: i64,
+    /// Pods this quota has evicted since it was created.
+    #[serde(default)]
+    pub evictions: i64,
+    /// The most recent eviction this quota caused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_eviction: Option<EvictionRecord>,
+    /// Per namespace, the total, the limit, the state and the top holders: namespaces over the limit or
+    /// with time banked first, then by total, highest first (at most 100).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 100))]
+    pub namespaces: Vec<NamespaceTotal>,
+    /// `Ready`: the spec is valid and enforced, or why not.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// One namespace's total under a quota.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NamespaceTotal {
+    /// The namespace.
+    pub namespace: String,
+    /// GPU memory its selected pods hold together, human readable (`41.5Gi`).
+    pub total: String,
+    /// The same, in bytes.
+    pub total_bytes: i64,
+    /// The quota's limit, as written.
+    pub limit: String,
+    /// Where the namespace stands against the limit.
+    pub state: crate::state::BudgetState,
+    /// Selected pods holding GPU memory.
+    pub pods: i64,
+    /// Time over the limit banked, milliseconds (the eviction is due when it reaches `overLimitSeconds`).
+    #[serde(default)]
+    pub over_millis: i64,
+    /// When the operator last added the namespace up (RFC 3339), and whether it was over then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_sample: Option<String>,
+    /// Whether the total was over the limit at `lastSample`.
+    #[serde(default)]
+    pub last_over: bool,
+    /// The eviction under way, if any: no other pod of the namespace is evicted before it is gone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pending_eviction: Option<PendingEviction>,
+    /// The selected pods holding the most, highest first (at most 5).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 5))]
+    pub top_pods: Vec<TopPod>,
+}
+
+/// An eviction the operator asked for and is seeing through.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PendingEviction {
+    /// The pod's name.
+    pub pod: String,
+    /// The pod's UID (a new pod of the same name is not the one evicted).
+    pub uid: String,
+    /// The node it runs on, from its record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// When the eviction was first asked for (RFC 3339).
+    pub requested_at: String,
+    /// GPU memory the pod held then, in bytes.
+    pub usage_bytes: i64,
+    /// Whether the API server has accepted the eviction (the pod is terminating).
+    #[serde(default)]
+    pub accepted: bool,
+}
+
+impl ClusterGpuMemoryQuota {
+    /// The name, the way messages name a quota.
+    pub fn key(&self) -> String {
+        self.metadata.name.clone().unwrap_or_default()
+    }
+}

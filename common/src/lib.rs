@@ -6,13 +6,15 @@ pub mod caps;
 pub mod crd;
 pub mod pod_record;
 pub mod quantity;
+pub mod quota;
 pub mod selector;
 pub mod state;
 pub mod text;
 
 pub use budget::{Budget, PodLabels, Resolution, Scope, SpecError, is_critical, resolve};
 pub use crd::{
-    AdmissionCaps, BudgetAction, ClusterGpuMemoryBudget, ClusterGpuMemoryBudgetSpec, GpuMemoryBudget,
-    GpuMemoryBudgetSpec, GpuMemoryBudgetStatus,
+    AdmissionCaps, BudgetAction, ClusterGpuMemoryBudget, ClusterGpuMemoryBudgetSpec, ClusterGpuMemoryQuota,
+    ClusterGpuMemoryQuotaSpec, ClusterGpuMemoryQuotaStatus, GpuMemoryBudget, GpuMemoryBudgetSpec,
+    GpuMemoryBudgetStatus,
 };
 pub use state::{BudgetState, Thresholds, Tracker, step};

@@ -10,7 +10,8 @@
 use std::io::Read;
 use std::path::PathBuf;
 
-use gpubudget_common::{Budget, ClusterGpuMemoryBudget, GpuMemoryBudget};
+use gpubudget_common::quota;
+use gpubudget_common::{Budget, ClusterGpuMemoryBudget, ClusterGpuMemoryQuota, GpuMemoryBudget};
 use kube_cel::{CompiledSchema, Validator, compile_schema};
 use serde_json::Value;
 
@@ -47,7 +48,7 @@ impl std::fmt::Display for Problem {
 /// The checker: each CRD's schema compiled once.
 #[derive(Debug)]
 pub struct Checker {
-    kinds: [Kind; 2],
+    kinds: [Kind; 3],
     validator: Validator,
 }
 
@@ -79,6 +80,7 @@ impl Checker {
         let kinds = [
             Kind::new("GpuMemoryBudget", &crate::crd::crd()),
             Kind::new("ClusterGpuMemoryBudget", &crate::crd::cluster_crd()),
+            Kind::new("ClusterGpuMemoryQuota", &crate::crd::quota_crd()),
         ];
         Self { kinds, validator: Validator::new() }
     }
@@ -148,6 +150,8 @@ impl Checker {
                     let name = budget.metadata.name.as_deref().unwrap_or_default();
                     Budget::from_spec(ns, name, &budget.spec)
                 })
+            } else if kind.name == "ClusterGpuMemoryQuota" {
+                serde_json::from_value::<ClusterGpuMemoryQuota>(defaulted).map(|quota| quota::compile(&quota))
             } else {
                 serde_json::from_value::<ClusterGpuMemoryBudget>(defaulted)
                     .map(|budget| Budget::compile_cluster(&budget))

@@ -208,3 +208,35 @@ fn cluster_budgets_are_checked_by_their_own_schema() {
         assert!(report.iter().all(|p| p.object == "tenants"), "named by its name alone: {problems:?}");
     }
 }
+
+/// #23 part 3: `validate` checks ClusterGpuMemoryQuotas with their CRD's rules (those shared with the budgets)
+/// and the operator's reading; fields a quota has not (a request) are refused.
+#[test]
+fn quotas_are_checked_by_their_own_schema() {
+    let checker = Checker::new();
+    let doc = |spec: &str| {
+        format!(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryQuota\nmetadata: {{name: team-totals}}\nspec: {spec}\n"
+        )
+    };
+    let ok = checker.check_yaml(&doc("{namespaceSelector: {matchLabels: {tier: tenant}}, limit: 64Gi}"));
+    assert!(ok.is_empty(), "{ok:?}");
+    for (spec, field, source) in [
+        ("{limit: 0}", "spec.limit", Source::Cel),
+        ("{limit: 1Gi, warnAtPercent: 0}", "spec.warnAtPercent", Source::Cel),
+        ("{limit: 1Gi, evictionGracePeriodSeconds: 0}", "spec.evictionGracePeriodSeconds", Source::Cel),
+        ("{limit: 1Gi, blockedEvictionTimeoutSeconds: 90000}", "spec.blockedEvictionTimeoutSeconds", Source::Cel),
+        (
+            "{namespaceSelector: {matchExpressions: [{key: a, operator: Equals, values: [x]}]}, limit: 1Gi}",
+            "spec.namespaceSelector",
+            Source::Cel,
+        ),
+        ("{limit: 1Gi, request: 1Gi}", "spec.request", Source::Structure),
+        ("{selector: {}}", "spec.limit", Source::Structure),
+    ] {
+        let problems = checker.check_yaml(&doc(spec));
+        let report = Checker::report(&problems);
+        assert!(report.iter().any(|p| p.field.starts_with(field) && p.source == source), "{spec}: {problems:?}");
+        assert!(report.iter().all(|p| p.object == "team-totals"), "named by its name alone: {problems:?}");
+    }
+}
