@@ -4,6 +4,7 @@
 pub mod budget;
 pub mod caps;
 pub mod crd;
+pub mod eviction;
 pub mod pod_record;
 pub mod quantity;
 pub mod quota;

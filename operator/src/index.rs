@@ -409,6 +409,11 @@ impl Index {
             .collect()
     }
 
+    /// Every namespace's pods (what namespace totals add up).
+    pub fn pods_by_namespace(&self) -> impl Iterator<Item = (&str, impl Iterator<Item = &PodInfo>)> {
+        self.namespaces.iter().map(|(name, ns)| (name.as_str(), ns.pods.values().map(|e| &e.info)))
+    }
+
     /// Budgets known (valid or not).
     pub fn budget_count(&self) -> usize {
         self.budgets
@@ -464,6 +469,9 @@ mod tests {
             record: None,
             terminating: false,
             gpu: Vec::new(),
+            started_ms: None,
+            exempt: None,
+            grace_seconds: None,
         }
     }
 

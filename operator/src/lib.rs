@@ -11,6 +11,7 @@ pub mod index;
 pub mod leader;
 pub mod metrics;
 pub mod pods;
+pub mod quota;
 pub mod run;
 pub mod status;
 pub mod validate;

@@ -44,6 +44,13 @@ pub struct Metrics {
     pub caps_admissions: Family<ResultLabels, Counter>,
     /// Namespace label writes of the caps webhook's scope (`_caps_namespace_label_writes_total`).
     pub namespace_label_writes: Counter,
+    /// Eviction requests (and deletes after blockedEvictionTimeoutSeconds) sent for namespace totals
+    /// (`_quota_eviction_requests_total`).
+    pub quota_eviction_requests: Counter,
+    /// Pods gone after a namespace total evicted them (`_quota_evictions_total`).
+    pub quota_evictions: Counter,
+    /// Namespaces over a ClusterGpuMemoryQuota now, summed over quotas (`_quota_namespaces_over`).
+    pub quota_namespaces_over: Gauge,
 }
 
 /// The `result` label of the caps webhook's answers.
@@ -68,6 +75,9 @@ impl Default for Metrics {
             leader: Gauge::default(),
             caps_admissions: Family::default(),
             namespace_label_writes: Counter::default(),
+            quota_eviction_requests: Counter::default(),
+            quota_evictions: Counter::default(),
+            quota_namespaces_over: Gauge::default(),
         }
     }
 }
@@ -100,6 +110,21 @@ impl Metrics {
             "caps_namespace_label_writes",
             "Namespace label writes that scope the caps webhook",
             m.namespace_label_writes.clone(),
+        );
+        r.register(
+            "quota_eviction_requests",
+            "Eviction requests (and deletes after blockedEvictionTimeoutSeconds) sent for ClusterGpuMemoryQuota namespace totals",
+            m.quota_eviction_requests.clone(),
+        );
+        r.register(
+            "quota_evictions",
+            "Pods gone after a ClusterGpuMemoryQuota evicted them",
+            m.quota_evictions.clone(),
+        );
+        r.register(
+            "quota_namespaces_over",
+            "Namespaces over a ClusterGpuMemoryQuota now (summed over quotas)",
+            m.quota_namespaces_over.clone(),
         );
         m
     }

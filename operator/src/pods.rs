@@ -14,6 +14,7 @@ use std::fmt;
 
 use gpubudget_common::caps::{self, GpuContainer};
 use gpubudget_common::pod_record::{self, PodRecord};
+use gpubudget_common::quota::Exempt;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
@@ -65,6 +66,21 @@ pub struct PodInfo {
     pub terminating: bool,
     /// Its GPU containers with their cap variables (fixed at creation); empty without GPU containers.
     pub gpu: Vec<GpuContainer>,
+    /// When it started (ms since the epoch): `status.startTime`, else `metadata.creationTimestamp`. A
+    /// namespace total evicts the most recent start first.
+    pub started_ms: Option<u64>,
+    /// Never evicted for a namespace total, and why (critical priority, or a static pod's mirror).
+    pub exempt: Option<Exempt>,
+    /// `spec.terminationGracePeriodSeconds`.
+    pub grace_seconds: Option<i64>,
+}
+
+/// Annotation the kubelet puts on a static pod's mirror (evicting the mirror would delete only the mirror).
+pub const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
+
+/// Milliseconds since the epoch of a Kubernetes time (0 before the epoch).
+pub fn epoch_ms(time: &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time) -> u64 {
+    u64::try_from(time.0.as_millisecond()).unwrap_or(0)
 }
 
 impl PodInfo {
@@ -79,6 +95,13 @@ impl PodInfo {
             record: meta.annotations.as_ref().and_then(PodRecord::from_annotations),
             terminating: meta.deletion_timestamp.is_some(),
             gpu: Vec::new(),
+            started_ms: meta.creation_timestamp.as_ref().map(epoch_ms),
+            exempt: meta
+                .annotations
+                .as_ref()
+                .is_some_and(|a| a.contains_key(MIRROR_ANNOTATION))
+                .then_some(Exempt::Static),
+            grace_seconds: None,
         })
     }
 
@@ -109,7 +132,7 @@ pub fn strip(meta: &mut ObjectMeta) {
     meta.finalizers = None;
     meta.generate_name = None;
     if let Some(annotations) = meta.annotations.as_mut() {
-        annotations.retain(|k, _| gpubudget_common::pod_record::ALL.contains(&k.as_str()));
+        annotations.retain(|k, _| gpubudget_common::pod_record::ALL.contains(&k.as_str()) || k == MIRROR_ANNOTATION);
     }
 }
 
@@ -124,12 +147,24 @@ pub struct PodMeta {
     pub metadata: ObjectMeta,
     /// The GPU containers (init containers first), with their cap variables.
     pub gpu: Vec<GpuContainer>,
+    /// `status.startTime`, ms since the epoch.
+    pub started_ms: Option<u64>,
+    /// `spec.priorityClassName` and `spec.priority` say the pod is critical ([`gpubudget_common::is_critical`]).
+    pub critical: bool,
+    /// `spec.terminationGracePeriodSeconds`.
+    pub grace_seconds: Option<i64>,
 }
 
 impl PodMeta {
     /// What the operator keeps of this pod; `None` without a name or namespace.
     pub fn info(&self) -> Option<PodInfo> {
-        PodInfo::from_meta(&self.metadata).map(|info| PodInfo { gpu: self.gpu.clone(), ..info })
+        PodInfo::from_meta(&self.metadata).map(|info| PodInfo {
+            gpu: self.gpu.clone(),
+            started_ms: self.started_ms.or(info.started_ms),
+            exempt: if self.critical { Some(Exempt::Critical) } else { info.exempt },
+            grace_seconds: self.grace_seconds,
+            ..info
+        })
     }
 }
 
@@ -175,12 +210,22 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
             metadata: Lean,
             #[serde(default)]
             spec: Option<LeanSpec>,
+            #[serde(default)]
+            status: Option<LeanStatus>,
         }
         #[derive(serde::Deserialize, Default)]
         #[serde(rename_all = "camelCase")]
         struct LeanSpec {
             init_containers: Option<Vec<LeanContainer>>,
             containers: Option<Vec<LeanContainer>>,
+            priority_class_name: Option<String>,
+            priority: Option<i32>,
+            termination_grace_period_seconds: Option<i64>,
+        }
+        #[derive(serde::Deserialize, Default)]
+        #[serde(rename_all = "camelCase")]
+        struct LeanStatus {
+            start_time: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
         }
         #[derive(serde::Deserialize)]
         struct LeanContainer(#[serde(deserialize_with = "gpu_container")] Option<GpuContainer>);
@@ -192,12 +237,16 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
             uid: Option<String>,
             resource_version: Option<String>,
             deletion_timestamp: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+            creation_timestamp: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
             labels: Option<BTreeMap<String, String>>,
             #[serde(default)]
             annotations: ContractAnnotations,
         }
         let wire = Wire::deserialize(deserializer)?;
         let spec = wire.spec.unwrap_or_default();
+        let critical = gpubudget_common::is_critical(spec.priority_class_name.as_deref(), spec.priority);
+        let grace_seconds = spec.termination_grace_period_seconds;
+        let started_ms = wire.status.and_then(|s| s.start_time).as_ref().map(epoch_ms);
         let gpu = spec.init_containers.into_iter().chain(spec.containers).flatten().filter_map(|c| c.0).collect();
         let m = wire.metadata;
         let annotations = Some(m.annotations.0).filter(|a| !a.is_empty());
@@ -208,11 +257,15 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
                 uid: m.uid,
                 resource_version: m.resource_version,
                 deletion_timestamp: m.deletion_timestamp,
+                creation_timestamp: m.creation_timestamp,
                 labels: m.labels,
                 annotations,
                 ..ObjectMeta::default()
             },
             gpu,
+            started_ms,
+            critical,
+            grace_seconds,
         })
     }
 }
@@ -283,7 +336,8 @@ impl<'de> serde::Deserialize<'de> for ContractKey {
                 f.write_str("an annotation key")
             }
             fn visit_str<E: de::Error>(self, key: &str) -> Result<ContractKey, E> {
-                Ok(ContractKey(pod_record::ALL.iter().copied().find(|k| *k == key)))
+                let kept = pod_record::ALL.iter().copied().chain([MIRROR_ANNOTATION]).find(|k| *k == key);
+                Ok(ContractKey(kept))
             }
         }
         deserializer.deserialize_str(KeyVisitor)
@@ -390,6 +444,27 @@ mod tests {
         assert_eq!(info.gpu[1].mps_limit, Some(caps::EnvValue::Literal("0=2G,1=2G".into())), "the last entry wins");
         assert_eq!(info.gpu[1].memory_limit, Some(caps::EnvValue::Literal("8192".into())));
         assert_eq!(info.gpu[1].memory_request, None);
+    }
+
+    /// What namespace totals read: the start (status.startTime, else creation), critical priority, a static
+    /// pod's mirror, the pod's own grace period.
+    #[test]
+    fn pod_meta_reads_what_namespace_totals_need() {
+        let wire = serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ns", "creationTimestamp": "2026-11-25T00:00:00Z",
+                         "annotations": {"kubernetes.io/config.mirror": "abc", "other": "x"}},
+            "spec": {"priorityClassName": "system-node-critical", "terminationGracePeriodSeconds": 90, "containers": []},
+            "status": {"startTime": "2026-11-25T00:00:02Z"},
+        });
+        let info = serde_json::from_value::<PodMeta>(wire).expect("parses").info().expect("named");
+        assert_eq!(info.started_ms, Some(1_795_564_802_000));
+        assert_eq!((info.exempt, info.grace_seconds), (Some(Exempt::Critical), Some(90)));
+        let wire = serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ns", "creationTimestamp": "2026-11-25T00:00:00Z",
+                         "annotations": {"kubernetes.io/config.mirror": "abc"}},
+        });
+        let info = serde_json::from_value::<PodMeta>(wire).expect("parses").info().expect("named");
+        assert_eq!((info.started_ms, info.exempt), (Some(1_795_564_800_000), Some(Exempt::Static)));
     }
 
     #[test]

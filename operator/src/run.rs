@@ -20,6 +20,7 @@ use crate::controller::{self, CHECK_BUDGETS, CHECK_PODS, Context, Settings};
 use crate::eviction_check::{self, PodLookup};
 use crate::leader::{self, CHECK_LEASE, Election};
 use crate::metrics::Metrics;
+use crate::quota::{self, QuotaSettings};
 
 /// Readiness check: the GpuMemoryBudget CRD is established.
 pub const CHECK_CRD: &str = "crd-established";
@@ -113,6 +114,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<i32> {
         tasks
             .spawn(named("webhook", eviction_check::serve(addr, args.webhook_cert_dir.clone(), app, shutdown.clone())));
     }
+    tasks.spawn(named("quota", quota::run(ctx.clone(), QuotaSettings::default(), shutdown.clone())));
     tasks.spawn(named("controller", {
         let (health, shutdown) = (health.clone(), shutdown.clone());
         async move {

@@ -403,6 +403,9 @@ mod tests {
             }),
             terminating: false,
             gpu: Vec::new(),
+            started_ms: None,
+            exempt: None,
+            grace_seconds: None,
         }
     }
 

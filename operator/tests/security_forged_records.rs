@@ -34,6 +34,9 @@ fn forged(namespace: &str, name: &str, terminating: bool) -> PodInfo {
         }),
         terminating,
         gpu: Vec::new(),
+        started_ms: None,
+        exempt: None,
+        grace_seconds: None,
     }
 }
 

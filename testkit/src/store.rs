@@ -62,6 +62,7 @@ const KNOWN: &[(&str, &str, &str, bool, bool, &str)] = &[
     ("events.k8s.io/v1", "events", "Event", true, false, "ev"),
     ("coordination.k8s.io/v1", "leases", "Lease", true, false, ""),
     ("gpubudget.io/v1alpha1", "gpumemorybudgets", "GpuMemoryBudget", true, true, "gmb"),
+    ("gpubudget.io/v1alpha1", "clustergpumemoryquotas", "ClusterGpuMemoryQuota", false, true, "cgmq"),
     ("apiextensions.k8s.io/v1", "customresourcedefinitions", "CustomResourceDefinition", false, true, "crd crds"),
     ("apps/v1", "deployments", "Deployment", true, true, "deploy"),
     ("apps/v1", "daemonsets", "DaemonSet", true, true, "ds"),

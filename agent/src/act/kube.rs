@@ -14,7 +14,6 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::api::policy::v1::Eviction;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{DeleteOptions, ObjectMeta, Preconditions};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client};
@@ -264,23 +263,10 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
     }
 }
 
-/// The eviction body that carries the grace period: a typed `policy/v1 Eviction` (kube 5.0's
-/// `Api::evict` writes `delete_options` in snake case, which the API server ignores, dropping the grace
-/// period).
+/// The eviction body for `pod` ([`gpubudget_common::eviction::eviction_body`]: the grace period, and the
+/// pod's UID as a precondition).
 pub fn eviction_body(pod: &PodRef, grace_seconds: Option<i64>) -> Eviction {
-    Eviction {
-        metadata: ObjectMeta {
-            name: Some(pod.name.to_string()),
-            namespace: Some(pod.namespace.to_string()),
-            ..ObjectMeta::default()
-        },
-        delete_options: Some(DeleteOptions {
-            grace_period_seconds: grace_seconds.map(|g| g.max(0)),
-            // Only the pod the agent measured, not a new one that took its name (a StatefulSet's).
-            preconditions: Some(Preconditions { uid: Some(pod.uid.to_string()), resource_version: None }),
-            ..DeleteOptions::default()
-        }),
-    }
+    gpubudget_common::eviction::eviction_body(&pod.namespace, &pod.name, &pod.uid, grace_seconds)
 }
 
 async fn evict(client: &Client, pod: &PodRef, grace_seconds: Option<i64>) -> Result<(), kube::Error> {
