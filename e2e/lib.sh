@@ -41,7 +41,7 @@ uid() { kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.uid}'; }
 apply_crd_and_chart() {
   kubectl apply -f "$REPO/crds/" >/dev/null
   kubectl wait --for=condition=Established crd/gpumemorybudgets.gpubudget.io crd/clustergpumemorybudgets.gpubudget.io \
-    --timeout=60s >/dev/null
+    crd/clustergpumemoryquotas.gpubudget.io --timeout=60s >/dev/null
   "$HELM" template "$1" "$REPO/charts/gpubudget" -n "$2" --kube-version 1.33.0 \
     | yq -y --arg kinds "$3" 'select(.kind as $k | ($kinds | split(" ") | index($k)) != null)' \
     | kubectl apply -f - >/dev/null
@@ -102,4 +102,27 @@ fake_process() {
     "$2" "$2" "$2" "$((100000 + $2))" > "$dir/stat"
   echo python3 > "$dir/comm"
   echo "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod$uid.slice/cri-containerd-$cid.scope" > "$dir/cgroup"
+}
+
+# expect OUTCOME WHO COMMAND...: runs `kubectl COMMAND` as WHO (admin: no --as); prints (and records) it and its
+# answer (appended to $RESULT); OUTCOME `ok` wants exit status 0, `denied` a Forbidden answer, `invalid` an Invalid
+# one (CEL/schema), `unknown` a refused unknown field (kubectl's strict field validation), `yes`/`no` what
+# `auth can-i` prints.
+expect() {
+  local want=$1 who=$2 rc=0 out
+  shift 2
+  local as=()
+  [ "$who" = admin ] || as=(--as="$who")
+  # (kubectl's warning about a group-readable kubeconfig is left out of the record.)
+  out=$(kubectl "${as[@]}" "$@" 2>&1 | grep -v '^WARNING: Kubernetes configuration file is') || rc=$?
+  { printf '\n$ kubectl %s    # as %s, expect %s\n' "$*" "$who" "$want"; printf '%s\n' "$out"
+    [ "$rc" = 0 ] || echo "(exit status $rc)"; } | tee -a "$RESULT"
+  case $want in
+    ok) [ "$rc" = 0 ] || die "expected success: kubectl $* as $who" ;;
+    denied) [ "$rc" != 0 ] && grep -q 'Forbidden\|forbidden' <<<"$out" || die "expected Forbidden: kubectl $* as $who" ;;
+    invalid) [ "$rc" != 0 ] && grep -q 'Invalid value\|is invalid' <<<"$out" || die "expected Invalid: kubectl $* as $who" ;;
+    unknown) [ "$rc" != 0 ] && grep -q 'unknown field' <<<"$out" || die "expected an unknown field: kubectl $* as $who" ;;
+    no) [ "$(tail -n1 <<<"$out")" = no ] || die "expected no: kubectl $* as $who" ;;
+    yes) [ "$(tail -n1 <<<"$out")" = yes ] || die "expected yes: kubectl $* as $who" ;;
+  esac
 }

@@ -39,25 +39,6 @@ cleanup() {
 }
 trap cleanup EXIT
 : > "$RESULT"
-# expect OUTCOME WHO COMMAND...: runs `kubectl COMMAND` as WHO (admin: no --as); prints (and records) it and its
-# answer; OUTCOME `ok` wants exit status 0, `denied` a Forbidden answer, `invalid` an Invalid one (CEL/schema).
-expect() {
-  local want=$1 who=$2 rc=0 out
-  shift 2
-  local as=()
-  [ "$who" = admin ] || as=(--as="$who")
-  # (kubectl's warning about a group-readable kubeconfig is left out of the record.)
-  out=$(kubectl "${as[@]}" "$@" 2>&1 | grep -v '^WARNING: Kubernetes configuration file is') || rc=$?
-  { printf '\n$ kubectl %s    # as %s, expect %s\n' "$*" "$who" "$want"; printf '%s\n' "$out"
-    [ "$rc" = 0 ] || echo "(exit status $rc)"; } | tee -a "$RESULT"
-  case $want in
-    ok) [ "$rc" = 0 ] || die "expected success: kubectl $* as $who" ;;
-    denied) [ "$rc" != 0 ] && grep -q 'Forbidden\|forbidden' <<<"$out" || die "expected Forbidden: kubectl $* as $who" ;;
-    invalid) [ "$rc" != 0 ] && grep -q 'Invalid value\|is invalid' <<<"$out" || die "expected Invalid: kubectl $* as $who" ;;
-    no) [ "$(tail -n1 <<<"$out")" = no ] || die "expected no: kubectl $* as $who" ;;
-    yes) [ "$(tail -n1 <<<"$out")" = yes ] || die "expected yes: kubectl $* as $who" ;;
-  esac
-}
 cgmb() { # cgmb NAME SPEC-FLOW: a ClusterGpuMemoryBudget manifest on stdin for `kubectl create -f -`
   printf 'apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {name: %s}\nspec: %s\n' "$1" "$2"
 }
