@@ -74,8 +74,8 @@ pub struct QuotaPod {
     pub started_ms: u64,
     /// Bytes its record says it holds.
     pub usage_bytes: u64,
-    /// Its record says `Evicting`: its agent is evicting it for its own budget.
-    pub agent_evicting: bool,
+    /// Its record's state against its own budget; `Evicting`: its agent is evicting it.
+    pub state: BudgetState,
     /// It is being deleted (an accepted eviction, or a delete).
     pub terminating: bool,
     /// Never evicted for a total, and why.
@@ -83,9 +83,14 @@ pub struct QuotaPod {
 }
 
 impl QuotaPod {
+    /// Its agent is evicting it for its own budget (its record says `Evicting`).
+    pub fn agent_evicting(&self) -> bool {
+        self.state == BudgetState::Evicting
+    }
+
     /// Going already: terminating, or being evicted by its agent.
     pub fn going(&self) -> bool {
-        self.terminating || self.agent_evicting
+        self.terminating || self.agent_evicting()
     }
 }
 
@@ -313,7 +318,7 @@ mod tests {
             node: Some(format!("node-{}", started_s % 3)),
             started_ms: started_s * 1000,
             usage_bytes: usage_gi * GI,
-            agent_evicting: false,
+            state: BudgetState::Within,
             terminating: false,
             exempt: None,
         }
@@ -366,7 +371,7 @@ mod tests {
     fn ties_go_to_the_name_last_in_alphabetical_order_and_exempt_or_going_pods_are_skipped() {
         let mut pods = vec![pod("a", 5, 4), pod("c", 5, 4), pod("b", 5, 4), pod("old", 1, 4)];
         assert_eq!(pick(&pods).map(|p| p.name.as_str()), Some("c"));
-        pods[1].agent_evicting = true;
+        pods[1].state = BudgetState::Evicting;
         assert_eq!(pick(&pods).map(|p| p.name.as_str()), Some("b"));
         pods[2].exempt = Some(Exempt::Critical);
         pods[0].terminating = true;
@@ -380,7 +385,7 @@ mod tests {
         let q = quota("10Gi", serde_json::json!({"overLimitSeconds": 0}));
         // 12Gi; the agent evicts the 4Gi pod: 8Gi stay, within 10Gi. No eviction by the quota.
         let mut pods = vec![pod("a", 1, 4), pod("b", 2, 4), pod("c", 3, 4)];
-        pods[2].agent_evicting = true;
+        pods[2].state = BudgetState::Evicting;
         let d = decide(&q, "team-a", &pods, &Remembered::default(), 1000);
         assert_eq!(d.next.tracker.state, BudgetState::Evicting);
         assert_eq!((d.act, d.next.pending), (None, None));
@@ -436,7 +441,9 @@ mod tests {
     fn arb_pod() -> impl Strategy<Value = QuotaPod> {
         (0u64..20, 0u64..8, any::<bool>(), any::<bool>(), 0u8..6).prop_map(|(start, usage, agent, term, ex)| {
             let mut p = pod(&format!("p{start}-{usage}"), start, usage);
-            p.agent_evicting = agent && ex % 2 == 0;
+            if agent && ex % 2 == 0 {
+                p.state = BudgetState::Evicting;
+            }
             p.terminating = term && ex % 3 == 0;
             p.exempt = match ex {
                 4 => Some(Exempt::Critical),
@@ -483,7 +490,7 @@ mod tests {
                     let fresh = mem.pending.as_ref().is_none_or(|old| old.uid != target.uid);
                     if fresh {
                         prop_assert!(mem.pending.is_none() || d.evicted.is_some(), "one at a time");
-                        prop_assert!(!p.agent_evicting && p.exempt.is_none() && p.usage_bytes > 0);
+                        prop_assert!(!p.agent_evicting() && p.exempt.is_none() && p.usage_bytes > 0);
                         let latest = pods.iter().filter(|x| !x.going() && x.exempt.is_none() && x.usage_bytes > 0)
                             .map(|x| (x.started_ms, x.name.clone())).max();
                         prop_assert_eq!(latest, Some((p.started_ms, p.name.clone())));

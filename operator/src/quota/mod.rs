@@ -128,7 +128,7 @@ pub fn quota_pods(index: &Index, namespaces: &Namespaces, quota: &Budget) -> BTr
                 node: Some(record.node.clone()).filter(|n| !n.is_empty()),
                 started_ms: pod.started_ms.unwrap_or(0),
                 usage_bytes: record.usage_bytes,
-                agent_evicting: record.state == BudgetState::Evicting,
+                state: record.state,
                 terminating: pod.terminating,
                 exempt: pod.exempt,
             });
@@ -248,7 +248,7 @@ pub fn compute(
                     node: p.node.clone(),
                     usage: HumanBytes(p.usage_bytes).to_string(),
                     usage_bytes: bytes_i64(p.usage_bytes),
-                    state: if p.agent_evicting { BudgetState::Evicting } else { BudgetState::Within },
+                    state: p.state,
                 })
                 .collect(),
         };
@@ -532,5 +532,76 @@ pub async fn run(ctx: Arc<Context>, settings: QuotaSettings, shutdown: Cancellat
             over += quota.status.as_ref().map_or(0, |s| s.namespaces_over);
         }
         ctx.metrics().quota_namespaces_over.set(over);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpubudget_common::ClusterGpuMemoryQuotaSpec;
+
+    const GI: u64 = 1 << 30;
+
+    fn quota(spec: serde_json::Value) -> ClusterGpuMemoryQuota {
+        let spec: ClusterGpuMemoryQuotaSpec = serde_json::from_value(spec).expect("spec");
+        ClusterGpuMemoryQuota::new("totals", spec)
+    }
+
+    fn pod(name: &str, started_ms: u64, usage: u64) -> QuotaPod {
+        QuotaPod {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            node: Some("gpu-1".into()),
+            started_ms,
+            usage_bytes: usage,
+            state: BudgetState::Within,
+            terminating: false,
+            exempt: None,
+        }
+    }
+
+    #[test]
+    fn the_status_keeps_what_must_be_remembered_first_and_reads_it_back() {
+        let q = quota(serde_json::json!({"limit": "10Gi", "overLimitSeconds": 30}));
+        // 150 namespaces within their limit, one over.
+        let mut pods: BTreeMap<String, Vec<QuotaPod>> =
+            (0..150).map(|i| (format!("ns-{i:03}"), vec![pod("p", 0, GI + i)])).collect();
+        pods.insert("zz-over".into(), (0..6).map(|i| pod(&format!("p{i}"), i, 2 * GI)).collect());
+        let first = compute(&q, &pods, &ClusterGpuMemoryQuotaStatus::default(), 1_000_000);
+        assert_eq!(first.status.namespaces.len(), QUOTA_NAMESPACES_MAX);
+        assert_eq!(
+            (first.status.namespaces_selected, first.status.namespaces_over),
+            (151, 1),
+            "counted before the list is cut"
+        );
+        let over = &first.status.namespaces[0];
+        assert_eq!((over.namespace.as_str(), over.state, over.total.as_str()), ("zz-over", BudgetState::Over, "12Gi"));
+        assert_eq!(over.top_pods.len(), QUOTA_TOP_PODS_MAX);
+        assert_eq!(first.status.namespaces[1].namespace, "ns-149", "then the largest totals");
+        // 10 s later: the bank read back from the status grows by 10 s.
+        let second = compute(&q, &pods, &first.status, 1_010_000);
+        let over = &second.status.namespaces[0];
+        assert_eq!(over.over_millis, 10_000);
+        assert_eq!(remembered(over).tracker.last, Some((1_010_000, true)));
+        assert!(second.actions.is_empty());
+        // At 30 s the latest pod goes; the status names it before anything is done.
+        let third = compute(&q, &pods, &compute(&q, &pods, &second.status, 1_020_000).status, 1_030_000);
+        assert_eq!(third.actions.len(), 1);
+        assert_eq!((third.actions[0].pending.pod.as_str(), &third.actions[0].act), ("p5", &Act::Evict));
+        let pending = third.status.namespaces[0].pending_eviction.clone().expect("pending in the status");
+        assert_eq!((pending.pod.as_str(), pending.requested_at.as_str()), ("p5", "1970-01-01T00:17:10Z"));
+        assert_eq!(remembered(&third.status.namespaces[0]).pending.map(|p| p.requested_at_ms), Some(1_030_000));
+        assert!(same_but_for_sample_times(&third.status, &compute(&q, &pods, &third.status, 1_031_000).status));
+    }
+
+    #[test]
+    fn an_invalid_quota_says_why_and_enforces_nothing() {
+        let q = quota(serde_json::json!({"limit": "1Gi", "warnAtPercent": 0}));
+        let pods = BTreeMap::from([("a".to_owned(), vec![pod("p", 0, 4 * GI)])]);
+        let out = compute(&q, &pods, &ClusterGpuMemoryQuotaStatus::default(), 0);
+        assert!(out.actions.is_empty() && out.status.namespaces.is_empty());
+        let ready = &out.status.conditions[0];
+        assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "InvalidSpec"));
+        assert!(ready.message.contains("warnAtPercent"), "{}", ready.message);
     }
 }
