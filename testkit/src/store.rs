@@ -278,8 +278,20 @@ impl State {
         self.infos.iter()
     }
 
+    /// Whether the resource has a status subresource: registered so, or its stored CRD says so (as the real
+    /// server serves a custom resource from its CRD).
     pub(crate) fn has_status(&self, gr: &Gr) -> bool {
         self.infos.get(gr).is_some_and(|i| i.status)
+            || self.list(&Gr::new("apiextensions.k8s.io", "customresourcedefinitions"), None).iter().any(|crd| {
+                let spec = &crd["spec"];
+                spec["group"] == gr.group.as_str()
+                    && spec["names"]["plural"] == gr.plural.as_str()
+                    && spec["versions"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|v| v["subresources"]["status"].is_object())
+            })
     }
 
     pub(crate) fn set_status_subresource(&mut self, gr: Gr) {

@@ -719,3 +719,24 @@ async fn cluster_scoped_custom_resources_are_found_by_name() {
     assert_eq!(fake.get("clustergpumemorybudgets", "", "seeded").unwrap()["status"]["matchedPods"], 3);
     assert!(fake.get("clustergpumemorybudgets", "default", "seeded").is_none(), "never under a namespace");
 }
+
+/// A stored CRD with a status subresource gives its resource one (without `with_status_subresource`): a
+/// status write leaves the generation alone, a main write leaves the status alone.
+#[tokio::test]
+async fn a_stored_crds_status_subresource_is_served() {
+    use gpubudget_common::ClusterGpuMemoryBudget;
+    use kube::CustomResourceExt;
+    let fake = FakeApi::new();
+    fake.put_object(serde_json::to_value(ClusterGpuMemoryBudget::crd()).unwrap()).unwrap();
+    fake.put_object(json!({
+        "apiVersion": "gpubudget.io/v1alpha1", "kind": "ClusterGpuMemoryBudget",
+        "metadata": {"name": "b"}, "spec": {"namespaceSelector": {}, "selector": {}, "limit": "16Gi"},
+    }))
+    .unwrap();
+    let api: Api<ClusterGpuMemoryBudget> = Api::all(fake.client());
+    let generation = api.get("b").await.unwrap().metadata.generation;
+    let patch =
+        json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": "ClusterGpuMemoryBudget", "status": {"matchedPods": 3}});
+    let written = api.patch_status("b", &PatchParams::apply("t").force(), &Patch::Apply(&patch)).await.unwrap();
+    assert_eq!((written.metadata.generation, written.status.map(|s| s.matched_pods)), (generation, Some(3)));
+}
