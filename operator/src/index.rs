@@ -987,4 +987,242 @@ mod tests {
             }
         }
     }
+
+    fn cluster_budget(name: &str, limit: &str, namespace_selector: &str, rest: &str) -> ClusterGpuMemoryBudget {
+        serde_yaml::from_str(&format!(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {{name: {name}}}\n\
+             spec: {{namespaceSelector: {namespace_selector}, selector: {{}}, limit: {limit}{rest}}}\n"
+        ))
+        .expect("fixture parses")
+    }
+
+    fn tenant() -> BTreeMap<String, String> {
+        [("tier".to_owned(), "tenant".to_owned())].into()
+    }
+
+    /// #23: two tenant namespaces and one other; `tenants` (16Gi) selects the tenants' pods; a/llm (8Gi)
+    /// takes a/p1 over; b/loose (32Gi) cannot.
+    fn cluster_fixture() -> Index {
+        let mut index = Index::new();
+        index.set_namespace_labels("a", tenant());
+        index.set_namespace_labels("b", tenant());
+        index.apply_budget(&budget("a", "llm", "8Gi", "{matchLabels: {app: llm}}"));
+        index.apply_budget(&budget("b", "loose", "32Gi", "{}"));
+        index.apply_pod(pod("a", "p1", &[("app", "llm")]));
+        index.apply_pod(pod("a", "p2", &[("app", "web")]));
+        index.apply_pod(pod("b", "q1", &[]));
+        index.apply_pod(pod("sys", "s1", &[]));
+        index
+    }
+
+    #[test]
+    fn a_cluster_budget_affects_the_budgets_sharing_its_pods_in_every_namespace() {
+        let mut index = cluster_fixture();
+        let tenants = cluster_budget("tenants", "16Gi", "{matchLabels: {tier: tenant}}", "");
+        let affected = index.apply_cluster_budget(&tenants);
+        let expected: Affected =
+            [ObjKey::cluster("tenants"), ObjKey::new("a", "llm"), ObjKey::new("b", "loose")].into_iter().collect();
+        assert_eq!(affected, expected);
+        assert_eq!(index.pods_selected_by(&ObjKey::cluster("tenants")), ["a/p1", "a/p2", "b/q1"]);
+        assert_eq!(index.resolved(&ObjKey::new("a", "p1")), Some(ObjKey::new("a", "llm")), "tighter: takes over");
+        assert_eq!(index.resolved(&ObjKey::new("a", "p2")), Some(ObjKey::cluster("tenants")));
+        assert_eq!(index.resolved(&ObjKey::new("b", "q1")), Some(ObjKey::cluster("tenants")), "looser: cannot");
+        assert_eq!(index.resolved(&ObjKey::new("sys", "s1")), None);
+        assert_eq!(
+            index.budgets_selecting(&ObjKey::new("a", "p1")),
+            [ObjKey::new("a", "llm"), ObjKey::cluster("tenants")]
+        );
+        let inputs = index.inputs(&ObjKey::cluster("tenants"));
+        assert_eq!(inputs.selected.len(), 3);
+        // Only the warning threshold changes: nothing resolves differently, only itself.
+        let mut warn = tenants.clone();
+        warn.spec.budget.warn_at_percent = 50;
+        assert_eq!(index.apply_cluster_budget(&warn), Affected::from([ObjKey::cluster("tenants")]));
+        // A longer overLimitSeconds: a/llm (10 s) is no looser any more… still tighter; the cluster's
+        // shorter one makes a/llm looser: p1 goes back to the cluster budget.
+        let mut strict = tenants.clone();
+        strict.spec.budget.over_limit_seconds = 5;
+        assert!(index.apply_cluster_budget(&strict).contains(&ObjKey::new("a", "llm")));
+        assert_eq!(index.resolved(&ObjKey::new("a", "p1")), Some(ObjKey::cluster("tenants")));
+        // A namespaced budget's action changes with a cluster budget present: the cluster one is affected.
+        let mut llm = budget("a", "llm", "8Gi", "{matchLabels: {app: llm}}");
+        llm.spec.over_limit_seconds = 5;
+        assert!(index.apply_budget(&llm).contains(&ObjKey::cluster("tenants")));
+        assert_eq!(index.resolved(&ObjKey::new("a", "p1")), Some(ObjKey::new("a", "llm")));
+        let deleted = index.delete_cluster_budget("tenants");
+        assert!(!deleted.contains(&ObjKey::cluster("tenants")) && deleted.contains(&ObjKey::new("b", "loose")));
+        assert_eq!(index.resolved(&ObjKey::new("b", "q1")), Some(ObjKey::new("b", "loose")));
+    }
+
+    #[test]
+    fn a_relabel_affects_only_the_cluster_budgets_whose_selection_moved_and_those_pods_budgets() {
+        let mut index = cluster_fixture();
+        index.apply_cluster_budget(&cluster_budget("tenants", "16Gi", "{matchLabels: {tier: tenant}}", ""));
+        index.apply_cluster_budget(&cluster_budget("everyone", "64Gi", "{}", ""));
+        // A label no selector reads: nothing.
+        let mut more = tenant();
+        more.insert("team".into(), "x".into());
+        assert!(index.set_namespace_labels("a", more).is_empty());
+        // sys becomes a tenant: tenants (its pod joins) and everyone (the pod is no longer its alone).
+        let affected = index.set_namespace_labels("sys", tenant());
+        let expected: Affected = [ObjKey::cluster("everyone"), ObjKey::cluster("tenants")].into_iter().collect();
+        assert_eq!(affected, expected);
+        assert_eq!(index.resolved(&ObjKey::new("sys", "s1")), Some(ObjKey::cluster("tenants")));
+        // b leaves: tenants, and the other budgets of b's pod (everyone, b/loose); a's are untouched.
+        let affected = index.set_namespace_labels("b", BTreeMap::new());
+        let expected: Affected =
+            [ObjKey::cluster("everyone"), ObjKey::cluster("tenants"), ObjKey::new("b", "loose")].into_iter().collect();
+        assert_eq!(affected, expected);
+        assert_eq!(index.resolved(&ObjKey::new("b", "q1")), Some(ObjKey::new("b", "loose")));
+        assert!(index.caps_namespaces().is_empty());
+        index.apply_cluster_budget(&cluster_budget(
+            "tenants",
+            "16Gi",
+            "{matchLabels: {tier: tenant}}",
+            ", admissionCaps: Enabled",
+        ));
+        assert_eq!(Vec::from_iter(index.caps_namespaces()), ["a", "sys"]);
+    }
+
+    /// #23: the pure model with cluster budgets and namespace relabels.
+    mod cluster_model {
+        use super::*;
+        use crate::status;
+        use proptest::prelude::*;
+
+        const NAMESPACES: [&str; 3] = ["a", "b", "c"];
+        const NS_SELECTORS: [&str; 3] =
+            ["{}", "{matchLabels: {tier: t}}", "{matchExpressions: [{key: tier, operator: NotIn, values: [t]}]}"];
+        const SELECTORS: [&str; 3] = ["{}", "{matchLabels: {app: x}}", "{matchLabels: {app: y}}"];
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Budget { ns: usize, id: usize, selector: usize, limit: u64, slow: bool },
+            DeleteBudget { ns: usize, id: usize },
+            Cluster { id: usize, ns_selector: usize, selector: usize, limit: u64, slow: bool },
+            DeleteCluster(usize),
+            Pod { ns: usize, id: usize, app: usize, usage: Option<(u64, bool)> },
+            DeletePod { ns: usize, id: usize },
+            Relabel { ns: usize, tenant: bool },
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                (0..3usize, 0..2usize, 0..3usize, 1..4u64, any::<bool>())
+                    .prop_map(|(ns, id, selector, limit, slow)| Op::Budget { ns, id, selector, limit, slow }),
+                (0..3usize, 0..2usize).prop_map(|(ns, id)| Op::DeleteBudget { ns, id }),
+                (0..2usize, 0..3usize, 0..3usize, 1..4u64, any::<bool>()).prop_map(
+                    |(id, ns_selector, selector, limit, slow)| Op::Cluster { id, ns_selector, selector, limit, slow }
+                ),
+                (0..2usize).prop_map(Op::DeleteCluster),
+                (0..3usize, 0..3usize, 0..3usize, proptest::option::of((0..4u64, any::<bool>())))
+                    .prop_map(|(ns, id, app, usage)| Op::Pod { ns, id, app, usage }),
+                (0..3usize, 0..3usize).prop_map(|(ns, id)| Op::DeletePod { ns, id }),
+                (0..3usize, any::<bool>()).prop_map(|(ns, tenant)| Op::Relabel { ns, tenant }),
+            ]
+        }
+
+        #[derive(Default)]
+        struct World {
+            budgets: BTreeMap<(usize, usize), GpuMemoryBudget>,
+            cluster: BTreeMap<usize, ClusterGpuMemoryBudget>,
+            labels: BTreeMap<usize, BTreeMap<String, String>>,
+            pods: BTreeMap<(usize, usize), PodInfo>,
+        }
+
+        fn statuses(index: &Index, world: &World) -> BTreeMap<ObjKey, status::Status> {
+            let now = k8s_openapi::jiff::Timestamp::UNIX_EPOCH;
+            let mut out = BTreeMap::new();
+            for ((ns, id), b) in &world.budgets {
+                let key = ObjKey::new(NAMESPACES[*ns], format!("b{id}"));
+                out.insert(key.clone(), status::compute(b, &index.inputs(&key), None, now));
+            }
+            for (id, b) in &world.cluster {
+                let key = ObjKey::cluster(format!("c{id}"));
+                out.insert(key.clone(), status::compute_cluster(b, &index.inputs(&key), None, now));
+            }
+            out
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(200))]
+
+            /// Every status a change alters is in its affected set; the index resolves as brute force does;
+            /// and each pod some budget selects is counted (`matchedPods`) by exactly one budget, of either kind.
+            #[test]
+            fn cluster_budgets_and_relabels(ops in proptest::collection::vec(op(), 1..40)) {
+                let mut index = Index::new();
+                let mut world = World::default();
+                for op in ops {
+                    let before = statuses(&index, &world);
+                    let affected = match op {
+                        Op::Budget { ns, id, selector, limit, slow } => {
+                            let mut b = budget(NAMESPACES[ns], &format!("b{id}"), &format!("{limit}Gi"), SELECTORS[selector]);
+                            b.spec.over_limit_seconds = if slow { 30 } else { 10 };
+                            world.budgets.insert((ns, id), b.clone());
+                            index.apply_budget(&b)
+                        }
+                        Op::DeleteBudget { ns, id } => {
+                            world.budgets.remove(&(ns, id));
+                            index.delete_budget(&ObjKey::new(NAMESPACES[ns], format!("b{id}")))
+                        }
+                        Op::Cluster { id, ns_selector, selector, limit, slow } => {
+                            let rest = if slow { ", overLimitSeconds: 30" } else { "" };
+                            let c = cluster_budget(&format!("c{id}"), &format!("{limit}Gi"), NS_SELECTORS[ns_selector], rest);
+                            let mut c = c;
+                            c.spec.budget.selector = serde_yaml::from_str(SELECTORS[selector]).expect("selector");
+                            world.cluster.insert(id, c.clone());
+                            index.apply_cluster_budget(&c)
+                        }
+                        Op::DeleteCluster(id) => {
+                            world.cluster.remove(&id);
+                            index.delete_cluster_budget(&format!("c{id}"))
+                        }
+                        Op::Pod { ns, id, app, usage } => {
+                            let mut p = pod(NAMESPACES[ns], &format!("p{id}"), &[("app", ["x", "y", "z"][app])]);
+                            p.record = usage.map(|(gib, cluster)| PodRecord {
+                                state: if gib > 2 { BudgetState::Over } else { BudgetState::Within },
+                                usage_bytes: gib << 30,
+                                budget: if cluster { "ClusterGpuMemoryBudget/c0".into() } else { "b0".into() },
+                                node: "n".into(),
+                                eviction_requested_at: None,
+                            });
+                            world.pods.insert((ns, id), p.clone());
+                            index.apply_pod(p)
+                        }
+                        Op::DeletePod { ns, id } => {
+                            world.pods.remove(&(ns, id));
+                            index.delete_pod(&ObjKey::new(NAMESPACES[ns], format!("p{id}")))
+                        }
+                        Op::Relabel { ns, tenant } => {
+                            let labels: BTreeMap<String, String> =
+                                if tenant { [("tier".to_owned(), "t".to_owned())].into() } else { BTreeMap::new() };
+                            world.labels.insert(ns, labels.clone());
+                            index.set_namespace_labels(NAMESPACES[ns], labels)
+                        }
+                    };
+                    let after = statuses(&index, &world);
+                    for (key, status) in &after {
+                        if before.get(key) != Some(status) {
+                            prop_assert!(affected.contains(key), "{} changed but was not affected", key);
+                        }
+                    }
+                    let mut compiled: Vec<Budget> = world.budgets.values().filter_map(|b| Budget::compile(b).ok()).collect();
+                    compiled.extend(world.cluster.values().filter_map(|c| Budget::compile_cluster(c).ok()));
+                    let mut selected = 0;
+                    for ((ns, _), p) in &world.pods {
+                        let no_labels = BTreeMap::new();
+                        let labels = world.labels.get(ns).unwrap_or(&no_labels);
+                        let pod_labels = PodLabels::new(NAMESPACES[*ns], labels, &p.labels);
+                        let resolved = gpubudget_common::resolve(&compiled, &pod_labels)
+                            .map(|r| budget_key(NAMESPACES[*ns], r.budget));
+                        selected += usize::from(resolved.is_some());
+                        prop_assert_eq!(index.resolved(&p.key()), resolved);
+                    }
+                    let counted: i64 = after.values().map(|s| s.matched_pods).sum();
+                    prop_assert_eq!(counted, selected as i64, "each selected pod is counted by exactly one budget");
+                }
+            }
+        }
+    }
 }

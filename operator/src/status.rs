@@ -776,4 +776,49 @@ mod tests {
         assert!(!same_ignoring_timestamps(&s0, &s1));
         assert_eq!(s1.conditions[0].observed_generation, Some(4));
     }
+
+    /// #23: a cluster budget's status: the pods it applies to in every namespace, `namespace/pod` in
+    /// `topPods` and `lastEviction`, its overlaps naming namespaced budgets as `namespace/name`, and a
+    /// namespaced budget's naming it `ClusterGpuMemoryBudget/<name>`.
+    #[test]
+    fn a_cluster_budgets_status_spans_namespaces_and_names_who_applies() {
+        let tenants: ClusterGpuMemoryBudget = serde_yaml::from_str(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {name: tenants, generation: 2}\n\
+             spec: {namespaceSelector: {matchLabels: {tier: tenant}}, selector: {}, limit: 16Gi}\n",
+        )
+        .expect("fixture");
+        let cluster = Budget::compile_cluster(&tenants).expect("valid");
+        let llm = resource("llm", "8Gi", "{matchLabels: {app: llm}}");
+        let bl = compiled(&llm);
+        let labels: BTreeMap<String, String> = [("tier".to_owned(), "tenant".to_owned())].into();
+        let in_b = |p: PodInfo| PodInfo { namespace: "b".into(), ..p };
+        let recorded = "ClusterGpuMemoryBudget/tenants";
+        let pods = [
+            pod("p1", "llm", Some((BudgetState::Within, GI, "llm"))),
+            pod("p2", "web", Some((BudgetState::Over, 17 * GI, recorded))),
+            in_b(pod("q1", "web", Some((BudgetState::Near, 15 * GI, recorded)))),
+            in_b(evicted(pod("gone", "web", Some((BudgetState::Over, 20 * GI, recorded))), "2027-01-15T08:00:00Z")),
+        ];
+        let selected = vec![
+            Selected { pod: &pods[0], namespace_labels: &labels, selected_by: vec![&bl, &cluster] },
+            Selected { pod: &pods[1], namespace_labels: &labels, selected_by: vec![&cluster] },
+            Selected { pod: &pods[2], namespace_labels: &labels, selected_by: vec![&cluster] },
+        ];
+        let inputs =
+            Inputs { spec: Some(Ok(&cluster)), selected: selected.clone(), recorded: vec![&pods[1], &pods[3]] };
+        let s = compute_cluster(&tenants, &inputs, None, t(0));
+        assert_eq!((s.observed_generation, s.matched_pods, s.pods_over_budget, s.pods_near_budget), (Some(2), 2, 1, 1));
+        let top: Vec<&str> = s.top_pods.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(top, ["a/p2", "b/q1"], "a/llm took p1 over");
+        assert_eq!((s.evictions, s.last_eviction.as_ref().map(|l| l.pod.as_str())), (1, Some("b/gone")));
+        let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
+        assert!(c.message.starts_with("1 pod this budget selects is also selected by a/llm (8Gi); the smallest limit"));
+        assert!(c.message.ends_with("this budget (16Gi) applies to 0, a/llm to 1"), "{}", c.message);
+        // The namespaced budget's side.
+        let s = compute(&llm, &Inputs { spec: None, selected: selected[..1].to_vec(), recorded: vec![] }, None, t(0));
+        assert_eq!(s.matched_pods, 1);
+        let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
+        assert!(c.message.contains("also selected by ClusterGpuMemoryBudget/tenants (16Gi)"), "{}", c.message);
+        assert!(c.message.contains("no looser in any field than the cluster budget"), "{}", c.message);
+    }
 }
