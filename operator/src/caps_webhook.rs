@@ -4,7 +4,9 @@
 //!
 //! - Scope: the chart's `MutatingWebhookConfiguration` sends only pods of namespaces labelled
 //!   [`NAMESPACE_LABEL`], which the leader keeps on exactly the namespaces holding a budget with caps
-//!   enabled ([`namespaces_to_label`]); other pods never reach the operator.
+//!   enabled, or selected by a `ClusterGpuMemoryBudget` with caps enabled ([`namespaces_to_label`]); other
+//!   pods never reach the operator. A pod is resolved among its namespace's budgets and the cluster ones,
+//!   with its namespace's labels.
 //! - Never in the way: every answer allows the pod. A request it cannot read, or a patch it cannot
 //!   encode, is allowed unchanged and counted (`gpubudget_operator_caps_admissions_total{result="failed"}`),
 //!   and the chart's `failurePolicy: Ignore` does the same when the operator cannot be reached. A pod
@@ -13,7 +15,7 @@
 //!   the author wrote, the chart's ValidatingAdmissionPolicy refuses later changes to it, and the status
 //!   counts come from the containers' environment, never from the annotation.
 //!
-//! The decision ([`decide`]) is a pure function of the request and the namespace's budgets.
+//! The decision ([`decide`]) is a pure function of the request, the budgets and the namespace's labels.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, PoisonError};
