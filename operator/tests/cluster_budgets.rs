@@ -11,7 +11,7 @@ use gpubudget_testkit::{FakeApi, Verb};
 use kube::CustomResourceExt;
 use serde_json::{Value, json};
 
-use harness::{Operator, WAIT};
+use harness::{Operator, WAIT, record};
 
 const GI: u64 = 1 << 30;
 
@@ -37,29 +37,6 @@ fn pod(fake: &FakeApi, namespace: &str, name: &str, app: &str) {
         "status": {"phase": "Running"},
     }))
     .expect("pod stored");
-}
-
-/// What the agent writes on a pod (its record).
-fn record(
-    fake: &FakeApi,
-    namespace: &str,
-    name: &str,
-    state: &str,
-    usage: u64,
-    budget: &str,
-    evicted_at: Option<&str>,
-) {
-    fake.modify("pods", namespace, name, |pod| {
-        let annotations = &mut pod["metadata"]["annotations"];
-        annotations["gpubudget.io/state"] = state.into();
-        annotations["gpubudget.io/usage-bytes"] = usage.to_string().into();
-        annotations["gpubudget.io/budget"] = budget.into();
-        annotations["gpubudget.io/node"] = "gpu-1".into();
-        if let Some(at) = evicted_at {
-            annotations["gpubudget.io/eviction-requested-at"] = at.into();
-        }
-    })
-    .expect("pod exists");
 }
 
 fn cluster_status(fake: &FakeApi) -> GpuMemoryBudgetStatus {
