@@ -284,7 +284,7 @@ pub struct ContainerRecord {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Record {
-    /// The budget that applied.
+    /// The budget that applied, as a pod's record names it: its name, or `ClusterGpuMemoryBudget/<name>`.
     pub budget: String,
     /// The hard cap, MiB.
     pub limit_mib: u64,
@@ -403,7 +403,7 @@ pub fn admit(pod: &Pod, budget: Option<&Budget>) -> Admission {
         containers.push(ContainerRecord { name: gpu.name, devices: gpu.devices, env });
     }
     let record =
-        Record { budget: budget.name.clone(), limit_mib: caps.limit_mib, request_mib: caps.request_mib, containers };
+        Record { budget: budget.record_name(), limit_mib: caps.limit_mib, request_mib: caps.request_mib, containers };
     let text = serde_json::to_string(&record).unwrap_or_default();
     if annotations.is_none() {
         ops.push(json!({"op": "add", "path": "/metadata/annotations", "value": {ANNOTATION: text}}));

@@ -2,8 +2,8 @@
 
 use std::collections::BTreeMap;
 
-use gpubudget_common::GpuMemoryBudget;
-use k8s_openapi::api::core::v1::{Event, Pod};
+use gpubudget_common::{ClusterGpuMemoryBudget, GpuMemoryBudget};
+use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
 use kube::api::{Api, ApiResource, DynamicObject, ListParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
@@ -94,6 +94,26 @@ pub async fn budgets(client: &Client, namespace: Option<&str>) -> Result<Budgets
     };
     let list = api.list(&ListParams::default()).await.map_err(|e| Error::from_kube(e, "list", BUDGETS, namespace))?;
     Ok(Budgets::from_objects(list.items.into_iter().map(|o| serde_json::to_value(o).unwrap_or_default())))
+}
+
+/// The cluster budgets' resource, as errors name it.
+pub const CLUSTER_BUDGETS: &str = "clustergpumemorybudgets.gpubudget.io";
+
+/// Every `ClusterGpuMemoryBudget` (#23); none when their CRD is not installed (a 404).
+pub async fn cluster_budgets(client: &Client) -> Result<Vec<ClusterGpuMemoryBudget>, Error> {
+    let api: Api<ClusterGpuMemoryBudget> = Api::all(client.clone());
+    match api.list(&ListParams::default()).await {
+        Ok(list) => Ok(list.items),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(Vec::new()),
+        Err(e) => Err(Error::from_kube(e, "list", CLUSTER_BUDGETS, None)),
+    }
+}
+
+/// The labels of a namespace (cluster budgets select by them); none when it does not exist.
+pub async fn namespace_labels(client: &Client, namespace: &str) -> Result<BTreeMap<String, String>, Error> {
+    let api: Api<Namespace> = Api::all(client.clone());
+    let namespace = api.get_opt(namespace).await.map_err(|e| Error::from_kube(e, "get", "namespaces", None))?;
+    Ok(namespace.and_then(|n| n.metadata.labels).unwrap_or_default())
 }
 
 /// Events (core `v1`) whose involved object is the pod `name` in `namespace`, of any UID.

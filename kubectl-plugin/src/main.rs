@@ -46,7 +46,13 @@ async fn run(cli: Cli) -> Result<String, Error> {
             let budgets = optional(api::budgets(&client, scope).await, &mut warnings, "LIMIT and % are left out")?
                 .unwrap_or_default();
             warnings.extend(budgets.unreadable.iter().cloned());
-            let mut rows = top::rows(&pods, &top::limits(&budgets.items));
+            let cluster = optional(
+                api::cluster_budgets(&client).await,
+                &mut warnings,
+                "LIMIT and % of pods under a ClusterGpuMemoryBudget are left out",
+            )?
+            .unwrap_or_default();
+            let mut rows = top::rows(&pods, &top::limits(&budgets.items, &cluster));
             top::sort(&mut rows, args.sort_by);
             let report = TopReport { api_version: API_VERSION, kind: "GpuMemoryTop", pods: rows, warnings };
             Ok(match cli.output {
@@ -88,6 +94,19 @@ async fn run(cli: Cli) -> Result<String, Error> {
             let specs = budgets.as_ref().map(|b| b.specs.clone()).unwrap_or_default();
             let events = optional(api::pod_events(&client, &namespace, name).await, &mut warnings, "no events shown")?
                 .unwrap_or_default();
+            let cluster_budgets = optional(
+                api::cluster_budgets(&client).await,
+                &mut warnings,
+                "a ClusterGpuMemoryBudget may apply without being shown",
+            )?;
+            let namespace_labels = match cluster_budgets.as_ref().is_some_and(|c| !c.is_empty()) {
+                true => optional(
+                    api::namespace_labels(&client, &namespace).await,
+                    &mut warnings,
+                    "cluster budgets are matched as if the namespace had no labels",
+                )?,
+                false => None,
+            };
             let now = jiff::Timestamp::now();
             let report = why::why(why::WhyInput {
                 namespace: &namespace,
@@ -95,6 +114,8 @@ async fn run(cli: Cli) -> Result<String, Error> {
                 pod: pod.as_ref(),
                 budgets: budgets.as_ref().map(|b| b.items.as_slice()),
                 specs: &specs,
+                cluster_budgets: cluster_budgets.as_deref(),
+                namespace_labels: namespace_labels.as_ref(),
                 events: &events,
                 now,
                 warnings,

@@ -2,9 +2,10 @@
 
 use std::collections::HashMap;
 
+use gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX;
 use gpubudget_common::pod_record::PodRecord;
 use gpubudget_common::quantity::HumanBytes;
-use gpubudget_common::{Budget, GpuMemoryBudget};
+use gpubudget_common::{Budget, ClusterGpuMemoryBudget, GpuMemoryBudget};
 use k8s_openapi::api::core::v1::Pod;
 
 use crate::format::percent;
@@ -27,9 +28,12 @@ pub enum SortBy {
     Budget,
 }
 
-/// The limit in bytes of each valid budget, by `(namespace, name)`.
-pub fn limits(budgets: &[GpuMemoryBudget]) -> HashMap<(String, String), u64> {
-    budgets.iter().filter_map(|b| Budget::compile(b).ok()).map(|b| ((b.namespace, b.name), b.limit_bytes)).collect()
+/// The limit in bytes of each valid budget, by `(namespace, name)`; a `ClusterGpuMemoryBudget`'s (#23) by
+/// `("", "ClusterGpuMemoryBudget/<name>")`, as a pod's record names it in any namespace.
+pub fn limits(budgets: &[GpuMemoryBudget], cluster: &[ClusterGpuMemoryBudget]) -> HashMap<(String, String), u64> {
+    let namespaced = budgets.iter().filter_map(|b| Budget::compile(b).ok());
+    let cluster = cluster.iter().filter_map(|b| Budget::compile_cluster(b).ok());
+    namespaced.chain(cluster).map(|b| ((b.namespace.clone(), b.record_name()), b.limit_bytes)).collect()
 }
 
 /// One row per pod that carries an agent's record; the limit from `limits` when the budget is known.
@@ -39,7 +43,9 @@ pub fn rows(pods: &[Pod], limits: &HashMap<(String, String), u64>) -> Vec<TopRow
             let meta = &pod.metadata;
             let record = PodRecord::from_annotations(meta.annotations.as_ref()?)?;
             let namespace = meta.namespace.clone().unwrap_or_default();
-            let limit_bytes = limits.get(&(namespace.clone(), record.budget.clone())).copied();
+            let scope =
+                if record.budget.starts_with(CLUSTER_BUDGET_PREFIX) { String::new() } else { namespace.clone() };
+            let limit_bytes = limits.get(&(scope, record.budget.clone())).copied();
             Some(TopRow {
                 name: meta.name.clone().unwrap_or_default(),
                 node: Some(record.node.clone())
@@ -125,7 +131,7 @@ mod tests {
         ];
         let budgets =
             [budget("team-a", "llm", "8Gi"), budget("team-a", "audit", "40Gi"), budget("team-b", "llm", "8Gi")];
-        rows(&pods, &limits(&budgets))
+        rows(&pods, &limits(&budgets, &[]))
     }
 
     #[test]
@@ -171,5 +177,22 @@ mod tests {
             prop_assert_eq!(rows.len(), usages.len());
             prop_assert!(rows.windows(2).all(|w| w[0].usage_bytes >= w[1].usage_bytes));
         }
+    }
+
+    /// #23: a record naming a cluster budget gets that budget's limit, in any namespace.
+    #[test]
+    fn a_cluster_budgets_limit_is_found_in_every_namespace() {
+        let tenants: ClusterGpuMemoryBudget = serde_yaml::from_str(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {name: tenants}\n\
+             spec: {namespaceSelector: {}, selector: {}, limit: 16Gi}\n",
+        )
+        .unwrap();
+        let pods = [
+            pod("team-b", "q", Some(("Within", 4 << 30, "ClusterGpuMemoryBudget/tenants", "n1"))),
+            pod("team-b", "tenants", Some(("Within", 1 << 30, "tenants", "n1"))),
+        ];
+        let rows = rows(&pods, &limits(&[], std::slice::from_ref(&tenants)));
+        assert_eq!((rows[0].limit.as_deref(), rows[0].percent), (Some("16Gi"), Some(25.0)));
+        assert_eq!(rows[1].limit, None, "a namespaced budget of that name does not exist");
     }
 }

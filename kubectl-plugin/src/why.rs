@@ -4,9 +4,12 @@
 
 use std::collections::BTreeMap;
 
+use gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX;
 use gpubudget_common::pod_record::PodRecord;
 use gpubudget_common::quantity::HumanBytes;
-use gpubudget_common::{Budget, BudgetAction, BudgetState, GpuMemoryBudget, is_critical, resolve};
+use gpubudget_common::{
+    Budget, BudgetAction, BudgetState, ClusterGpuMemoryBudget, GpuMemoryBudget, is_critical, resolve,
+};
 use jiff::{SignedDuration, Timestamp};
 use k8s_openapi::api::core::v1::{Event, Pod};
 
@@ -32,6 +35,12 @@ pub struct WhyInput<'a> {
     /// Their specs as stored, by `(namespace, name)` (see [`crate::api::Budgets`]); a budget missing here is
     /// shown from its typed spec.
     pub specs: &'a BTreeMap<(String, String), serde_json::Value>,
+    /// The `ClusterGpuMemoryBudget`s (#23); `None` when they could not be read (a tenant may not; the caller
+    /// warns).
+    pub cluster_budgets: Option<&'a [ClusterGpuMemoryBudget]>,
+    /// The labels of the pod's namespace (cluster budgets select by them); `None` when it could not be read
+    /// (the caller warns): matched as if it had none.
+    pub namespace_labels: Option<&'a BTreeMap<String, String>>,
     /// Events whose involved object is this pod (by name: an earlier pod of the name included).
     pub events: &'a [Event],
     pub now: Timestamp,
@@ -105,7 +114,8 @@ fn budget_info(resource: Option<&GpuMemoryBudget>, name: &str, stored: Option<&s
 
 /// Answers `why` from what was read.
 pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
-    let WhyInput { namespace, name, pod, budgets, specs, events, now, mut warnings } = input;
+    let WhyInput { namespace, name, pod, budgets, specs, cluster_budgets, namespace_labels, events, now, mut warnings } =
+        input;
     let stored = |n: &str| specs.get(&(namespace.to_owned(), n.to_owned()));
     let uid = pod.and_then(|p| p.metadata.uid.clone());
     let rows = events::rows(events, uid.as_deref());
@@ -121,7 +131,33 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
             }
         })
         .collect();
+    let mut compiled = compiled;
+    for cluster in cluster_budgets.unwrap_or_default() {
+        match Budget::compile_cluster(cluster) {
+            Ok(b) => compiled.push(b),
+            Err(e) => {
+                warnings.push(format!("{CLUSTER_BUDGET_PREFIX}{} is invalid and not enforced: {e}", cluster.key()))
+            }
+        }
+    }
     let resource = |n: &str| in_namespace.iter().copied().find(|b| b.metadata.name.as_deref() == Some(n));
+    let cluster_resource = |n: &str| {
+        let n = n.strip_prefix(CLUSTER_BUDGET_PREFIX)?;
+        cluster_budgets.unwrap_or_default().iter().find(|b| b.metadata.name.as_deref() == Some(n))
+    };
+    // A budget by the name a record gives it: a cluster one's spec as read, else the namespace's.
+    let info = |n: &str| match cluster_resource(n) {
+        Some(c) => {
+            let compiled = Budget::compile_cluster(c);
+            BudgetInfo {
+                name: n.to_owned(),
+                spec: serde_json::to_value(&c.spec).unwrap_or_default(),
+                limit_bytes: compiled.as_ref().ok().map(|b| b.limit_bytes),
+                invalid: compiled.err().map(|e| e.to_string()),
+            }
+        }
+        None => budget_info(resource(n), n, stored(n)),
+    };
     let record = pod.and_then(|p| PodRecord::from_annotations(p.metadata.annotations.as_ref()?));
     let last_eviction_of = |b: Option<&GpuMemoryBudget>| {
         b.and_then(|b| b.status.as_ref()?.last_eviction.clone()).filter(|l| l.pod == name)
@@ -170,7 +206,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
                 deletion_timestamp: None,
                 never_evicted: None,
             },
-            budget: budget_name.as_deref().map(|b| budget_info(resource(b), b, stored(b))),
+            budget: budget_name.as_deref().map(info),
             why,
             matched: Vec::new(),
             record: None,
@@ -190,21 +226,32 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
     };
 
     let labels = pod.metadata.labels.clone().unwrap_or_default();
-    // Namespaced budgets only: `why` does not read ClusterGpuMemoryBudgets yet (#23).
     let no_namespace_labels = BTreeMap::new();
-    let resolution = resolve(&compiled, &gpubudget_common::PodLabels::new(namespace, &no_namespace_labels, &labels));
+    let namespace_labels = namespace_labels.unwrap_or(&no_namespace_labels);
+    let resolution = resolve(&compiled, &gpubudget_common::PodLabels::new(namespace, namespace_labels, &labels));
     let mut matched: Vec<MatchedBudget> = Vec::new();
     if let Some(r) = &resolution {
         for (i, b) in std::iter::once(r.budget).chain(r.also_matched.iter().copied()).enumerate() {
+            let selector = match cluster_resource(&b.record_name()) {
+                Some(c) => format!(
+                    "namespaceSelector {}, selector {}",
+                    selector_text(&c.spec.namespace_selector),
+                    selector_text(&c.spec.budget.selector)
+                ),
+                None => resource(&b.name).map(|r| selector_text(&r.spec.selector)).unwrap_or_default(),
+            };
             matched.push(MatchedBudget {
-                name: b.name.clone(),
+                name: b.record_name(),
                 limit: b.limit_text.clone(),
                 limit_bytes: b.limit_bytes,
-                selector: resource(&b.name).map(|r| selector_text(&r.spec.selector)).unwrap_or_default(),
+                selector,
                 applies: i == 0,
             });
         }
     }
+    let with_cluster = resolution
+        .as_ref()
+        .is_some_and(|r| std::iter::once(r.budget).chain(r.also_matched.iter().copied()).any(Budget::is_cluster));
     let label_text = if labels.is_empty() {
         "none".to_owned()
     } else {
@@ -225,6 +272,14 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
                 only.name, only.selector
             )
         }
+        (Some(_), [first, ..]) if with_cluster => format!(
+            "{} budgets select this pod: {}; the smallest limit applies (equal limits: the cluster budget, then the \
+             name that sorts first), and a budget of {namespace} only if it is no looser in any field than the \
+             cluster budget, so {}",
+            matched.len(),
+            matched.iter().map(|m| format!("{} ({})", m.name, m.limit)).collect::<Vec<_>>().join(", "),
+            first.name
+        ),
         (Some(_), [first, ..]) => format!(
             "{} budgets in {namespace} select this pod: {}; the smallest limit applies (equal limits: the name that \
              sorts first), so {}",
@@ -234,16 +289,17 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
         ),
     };
     if let (Some(r), Some(b)) = (&record, applying)
-        && r.budget != b.name
+        && !b.is_record_name(&r.budget)
     {
+        let now_name = b.record_name();
         warnings.push(format!(
-            "the agent's record names budget {}, but the budgets now resolve to {}: the agent applies {} from its next \
-             sample (a budget or the pod's labels changed)",
-            r.budget, b.name, b.name
+            "the agent's record names budget {}, but the budgets now resolve to {now_name}: the agent applies \
+             {now_name} from its next sample (a budget or the pod's labels changed)",
+            r.budget
         ));
     }
-    let budget_name = applying.map(|b| b.name.clone()).or_else(|| record.as_ref().map(|r| r.budget.clone()));
-    let budget = budget_name.as_deref().map(|n| budget_info(resource(n), n, stored(n)));
+    let budget_name = applying.map(Budget::record_name).or_else(|| record.as_ref().map(|r| r.budget.clone()));
+    let budget = budget_name.as_deref().map(info);
     let limit = applying.map(|b| b.limit_bytes);
     let over_since = record.as_ref().filter(|r| r.state.is_over()).and_then(|_| events::over_since(&rows));
     let never = never_evicted(pod);

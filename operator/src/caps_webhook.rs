@@ -4,7 +4,9 @@
 //!
 //! - Scope: the chart's `MutatingWebhookConfiguration` sends only pods of namespaces labelled
 //!   [`NAMESPACE_LABEL`], which the leader keeps on exactly the namespaces holding a budget with caps
-//!   enabled ([`namespaces_to_label`]); other pods never reach the operator.
+//!   enabled, or selected by a `ClusterGpuMemoryBudget` with caps enabled ([`namespaces_to_label`]); other
+//!   pods never reach the operator. A pod is resolved among its namespace's budgets and the cluster ones,
+//!   with its namespace's labels.
 //! - Never in the way: every answer allows the pod. A request it cannot read, or a patch it cannot
 //!   encode, is allowed unchanged and counted (`gpubudget_operator_caps_admissions_total{result="failed"}`),
 //!   and the chart's `failurePolicy: Ignore` does the same when the operator cannot be reached. A pod
@@ -13,9 +15,9 @@
 //!   the author wrote, the chart's ValidatingAdmissionPolicy refuses later changes to it, and the status
 //!   counts come from the containers' environment, never from the annotation.
 //!
-//! The decision ([`decide`]) is a pure function of the request and the namespace's budgets.
+//! The decision ([`decide`]) is a pure function of the request, the budgets and the namespace's labels.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
@@ -68,8 +70,13 @@ impl Verdict {
     }
 }
 
-/// The answer to a request, given the valid budgets of its namespace. Always allows.
-pub fn decide(request: &AdmissionRequest<DynamicObject>, budgets: &[Budget]) -> (AdmissionResponse, Verdict) {
+/// The answer to a request, given the valid budgets a pod of its namespace may get (the namespace's and
+/// the cluster ones) and the namespace's labels (which the cluster budgets select by). Always allows.
+pub fn decide(
+    request: &AdmissionRequest<DynamicObject>,
+    budgets: &[Budget],
+    namespace_labels: &BTreeMap<String, String>,
+) -> (AdmissionResponse, Verdict) {
     let response = AdmissionResponse::from(request);
     let is_pod = request.resource.group.is_empty() && request.resource.resource == "pods";
     if request.operation != Operation::Create || !is_pod || request.sub_resource.is_some() {
@@ -82,12 +89,8 @@ pub fn decide(request: &AdmissionRequest<DynamicObject>, budgets: &[Budget]) -> 
     };
     let namespace = request.namespace.clone().or_else(|| pod.metadata.namespace.clone()).unwrap_or_default();
     let labels = pod.metadata.labels.clone().unwrap_or_default();
-    // Namespaced budgets only: the webhook does not read ClusterGpuMemoryBudgets yet (#23, part 3).
-    let no_namespace_labels = std::collections::BTreeMap::new();
-    let resolution = gpubudget_common::resolve(
-        budgets,
-        &gpubudget_common::PodLabels::new(&namespace, &no_namespace_labels, &labels),
-    );
+    let resolution =
+        gpubudget_common::resolve(budgets, &gpubudget_common::PodLabels::new(&namespace, namespace_labels, &labels));
     let admission = caps::admit(&pod, resolution.as_ref().map(|r| r.budget));
     let verdict = match admission.record {
         Some(record) => Verdict::Capped(record),
@@ -231,8 +234,8 @@ pub async fn mutate(
         }
     };
     let namespace = request.namespace.clone().unwrap_or_default();
-    let budgets = ctx.index.read().unwrap_or_else(PoisonError::into_inner).budgets_in(&namespace);
-    let (response, verdict) = decide(&request, &budgets);
+    let (budgets, namespace_labels) = ctx.index.read().unwrap_or_else(PoisonError::into_inner).budgets_in(&namespace);
+    let (response, verdict) = decide(&request, &budgets, &namespace_labels);
     ctx.metrics().caps_admitted(verdict.label());
     let pod = pod_name(&request);
     match &verdict {
@@ -252,12 +255,20 @@ pub async fn mutate(
 /// budget, not the pod: at admission a pod has no UID yet, often no name. The note names no pod, so the
 /// recorder folds the creations of one workload into one event series.
 fn publish(ctx: Arc<Context>, namespace: &str, record: Record) {
-    let reference = ObjectReference {
-        api_version: Some("gpubudget.io/v1alpha1".into()),
-        kind: Some("GpuMemoryBudget".into()),
-        name: Some(record.budget.clone()),
-        namespace: Some(namespace.to_owned()),
-        ..ObjectReference::default()
+    let reference = match record.budget.strip_prefix(gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX) {
+        Some(cluster) => ObjectReference {
+            api_version: Some("gpubudget.io/v1alpha1".into()),
+            kind: Some("ClusterGpuMemoryBudget".into()),
+            name: Some(cluster.to_owned()),
+            ..ObjectReference::default()
+        },
+        None => ObjectReference {
+            api_version: Some("gpubudget.io/v1alpha1".into()),
+            kind: Some("GpuMemoryBudget".into()),
+            name: Some(record.budget.clone()),
+            namespace: Some(namespace.to_owned()),
+            ..ObjectReference::default()
+        },
     };
     let event = Event {
         type_: EventType::Normal,

@@ -10,7 +10,13 @@
 //!                          status::compute(budget, index inputs, previous) ─ changed? ─► SSA /status
 //! ```
 //!
-//! - Reconciles start once both caches have listed, so a restart does not write half-known statuses.
+//! - `ClusterGpuMemoryBudget`s (#23) have a controller of their own, fed by their watch into the same index
+//!   and by the namespaces' labels ([`crate::namespaces`]); a change anywhere triggers the budgets it
+//!   affects, namespaced or cluster, each through its controller. Without their CRD (an upgrade whose
+//!   CRDs were not applied) the cluster watch logs a warning and keeps retrying; the namespaced statuses
+//!   are written meanwhile.
+//! - Reconciles start once the caches have listed (pods, budgets, namespaces, and the cluster budgets or
+//!   their first failure), so a restart does not write half-known statuses.
 //! - Only the leader writes (and publishes events); a follower keeps both caches warm and reconciles
 //!   every budget as soon as it becomes leader.
 //! - A status is written only when it differs from the one in the cache (condition times aside). The write
@@ -24,7 +30,7 @@ use std::time::{Duration, Instant};
 use futures::channel::mpsc::{UnboundedSender, unbounded};
 use futures::{StreamExt, TryStreamExt};
 use gpubudget_common::crd::GpuMemoryBudgetStatus;
-use gpubudget_common::{Budget, GpuMemoryBudget};
+use gpubudget_common::{Budget, ClusterGpuMemoryBudget, GpuMemoryBudget, SpecError};
 use gpubudget_daemon::Health;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
@@ -41,13 +47,14 @@ use crate::error::Error;
 use crate::index::{Affected, Index};
 use crate::metrics::Metrics;
 use crate::pods::{ObjKey, PodMeta};
-use crate::status::{self, notices, same_ignoring_timestamps};
+use crate::status::{self, Inputs, notices, same_ignoring_timestamps};
 
 /// The field manager of every status write (and the events' reporting controller).
 pub const FIELD_MANAGER: &str = "gpubudget-operator";
 /// Readiness check: the pod cache has listed.
 pub const CHECK_PODS: &str = "pods-synced";
-/// Readiness check: the budget cache has listed.
+/// Readiness check: the budget cache has listed (and the namespaces, and the cluster budgets or their
+/// first failure).
 pub const CHECK_BUDGETS: &str = "budgets-synced";
 /// Pods in these phases are not watched: they hold no GPU memory and count for no budget.
 pub const ACTIVE_PODS: &str = "status.phase!=Succeeded,status.phase!=Failed";
@@ -104,6 +111,8 @@ pub struct Context {
     leader: watch::Receiver<bool>,
     settings: Settings,
     synced: watch::Sender<bool>,
+    /// What has listed: (namespaced budgets, namespaces, cluster budgets or their first failure).
+    listed: Mutex<(bool, bool, bool)>,
     written: Mutex<HashMap<ObjKey, Written>>,
     failures: Mutex<HashMap<ObjKey, u32>>,
     caps_namespaces: watch::Sender<BTreeSet<String>>,
@@ -131,6 +140,7 @@ impl Context {
             leader,
             settings,
             synced: watch::Sender::new(false),
+            listed: Mutex::default(),
             written: Mutex::default(),
             failures: Mutex::default(),
             caps_namespaces: watch::Sender::new(BTreeSet::new()),
@@ -171,18 +181,39 @@ impl Context {
         *self.leader.borrow()
     }
 
+    /// Marks one of the budget caches listed; once all are, the caches are synced: ready, and every budget
+    /// is reconciled (`true` returned, once).
+    fn mark_listed(&self, which: fn(&mut (bool, bool, bool)) -> &mut bool) -> bool {
+        let mut listed = lock(&self.listed);
+        *which(&mut listed) = true;
+        let all = listed.0 && listed.1 && listed.2;
+        drop(listed);
+        all && !self.synced.send_replace(true)
+    }
+
+    /// Publishes the namespaces the caps webhook is scoped to, if they changed.
+    fn publish_caps_namespaces(&self, index: &Index) {
+        let caps_namespaces = index.caps_namespaces();
+        self.caps_namespaces.send_if_modified(|known| {
+            let changed = *known != caps_namespaces;
+            *known = caps_namespaces;
+            changed
+        });
+    }
+
     /// The status to compute from, and the resourceVersion to write against: ours if the cache has not yet
     /// caught up with our last write, else the cache's.
-    fn previous(&self, key: &ObjKey, obj: &GpuMemoryBudget) -> (Option<GpuMemoryBudgetStatus>, Option<String>) {
-        let rv = obj.metadata.resource_version.clone();
+    fn previous<K: StatusOwner>(&self, key: &ObjKey, obj: &K) -> (Option<GpuMemoryBudgetStatus>, Option<String>) {
+        let obj_meta = obj.meta();
+        let rv = obj_meta.resource_version.clone();
         let mut written = lock(&self.written);
         if let Some(w) = written.get(key) {
-            if w.uid == obj.metadata.uid && w.before == rv && rv.is_some() {
+            if w.uid == obj_meta.uid && w.before == rv && rv.is_some() {
                 return (Some(w.status.clone()), w.after.clone());
             }
             written.remove(key);
         }
-        (obj.status.clone(), rv)
+        (obj.status().cloned(), rv)
     }
 
     fn update_gauges(&self, index: &Index) {
@@ -193,13 +224,99 @@ impl Context {
     }
 }
 
+/// A budget kind whose status the operator writes: `GpuMemoryBudget` and `ClusterGpuMemoryBudget`.
+pub trait StatusOwner:
+    Resource<DynamicType = (), Scope = Self::Scoped>
+    + Clone
+    + serde::de::DeserializeOwned
+    + serde::Serialize
+    + std::fmt::Debug
+    + Send
+    + Sync
+    + 'static
+{
+    /// `NamespaceResourceScope` or `ClusterResourceScope`.
+    type Scoped;
+    /// Its key in the index.
+    fn key(&self) -> Option<ObjKey>;
+    /// Its status as read.
+    fn status(&self) -> Option<&GpuMemoryBudgetStatus>;
+    /// Why its spec is invalid, if it is.
+    fn spec_error(&self) -> Option<SpecError>;
+    /// Its status computed from the index's inputs.
+    fn compute(
+        &self,
+        inputs: &Inputs<'_>,
+        previous: Option<&GpuMemoryBudgetStatus>,
+        now: Timestamp,
+    ) -> GpuMemoryBudgetStatus;
+    /// The API to write its status through.
+    fn api(client: Client, key: &ObjKey) -> Api<Self>;
+    /// Its reference for the controller's queue.
+    fn reference(key: &ObjKey) -> ObjectRef<Self>;
+}
+
+impl StatusOwner for GpuMemoryBudget {
+    type Scoped = k8s_openapi::NamespaceResourceScope;
+    fn key(&self) -> Option<ObjKey> {
+        ObjKey::of(&self.metadata)
+    }
+    fn status(&self) -> Option<&GpuMemoryBudgetStatus> {
+        self.status.as_ref()
+    }
+    fn spec_error(&self) -> Option<SpecError> {
+        Budget::compile(self).err()
+    }
+    fn compute(
+        &self,
+        inputs: &Inputs<'_>,
+        previous: Option<&GpuMemoryBudgetStatus>,
+        now: Timestamp,
+    ) -> GpuMemoryBudgetStatus {
+        status::compute(self, inputs, previous, now)
+    }
+    fn api(client: Client, key: &ObjKey) -> Api<Self> {
+        Api::namespaced(client, &key.namespace)
+    }
+    fn reference(key: &ObjKey) -> ObjectRef<Self> {
+        ObjectRef::new(&key.name).within(&key.namespace)
+    }
+}
+
+impl StatusOwner for ClusterGpuMemoryBudget {
+    type Scoped = k8s_openapi::ClusterResourceScope;
+    fn key(&self) -> Option<ObjKey> {
+        ObjKey::of_cluster(&self.metadata)
+    }
+    fn status(&self) -> Option<&GpuMemoryBudgetStatus> {
+        self.status.as_ref()
+    }
+    fn spec_error(&self) -> Option<SpecError> {
+        Budget::compile_cluster(self).err()
+    }
+    fn compute(
+        &self,
+        inputs: &Inputs<'_>,
+        previous: Option<&GpuMemoryBudgetStatus>,
+        now: Timestamp,
+    ) -> GpuMemoryBudgetStatus {
+        status::compute_cluster(self, inputs, previous, now)
+    }
+    fn api(client: Client, _key: &ObjKey) -> Api<Self> {
+        Api::all(client)
+    }
+    fn reference(key: &ObjKey) -> ObjectRef<Self> {
+        ObjectRef::new(&key.name)
+    }
+}
+
 /// Reconciles one budget: computes its status and writes it if it changed.
-pub async fn reconcile(obj: Arc<GpuMemoryBudget>, ctx: Arc<Context>) -> Result<Action, Error> {
+pub async fn reconcile<K: StatusOwner>(obj: Arc<K>, ctx: Arc<Context>) -> Result<Action, Error> {
     let started = Instant::now();
     ctx.metrics.reconciles.inc();
-    let result = reconcile_inner(&obj, &ctx).await;
+    let result = reconcile_inner(&*obj, &ctx).await;
     ctx.metrics.duration.observe(started.elapsed().as_secs_f64());
-    let key = ObjKey::of(&obj.metadata);
+    let key = obj.key();
     match &result {
         Ok(_) | Err(Error::InvalidSpec(_)) => {
             if let Some(key) = &key {
@@ -219,8 +336,8 @@ pub async fn reconcile(obj: Arc<GpuMemoryBudget>, ctx: Arc<Context>) -> Result<A
     result
 }
 
-async fn reconcile_inner(obj: &GpuMemoryBudget, ctx: &Context) -> Result<Action, Error> {
-    let key = ObjKey::of(&obj.metadata).ok_or(Error::Unnamed)?;
+async fn reconcile_inner<K: StatusOwner>(obj: &K, ctx: &Context) -> Result<Action, Error> {
+    let key = obj.key().ok_or(Error::Unnamed)?;
     if !*ctx.synced.borrow() || !ctx.is_leader() {
         // Caches not listed yet, or a follower: nothing to write. All budgets are reconciled when that changes.
         return Ok(Action::await_change());
@@ -231,9 +348,9 @@ async fn reconcile_inner(obj: &GpuMemoryBudget, ctx: &Context) -> Result<Action,
         let inputs = index.inputs(&key);
         let spec_error = match inputs.spec {
             Some(spec) => spec.err().cloned(),
-            None => Budget::compile(obj).err(),
+            None => obj.spec_error(),
         };
-        (status::compute(obj, &inputs, previous.as_ref(), Timestamp::now()), spec_error)
+        (obj.compute(&inputs, previous.as_ref(), Timestamp::now()), spec_error)
     };
     let done = || match &spec_error {
         Some(error) => Err(Error::InvalidSpec(error.clone())),
@@ -247,12 +364,12 @@ async fn reconcile_inner(obj: &GpuMemoryBudget, ctx: &Context) -> Result<Action,
         metadata["resourceVersion"] = rv.clone().into();
     }
     let patch = serde_json::json!({
-        "apiVersion": GpuMemoryBudget::api_version(&()),
-        "kind": GpuMemoryBudget::kind(&()),
+        "apiVersion": K::api_version(&()),
+        "kind": K::kind(&()),
         "metadata": metadata,
         "status": serde_json::to_value(&next).map_err(Error::Serialize)?,
     });
-    let api: Api<GpuMemoryBudget> = Api::namespaced(ctx.client.clone(), &key.namespace);
+    let api: Api<K> = K::api(ctx.client.clone(), &key);
     let params = PatchParams::apply(&ctx.settings.field_manager).force();
     let written = api.patch_status(&key.name, &params, &Patch::Apply(&patch)).await?;
     ctx.metrics.status_writes.inc();
@@ -260,10 +377,10 @@ async fn reconcile_inner(obj: &GpuMemoryBudget, ctx: &Context) -> Result<Action,
     lock(&ctx.written).insert(
         key.clone(),
         Written {
-            uid: obj.metadata.uid.clone(),
+            uid: obj.meta().uid.clone(),
             before: resource_version,
-            after: written.metadata.resource_version.clone(),
-            status: written.status.clone().unwrap_or(next.clone()),
+            after: written.meta().resource_version.clone(),
+            status: written.status().cloned().unwrap_or(next.clone()),
         },
     );
     let reference = obj.object_ref(&());
@@ -287,11 +404,11 @@ async fn reconcile_inner(obj: &GpuMemoryBudget, ctx: &Context) -> Result<Action,
 
 /// What to do after a failed reconcile: transient failures retry with exponential backoff per budget; an
 /// invalid budget waits for a change (its status already says why).
-pub fn error_policy(obj: Arc<GpuMemoryBudget>, error: &Error, ctx: Arc<Context>) -> Action {
+pub fn error_policy<K: StatusOwner>(obj: Arc<K>, error: &Error, ctx: Arc<Context>) -> Action {
     if !error.is_transient() {
         return Action::await_change();
     }
-    let Some(key) = ObjKey::of(&obj.metadata) else { return Action::await_change() };
+    let Some(key) = obj.key() else { return Action::await_change() };
     let mut failures = lock(&ctx.failures);
     let n = failures.entry(key).or_insert(0);
     *n = n.saturating_add(1);
@@ -304,20 +421,37 @@ pub fn backoff(failures: u32, min: Duration, max: Duration) -> Duration {
     min.saturating_mul(factor).min(max)
 }
 
-fn to_ref(key: &ObjKey) -> ObjectRef<GpuMemoryBudget> {
-    ObjectRef::new(&key.name).within(&key.namespace)
+/// Where the budgets a change affects are sent: each kind to its controller.
+#[derive(Clone)]
+struct Triggers {
+    budgets: UnboundedSender<ObjectRef<GpuMemoryBudget>>,
+    cluster: UnboundedSender<ObjectRef<ClusterGpuMemoryBudget>>,
+    all: UnboundedSender<()>,
+    cluster_all: UnboundedSender<()>,
 }
 
-fn send_all(tx: &UnboundedSender<ObjectRef<GpuMemoryBudget>>, affected: Affected, except: Option<&ObjKey>) {
-    for key in affected.iter().filter(|k| Some(*k) != except) {
-        let _ = tx.unbounded_send(to_ref(key));
+impl Triggers {
+    /// Every budget of both kinds.
+    fn reconcile_all(&self) {
+        let _ = self.all.unbounded_send(());
+        let _ = self.cluster_all.unbounded_send(());
+    }
+
+    fn send_all(&self, affected: Affected, except: Option<&ObjKey>) {
+        for key in affected.iter().filter(|k| Some(*k) != except) {
+            if key.is_cluster() {
+                let _ = self.cluster.unbounded_send(ClusterGpuMemoryBudget::reference(key));
+            } else {
+                let _ = self.budgets.unbounded_send(GpuMemoryBudget::reference(key));
+            }
+        }
     }
 }
 
 /// Feeds the pod metadata watch into the index; sends the budgets each change affects.
 async fn watch_pods(
     ctx: Arc<Context>,
-    triggers: UnboundedSender<ObjectRef<GpuMemoryBudget>>,
+    triggers: Triggers,
     listed: watch::Sender<bool>,
     health: Health,
     shutdown: CancellationToken,
@@ -368,90 +502,178 @@ async fn watch_pods(
             affected
         };
         if listed_once {
-            send_all(&triggers, affected, None);
+            triggers.send_all(affected, None);
         }
     }
 }
 
-/// Feeds the budget watch into the index and the controller's store (`writer`); yields the budgets whose
-/// generation changed (the controller reconciles those), and sends the other budgets each change affects
-/// (those sharing its pods) to `triggers`. Once listed: ready, and every budget is reconciled (`all`).
-fn watch_budgets(
+/// Feeds the namespaces' labels (metadata only) into the index; sends the budgets a relabel affects.
+async fn watch_namespaces(ctx: Arc<Context>, triggers: Triggers, health: Health, shutdown: CancellationToken) {
+    let mut stream = std::pin::pin!(crate::namespaces::events(ctx.client.clone()));
+    loop {
+        let next = tokio::select! {
+            () = shutdown.cancelled() => return,
+            next = stream.next() => next,
+        };
+        let event = match next {
+            Some(Ok(event)) => event,
+            Some(Err(error)) => {
+                tracing::warn!(%error, "namespace watch failed; retrying with backoff");
+                continue;
+            }
+            None => return,
+        };
+        let listed = matches!(event, Event::InitDone);
+        let affected = {
+            let mut index = ctx.index.write().unwrap_or_else(PoisonError::into_inner);
+            let affected = index.apply_namespace_event(&event);
+            ctx.publish_caps_namespaces(&index);
+            affected
+        };
+        if listed && ctx.mark_listed(|l| &mut l.1) {
+            synced(&ctx, &triggers, &health);
+        }
+        if *ctx.synced.borrow() {
+            triggers.send_all(affected, None);
+        }
+    }
+}
+
+/// Every cache has listed: ready, and every budget of both kinds is reconciled.
+fn synced(ctx: &Context, triggers: &Triggers, health: &Health) {
+    let index = ctx.index.read().unwrap_or_else(PoisonError::into_inner);
+    tracing::info!(budgets = index.budget_count(), pods = index.pod_count(), "budgets listed; reconciling");
+    drop(index);
+    health.set(CHECK_BUDGETS, true);
+    triggers.reconcile_all();
+}
+
+/// What a budget kind's watch does to the index.
+trait Indexed: StatusOwner {
+    /// The watch's name in logs.
+    const CACHE: &'static str;
+    /// Which flag of [`Context::mark_listed`] its listing sets.
+    fn listed(flags: &mut (bool, bool, bool)) -> &mut bool;
+    fn apply(index: &mut Index, obj: &Self) -> Affected;
+    fn delete(index: &mut Index, key: &ObjKey) -> Affected;
+    fn begin(index: &mut Index);
+    fn end(index: &mut Index) -> Affected;
+}
+
+impl Indexed for GpuMemoryBudget {
+    const CACHE: &'static str = "budgets";
+    fn listed(flags: &mut (bool, bool, bool)) -> &mut bool {
+        &mut flags.0
+    }
+    fn apply(index: &mut Index, obj: &Self) -> Affected {
+        index.apply_budget(obj)
+    }
+    fn delete(index: &mut Index, key: &ObjKey) -> Affected {
+        index.delete_budget(key)
+    }
+    fn begin(index: &mut Index) {
+        index.begin_budget_resync();
+    }
+    fn end(index: &mut Index) -> Affected {
+        index.end_budget_resync()
+    }
+}
+
+impl Indexed for ClusterGpuMemoryBudget {
+    const CACHE: &'static str = "clusterbudgets";
+    fn listed(flags: &mut (bool, bool, bool)) -> &mut bool {
+        &mut flags.2
+    }
+    fn apply(index: &mut Index, obj: &Self) -> Affected {
+        index.apply_cluster_budget(obj)
+    }
+    fn delete(index: &mut Index, key: &ObjKey) -> Affected {
+        index.delete_cluster_budget(&key.name)
+    }
+    fn begin(index: &mut Index) {
+        index.begin_cluster_resync();
+    }
+    fn end(index: &mut Index) -> Affected {
+        index.end_cluster_resync()
+    }
+}
+
+/// Feeds a budget kind's watch into the index and the controller's store (`writer`); yields the budgets
+/// whose generation changed (the controller reconciles those), and sends the other budgets each change
+/// affects (those sharing its pods) to `triggers`. Once every cache has listed: ready, and every budget is
+/// reconciled. A failure of the cluster budgets' watch before it lists (their CRD missing) counts as
+/// listed, so the namespaced budgets' statuses are written meanwhile.
+fn watch_budgets<K: Indexed>(
     ctx: Arc<Context>,
-    writer: reflector::store::Writer<GpuMemoryBudget>,
-    triggers: UnboundedSender<ObjectRef<GpuMemoryBudget>>,
-    all_tx: UnboundedSender<()>,
+    writer: reflector::store::Writer<K>,
+    triggers: Triggers,
     health: Health,
-) -> impl futures::Stream<Item = Result<GpuMemoryBudget, watcher::Error>> + Send {
-    let api: Api<GpuMemoryBudget> = Api::all(ctx.client.clone());
-    let index_ctx = ctx;
-    let mut budgets_listed = false;
-    let budget_triggers = triggers;
-    watcher(api)
+) -> impl futures::Stream<Item = Result<K, watcher::Error>> + Send {
+    let api: Api<K> = Api::all(ctx.client.clone());
+    let (index_ctx, error_ctx) = (ctx.clone(), ctx);
+    let (error_triggers, error_health) = (triggers.clone(), health.clone());
+    let mut warned = false;
+    watcher::watcher(api, watcher::Config::default().page_size(crate::namespaces::LIST_PAGE_SIZE))
         .default_backoff()
+        .inspect_err(move |error| {
+            if !warned {
+                warned = true;
+                tracing::warn!(cache = K::CACHE, %error, "budget watch failed; retrying with backoff");
+            }
+            if K::CACHE == ClusterGpuMemoryBudget::CACHE && error_ctx.mark_listed(K::listed) {
+                synced(&error_ctx, &error_triggers, &error_health);
+            }
+        })
         // Managed fields are never read; the cached budgets are smaller without them.
-        .modify(|b| b.metadata.managed_fields = None)
+        .modify(|b| b.meta_mut().managed_fields = None)
         .reflect(writer)
         .inspect_ok(move |event| {
             let mut index = index_ctx.index.write().unwrap_or_else(PoisonError::into_inner);
-            let (affected, own) = match event {
+            let (affected, own, listed) = match event {
                 Event::Init => {
-                    index.begin_budget_resync();
-                    (Affected::new(), None)
+                    K::begin(&mut index);
+                    (Affected::new(), None, false)
                 }
-                Event::InitApply(b) | Event::Apply(b) => (index.apply_budget(b), ObjKey::of(&b.metadata)),
+                Event::InitApply(b) | Event::Apply(b) => (K::apply(&mut index, b), b.key(), false),
                 Event::Delete(b) => {
-                    let key = ObjKey::of(&b.metadata);
+                    let key = b.key();
                     if let Some(k) = &key {
                         lock(&index_ctx.written).remove(k);
                         lock(&index_ctx.failures).remove(k);
                     }
-                    (key.as_ref().map(|k| index.delete_budget(k)).unwrap_or_default(), None)
+                    (key.as_ref().map(|k| K::delete(&mut index, k)).unwrap_or_default(), None, false)
                 }
-                Event::InitDone => {
-                    let affected = index.end_budget_resync();
-                    if !budgets_listed {
-                        budgets_listed = true;
-                        tracing::info!(
-                            budgets = index.budget_count(),
-                            pods = index.pod_count(),
-                            "budgets listed; reconciling"
-                        );
-                        health.set(CHECK_BUDGETS, true);
-                        index_ctx.synced.send_replace(true);
-                        let _ = all_tx.unbounded_send(());
-                    }
-                    (affected, None)
-                }
+                Event::InitDone => (K::end(&mut index), None, true),
             };
             index_ctx.update_gauges(&index);
-            let caps_namespaces = index.caps_namespaces();
+            index_ctx.publish_caps_namespaces(&index);
             drop(index);
-            index_ctx.caps_namespaces.send_if_modified(|known| {
-                let changed = *known != caps_namespaces;
-                *known = caps_namespaces;
-                changed
-            });
-            if budgets_listed {
+            if listed && index_ctx.mark_listed(K::listed) {
+                synced(&index_ctx, &triggers, &health);
+            }
+            if *index_ctx.synced.borrow() {
                 // The budget itself comes through the controller's own trigger (when its generation
                 // changed); the others whose pods it shares come from here.
-                send_all(&budget_triggers, affected, own.as_ref());
+                triggers.send_all(affected, own.as_ref());
             }
         })
         .touched_objects()
         .predicate_filter(predicates::generation, Default::default())
 }
 
-/// Runs the controller until `shutdown` is cancelled (then finishes the reconciles under way).
+/// Runs the controllers until `shutdown` is cancelled (then finishes the reconciles under way).
 pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken) -> anyhow::Result<()> {
     let (trigger_tx, trigger_rx) = unbounded::<ObjectRef<GpuMemoryBudget>>();
+    let (cluster_tx, cluster_rx) = unbounded::<ObjectRef<ClusterGpuMemoryBudget>>();
     let (all_tx, all_rx) = unbounded::<()>();
+    let (cluster_all_tx, cluster_all_rx) = unbounded::<()>();
+    let triggers = Triggers { budgets: trigger_tx, cluster: cluster_tx, all: all_tx, cluster_all: cluster_all_tx };
     let (pods_listed_tx, mut pods_listed) = watch::channel(false);
-    let pods = watch_pods(ctx.clone(), trigger_tx.clone(), pods_listed_tx, health.clone(), shutdown.clone());
+    let pods = watch_pods(ctx.clone(), triggers.clone(), pods_listed_tx, health.clone(), shutdown.clone());
 
     // Reconcile everything when this replica becomes leader.
     let mut leader = ctx.leader.clone();
-    let leader_all = all_tx.clone();
+    let leader_all = triggers.clone();
     let leader_metric = ctx.metrics.leader.clone();
     let leadership = async move {
         let mut was = false;
@@ -460,7 +682,7 @@ pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken)
             leader_metric.set(i64::from(now));
             if now && !was {
                 tracing::info!("writing status (leader, or leader election off): reconciling every budget");
-                let _ = leader_all.unbounded_send(());
+                leader_all.reconcile_all();
             }
             was = now;
             if leader.changed().await.is_err() {
@@ -470,49 +692,63 @@ pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken)
         }
     };
 
-    let controller = {
+    let controllers = {
         let ctx = ctx.clone();
         let shutdown = shutdown.clone();
+        let health = health.clone();
+        let triggers = triggers.clone();
         async move {
             // Budgets are reconciled only with every pod known.
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 _ = pods_listed.wait_for(|listed| *listed) => {}
             }
+            let config = controller::Config::default().concurrency(ctx.settings.concurrency);
             let (reader, writer) = reflector::store();
-            let budgets = watch_budgets(ctx.clone(), writer, trigger_tx.clone(), all_tx, health);
+            let budgets = watch_budgets::<GpuMemoryBudget>(ctx.clone(), writer, triggers.clone(), health.clone());
             let shutdown_signal = shutdown.clone();
-            Controller::for_stream(budgets, reader)
-                .with_config(controller::Config::default().concurrency(ctx.settings.concurrency))
+            let namespaced = Controller::for_stream(budgets, reader)
+                .with_config(config.clone())
                 .reconcile_on(trigger_rx)
                 .reconcile_all_on(all_rx)
+                .graceful_shutdown_on(async move { shutdown_signal.cancelled().await })
+                .run(reconcile, error_policy, ctx.clone())
+                .for_each(|result| {
+                    log_result(result);
+                    std::future::ready(())
+                });
+            let (reader, writer) = reflector::store();
+            let cluster = watch_budgets::<ClusterGpuMemoryBudget>(ctx.clone(), writer, triggers, health);
+            let shutdown_signal = shutdown.clone();
+            let cluster = Controller::for_stream(cluster, reader)
+                .with_config(config)
+                .reconcile_on(cluster_rx)
+                .reconcile_all_on(cluster_all_rx)
                 .graceful_shutdown_on(async move { shutdown_signal.cancelled().await })
                 .run(reconcile, error_policy, ctx)
                 .for_each(|result| {
                     log_result(result);
                     std::future::ready(())
-                })
-                .await;
+                });
+            futures::join!(namespaced, cluster);
         }
     };
 
+    let namespaces = watch_namespaces(ctx.clone(), triggers, health, shutdown.clone());
     let labels = crate::caps_webhook::label_namespaces(ctx.clone(), shutdown.clone());
     tokio::select! {
         result = pods => result?,
         () = leadership => {},
-        () = controller => {},
+        () = controllers => {},
         () = labels => {},
+        () = namespaces => {},
     }
     Ok(())
 }
 
-fn watcher(api: Api<GpuMemoryBudget>) -> impl futures::Stream<Item = watcher::Result<Event<GpuMemoryBudget>>> + Send {
-    watcher::watcher(api, watcher::Config::default())
-}
+type RunResult<K> = Result<(ObjectRef<K>, Action), controller::Error<Error, watcher::Error>>;
 
-type RunResult = Result<(ObjectRef<GpuMemoryBudget>, Action), controller::Error<Error, watcher::Error>>;
-
-fn log_result(result: RunResult) {
+fn log_result<K: StatusOwner>(result: RunResult<K>) {
     match result {
         Ok(_) => {}
         Err(controller::Error::ReconcilerFailed(Error::InvalidSpec(error), obj)) => {

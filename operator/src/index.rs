@@ -14,12 +14,20 @@
 //!   a pod with it before or after, since the resolution of those pods may change; any other budget change:
 //!   itself only.
 //!
+//! - `ClusterGpuMemoryBudget`s (#23, keys with an empty namespace, [`ObjKey::cluster`]) select pods of every
+//!   namespace whose labels match their `namespaceSelector`. They are few, so the pods they select are not
+//!   stored: they are found when asked (a cluster budget's inputs scan the pods of the namespaces it
+//!   selects). A change of a cluster budget affects itself and every budget sharing a pod with it before or
+//!   after; a namespace relabelled affects the cluster budgets whose selection of its pods changed, and the
+//!   budgets of those pods, and no other.
+//!
 //! Pure and synchronous: the controller holds it behind a lock and feeds it the watch events.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
-use gpubudget_common::{Budget, GpuMemoryBudget, PodLabels, SpecError};
+use gpubudget_common::{Budget, ClusterGpuMemoryBudget, GpuMemoryBudget, PodLabels, SpecError};
 
+use crate::namespaces::{NamespaceLabels, Relabel};
 use crate::pods::{ObjKey, PodInfo};
 use crate::status::{Inputs, Selected};
 
@@ -67,8 +75,12 @@ pub struct Index {
     namespaces: HashMap<String, Namespace>,
     /// Budget → names of the pods (same namespace) it selects.
     budget_pods: HashMap<ObjKey, HashSet<String>>,
-    /// Budget name → names of the pods whose record names it.
-    record_pods: HashMap<ObjKey, HashSet<String>>,
+    /// The `ClusterGpuMemoryBudget`s by name, compiled once per change; an invalid spec selects nothing.
+    cluster: BTreeMap<String, Result<Budget, SpecError>>,
+    /// The namespaces' labels, which the cluster budgets select by.
+    namespace_labels: NamespaceLabels,
+    /// Budget → the pods whose record names it.
+    record_pods: HashMap<ObjKey, HashSet<ObjKey>>,
     /// Budget → the last pods deleted with an eviction record naming it: an eviction whose pod is gone
     /// before the budget is reconciled is still counted.
     tombstones: HashMap<ObjKey, VecDeque<PodInfo>>,
@@ -77,14 +89,44 @@ pub struct Index {
     pods: usize,
     selected_pods: usize,
     budget_resync: Option<HashSet<ObjKey>>,
+    cluster_resync: Option<HashSet<String>>,
     pod_resync: Option<HashSet<ObjKey>>,
 }
 
-/// Whether two readings of a budget select the same pods with the same limit (so no resolution changes).
-fn same_matching(a: &Result<Budget, SpecError>, b: &Result<Budget, SpecError>) -> bool {
+/// The valid cluster budgets that select a pod of `namespace` (labelled `namespace_labels`) labelled `labels`.
+fn cluster_selecting<'a>(
+    cluster: &'a BTreeMap<String, Result<Budget, SpecError>>,
+    namespace: &str,
+    namespace_labels: &BTreeMap<String, String>,
+    labels: &BTreeMap<String, String>,
+) -> impl Iterator<Item = &'a Budget> {
+    let pod = PodLabels::new(namespace, namespace_labels, labels);
+    cluster.values().filter_map(|b| b.as_ref().ok()).filter(move |b| b.selects(&pod)).collect::<Vec<_>>().into_iter()
+}
+
+/// [`cluster_selecting`]'s keys.
+fn cluster_keys(
+    cluster: &BTreeMap<String, Result<Budget, SpecError>>,
+    namespace: &str,
+    namespace_labels: &BTreeMap<String, String>,
+    labels: &BTreeMap<String, String>,
+) -> Vec<ObjKey> {
+    cluster_selecting(cluster, namespace, namespace_labels, labels).map(|b| ObjKey::cluster(&b.name)).collect()
+}
+
+/// Whether two readings of a budget select the same pods and resolve the same way (so no resolution
+/// changes): same selectors, and equal in every field [`gpubudget_common::resolve`] compares: the limit,
+/// and, when cluster budgets exist (`with_cluster`), every field that governs enforcement (a namespaced
+/// budget takes a pod over from a cluster budget only if no looser in any of them).
+fn same_matching(a: &Result<Budget, SpecError>, b: &Result<Budget, SpecError>, with_cluster: bool) -> bool {
     match (a, b) {
         (Err(_), Err(_)) => true,
-        (Ok(a), Ok(b)) => a.selector == b.selector && a.limit_bytes == b.limit_bytes,
+        (Ok(a), Ok(b)) => {
+            a.selector == b.selector
+                && a.scope == b.scope
+                && a.limit_bytes == b.limit_bytes
+                && (!with_cluster || (a.no_looser_than(b) && b.no_looser_than(a)))
+        }
         _ => false,
     }
 }
@@ -114,7 +156,7 @@ impl Index {
         match old {
             Some(old) => {
                 self.invalid_budgets -= usize::from(old.is_err());
-                if same_matching(old, &compiled) {
+                if same_matching(old, &compiled, !self.cluster.is_empty()) {
                     self.invalid_budgets += usize::from(compiled.is_err());
                     if let Some(ns) = self.namespaces.get_mut(&key.namespace) {
                         ns.budgets.insert(key.name.clone(), compiled);
@@ -141,6 +183,8 @@ impl Index {
                     entry.budgets.insert(at, key.name.clone());
                 }
                 affected.extend(entry.budgets.iter().map(|b| ObjKey::new(&key.namespace, b)));
+                let ns_labels = self.namespace_labels.get(&key.namespace);
+                affected.extend(cluster_keys(&self.cluster, &key.namespace, ns_labels, &entry.info.labels));
                 selected.insert(pod_name.clone());
             }
         }
@@ -172,6 +216,8 @@ impl Index {
         for pod_name in pods {
             let Some(entry) = ns.pods.get_mut(&pod_name) else { continue };
             affected.extend(entry.budgets.iter().map(|b| ObjKey::new(&key.namespace, b)));
+            let ns_labels = self.namespace_labels.get(&key.namespace);
+            affected.extend(cluster_keys(&self.cluster, &key.namespace, ns_labels, &entry.info.labels));
             entry.budgets.retain(|b| *b != key.name);
             if entry.budgets.is_empty() {
                 self.selected_pods -= 1;
@@ -204,6 +250,145 @@ impl Index {
         affected
     }
 
+    // ---- cluster budgets and namespaces (#23) --------------------------------------------------------
+
+    /// The valid cluster budget `name`, if any.
+    fn cluster_budget(&self, name: &str) -> Option<&Budget> {
+        self.cluster.get(name).and_then(|b| b.as_ref().ok())
+    }
+
+    /// The pods the valid cluster budget `name` selects (none for an unknown or invalid one).
+    fn cluster_pods<'a>(&'a self, name: &str) -> Vec<&'a PodEntry> {
+        let Some(budget) = self.cluster_budget(name) else { return Vec::new() };
+        self.namespaces
+            .iter()
+            .flat_map(|(namespace, ns)| {
+                let ns_labels = self.namespace_labels.get(namespace);
+                ns.pods.values().filter(move |e| budget.selects(&PodLabels::new(namespace, ns_labels, &e.info.labels)))
+            })
+            .collect()
+    }
+
+    /// Every budget (namespaced or cluster) selecting a pod that the cluster budget `name` selects.
+    fn sharing_cluster(&self, name: &str) -> Affected {
+        let mut affected = Affected::new();
+        for entry in self.cluster_pods(name) {
+            affected.extend(self.selecting_entry(&entry.info.namespace, entry));
+        }
+        affected
+    }
+
+    /// Every budget selecting a pod: those of its namespace, then the cluster ones.
+    fn selecting_entry(&self, namespace: &str, entry: &PodEntry) -> Vec<ObjKey> {
+        let ns_labels = self.namespace_labels.get(namespace);
+        let mut keys: Vec<ObjKey> = entry.budgets.iter().map(|b| ObjKey::new(namespace, b)).collect();
+        keys.extend(cluster_keys(&self.cluster, namespace, ns_labels, &entry.info.labels));
+        keys
+    }
+
+    /// A `ClusterGpuMemoryBudget` was created or changed (or listed).
+    pub fn apply_cluster_budget(&mut self, resource: &ClusterGpuMemoryBudget) -> Affected {
+        let Some(key) = ObjKey::of_cluster(&resource.metadata) else { return Affected::new() };
+        if let Some(seen) = self.cluster_resync.as_mut() {
+            seen.insert(key.name.clone());
+        }
+        let compiled = Budget::compile_cluster(resource);
+        match self.cluster.get(&key.name) {
+            Some(old) => {
+                self.invalid_budgets -= usize::from(old.is_err());
+                if same_matching(old, &compiled, true) {
+                    self.invalid_budgets += usize::from(compiled.is_err());
+                    self.cluster.insert(key.name.clone(), compiled);
+                    return Affected::from([key]);
+                }
+            }
+            None => self.budgets += 1,
+        }
+        self.invalid_budgets += usize::from(compiled.is_err());
+        let mut affected = self.sharing_cluster(&key.name);
+        self.cluster.insert(key.name.clone(), compiled);
+        affected.extend(self.sharing_cluster(&key.name));
+        affected.insert(key);
+        affected
+    }
+
+    /// A `ClusterGpuMemoryBudget` was deleted. The budget itself is not in the result.
+    pub fn delete_cluster_budget(&mut self, name: &str) -> Affected {
+        let key = ObjKey::cluster(name);
+        let mut affected = self.sharing_cluster(name);
+        self.tombstones.remove(&key);
+        if let Some(old) = self.cluster.remove(name) {
+            self.budgets -= 1;
+            self.invalid_budgets -= usize::from(old.is_err());
+        }
+        affected.remove(&key);
+        affected
+    }
+
+    /// A re-list of the cluster budgets begins.
+    pub fn begin_cluster_resync(&mut self) {
+        self.cluster_resync = Some(HashSet::new());
+    }
+
+    /// A re-list of the cluster budgets ended: forgets those it did not list.
+    pub fn end_cluster_resync(&mut self) -> Affected {
+        let Some(seen) = self.cluster_resync.take() else { return Affected::new() };
+        let gone: Vec<String> = self.cluster.keys().filter(|n| !seen.contains(*n)).cloned().collect();
+        let mut affected = Affected::new();
+        for name in &gone {
+            affected.extend(self.delete_cluster_budget(name));
+        }
+        for name in &gone {
+            affected.remove(&ObjKey::cluster(name));
+        }
+        affected
+    }
+
+    /// A namespace event (see [`crate::namespaces::events`]): the budgets whose status its relabels may
+    /// change. For each pod of a relabelled namespace whose selecting cluster budgets differ before and
+    /// after: those cluster budgets and the pod's namespaced budgets (its resolution and their overlaps may
+    /// change). A relabel that changes no cluster budget's selection affects nothing.
+    pub fn apply_namespace_event(
+        &mut self,
+        event: &kube::runtime::watcher::Event<kube::core::PartialObjectMeta<k8s_openapi::api::core::v1::Namespace>>,
+    ) -> Affected {
+        let relabels = self.namespace_labels.apply_event(event);
+        self.relabelled(&relabels)
+    }
+
+    /// A namespace's labels were set (as [`Index::apply_namespace_event`], for tests and fixtures).
+    pub fn set_namespace_labels(&mut self, namespace: &str, labels: BTreeMap<String, String>) -> Affected {
+        let relabels: Vec<Relabel> = self.namespace_labels.apply(namespace, labels).into_iter().collect();
+        self.relabelled(&relabels)
+    }
+
+    fn relabelled(&self, relabels: &[Relabel]) -> Affected {
+        let mut affected = Affected::new();
+        for relabel in relabels {
+            let Some(ns) = self.namespaces.get(&relabel.namespace) else { continue };
+            for entry in ns.pods.values() {
+                let labels = &entry.info.labels;
+                let before = cluster_keys(&self.cluster, &relabel.namespace, &relabel.before, labels);
+                let after = cluster_keys(&self.cluster, &relabel.namespace, &relabel.after, labels);
+                if before != after {
+                    affected.extend(before.into_iter().chain(after));
+                    affected.extend(entry.budgets.iter().map(|b| ObjKey::new(&relabel.namespace, b)));
+                }
+            }
+        }
+        affected
+    }
+
+    /// The labels of a namespace, as last watched (empty when unknown).
+    pub fn namespace_labels(&self, namespace: &str) -> &BTreeMap<String, String> {
+        self.namespace_labels.get(namespace)
+    }
+
+    /// Whether the namespace watch has listed once.
+    pub fn namespaces_listed(&self) -> bool {
+        self.namespace_labels.listed()
+    }
+
     // ---- pods ----------------------------------------------------------------------------------------
 
     /// A pod was created or changed (or listed).
@@ -219,13 +404,21 @@ impl Index {
             Some(entry) => (entry.info.labels == info.labels, entry.info.recorded_budget()),
             None => (false, None),
         };
+        if !labels_same {
+            // The cluster budgets selecting it before and now (their matches and overlaps may change).
+            let ns_labels = self.namespace_labels.get(&key.namespace);
+            if let Some(entry) = ns.pods.get(&key.name) {
+                affected.extend(cluster_keys(&self.cluster, &key.namespace, ns_labels, &entry.info.labels));
+            }
+            affected.extend(cluster_keys(&self.cluster, &key.namespace, ns_labels, &info.labels));
+        }
         let new_record_budget = info.recorded_budget();
         if old_record_budget != new_record_budget {
             if let Some(old) = &old_record_budget {
-                unlink_record(&mut self.record_pods, old, &key.name);
+                unlink_record(&mut self.record_pods, old, &key);
             }
             if let Some(new) = &new_record_budget {
-                self.record_pods.entry(new.clone()).or_default().insert(key.name.clone());
+                self.record_pods.entry(new.clone()).or_default().insert(key.clone());
             }
         }
         affected.extend(old_record_budget);
@@ -294,8 +487,10 @@ impl Index {
         if !entry.budgets.is_empty() {
             self.selected_pods -= 1;
         }
+        let ns_labels = self.namespace_labels.get(&key.namespace);
+        affected.extend(cluster_keys(&self.cluster, &key.namespace, ns_labels, &entry.info.labels));
         if let Some(recorded) = entry.info.recorded_budget() {
-            unlink_record(&mut self.record_pods, &recorded, &key.name);
+            unlink_record(&mut self.record_pods, &recorded, key);
             if entry.info.record.as_ref().is_some_and(|r| r.eviction_requested_at.is_some()) {
                 let tombstones = self.tombstones.entry(recorded.clone()).or_default();
                 let mut gone = entry.info;
@@ -333,29 +528,42 @@ impl Index {
 
     // ---- queries -------------------------------------------------------------------------------------
 
-    /// The budget that applies to a pod (by the common resolution rule), if any selects it.
+    /// Every valid budget selecting a pod: those of its namespace, then the cluster ones.
+    fn compiled_for<'a>(&'a self, namespace: &str, ns: &'a Namespace, entry: &'a PodEntry) -> Vec<&'a Budget> {
+        let ns_labels = self.namespace_labels.get(namespace);
+        let mut budgets = ns.compiled(&entry.budgets);
+        budgets.extend(cluster_selecting(&self.cluster, namespace, ns_labels, &entry.info.labels));
+        budgets
+    }
+
+    /// The budget that applies to a pod (by the common resolution rule, cluster budgets included), if any
+    /// selects it.
     pub fn resolved(&self, pod: &ObjKey) -> Option<ObjKey> {
         let ns = self.namespaces.get(&pod.namespace)?;
         let entry = ns.pods.get(&pod.name)?;
-        // Namespaced budgets only: the index does not hold ClusterGpuMemoryBudgets yet (#23, part 3).
-        let no_namespace_labels = BTreeMap::new();
-        let pod_labels = PodLabels::new(&pod.namespace, &no_namespace_labels, &entry.info.labels);
-        let resolution = gpubudget_common::resolve(ns.compiled(&entry.budgets), &pod_labels)?;
-        Some(ObjKey::new(&pod.namespace, &resolution.budget.name))
+        let pod_labels = PodLabels::new(&pod.namespace, self.namespace_labels.get(&pod.namespace), &entry.info.labels);
+        let resolution = gpubudget_common::resolve(self.compiled_for(&pod.namespace, ns, entry), &pod_labels)?;
+        Some(budget_key(&pod.namespace, resolution.budget))
     }
 
-    /// The budgets whose selector matches a pod (sorted keys); empty for an unknown pod.
+    /// The budgets whose selectors match a pod: its namespace's (sorted), then the cluster ones (sorted);
+    /// empty for an unknown pod.
     pub fn budgets_selecting(&self, pod: &ObjKey) -> Vec<ObjKey> {
         self.namespaces
             .get(&pod.namespace)
             .and_then(|ns| ns.pods.get(&pod.name))
-            .map(|e| e.budgets.iter().map(|b| ObjKey::new(&pod.namespace, b)).collect())
+            .map(|e| self.selecting_entry(&pod.namespace, e))
             .unwrap_or_default()
     }
 
-    /// The pods a budget's selector matches (sorted names).
+    /// The pods a budget's selectors match (sorted): names for a namespaced budget, `namespace/name` for a
+    /// cluster one.
     pub fn pods_selected_by(&self, budget: &ObjKey) -> Vec<String> {
-        let mut names: Vec<String> = self.budget_pods.get(budget).into_iter().flatten().cloned().collect();
+        let mut names: Vec<String> = if budget.is_cluster() {
+            self.cluster_pods(&budget.name).iter().map(|e| e.info.key().to_string()).collect()
+        } else {
+            self.budget_pods.get(budget).into_iter().flatten().cloned().collect()
+        };
         names.sort();
         names
     }
@@ -363,50 +571,78 @@ impl Index {
     /// What the status computation of a budget reads: the pods it selects (each with every budget that
     /// selects it) and the pods whose record names it (live ones, then the remembered deleted ones).
     pub fn inputs(&self, budget: &ObjKey) -> Inputs<'_> {
+        let recorded = self
+            .record_pods
+            .get(budget)
+            .into_iter()
+            .flatten()
+            .filter_map(|pod| self.namespaces.get(&pod.namespace)?.pods.get(&pod.name))
+            .map(|entry| &entry.info)
+            .chain(self.tombstones.get(budget).into_iter().flatten())
+            .collect();
+        if budget.is_cluster() {
+            let selected = self
+                .cluster_pods(&budget.name)
+                .into_iter()
+                .filter_map(|entry| {
+                    let namespace = &entry.info.namespace;
+                    let ns = self.namespaces.get(namespace)?;
+                    Some(Selected {
+                        pod: &entry.info,
+                        namespace_labels: self.namespace_labels.get(namespace),
+                        selected_by: self.compiled_for(namespace, ns, entry),
+                    })
+                })
+                .collect();
+            return Inputs { spec: self.cluster.get(&budget.name).map(Result::as_ref), selected, recorded };
+        }
         let Some(ns) = self.namespaces.get(&budget.namespace) else {
-            return Inputs {
-                spec: None,
-                selected: Vec::new(),
-                recorded: self.tombstones.get(budget).into_iter().flatten().collect(),
-            };
+            return Inputs { spec: None, selected: Vec::new(), recorded };
         };
+        let namespace_labels = self.namespace_labels.get(&budget.namespace);
         let selected = self
             .budget_pods
             .get(budget)
             .into_iter()
             .flatten()
             .filter_map(|name| ns.pods.get(name))
-            .map(|entry| Selected { pod: &entry.info, selected_by: ns.compiled(&entry.budgets) })
-            .collect();
-        let recorded = self
-            .record_pods
-            .get(budget)
-            .into_iter()
-            .flatten()
-            .filter_map(|name| ns.pods.get(name))
-            .map(|entry| &entry.info)
-            .chain(self.tombstones.get(budget).into_iter().flatten())
+            .map(|entry| Selected {
+                pod: &entry.info,
+                namespace_labels,
+                selected_by: self.compiled_for(&budget.namespace, ns, entry),
+            })
             .collect();
         Inputs { spec: ns.budgets.get(&budget.name).map(Result::as_ref), selected, recorded }
     }
 
-    /// The valid budgets of a namespace (cloned: the admission webhook resolves a new pod against them
-    /// without holding the index's lock).
-    pub fn budgets_in(&self, namespace: &str) -> Vec<Budget> {
-        self.namespaces
+    /// The valid budgets a pod of `namespace` may get: the namespace's, then every valid cluster budget
+    /// (each still selects by the namespace's labels and the pod's), and the namespace's labels (cloned: the
+    /// admission webhook resolves a new pod against them without holding the index's lock).
+    pub fn budgets_in(&self, namespace: &str) -> (Vec<Budget>, BTreeMap<String, String>) {
+        let mut budgets: Vec<Budget> = self
+            .namespaces
             .get(namespace)
             .map(|ns| ns.budgets.values().filter_map(|b| b.as_ref().ok()).cloned().collect())
-            .unwrap_or_default()
+            .unwrap_or_default();
+        budgets.extend(self.cluster.values().filter_map(|b| b.as_ref().ok()).cloned());
+        (budgets, self.namespace_labels.get(namespace).clone())
     }
 
-    /// Namespaces holding at least one valid budget with `admissionCaps: Enabled`: those the caps webhook
-    /// is scoped to.
+    /// Namespaces holding at least one valid budget with `admissionCaps: Enabled`, and the namespaces whose
+    /// labels a valid cluster budget with it selects by its `namespaceSelector`: those the caps webhook is
+    /// scoped to.
     pub fn caps_namespaces(&self) -> BTreeSet<String> {
-        self.namespaces
+        let mut out: BTreeSet<String> = self
+            .namespaces
             .iter()
             .filter(|(_, ns)| ns.budgets.values().any(|b| b.as_ref().is_ok_and(|b| b.admission_caps)))
             .map(|(name, _)| name.clone())
-            .collect()
+            .collect();
+        for budget in self.cluster.values().filter_map(|b| b.as_ref().ok()).filter(|b| b.admission_caps) {
+            let gpubudget_common::budget::Scope::Cluster { namespaces } = &budget.scope else { continue };
+            out.extend(self.namespace_labels.iter().filter(|(_, l)| namespaces.matches(l)).map(|(n, _)| n.to_owned()));
+        }
+        out
     }
 
     /// Every namespace's pods (what namespace totals add up).
@@ -435,9 +671,14 @@ impl Index {
     }
 }
 
-fn unlink_record(record_pods: &mut HashMap<ObjKey, HashSet<String>>, budget: &ObjKey, pod_name: &str) {
+/// The key of a budget that selects a pod of `namespace`.
+fn budget_key(namespace: &str, budget: &Budget) -> ObjKey {
+    if budget.is_cluster() { ObjKey::cluster(&budget.name) } else { ObjKey::new(namespace, &budget.name) }
+}
+
+fn unlink_record(record_pods: &mut HashMap<ObjKey, HashSet<ObjKey>>, budget: &ObjKey, pod: &ObjKey) {
     if let Some(set) = record_pods.get_mut(budget) {
-        set.remove(pod_name);
+        set.remove(pod);
         if set.is_empty() {
             record_pods.remove(budget);
         }
@@ -750,6 +991,244 @@ mod tests {
                     prop_assert_eq!(index.invalid_budget_count(), budgets.len() - compiled.len());
                     let selected = pods.values().filter(|p| compiled.iter().any(|b| b.selects(&PodLabels::new("a", &BTreeMap::new(), &p.labels)))).count();
                     prop_assert_eq!(index.selected_pod_count(), selected);
+                }
+            }
+        }
+    }
+
+    fn cluster_budget(name: &str, limit: &str, namespace_selector: &str, rest: &str) -> ClusterGpuMemoryBudget {
+        serde_yaml::from_str(&format!(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {{name: {name}}}\n\
+             spec: {{namespaceSelector: {namespace_selector}, selector: {{}}, limit: {limit}{rest}}}\n"
+        ))
+        .expect("fixture parses")
+    }
+
+    fn tenant() -> BTreeMap<String, String> {
+        [("tier".to_owned(), "tenant".to_owned())].into()
+    }
+
+    /// #23: two tenant namespaces and one other; `tenants` (16Gi) selects the tenants' pods; a/llm (8Gi)
+    /// takes a/p1 over; b/loose (32Gi) cannot.
+    fn cluster_fixture() -> Index {
+        let mut index = Index::new();
+        index.set_namespace_labels("a", tenant());
+        index.set_namespace_labels("b", tenant());
+        index.apply_budget(&budget("a", "llm", "8Gi", "{matchLabels: {app: llm}}"));
+        index.apply_budget(&budget("b", "loose", "32Gi", "{}"));
+        index.apply_pod(pod("a", "p1", &[("app", "llm")]));
+        index.apply_pod(pod("a", "p2", &[("app", "web")]));
+        index.apply_pod(pod("b", "q1", &[]));
+        index.apply_pod(pod("sys", "s1", &[]));
+        index
+    }
+
+    #[test]
+    fn a_cluster_budget_affects_the_budgets_sharing_its_pods_in_every_namespace() {
+        let mut index = cluster_fixture();
+        let tenants = cluster_budget("tenants", "16Gi", "{matchLabels: {tier: tenant}}", "");
+        let affected = index.apply_cluster_budget(&tenants);
+        let expected: Affected =
+            [ObjKey::cluster("tenants"), ObjKey::new("a", "llm"), ObjKey::new("b", "loose")].into_iter().collect();
+        assert_eq!(affected, expected);
+        assert_eq!(index.pods_selected_by(&ObjKey::cluster("tenants")), ["a/p1", "a/p2", "b/q1"]);
+        assert_eq!(index.resolved(&ObjKey::new("a", "p1")), Some(ObjKey::new("a", "llm")), "tighter: takes over");
+        assert_eq!(index.resolved(&ObjKey::new("a", "p2")), Some(ObjKey::cluster("tenants")));
+        assert_eq!(index.resolved(&ObjKey::new("b", "q1")), Some(ObjKey::cluster("tenants")), "looser: cannot");
+        assert_eq!(index.resolved(&ObjKey::new("sys", "s1")), None);
+        assert_eq!(
+            index.budgets_selecting(&ObjKey::new("a", "p1")),
+            [ObjKey::new("a", "llm"), ObjKey::cluster("tenants")]
+        );
+        let inputs = index.inputs(&ObjKey::cluster("tenants"));
+        assert_eq!(inputs.selected.len(), 3);
+        // Only the warning threshold changes: nothing resolves differently, only itself.
+        let mut warn = tenants.clone();
+        warn.spec.budget.warn_at_percent = 50;
+        assert_eq!(index.apply_cluster_budget(&warn), Affected::from([ObjKey::cluster("tenants")]));
+        // A longer overLimitSeconds: a/llm (10 s) is no looser any more… still tighter; the cluster's
+        // shorter one makes a/llm looser: p1 goes back to the cluster budget.
+        let mut strict = tenants.clone();
+        strict.spec.budget.over_limit_seconds = 5;
+        assert!(index.apply_cluster_budget(&strict).contains(&ObjKey::new("a", "llm")));
+        assert_eq!(index.resolved(&ObjKey::new("a", "p1")), Some(ObjKey::cluster("tenants")));
+        // A namespaced budget's action changes with a cluster budget present: the cluster one is affected.
+        let mut llm = budget("a", "llm", "8Gi", "{matchLabels: {app: llm}}");
+        llm.spec.over_limit_seconds = 5;
+        assert!(index.apply_budget(&llm).contains(&ObjKey::cluster("tenants")));
+        assert_eq!(index.resolved(&ObjKey::new("a", "p1")), Some(ObjKey::new("a", "llm")));
+        let deleted = index.delete_cluster_budget("tenants");
+        assert!(!deleted.contains(&ObjKey::cluster("tenants")) && deleted.contains(&ObjKey::new("b", "loose")));
+        assert_eq!(index.resolved(&ObjKey::new("b", "q1")), Some(ObjKey::new("b", "loose")));
+    }
+
+    #[test]
+    fn a_relabel_affects_only_the_cluster_budgets_whose_selection_moved_and_those_pods_budgets() {
+        let mut index = cluster_fixture();
+        index.apply_cluster_budget(&cluster_budget("tenants", "16Gi", "{matchLabels: {tier: tenant}}", ""));
+        index.apply_cluster_budget(&cluster_budget("everyone", "64Gi", "{}", ""));
+        // A label no selector reads: nothing.
+        let mut more = tenant();
+        more.insert("team".into(), "x".into());
+        assert!(index.set_namespace_labels("a", more).is_empty());
+        // sys becomes a tenant: tenants (its pod joins) and everyone (the pod is no longer its alone).
+        let affected = index.set_namespace_labels("sys", tenant());
+        let expected: Affected = [ObjKey::cluster("everyone"), ObjKey::cluster("tenants")].into_iter().collect();
+        assert_eq!(affected, expected);
+        assert_eq!(index.resolved(&ObjKey::new("sys", "s1")), Some(ObjKey::cluster("tenants")));
+        // b leaves: tenants, and the other budgets of b's pod (everyone, b/loose); a's are untouched.
+        let affected = index.set_namespace_labels("b", BTreeMap::new());
+        let expected: Affected =
+            [ObjKey::cluster("everyone"), ObjKey::cluster("tenants"), ObjKey::new("b", "loose")].into_iter().collect();
+        assert_eq!(affected, expected);
+        assert_eq!(index.resolved(&ObjKey::new("b", "q1")), Some(ObjKey::new("b", "loose")));
+        assert!(index.caps_namespaces().is_empty());
+        index.apply_cluster_budget(&cluster_budget(
+            "tenants",
+            "16Gi",
+            "{matchLabels: {tier: tenant}}",
+            ", admissionCaps: Enabled",
+        ));
+        assert_eq!(Vec::from_iter(index.caps_namespaces()), ["a", "sys"]);
+    }
+
+    /// #23: the pure model with cluster budgets and namespace relabels.
+    mod cluster_model {
+        use super::*;
+        use crate::status;
+        use proptest::prelude::*;
+
+        const NAMESPACES: [&str; 3] = ["a", "b", "c"];
+        const NS_SELECTORS: [&str; 3] =
+            ["{}", "{matchLabels: {tier: t}}", "{matchExpressions: [{key: tier, operator: NotIn, values: [t]}]}"];
+        const SELECTORS: [&str; 3] = ["{}", "{matchLabels: {app: x}}", "{matchLabels: {app: y}}"];
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Budget { ns: usize, id: usize, selector: usize, limit: u64, slow: bool },
+            DeleteBudget { ns: usize, id: usize },
+            Cluster { id: usize, ns_selector: usize, selector: usize, limit: u64, slow: bool },
+            DeleteCluster(usize),
+            Pod { ns: usize, id: usize, app: usize, usage: Option<(u64, bool)> },
+            DeletePod { ns: usize, id: usize },
+            Relabel { ns: usize, tenant: bool },
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                (0..3usize, 0..2usize, 0..3usize, 1..4u64, any::<bool>())
+                    .prop_map(|(ns, id, selector, limit, slow)| Op::Budget { ns, id, selector, limit, slow }),
+                (0..3usize, 0..2usize).prop_map(|(ns, id)| Op::DeleteBudget { ns, id }),
+                (0..2usize, 0..3usize, 0..3usize, 1..4u64, any::<bool>()).prop_map(
+                    |(id, ns_selector, selector, limit, slow)| Op::Cluster { id, ns_selector, selector, limit, slow }
+                ),
+                (0..2usize).prop_map(Op::DeleteCluster),
+                (0..3usize, 0..3usize, 0..3usize, proptest::option::of((0..4u64, any::<bool>())))
+                    .prop_map(|(ns, id, app, usage)| Op::Pod { ns, id, app, usage }),
+                (0..3usize, 0..3usize).prop_map(|(ns, id)| Op::DeletePod { ns, id }),
+                (0..3usize, any::<bool>()).prop_map(|(ns, tenant)| Op::Relabel { ns, tenant }),
+            ]
+        }
+
+        #[derive(Default)]
+        struct World {
+            budgets: BTreeMap<(usize, usize), GpuMemoryBudget>,
+            cluster: BTreeMap<usize, ClusterGpuMemoryBudget>,
+            labels: BTreeMap<usize, BTreeMap<String, String>>,
+            pods: BTreeMap<(usize, usize), PodInfo>,
+        }
+
+        fn statuses(index: &Index, world: &World) -> BTreeMap<ObjKey, status::Status> {
+            let now = k8s_openapi::jiff::Timestamp::UNIX_EPOCH;
+            let mut out = BTreeMap::new();
+            for ((ns, id), b) in &world.budgets {
+                let key = ObjKey::new(NAMESPACES[*ns], format!("b{id}"));
+                out.insert(key.clone(), status::compute(b, &index.inputs(&key), None, now));
+            }
+            for (id, b) in &world.cluster {
+                let key = ObjKey::cluster(format!("c{id}"));
+                out.insert(key.clone(), status::compute_cluster(b, &index.inputs(&key), None, now));
+            }
+            out
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(200))]
+
+            /// Every status a change alters is in its affected set; the index resolves as brute force does;
+            /// and each pod some budget selects is counted (`matchedPods`) by exactly one budget, of either kind.
+            #[test]
+            fn cluster_budgets_and_relabels(ops in proptest::collection::vec(op(), 1..40)) {
+                let mut index = Index::new();
+                let mut world = World::default();
+                for op in ops {
+                    let before = statuses(&index, &world);
+                    let affected = match op {
+                        Op::Budget { ns, id, selector, limit, slow } => {
+                            let mut b = budget(NAMESPACES[ns], &format!("b{id}"), &format!("{limit}Gi"), SELECTORS[selector]);
+                            b.spec.over_limit_seconds = if slow { 30 } else { 10 };
+                            world.budgets.insert((ns, id), b.clone());
+                            index.apply_budget(&b)
+                        }
+                        Op::DeleteBudget { ns, id } => {
+                            world.budgets.remove(&(ns, id));
+                            index.delete_budget(&ObjKey::new(NAMESPACES[ns], format!("b{id}")))
+                        }
+                        Op::Cluster { id, ns_selector, selector, limit, slow } => {
+                            let rest = if slow { ", overLimitSeconds: 30" } else { "" };
+                            let c = cluster_budget(&format!("c{id}"), &format!("{limit}Gi"), NS_SELECTORS[ns_selector], rest);
+                            let mut c = c;
+                            c.spec.budget.selector = serde_yaml::from_str(SELECTORS[selector]).expect("selector");
+                            world.cluster.insert(id, c.clone());
+                            index.apply_cluster_budget(&c)
+                        }
+                        Op::DeleteCluster(id) => {
+                            world.cluster.remove(&id);
+                            index.delete_cluster_budget(&format!("c{id}"))
+                        }
+                        Op::Pod { ns, id, app, usage } => {
+                            let mut p = pod(NAMESPACES[ns], &format!("p{id}"), &[("app", ["x", "y", "z"][app])]);
+                            p.record = usage.map(|(gib, cluster)| PodRecord {
+                                state: if gib > 2 { BudgetState::Over } else { BudgetState::Within },
+                                usage_bytes: gib << 30,
+                                budget: if cluster { "ClusterGpuMemoryBudget/c0".into() } else { "b0".into() },
+                                node: "n".into(),
+                                eviction_requested_at: None,
+                            });
+                            world.pods.insert((ns, id), p.clone());
+                            index.apply_pod(p)
+                        }
+                        Op::DeletePod { ns, id } => {
+                            world.pods.remove(&(ns, id));
+                            index.delete_pod(&ObjKey::new(NAMESPACES[ns], format!("p{id}")))
+                        }
+                        Op::Relabel { ns, tenant } => {
+                            let labels: BTreeMap<String, String> =
+                                if tenant { [("tier".to_owned(), "t".to_owned())].into() } else { BTreeMap::new() };
+                            world.labels.insert(ns, labels.clone());
+                            index.set_namespace_labels(NAMESPACES[ns], labels)
+                        }
+                    };
+                    let after = statuses(&index, &world);
+                    for (key, status) in &after {
+                        if before.get(key) != Some(status) {
+                            prop_assert!(affected.contains(key), "{} changed but was not affected", key);
+                        }
+                    }
+                    let mut compiled: Vec<Budget> = world.budgets.values().filter_map(|b| Budget::compile(b).ok()).collect();
+                    compiled.extend(world.cluster.values().filter_map(|c| Budget::compile_cluster(c).ok()));
+                    let mut selected = 0;
+                    for ((ns, _), p) in &world.pods {
+                        let no_labels = BTreeMap::new();
+                        let labels = world.labels.get(ns).unwrap_or(&no_labels);
+                        let pod_labels = PodLabels::new(NAMESPACES[*ns], labels, &p.labels);
+                        let resolved = gpubudget_common::resolve(&compiled, &pod_labels)
+                            .map(|r| budget_key(NAMESPACES[*ns], r.budget));
+                        selected += usize::from(resolved.is_some());
+                        prop_assert_eq!(index.resolved(&p.key()), resolved);
+                    }
+                    let counted: i64 = after.values().map(|s| s.matched_pods).sum();
+                    prop_assert_eq!(counted, selected as i64, "each selected pod is counted by exactly one budget");
                 }
             }
         }

@@ -10,6 +10,7 @@ pub mod eviction_check;
 pub mod index;
 pub mod leader;
 pub mod metrics;
+pub mod namespaces;
 pub mod pods;
 pub mod quota;
 pub mod run;

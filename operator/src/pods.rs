@@ -40,11 +40,30 @@ impl ObjKey {
     pub fn of(meta: &ObjectMeta) -> Option<Self> {
         Some(Self::new(meta.namespace.clone()?, meta.name.clone()?))
     }
+
+    /// The key of a `ClusterGpuMemoryBudget` (#23): its name, with an empty namespace.
+    pub fn cluster(name: impl Into<String>) -> Self {
+        Self::new("", name)
+    }
+
+    /// The key of a cluster-scoped object's metadata; `None` when it has no name.
+    pub fn of_cluster(meta: &ObjectMeta) -> Option<Self> {
+        Some(Self::cluster(meta.name.clone()?))
+    }
+
+    /// A `ClusterGpuMemoryBudget`'s key (no namespace).
+    pub fn is_cluster(&self) -> bool {
+        self.namespace.is_empty()
+    }
 }
 
 impl std::fmt::Display for ObjKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.namespace, self.name)
+        if self.is_cluster() {
+            write!(f, "{}{}", gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX, self.name)
+        } else {
+            write!(f, "{}/{}", self.namespace, self.name)
+        }
     }
 }
 
@@ -117,9 +136,14 @@ impl PodInfo {
         ObjKey::new(&self.namespace, &self.name)
     }
 
-    /// The budget this pod's record names (same namespace), if any.
+    /// The budget this pod's record names, if any: one of its namespace, or a cluster budget
+    /// (`ClusterGpuMemoryBudget/<name>`, [`ObjKey::cluster`]).
     pub fn recorded_budget(&self) -> Option<ObjKey> {
-        self.record.as_ref().map(|r| ObjKey::new(&self.namespace, &r.budget))
+        let recorded = &self.record.as_ref()?.budget;
+        Some(match recorded.strip_prefix(gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX) {
+            Some(cluster) => ObjKey::cluster(cluster),
+            None => ObjKey::new(&self.namespace, recorded),
+        })
     }
 }
 

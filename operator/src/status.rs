@@ -15,6 +15,12 @@
 //!   (the newest [`COUNTED_EVICTIONS_MAX`]), so a restart or a re-list does not count a pod twice.
 //! - `Ready` says whether the spec is valid; `Overlapping` whether some selected pod is also selected by
 //!   other budgets, naming them and which budget applies.
+//! - A `ClusterGpuMemoryBudget` (#23) has the same status, computed by [`compute_cluster`] from the pods it
+//!   selects in every namespace its `namespaceSelector` matches: `matchedPods` and the counts are the pods it
+//!   applies to by the same rule (a namespaced budget no looser in any field takes a pod over, and that pod
+//!   counts for that budget, not this one); `topPods` name `namespace/pod`; evictions are those whose record
+//!   names `ClusterGpuMemoryBudget/<name>`. `Overlapping` names the namespaced budgets as `namespace/name`;
+//!   a namespaced budget's names a cluster budget as `ClusterGpuMemoryBudget/<name>`.
 //! - A condition keeps its `lastTransitionTime` while its status does not change, so a status computed
 //!   twice from the same inputs is equal, and [`same_ignoring_timestamps`] tells whether a write is needed.
 
@@ -25,7 +31,7 @@ use gpubudget_common::caps::{self, Assessment, Caps};
 use gpubudget_common::crd::{COUNTED_EVICTIONS_MAX, EvictionRecord, GpuMemoryBudgetStatus, TOP_PODS_MAX, TopPod};
 use gpubudget_common::pod_record::PodRecord;
 use gpubudget_common::quantity::HumanBytes;
-use gpubudget_common::{Budget, BudgetState, GpuMemoryBudget, SpecError};
+use gpubudget_common::{Budget, BudgetState, ClusterGpuMemoryBudget, GpuMemoryBudget, SpecError};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
@@ -46,7 +52,9 @@ pub const OVERLAP_NAMES_MAX: usize = 10;
 pub struct Selected<'a> {
     /// The pod.
     pub pod: &'a PodInfo,
-    /// Every valid budget of the namespace that selects it.
+    /// The labels of its namespace (cluster budgets select by them).
+    pub namespace_labels: &'a BTreeMap<String, String>,
+    /// Every valid budget that selects it: of its namespace, and cluster ones.
     pub selected_by: Vec<&'a Budget>,
 }
 
@@ -69,14 +77,37 @@ pub fn compute(
     now: Timestamp,
 ) -> GpuMemoryBudgetStatus {
     let name = resource.metadata.name.as_deref().unwrap_or_default();
-    let generation = resource.metadata.generation;
+    compute_from(name, resource.metadata.generation, || Budget::compile(resource), inputs, previous, now)
+}
+
+/// Computes a `ClusterGpuMemoryBudget`'s status (the same status type; see the module's notes).
+pub fn compute_cluster(
+    resource: &ClusterGpuMemoryBudget,
+    inputs: &Inputs<'_>,
+    previous: Option<&GpuMemoryBudgetStatus>,
+    now: Timestamp,
+) -> GpuMemoryBudgetStatus {
+    let recorded_as = format!("{}{}", gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX, resource.key());
+    let compile = || Budget::compile_cluster(resource);
+    compute_from(&recorded_as, resource.metadata.generation, compile, inputs, previous, now)
+}
+
+/// A status from the name pod records give the budget, its generation and its compiled spec.
+fn compute_from(
+    recorded_as: &str,
+    generation: Option<i64>,
+    compile: impl FnOnce() -> Result<Budget, SpecError>,
+    inputs: &Inputs<'_>,
+    previous: Option<&GpuMemoryBudgetStatus>,
+    now: Timestamp,
+) -> GpuMemoryBudgetStatus {
     let mut status = GpuMemoryBudgetStatus { observed_generation: generation, ..Default::default() };
-    count_evictions(&mut status, name, &inputs.recorded, previous);
+    count_evictions(&mut status, recorded_as, &inputs.recorded, previous);
     let fallback;
     let spec = match inputs.spec {
         Some(spec) => spec,
         None => {
-            fallback = Budget::compile(resource);
+            fallback = compile();
             fallback.as_ref()
         }
     };
@@ -100,6 +131,23 @@ struct Overlap {
     pods: usize,
     others: BTreeMap<String, String>,
     winners: BTreeMap<String, usize>,
+    /// A cluster budget is among them (the rule the message states is then the cluster one).
+    cluster: bool,
+}
+
+/// Whether two compiled budgets are the same object.
+fn same_budget(a: &Budget, b: &Budget) -> bool {
+    a.is_cluster() == b.is_cluster() && a.name == b.name && a.namespace == b.namespace
+}
+
+/// How `viewer`'s status names `other`: a cluster budget as `ClusterGpuMemoryBudget/<name>`; a namespaced one
+/// by its name in a namespaced budget's status (same namespace), as `namespace/name` in a cluster budget's.
+fn seen_from(viewer: &Budget, other: &Budget) -> String {
+    match (viewer.is_cluster(), other.is_cluster()) {
+        (_, true) => other.record_name(),
+        (true, false) => other.key(),
+        (false, false) => other.name.clone(),
+    }
 }
 
 fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatus) -> Overlap {
@@ -110,21 +158,21 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
     let mut assessed: HashMap<Assessment, i64> = HashMap::new();
     for selected in &inputs.selected {
         let pod = selected.pod;
-        // Namespaced budgets only: the operator does not count ClusterGpuMemoryBudgets yet (#23, part 3).
-        let no_namespace_labels = std::collections::BTreeMap::new();
-        let pod_labels = gpubudget_common::PodLabels::new(&pod.namespace, &no_namespace_labels, &pod.labels);
+        let pod_labels = gpubudget_common::PodLabels::new(&pod.namespace, selected.namespace_labels, &pod.labels);
         let applies = match gpubudget_common::resolve(selected.selected_by.iter().copied(), &pod_labels) {
             Some(resolution) => {
                 if !resolution.also_matched.is_empty() {
                     overlap.pods += 1;
-                    *overlap.winners.entry(resolution.budget.name.clone()).or_default() += 1;
-                    for other in std::iter::once(resolution.budget).chain(resolution.also_matched.iter().copied()) {
-                        if other.name != budget.name {
-                            overlap.others.insert(other.name.clone(), other.limit_text.clone());
+                    let winner = resolution.budget;
+                    overlap.cluster |= winner.is_cluster() || resolution.also_matched.iter().any(|b| b.is_cluster());
+                    *overlap.winners.entry(seen_from(budget, winner)).or_default() += 1;
+                    for other in std::iter::once(winner).chain(resolution.also_matched.iter().copied()) {
+                        if !same_budget(other, budget) {
+                            overlap.others.insert(seen_from(budget, other), other.limit_text.clone());
                         }
                     }
                 }
-                resolution.budget.name == budget.name
+                same_budget(resolution.budget, budget)
             }
             // The index says this budget selects the pod; resolve disagrees only if the inputs are
             // inconsistent. Count it for this budget rather than lose it.
@@ -138,7 +186,7 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
             *assessed.entry(caps::assess(&pod.gpu, caps)).or_default() += 1;
         }
         let Some(record) = &pod.record else { continue };
-        if record.budget == budget.name {
+        if budget.is_record_name(&record.budget) {
             match record.state {
                 BudgetState::Near => status.pods_near_budget += 1,
                 state if state.is_over() => status.pods_over_budget += 1,
@@ -157,12 +205,17 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
         status.pods_uncapped = Some(count(Assessment::Uncapped));
         status.pods_capped_above_limit = Some(count(Assessment::AboveLimit));
     }
-    top.sort_by(|a, b| b.1.usage_bytes.cmp(&a.1.usage_bytes).then_with(|| a.0.name.cmp(&b.0.name)));
+    top.sort_by(|a, b| {
+        b.1.usage_bytes
+            .cmp(&a.1.usage_bytes)
+            .then_with(|| (&a.0.name, &a.0.namespace).cmp(&(&b.0.name, &b.0.namespace)))
+    });
     status.top_pods = top
         .into_iter()
         .take(TOP_PODS_MAX)
         .map(|(pod, record)| TopPod {
-            name: pod.name.clone(),
+            // A cluster budget's pods come from many namespaces: `namespace/pod`.
+            name: if budget.is_cluster() { format!("{}/{}", pod.namespace, pod.name) } else { pod.name.clone() },
             node: Some(record.node.clone()).filter(|n| !n.is_empty()),
             usage: HumanBytes(record.usage_bytes).to_string(),
             usage_bytes: i64::try_from(record.usage_bytes).unwrap_or(i64::MAX),
@@ -185,6 +238,8 @@ fn count_evictions(
 ) {
     let mut counted: Vec<String> = previous.map(|p| p.counted_evictions.clone()).unwrap_or_default();
     let mut evictions = previous.map_or(0, |p| p.evictions);
+    // A cluster budget's evicted pods are of many namespaces: `namespace/pod`.
+    let cluster = name.starts_with(gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX);
     let mut last = previous.and_then(|p| p.last_eviction.clone());
     let evicted: Vec<(&PodInfo, &PodRecord, &str)> = recorded
         .iter()
@@ -208,7 +263,7 @@ fn count_evictions(
         };
         if newer {
             last = Some(EvictionRecord {
-                pod: pod.name.clone(),
+                pod: if cluster { format!("{}/{}", pod.namespace, pod.name) } else { pod.name.clone() },
                 node: Some(record.node.clone()).filter(|n| !n.is_empty()),
                 time: (*at).to_owned(),
                 usage: HumanBytes(record.usage_bytes).to_string(),
@@ -264,9 +319,10 @@ fn overlapping(budget: &Budget, overlap: &Overlap) -> Draft {
         names.push(format!("and {} more", overlap.others.len() - OVERLAP_NAMES_MAX));
     }
     let mut winners: Vec<String> = Vec::new();
-    let mine = overlap.winners.get(&budget.name).copied().unwrap_or(0);
+    let me = seen_from(budget, budget);
+    let mine = overlap.winners.get(&me).copied().unwrap_or(0);
     winners.push(format!("this budget ({}) applies to {mine}", budget.limit_text));
-    for (name, count) in overlap.winners.iter().filter(|(n, _)| **n != budget.name).take(OVERLAP_NAMES_MAX) {
+    for (name, count) in overlap.winners.iter().filter(|(n, _)| **n != me).take(OVERLAP_NAMES_MAX) {
         winners.push(format!("{name} to {count}"));
     }
     let pods = overlap.pods;
@@ -276,10 +332,15 @@ fn overlapping(budget: &Budget, overlap: &Overlap) -> Draft {
         "True",
         "SelectorsOverlap",
         format!(
-            "{pods} {plural} this budget selects {verb} also selected by {}; the smallest limit applies (equal \
-             limits: the name that sorts first): {}",
+            "{pods} {plural} this budget selects {verb} also selected by {}; {rule}: {}",
             names.join(", "),
             winners.join(", "),
+            rule = if overlap.cluster {
+                "the smallest limit applies (equal limits: the cluster budget, then the name that sorts first), and \
+                 a namespaced budget only if it is no looser in any field than the cluster budget"
+            } else {
+                "the smallest limit applies (equal limits: the name that sorts first)"
+            },
             verb = if pods == 1 { "is" } else { "are" },
         ),
     )
@@ -371,6 +432,7 @@ pub fn notices(previous: Option<&GpuMemoryBudgetStatus>, next: &GpuMemoryBudgetS
 
 #[cfg(test)]
 mod tests {
+    static NO_NS: BTreeMap<String, String> = BTreeMap::new();
     use super::*;
     use gpubudget_common::pod_record::PodRecord;
 
@@ -459,7 +521,10 @@ mod tests {
             let b = compiled(&r);
             let inputs = Inputs {
                 spec: None,
-                selected: pods.iter().map(|p| Selected { pod: p, selected_by: vec![&b] }).collect(),
+                selected: pods
+                    .iter()
+                    .map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![&b] })
+                    .collect(),
                 recorded: vec![],
             };
             let s = compute(&r, &inputs, None, t(0));
@@ -482,7 +547,10 @@ mod tests {
         ];
         let inputs = Inputs {
             spec: None,
-            selected: pods.iter().map(|p| Selected { pod: p, selected_by: vec![&b] }).collect(),
+            selected: pods
+                .iter()
+                .map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![&b] })
+                .collect(),
             recorded: pods.iter().collect(),
         };
         let s = compute(&llm, &inputs, None, t(0));
@@ -512,7 +580,10 @@ mod tests {
         let unset = compiled(&llm);
         let inputs = |b| Inputs {
             spec: Some(Ok(b)),
-            selected: pods.iter().map(|p| Selected { pod: p, selected_by: vec![b] }).collect(),
+            selected: pods
+                .iter()
+                .map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![b] })
+                .collect(),
             recorded: pods.iter().collect(),
         };
         let s = compute(&llm, &inputs(&unset), None, t(0));
@@ -535,7 +606,10 @@ mod tests {
             (0..25).map(|i| pod(&format!("p{i:02}"), "x", Some((BudgetState::Within, i * 1000, "llm")))).collect();
         let inputs = Inputs {
             spec: None,
-            selected: pods.iter().map(|p| Selected { pod: p, selected_by: vec![&b] }).collect(),
+            selected: pods
+                .iter()
+                .map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![&b] })
+                .collect(),
             recorded: vec![],
         };
         let s = compute(&llm, &inputs, None, t(0));
@@ -557,9 +631,9 @@ mod tests {
         let wide_inputs = Inputs {
             spec: None,
             selected: vec![
-                Selected { pod: &pods[0], selected_by: vec![&bl, &bw] },
-                Selected { pod: &pods[1], selected_by: vec![&bw, &bl] },
-                Selected { pod: &pods[2], selected_by: vec![&bw] },
+                Selected { pod: &pods[0], namespace_labels: &NO_NS, selected_by: vec![&bl, &bw] },
+                Selected { pod: &pods[1], namespace_labels: &NO_NS, selected_by: vec![&bw, &bl] },
+                Selected { pod: &pods[2], namespace_labels: &NO_NS, selected_by: vec![&bw] },
             ],
             recorded: vec![&pods[2]],
         };
@@ -659,10 +733,16 @@ mod tests {
         let wide = resource("wide", "16Gi", "{}");
         let (bl, bw) = (compiled(&llm), compiled(&wide));
         let p = pod("p", "x", None);
-        let alone =
-            Inputs { spec: None, selected: vec![Selected { pod: &p, selected_by: vec![&bl] }], recorded: vec![] };
-        let shared =
-            Inputs { spec: None, selected: vec![Selected { pod: &p, selected_by: vec![&bl, &bw] }], recorded: vec![] };
+        let alone = Inputs {
+            spec: None,
+            selected: vec![Selected { pod: &p, namespace_labels: &NO_NS, selected_by: vec![&bl] }],
+            recorded: vec![],
+        };
+        let shared = Inputs {
+            spec: None,
+            selected: vec![Selected { pod: &p, namespace_labels: &NO_NS, selected_by: vec![&bl, &bw] }],
+            recorded: vec![],
+        };
         let s0 = compute(&llm, &alone, None, t(0));
         let s1 = compute(&llm, &shared, Some(&s0), t(10));
         let ready =
@@ -698,5 +778,50 @@ mod tests {
         let s1 = compute(&llm, &Inputs::default(), Some(&s0), t(1));
         assert!(!same_ignoring_timestamps(&s0, &s1));
         assert_eq!(s1.conditions[0].observed_generation, Some(4));
+    }
+
+    /// #23: a cluster budget's status: the pods it applies to in every namespace, `namespace/pod` in
+    /// `topPods` and `lastEviction`, its overlaps naming namespaced budgets as `namespace/name`, and a
+    /// namespaced budget's naming it `ClusterGpuMemoryBudget/<name>`.
+    #[test]
+    fn a_cluster_budgets_status_spans_namespaces_and_names_who_applies() {
+        let tenants: ClusterGpuMemoryBudget = serde_yaml::from_str(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {name: tenants, generation: 2}\n\
+             spec: {namespaceSelector: {matchLabels: {tier: tenant}}, selector: {}, limit: 16Gi}\n",
+        )
+        .expect("fixture");
+        let cluster = Budget::compile_cluster(&tenants).expect("valid");
+        let llm = resource("llm", "8Gi", "{matchLabels: {app: llm}}");
+        let bl = compiled(&llm);
+        let labels: BTreeMap<String, String> = [("tier".to_owned(), "tenant".to_owned())].into();
+        let in_b = |p: PodInfo| PodInfo { namespace: "b".into(), ..p };
+        let recorded = "ClusterGpuMemoryBudget/tenants";
+        let pods = [
+            pod("p1", "llm", Some((BudgetState::Within, GI, "llm"))),
+            pod("p2", "web", Some((BudgetState::Over, 17 * GI, recorded))),
+            in_b(pod("q1", "web", Some((BudgetState::Near, 15 * GI, recorded)))),
+            in_b(evicted(pod("gone", "web", Some((BudgetState::Over, 20 * GI, recorded))), "2027-01-15T08:00:00Z")),
+        ];
+        let selected = vec![
+            Selected { pod: &pods[0], namespace_labels: &labels, selected_by: vec![&bl, &cluster] },
+            Selected { pod: &pods[1], namespace_labels: &labels, selected_by: vec![&cluster] },
+            Selected { pod: &pods[2], namespace_labels: &labels, selected_by: vec![&cluster] },
+        ];
+        let inputs =
+            Inputs { spec: Some(Ok(&cluster)), selected: selected.clone(), recorded: vec![&pods[1], &pods[3]] };
+        let s = compute_cluster(&tenants, &inputs, None, t(0));
+        assert_eq!((s.observed_generation, s.matched_pods, s.pods_over_budget, s.pods_near_budget), (Some(2), 2, 1, 1));
+        let top: Vec<&str> = s.top_pods.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(top, ["a/p2", "b/q1"], "a/llm took p1 over");
+        assert_eq!((s.evictions, s.last_eviction.as_ref().map(|l| l.pod.as_str())), (1, Some("b/gone")));
+        let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
+        assert!(c.message.starts_with("1 pod this budget selects is also selected by a/llm (8Gi); the smallest limit"));
+        assert!(c.message.ends_with("this budget (16Gi) applies to 0, a/llm to 1"), "{}", c.message);
+        // The namespaced budget's side.
+        let s = compute(&llm, &Inputs { spec: None, selected: selected[..1].to_vec(), recorded: vec![] }, None, t(0));
+        assert_eq!(s.matched_pods, 1);
+        let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
+        assert!(c.message.contains("also selected by ClusterGpuMemoryBudget/tenants (16Gi)"), "{}", c.message);
+        assert!(c.message.contains("no looser in any field than the cluster budget"), "{}", c.message);
     }
 }

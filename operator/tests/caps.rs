@@ -212,3 +212,28 @@ async fn a_leader_without_election_keeps_running_and_labelling() {
     shutdown.cancel();
     tokio::time::timeout(WAIT, task).await.expect("stops in time").expect("joins").expect("runs cleanly");
 }
+
+/// #23: a `ClusterGpuMemoryBudget` with `admissionCaps: Enabled` scopes the webhook to the namespaces it
+/// selects, and follows a relabel in and out.
+#[tokio::test]
+async fn the_leader_labels_the_namespaces_a_caps_cluster_budget_selects() {
+    use kube::CustomResourceExt;
+    let fake = FakeApi::new();
+    fake.put_object(serde_json::to_value(gpubudget_common::ClusterGpuMemoryBudget::crd()).expect("crd")).expect("crd");
+    namespace(&fake, "team-a", json!({"tier": "tenant"}));
+    namespace(&fake, "team-b", json!({}));
+    fake.put_object(json!({
+        "apiVersion": "gpubudget.io/v1alpha1", "kind": "ClusterGpuMemoryBudget",
+        "metadata": {"name": "tenants", "generation": 1},
+        "spec": {"namespaceSelector": {"matchLabels": {"tier": "tenant"}}, "selector": {}, "limit": "16Gi",
+                 "admissionCaps": "Enabled"},
+    }))
+    .expect("cluster budget stored");
+    let op = Operator::start(&fake, true);
+    until(&fake, "team-a labelled", |f| labelled(f, "team-a")).await;
+    assert!(!labelled(&fake, "team-b"));
+    fake.modify("namespaces", "", "team-b", |ns| ns["metadata"]["labels"]["tier"] = "tenant".into());
+    fake.modify("namespaces", "", "team-a", |ns| ns["metadata"]["labels"]["tier"] = "system".into());
+    until(&fake, "the labels to follow", |f| labelled(f, "team-b") && !labelled(f, "team-a")).await;
+    op.stop().await;
+}

@@ -39,19 +39,9 @@ fn pod(fake: &FakeApi, name: &str, app: &str) {
     .expect("pod stored");
 }
 
-/// What the agent writes on a pod (its record).
+/// What the agent writes on a pod of team-a (its record).
 fn record(fake: &FakeApi, name: &str, state: &str, usage: u64, budget: &str, evicted_at: Option<&str>) {
-    fake.modify("pods", "team-a", name, |pod| {
-        let annotations = &mut pod["metadata"]["annotations"];
-        annotations["gpubudget.io/state"] = state.into();
-        annotations["gpubudget.io/usage-bytes"] = usage.to_string().into();
-        annotations["gpubudget.io/budget"] = budget.into();
-        annotations["gpubudget.io/node"] = "gpu-1".into();
-        if let Some(at) = evicted_at {
-            annotations["gpubudget.io/eviction-requested-at"] = at.into();
-        }
-    })
-    .expect("pod exists");
+    harness::record(fake, "team-a", name, state, usage, budget, evicted_at);
 }
 
 /// The agent's eviction, accepted: the pod terminates (with graceful deletion on, it stays until

@@ -279,8 +279,20 @@ impl State {
         self.infos.iter()
     }
 
+    /// Whether the resource has a status subresource: registered so, or its stored CRD says so (as the real
+    /// server serves a custom resource from its CRD).
     pub(crate) fn has_status(&self, gr: &Gr) -> bool {
         self.infos.get(gr).is_some_and(|i| i.status)
+            || self.list(&Gr::new("apiextensions.k8s.io", "customresourcedefinitions"), None).iter().any(|crd| {
+                let spec = &crd["spec"];
+                spec["group"] == gr.group.as_str()
+                    && spec["names"]["plural"] == gr.plural.as_str()
+                    && spec["versions"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|v| v["subresources"]["status"].is_object())
+            })
     }
 
     pub(crate) fn set_status_subresource(&mut self, gr: Gr) {
@@ -307,6 +319,8 @@ impl State {
         if let (Some(av), Some(kind), true) = (av, kind, info.kind.is_empty()) {
             info.api_version = av.to_owned();
             info.kind = kind.to_owned();
+            // Registered before its kind was known (`with_status_subresource`): the scope is learned now.
+            info.namespaced = namespaced;
         }
     }
 
@@ -327,9 +341,18 @@ impl State {
         groups.first().map_or_else(|| Gr::new("", resource), |gr| (*gr).clone())
     }
 
-    /// The resource for an object's apiVersion and kind (known kinds, else the lower-case plural of the kind).
+    /// The resource for an object's apiVersion and kind, and whether it is namespaced: a stored CRD's
+    /// plural and scope (as the real server, which serves a custom resource from its CRD), else known kinds,
+    /// else the lower-case plural of the kind, namespaced.
     pub(crate) fn resource_for(&self, api_version: &str, kind: &str) -> (Gr, bool) {
         let group = group_of(api_version);
+        let crds = self.list(&Gr::new("apiextensions.k8s.io", "customresourcedefinitions"), None);
+        if let Some(spec) =
+            crds.iter().map(|crd| &crd["spec"]).find(|s| s["group"] == group && s["names"]["kind"] == kind)
+            && let Some(plural) = spec["names"]["plural"].as_str()
+        {
+            return (Gr::new(group, plural), spec["scope"] != "Cluster");
+        }
         if let Some((gr, info)) = self.infos.iter().find(|(gr, i)| gr.group == group && i.kind == kind) {
             return (gr.clone(), info.namespaced);
         }

@@ -682,3 +682,61 @@ async fn cluster_scoped_crds_direct_writes_and_delete_collection() {
     assert!(fake.delete_object("pods", "default", "a"));
     assert!(fake.list("pods", Some("default")).is_empty());
 }
+
+/// #23: a cluster-scoped custom resource is stored without a namespace however it is written (`put_object`
+/// with its CRD known, or the API), so GET by name, list, status writes and `fake.get(.., "", name)` find it.
+#[tokio::test]
+async fn cluster_scoped_custom_resources_are_found_by_name() {
+    use gpubudget_common::ClusterGpuMemoryBudget;
+    use kube::CustomResourceExt;
+    let fake = FakeApi::new().with_status_subresource("clustergpumemorybudgets.gpubudget.io");
+    fake.put_object(serde_json::to_value(ClusterGpuMemoryBudget::crd()).unwrap()).unwrap();
+    fake.put_object(json!({
+        "apiVersion": "gpubudget.io/v1alpha1", "kind": "ClusterGpuMemoryBudget",
+        "metadata": {"name": "seeded"},
+        "spec": {"namespaceSelector": {}, "selector": {}, "limit": "16Gi"},
+    }))
+    .unwrap();
+    let api: Api<ClusterGpuMemoryBudget> = Api::all(fake.client());
+    let seeded = api.get("seeded").await.expect("GET by name");
+    assert_eq!((seeded.metadata.namespace, seeded.spec.budget.limit.0.as_str()), (None, "16Gi"));
+    let mut created: ClusterGpuMemoryBudget = serde_json::from_value(json!({
+        "apiVersion": "gpubudget.io/v1alpha1", "kind": "ClusterGpuMemoryBudget",
+        "metadata": {"name": "created"},
+        "spec": {"namespaceSelector": {"matchLabels": {"tier": "tenant"}}, "selector": {}, "limit": "8Gi"},
+    }))
+    .unwrap();
+    created = api.create(&PostParams::default(), &created).await.expect("create");
+    assert_eq!(created.metadata.namespace, None);
+    assert_eq!(api.get("created").await.expect("GET by name").metadata.uid, created.metadata.uid);
+    let names: Vec<String> =
+        api.list(&ListParams::default()).await.unwrap().items.iter().map(|b| b.name_any()).collect();
+    assert_eq!(names, ["created", "seeded"]);
+    let patch =
+        json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": "ClusterGpuMemoryBudget", "status": {"matchedPods": 3}});
+    let written = api.patch_status("seeded", &PatchParams::apply("t").force(), &Patch::Apply(&patch)).await.unwrap();
+    assert_eq!(written.status.map(|s| s.matched_pods), Some(3));
+    assert_eq!(fake.get("clustergpumemorybudgets", "", "seeded").unwrap()["status"]["matchedPods"], 3);
+    assert!(fake.get("clustergpumemorybudgets", "default", "seeded").is_none(), "never under a namespace");
+}
+
+/// A stored CRD with a status subresource gives its resource one (without `with_status_subresource`): a
+/// status write leaves the generation alone, a main write leaves the status alone.
+#[tokio::test]
+async fn a_stored_crds_status_subresource_is_served() {
+    use gpubudget_common::ClusterGpuMemoryBudget;
+    use kube::CustomResourceExt;
+    let fake = FakeApi::new();
+    fake.put_object(serde_json::to_value(ClusterGpuMemoryBudget::crd()).unwrap()).unwrap();
+    fake.put_object(json!({
+        "apiVersion": "gpubudget.io/v1alpha1", "kind": "ClusterGpuMemoryBudget",
+        "metadata": {"name": "b"}, "spec": {"namespaceSelector": {}, "selector": {}, "limit": "16Gi"},
+    }))
+    .unwrap();
+    let api: Api<ClusterGpuMemoryBudget> = Api::all(fake.client());
+    let generation = api.get("b").await.unwrap().metadata.generation;
+    let patch =
+        json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": "ClusterGpuMemoryBudget", "status": {"matchedPods": 3}});
+    let written = api.patch_status("b", &PatchParams::apply("t").force(), &Patch::Apply(&patch)).await.unwrap();
+    assert_eq!((written.metadata.generation, written.status.map(|s| s.matched_pods)), (generation, Some(3)));
+}

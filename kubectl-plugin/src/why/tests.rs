@@ -56,6 +56,8 @@ fn input<'a>(pod: Option<&'a Pod>, budgets: Option<&'a [GpuMemoryBudget]>, event
         pod,
         budgets,
         specs: &NO_SPECS,
+        cluster_budgets: Some(&[]),
+        namespace_labels: None,
         events,
         now: now(),
         warnings: Vec::new(),
@@ -251,4 +253,34 @@ fn a_new_optional_spec_field_shows_without_a_change() {
         text.contains("llm (limit 8Gi, request 6Gi, action Evict, warnAtPercent 90, overLimitSeconds 10)"),
         "{text}"
     );
+}
+
+/// #23: `why` reads the cluster budgets with the namespace's labels: one applies over a looser namespaced
+/// budget, is named `ClusterGpuMemoryBudget/<name>` (as the agent's record names it) with both selectors,
+/// and its spec is shown; a namespace it does not select leaves it out.
+#[test]
+fn a_cluster_budget_is_shown_and_applies_as_resolved() {
+    let tenants: ClusterGpuMemoryBudget = serde_json::from_value(json!({
+        "apiVersion": "gpubudget.io/v1alpha1", "kind": "ClusterGpuMemoryBudget", "metadata": {"name": "tenants"},
+        "spec": {"namespaceSelector": {"matchLabels": {"tier": "tenant"}}, "selector": {}, "limit": "16Gi"},
+    }))
+    .unwrap();
+    let budgets = vec![budget("team-default", "20Gi", json!({}), json!({}))];
+    let p = pod(Some(("Within", 4 << 30, "ClusterGpuMemoryBudget/tenants")), json!({}), json!({}));
+    let labels: BTreeMap<String, String> = [("tier".to_owned(), "tenant".to_owned())].into();
+    let clusters = [tenants];
+    let base = input(Some(&p), Some(&budgets), &[]);
+    let r =
+        why(WhyInput { cluster_budgets: Some(&clusters), namespace_labels: Some(&labels), ..base.clone() }).unwrap();
+    let names: Vec<(&str, bool)> = r.matched.iter().map(|m| (m.name.as_str(), m.applies)).collect();
+    assert_eq!(names, [("ClusterGpuMemoryBudget/tenants", true), ("team-default", false)]);
+    assert!(r.matched[0].selector.starts_with("namespaceSelector "), "{}", r.matched[0].selector);
+    assert!(r.why.contains("no looser in any field than the cluster budget"), "{}", r.why);
+    let shown = r.budget.expect("the applying budget");
+    assert_eq!((shown.name.as_str(), shown.limit_bytes), ("ClusterGpuMemoryBudget/tenants", Some(16 << 30)));
+    assert!(r.warnings.is_empty(), "the record names the budget that applies: {:?}", r.warnings);
+    // Not a tenant namespace: the namespaced budget applies, and the record is stale.
+    let r = why(WhyInput { cluster_budgets: Some(&clusters), namespace_labels: None, ..base }).unwrap();
+    assert_eq!(r.matched.iter().map(|m| m.name.as_str()).collect::<Vec<_>>(), ["team-default"]);
+    assert!(r.warnings.iter().any(|w| w.contains("now resolve to team-default")), "{:?}", r.warnings);
 }

@@ -60,7 +60,7 @@ fn env(pod: &Value) -> Vec<(String, String)> {
 fn a_pod_created_under_a_caps_budget_gets_the_variables_and_the_record() {
     let object = gpu_pod(json!({"app": "llm"}), json!({}), json!([{"name": MPS_LIMIT, "value": "0=2G"}]));
     let budgets = [budget("llm", "8Gi", "{matchLabels: {app: llm}}", true)];
-    let (response, verdict) = decide(&review("CREATE", "pods", None, object.clone()), &budgets);
+    let (response, verdict) = decide(&review("CREATE", "pods", None, object.clone()), &budgets, &BTreeMap::new());
     assert!(response.allowed);
     let Verdict::Capped(record) = &verdict else { panic!("{verdict:?}") };
     assert_eq!(record.containers[0].env[MPS_LIMIT], Outcome::Kept, "the user's smaller value is kept");
@@ -76,12 +76,12 @@ fn the_budget_that_applies_decides_even_without_caps() {
     let object = gpu_pod(json!({"app": "llm"}), json!({}), json!([]));
     // The smaller limit applies (as for eviction); it has caps disabled: nothing is set.
     let budgets = [budget("wide", "16Gi", "{}", true), budget("llm", "8Gi", "{matchLabels: {app: llm}}", false)];
-    let (response, verdict) = decide(&review("CREATE", "pods", None, object.clone()), &budgets);
+    let (response, verdict) = decide(&review("CREATE", "pods", None, object.clone()), &budgets, &BTreeMap::new());
     assert_eq!((response.allowed, verdict), (true, Verdict::NoCaps));
     assert_eq!(patched(&object, &response), object);
     // A pod the caps budget alone selects gets its limit.
     let other = gpu_pod(json!({"app": "batch"}), json!({}), json!([]));
-    let (response, _) = decide(&review("CREATE", "pods", None, other.clone()), &budgets);
+    let (response, _) = decide(&review("CREATE", "pods", None, other.clone()), &budgets, &BTreeMap::new());
     assert_eq!(env(&patched(&other, &response))[1], (MEMORY_LIMIT.into(), "16384".into()));
 }
 
@@ -91,13 +91,13 @@ fn a_record_written_by_the_pods_author_never_survives_creation() {
     // Under a caps budget: replaced by the real record.
     let object = gpu_pod(json!({"app": "llm"}), forged.clone(), json!([]));
     let budgets = [budget("llm", "8Gi", "{}", true)];
-    let (response, _) = decide(&review("CREATE", "pods", None, object.clone()), &budgets);
+    let (response, _) = decide(&review("CREATE", "pods", None, object.clone()), &budgets, &BTreeMap::new());
     let pod = patched(&object, &response);
     let record: Record =
         serde_json::from_str(pod["metadata"]["annotations"][ANNOTATION].as_str().expect("a")).expect("record");
     assert_eq!((record.limit_mib, record.containers.len()), (8192, 1));
     // Without one: removed.
-    let (response, verdict) = decide(&review("CREATE", "pods", None, object.clone()), &[]);
+    let (response, verdict) = decide(&review("CREATE", "pods", None, object.clone()), &[], &BTreeMap::new());
     assert_eq!(verdict, Verdict::NoCaps);
     assert!(patched(&object, &response)["metadata"]["annotations"].get(ANNOTATION).is_none());
 }
@@ -109,11 +109,11 @@ fn only_pod_creations_are_touched_and_trouble_never_refuses_a_pod() {
     for (operation, resource, sub) in
         [("UPDATE", "pods", None), ("CREATE", "pods", Some("binding")), ("CREATE", "configmaps", None)]
     {
-        let (response, verdict) = decide(&review(operation, resource, sub, object.clone()), &budgets);
+        let (response, verdict) = decide(&review(operation, resource, sub, object.clone()), &budgets, &BTreeMap::new());
         assert_eq!((response.allowed, response.patch.is_none(), verdict), (true, true, Verdict::NotPodCreate));
     }
     let broken = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": "nope"}});
-    let (response, verdict) = decide(&review("CREATE", "pods", None, broken), &budgets);
+    let (response, verdict) = decide(&review("CREATE", "pods", None, broken), &budgets, &BTreeMap::new());
     assert!(response.allowed && response.patch.is_none());
     assert!(matches!(&verdict, Verdict::Failed(why) if why.contains("cannot be read")), "{verdict:?}");
     assert_eq!(verdict.label(), "failed");
@@ -124,4 +124,43 @@ fn labels_follow_the_namespaces_with_caps_budgets() {
     let set = |names: &[&str]| names.iter().map(|n| (*n).to_owned()).collect::<BTreeSet<String>>();
     assert_eq!(namespaces_to_label(&set(&["a", "b"]), &set(&["b", "c"])), (vec!["c".to_owned()], vec!["a".to_owned()]));
     assert_eq!(namespaces_to_label(&set(&["a"]), &set(&["a"])), (vec![], vec![]));
+}
+
+fn cluster_budget(name: &str, limit: &str, namespace_selector: &str, caps: bool) -> Budget {
+    let caps = if caps { ", admissionCaps: Enabled" } else { "" };
+    let resource: gpubudget_common::ClusterGpuMemoryBudget = serde_yaml::from_str(&format!(
+        "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {{name: {name}}}\n\
+         spec: {{namespaceSelector: {namespace_selector}, selector: {{}}, limit: {limit}{caps}}}\n"
+    ))
+    .expect("fixture");
+    Budget::compile_cluster(&resource).expect("valid")
+}
+
+/// #23: a ClusterGpuMemoryBudget with `admissionCaps: Enabled` caps the pods it applies to, read with the
+/// namespace's labels at admission; a namespace it does not select, or a tighter namespaced budget without
+/// caps, is not capped by it.
+#[test]
+fn a_cluster_budget_with_caps_caps_the_pods_it_applies_to() {
+    let object = gpu_pod(json!({"app": "llm"}), json!({}), json!([]));
+    let tenants: BTreeMap<String, String> = [("tier".to_owned(), "tenant".to_owned())].into();
+    let cluster = cluster_budget("tenants", "16Gi", "{matchLabels: {tier: tenant}}", true);
+    let (response, verdict) =
+        decide(&review("CREATE", "pods", None, object.clone()), std::slice::from_ref(&cluster), &tenants);
+    let Verdict::Capped(record) = &verdict else { panic!("{verdict:?}") };
+    assert_eq!((record.budget.as_str(), record.limit_mib), ("ClusterGpuMemoryBudget/tenants", 16384));
+    assert!(env(&patched(&object, &response)).contains(&(MEMORY_LIMIT.into(), "16384".into())));
+    // The namespace is not (or no longer) labelled for it: no caps.
+    let (_, verdict) =
+        decide(&review("CREATE", "pods", None, object.clone()), std::slice::from_ref(&cluster), &BTreeMap::new());
+    assert_eq!(verdict, Verdict::NoCaps);
+    // A namespaced budget tighter in every field takes over: its caps (here enabled) at its limit.
+    let both = [budget("llm", "8Gi", "{}", true), cluster.clone()];
+    let (_, verdict) = decide(&review("CREATE", "pods", None, object.clone()), &both, &tenants);
+    let Verdict::Capped(record) = &verdict else { panic!("{verdict:?}") };
+    assert_eq!((record.budget.as_str(), record.limit_mib), ("llm", 8192));
+    // One without caps is looser than the cluster budget (caps off): it cannot take over, the cluster caps hold.
+    let both = [budget("llm", "8Gi", "{}", false), cluster];
+    let (_, verdict) = decide(&review("CREATE", "pods", None, object), &both, &tenants);
+    let Verdict::Capped(record) = &verdict else { panic!("{verdict:?}") };
+    assert_eq!((record.budget.as_str(), record.limit_mib), ("ClusterGpuMemoryBudget/tenants", 16384));
 }

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!  quotas ──► reflector ─┐
-//!  namespaces (metadata) ┼─► every `interval`, leader only: per quota
+//!  namespaces (index) ───┼─► every `interval`, leader only: per quota
 //!  pod index (records) ──┘     compute (pure: common's quota::decide per namespace) ─► status (SSA, own
 //!                              field manager, resourceVersion precondition) ─► evict / delete ─► events
 //! ```
@@ -18,8 +18,6 @@
 //! - Evictions go through the Eviction API (PodDisruptionBudgets apply) with the quota's grace; a refusal is
 //!   told as an event and retried every `interval`; after `blockedEvictionTimeoutSeconds` the pod is
 //!   deleted with the same grace, as the agent does.
-
-pub mod namespaces;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -47,7 +45,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::controller::Context;
 use crate::index::Index;
-use namespaces::Namespaces;
 
 /// The field manager of quota status writes (its own: the budget status controller's writes never touch it).
 pub const FIELD_MANAGER: &str = "gpubudget-operator/quota";
@@ -113,13 +110,13 @@ pub fn remembered(entry: &NamespaceTotal) -> Remembered {
 }
 
 /// One namespace's pods as the decision reads them: those the quota's selectors pick, with a record.
-pub fn quota_pods(index: &Index, namespaces: &Namespaces, quota: &Budget) -> BTreeMap<String, Vec<QuotaPod>> {
+pub fn quota_pods(index: &Index, quota: &Budget) -> BTreeMap<String, Vec<QuotaPod>> {
     let mut out: BTreeMap<String, Vec<QuotaPod>> = BTreeMap::new();
     for (namespace, pods) in index.pods_by_namespace() {
-        let labels = namespaces.labels(namespace);
+        let labels = index.namespace_labels(namespace);
         for pod in pods {
             let Some(record) = &pod.record else { continue };
-            if !quota.selects(&PodLabels::new(namespace, &labels, &pod.labels)) {
+            if !quota.selects(&PodLabels::new(namespace, labels, &pod.labels)) {
                 continue;
             }
             out.entry(namespace.to_owned()).or_default().push(QuotaPod {
@@ -306,7 +303,6 @@ struct Written {
 struct Quotas {
     ctx: Arc<Context>,
     settings: QuotaSettings,
-    namespaces: Namespaces,
     written: Mutex<HashMap<String, Written>>,
 }
 
@@ -331,7 +327,7 @@ impl Quotas {
         let pods = match quota::compile(quota) {
             Ok(compiled) => {
                 let index = self.ctx.index.read().unwrap_or_else(PoisonError::into_inner);
-                quota_pods(&index, &self.namespaces, &compiled)
+                quota_pods(&index, &compiled)
             }
             Err(_) => BTreeMap::new(),
         };
@@ -473,14 +469,10 @@ impl Quotas {
     }
 }
 
-/// Runs the quota loop until `shutdown`: watches quotas and namespaces, and every `interval`, while this
-/// replica leads and the pod and budget caches have listed, adds every quota up and acts.
+/// Runs the quota loop until `shutdown`: watches quotas (the namespaces' labels are the index's, fed by the
+/// controller's namespace watch), and every `interval`, while this replica leads and the pod and budget
+/// caches have listed, adds every quota up and acts.
 pub async fn run(ctx: Arc<Context>, settings: QuotaSettings, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let namespaces = Namespaces::new();
-    let ns_task = {
-        let (namespaces, client, shutdown) = (namespaces.clone(), ctx.client(), shutdown.clone());
-        async move { namespaces.run(client, shutdown).await }
-    };
     let (store, writer) = reflector::store::<ClusterGpuMemoryQuota>();
     let api: Api<ClusterGpuMemoryQuota> = Api::all(ctx.client());
     let mut quotas = std::pin::pin!(
@@ -489,16 +481,14 @@ pub async fn run(ctx: Arc<Context>, settings: QuotaSettings, shutdown: Cancellat
             .modify(|q| q.metadata.managed_fields = None)
             .reflect(writer)
     );
-    let state = Quotas { ctx: ctx.clone(), settings: settings.clone(), namespaces, written: Mutex::default() };
+    let state = Quotas { ctx: ctx.clone(), settings: settings.clone(), written: Mutex::default() };
     let mut ticker = tokio::time::interval(settings.interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut listed = false;
     let mut warned = false;
-    let mut ns_task = std::pin::pin!(ns_task);
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return Ok(()),
-            () = &mut ns_task => return Ok(()),
             event = quotas.next() => {
                 match event {
                     Some(Ok(Event::InitDone)) => listed = true,
@@ -520,7 +510,7 @@ pub async fn run(ctx: Arc<Context>, settings: QuotaSettings, shutdown: Cancellat
         }
         let leads = *ctx.leader_watch().borrow();
         let synced = *ctx.synced_watch().borrow();
-        if !(leads && synced && listed && state.namespaces.is_listed()) {
+        if !(leads && synced && listed) {
             continue;
         }
         let mut over = 0;

@@ -53,3 +53,26 @@ impl Operator {
         }
     }
 }
+
+/// What the agent writes on a pod (its record), as the agent's annotations.
+pub fn record(
+    fake: &FakeApi,
+    namespace: &str,
+    name: &str,
+    state: &str,
+    usage: u64,
+    budget: &str,
+    evicted_at: Option<&str>,
+) {
+    fake.modify("pods", namespace, name, |pod| {
+        let annotations = &mut pod["metadata"]["annotations"];
+        annotations["gpubudget.io/state"] = state.into();
+        annotations["gpubudget.io/usage-bytes"] = usage.to_string().into();
+        annotations["gpubudget.io/budget"] = budget.into();
+        annotations["gpubudget.io/node"] = "gpu-1".into();
+        if let Some(at) = evicted_at {
+            annotations["gpubudget.io/eviction-requested-at"] = at.into();
+        }
+    })
+    .expect("pod exists");
+}
