@@ -13,6 +13,7 @@
 # GPUBUDGET_E2E_STREAM ("status spec elsewhere": the streams to run after each count; elsewhere: spec changes
 # of 100 budgets in a namespace without pods on the node), GPUBUDGET_E2E_STREAM_RATE
 # (writes per second, default 20), GPUBUDGET_E2E_WRITES=1 (then the agent's write load, below),
+# GPUBUDGET_E2E_IDLE_SECONDS (default 30: the agent's CPU with nothing changing, after its records),
 # GPUBUDGET_E2E_KEEP=1. The agent runs with the chart's RBAC and admission policies and a node-bound token,
 # as in run.sh; its budgets are all Within (no events, no evictions): what is measured is the records.
 #
@@ -50,6 +51,7 @@ AGENT_PID="" OPERATOR_PID=""
 STREAMS=${GPUBUDGET_E2E_STREAM:-}
 WRITES=${GPUBUDGET_E2E_WRITES:-0}
 RATE=${GPUBUDGET_E2E_STREAM_RATE:-20}
+IDLE=${GPUBUDGET_E2E_IDLE_SECONDS:-30}
 START=$SECONDS
 # sockets PID: "local-port bytes-received" of each of the agent's open connections to the API server.
 sockets() {
@@ -209,12 +211,12 @@ EOF
     "$label" "$pods" "$BUDGETS" "$recorded" "$pods" "${done_at:-timeout}" "$(echo "$peak_during / 1024" | bc -l)" \
     "$(echo "$rss / 1024" | bc -l)" "$max_conn" "$conn" "${errors:-0}" "$(echo "$(received "$AGENT_PID") / 1048576" | bc -l)" \
     "$(metric gpubudget_pod_table_rebuilds_total)" | tee -a "$WORK/results.txt"
-  # The agent's CPU over 30 s with nothing changing: sampling (replayed) and deciding every 250 ms.
+  # The agent's CPU over IDLE seconds with nothing changing: sampling (replayed) and deciding every 250 ms.
   local c0
   c0=$(cpu_ms "$AGENT_PID")
-  sleep 30
-  printf '    IDLE   %-6s budgets=%s  agent_cpu=%sms in 30 s (%s ticks)\n' "$label" "$BUDGETS" \
-    "$(( $(cpu_ms "$AGENT_PID") - c0 ))" 120 | tee -a "$WORK/results.txt"
+  sleep "$IDLE"
+  printf '    IDLE   %-6s budgets=%s  agent_cpu=%sms in %s s (%s ticks)\n' "$label" "$BUDGETS" \
+    "$(( $(cpu_ms "$AGENT_PID") - c0 ))" "$IDLE" "$((IDLE * 4))" | tee -a "$WORK/results.txt"
   local kind
   for kind in $STREAMS; do
     local r0 c0
