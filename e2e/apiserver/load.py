@@ -10,6 +10,8 @@ GPUBUDGET_TOKEN. Certificates are not verified (a local test control plane).
     load.py record-latency PREFIX NAMESPACES PER_NS PER_BUDGET_NS CHANGES
     load.py stream status|spec NAMES_FILE RATE SECONDS       NAMES_FILE: namespace/name lines
     load.py edit-all NAMES_FILE SPEC_JSON                     every budget's spec merge-patched at once
+    load.py status-ceiling PREFIX NAMESPACES PER_NS apply|merge|clear THREADS
+                                                              every budget's status rewritten once, no operator
 """
 import http.client
 import json
@@ -135,7 +137,7 @@ def cmd_pods(prefix, namespaces, per_ns, per_budget_ns, nodes, *flags):
     last_applied = "x" * 1500
 
     def create(n, k):
-        namespace, name, node = ns(prefix, n), f"pod-{k:05}", f"{prefix}-node-{k % nodes}"
+        namespace, name, node = ns(prefix, n), f"pod-{k:05}", f"{prefix}-node-{(n * per_ns + k) % nodes}"
         app = app_of(k, per_budget_ns)
         request("POST", f"/api/v1/namespaces/{namespace}/pods", {
             "apiVersion": "v1", "kind": "Pod",
@@ -225,10 +227,53 @@ def cmd_edit_all(names_file, spec_json):
     print(f"{len(names)} budgets patched with {spec_json} in {time.monotonic() - t0:.1f} s")
 
 
+def cmd_status_ceiling(prefix, namespaces, per_ns, mode, threads):
+    """The API server's own rate for this CRD's status writes, without the operator: every budget's status
+    (the one the operator wrote, read first, with matchedPods moved so each write is a real change) written
+    once, THREADS at a time, as the operator writes it (`apply`: server-side apply as gpubudget-operator,
+    forced, with the resourceVersion precondition) or as a JSON merge patch (`merge`); `clear` removes every
+    status. Run with the operator stopped; prints writes per second."""
+    global THREADS
+    namespaces, per_ns, THREADS = int(namespaces), int(per_ns), int(threads)
+    names = [(ns(prefix, n), f"budget-{b}") for n in range(namespaces) for b in range(per_ns)]
+    current = {}
+
+    def read(namespace, name):
+        def job():
+            obj = request("GET", budget_path(namespace, name))
+            current[(namespace, name)] = (obj["metadata"]["resourceVersion"], obj.get("status") or {})
+        return job
+
+    parallel([read(namespace, name) for namespace, name in names])
+
+    def write(namespace, name):
+        rv, status = current[(namespace, name)]
+        status = dict(status, matchedPods=int(status.get("matchedPods", 0)) + 1)
+        path = budget_path(namespace, name) + "/status"
+        if mode == "apply":
+            body = {"apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
+                    "metadata": {"name": name, "namespace": namespace, "resourceVersion": rv}, "status": status}
+            return lambda: request("PATCH", path + "?fieldManager=gpubudget-operator&force=true", body,
+                                   "application/apply-patch+yaml")
+        body = {"metadata": {"resourceVersion": rv}, "status": status}
+        return lambda: request("PATCH", path, body, "application/merge-patch+json")
+
+    def clear(namespace, name):
+        return lambda: request("PATCH", budget_path(namespace, name) + "/status", {"status": None},
+                               "application/merge-patch+json")
+
+    jobs = [(clear if mode == "clear" else write)(namespace, name) for namespace, name in names]
+    t0 = time.monotonic()
+    parallel(jobs)
+    elapsed = time.monotonic() - t0
+    print(f"status-ceiling mode={mode} threads={THREADS} writes={len(jobs)} seconds={elapsed:.1f} "
+          f"rate={len(jobs) / elapsed:.0f}/s")
+
+
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     {"budgets": cmd_budgets, "pods": cmd_pods, "record-latency": cmd_record_latency, "stream": cmd_stream,
-     "edit-all": cmd_edit_all}[cmd](*args)
+     "edit-all": cmd_edit_all, "status-ceiling": cmd_status_ceiling}[cmd](*args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,17 @@
 #
 #   KUBECONFIG=/tmp/realk8s/run/kubeconfig e2e/apiserver/scale-operator.sh [NAMESPACES PODS_PER_NS BUDGETS_PER_NS CHANGES]
 #
-# Defaults 100 100 10 100. Environment: GPUBUDGET_E2E_BIN (default target/release), HELM, GPUBUDGET_E2E_KEEP=1.
+# Defaults 100 100 10 100 (issue 25's envelope: 1000 150 10 100, 150 000 pods and 10 000 budgets). After every
+# status is written, GPUBUDGET_E2E_IDLE_SECONDS (default 30) with nothing changing: the status writes in that
+# window (none expected). "Every status" is read from the operator's own status-write counter (one write per
+# budget at start), then checked with one list of the budgets: polling a list of 10 000 budgets would load the
+# API server it measures. GPUBUDGET_E2E_CEILING=1: once the operator is stopped, every budget's status is
+# rewritten by load.py (server-side apply as the operator does, then JSON merge patch; 16 at a time, as the
+# operator's reconciles): the API server's own rate for these writes, to compare the operator's with.
+# GPUBUDGET_E2E_NODES (default 50): the nodes the pods' records name. GPUBUDGET_E2E_REUSE=PREFIX runs the
+# operator again over the objects an earlier run kept (GPUBUDGET_E2E_KEEP=1 prints its PREFIX), their statuses
+# removed first, so every budget is written again (at 150 000 pods, creating them takes longer than the run).
+# Environment: GPUBUDGET_E2E_BIN (default target/release), HELM, GPUBUDGET_E2E_KEEP=1.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -21,7 +31,7 @@ BIN=${GPUBUDGET_E2E_BIN:-$REPO/target/release}
 NAMESPACES=${1:-100} PER_NS=${2:-100} BUDGETS_PER_NS=${3:-10} CHANGES=${4:-100}
 ID=$(date +%s | tail -c 5)$RANDOM
 ID=${ID:0:7}
-P=gpubudget-op-$ID
+P=${GPUBUDGET_E2E_REUSE:-gpubudget-op-$ID}
 RELEASE=$P
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpubudget-apiserver-opscale.XXXXXX")
 export GPUBUDGET_API GPUBUDGET_TOKEN
@@ -45,12 +55,18 @@ cleanup() {
 trap cleanup EXIT
 
 say "CRD, the operator's RBAC; $NAMESPACES namespaces × $BUDGETS_PER_NS budgets, × $PER_NS pods with records"
-kubectl create namespace "$P" >/dev/null
-apply_crd_and_chart "$RELEASE" "$P" "ServiceAccount ClusterRole ClusterRoleBinding"
-for n in $(seq 0 $((NAMESPACES - 1))); do echo "{\"apiVersion\":\"v1\",\"kind\":\"Namespace\",\"metadata\":{\"name\":\"$P-$n\"}}"; done \
-  | jq -s '{apiVersion: "v1", kind: "List", items: .}' | kubectl create -f - >/dev/null
-info "$(python3 "$HERE/load.py" budgets "$P" "$NAMESPACES" "$BUDGETS_PER_NS")"
-info "$(python3 "$HERE/load.py" pods "$P" "$NAMESPACES" "$PER_NS" "$BUDGETS_PER_NS" 50 --records)"
+if [ -n "${GPUBUDGET_E2E_REUSE:-}" ]; then
+  info "reusing $P's objects; their statuses removed"
+  info "$(python3 "$HERE/load.py" status-ceiling "$P" "$NAMESPACES" "$BUDGETS_PER_NS" clear 16)"
+else
+  kubectl create namespace "$P" >/dev/null
+  apply_crd_and_chart "$RELEASE" "$P" "ServiceAccount ClusterRole ClusterRoleBinding"
+  for n in $(seq 0 $((NAMESPACES - 1))); do echo "{\"apiVersion\":\"v1\",\"kind\":\"Namespace\",\"metadata\":{\"name\":\"$P-$n\"}}"; done \
+    | jq -s '{apiVersion: "v1", kind: "List", items: .}' | kubectl create -f - >/dev/null
+  info "$(python3 "$HERE/load.py" budgets "$P" "$NAMESPACES" "$BUDGETS_PER_NS")"
+  info "$(python3 "$HERE/load.py" pods "$P" "$NAMESPACES" "$PER_NS" "$BUDGETS_PER_NS" "${GPUBUDGET_E2E_NODES:-50}" --records)"
+  [ "${GPUBUDGET_E2E_KEEP:-0}" != 1 ] || info "kept: rerun with GPUBUDGET_E2E_REUSE=$P"
+fi
 BUDGETS=$((NAMESPACES * BUDGETS_PER_NS))
 
 say "the operator starts"
@@ -61,20 +77,30 @@ KUBECONFIG=$WORK/operator.kubeconfig POD_NAMESPACE=$P RUST_LOG=warn "$BIN/gpubud
 OPERATOR_PID=$!
 since() { echo "$(date +%s.%N) - $T0" | bc -l | xargs printf '%.1f'; }
 READY_AT=""
+metric() { curl -fsS "http://$ADMIN/metrics" 2>/dev/null | awk -v m="$1" '$1 ~ "^"m {s += $2} END {print s + 0}'; }
 with_status() {
   kubectl get gmb -A -o json | jq --arg p "$P-" \
     '[.items[] | select((.metadata.namespace | startswith($p)) and .status.observedGeneration != null)] | length'
 }
-until [ -n "$READY_AT" ] && [ "$(with_status)" -ge "$BUDGETS" ]; do
-  kill -0 "$OPERATOR_PID" || { cat "$WORK/operator.log"; echo "FAIL: the operator exited" >&2; exit 1; }
-  if [ -z "$READY_AT" ] && curl -fsS "http://$ADMIN/ready" >/dev/null 2>&1; then READY_AT=$(since); fi
-  [ "$((SECONDS - START))" -lt 1800 ] || { echo "FAIL: no convergence" >&2; exit 1; }
-  sleep 0.5
-done
+wait_for() { # wait_for COMMAND: until the count it prints reaches BUDGETS (and /ready answered)
+  until [ -n "$READY_AT" ] && [ "$("$@")" -ge "$BUDGETS" ]; do
+    kill -0 "$OPERATOR_PID" || { cat "$WORK/operator.log"; echo "FAIL: the operator exited" >&2; exit 1; }
+    if [ -z "$READY_AT" ] && curl -fsS "http://$ADMIN/ready" >/dev/null 2>&1; then READY_AT=$(since); fi
+    [ "$((SECONDS - START))" -lt 3600 ] || { echo "FAIL: no convergence" >&2; exit 1; }
+    sleep 0.2
+  done
+}
+wait_for metric gpubudget_operator_status_writes_total
 CONVERGED=$(since)
-sleep 2
-printf '    RESULT operator pods=%s budgets=%s ready=%ss every_status=%ss rss=%sMiB peak=%sMiB\n' \
-  "$((NAMESPACES * PER_NS))" "$BUDGETS" "$READY_AT" "$CONVERGED" "$(mib VmRSS)" "$(mib VmHWM)" | tee "$WORK/results.txt"
+wait_for with_status
+printf '    RESULT operator pods=%s budgets=%s ready=%ss every_status=%ss (list checked at %ss) rss=%sMiB peak=%sMiB\n' \
+  "$((NAMESPACES * PER_NS))" "$BUDGETS" "$READY_AT" "$CONVERGED" "$(since)" "$(mib VmRSS)" "$(mib VmHWM)" \
+  | tee "$WORK/results.txt"
+IDLE=${GPUBUDGET_E2E_IDLE_SECONDS:-30}
+W0=$(metric gpubudget_operator_status_writes_total)
+sleep "$IDLE"
+printf '    RESULT idle %ss: status_writes=%s rss=%sMiB\n' "$IDLE" \
+  "$(($(metric gpubudget_operator_status_writes_total) - W0))" "$(mib VmRSS)" | tee -a "$WORK/results.txt"
 
 say "record -> status, $CHANGES changes"
 python3 "$HERE/load.py" record-latency "$P" "$NAMESPACES" "$PER_NS" "$BUDGETS_PER_NS" "$CHANGES" | sed 's/^/    RESULT /' | tee -a "$WORK/results.txt"
@@ -85,5 +111,12 @@ printf '    RESULT end rss=%sMiB peak=%sMiB reconciles=%s status_writes=%s\n' "$
 kill -TERM "$OPERATOR_PID"
 wait "$OPERATOR_PID" && info "operator exited 0 after SIGTERM" || info "operator exit: $?"
 OPERATOR_PID=""
+if [ "${GPUBUDGET_E2E_CEILING:-0}" = 1 ]; then
+  say "the API server's own rate for these status writes (operator stopped)"
+  for mode in apply merge; do
+    python3 "$HERE/load.py" status-ceiling "$P" "$NAMESPACES" "$BUDGETS_PER_NS" "$mode" 16 | sed 's/^/    RESULT /' \
+      | tee -a "$WORK/results.txt"
+  done
+fi
 say "results ($BIN, $(git -C "$REPO" rev-parse --short HEAD))"
 cat "$WORK/results.txt"

@@ -24,11 +24,12 @@
 //! Pure and synchronous: the controller holds it behind a lock and feeds it the watch events.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
 use gpubudget_common::{Budget, ClusterGpuMemoryBudget, GpuMemoryBudget, PodLabels, SpecError};
 
 use crate::namespaces::{NamespaceLabels, Relabel};
-use crate::pods::{ObjKey, PodInfo};
+use crate::pods::{Labels, ObjKey, PodInfo};
 use crate::status::{Inputs, Selected};
 
 /// How many deleted, evicted pods are remembered per budget (fewer than `status.countedEvictions` holds, so
@@ -38,25 +39,41 @@ pub const TOMBSTONES_MAX: usize = 32;
 /// Budgets whose status a change may have changed.
 pub type Affected = BTreeSet<ObjKey>;
 
+/// The budget keys of a namespace's budget names.
+fn keys_in<'a>(namespace: &'a str, names: &'a [Arc<str>]) -> impl Iterator<Item = ObjKey> + 'a {
+    names.iter().map(move |name| ObjKey::new(namespace, &**name))
+}
+
 #[derive(Debug)]
 struct PodEntry {
     info: PodInfo,
-    /// Names of the valid budgets (same namespace) whose selector matches the pod, sorted.
-    budgets: Vec<String>,
+    /// Names of the valid budgets (same namespace) whose selector matches the pod, sorted; shared with
+    /// the namespace's map.
+    budgets: Box<[Arc<str>]>,
+    /// The pod re-list that last listed it ([`Index::begin_pod_resync`]).
+    listed_in: u32,
+}
+
+impl PodEntry {
+    /// Whether the budget `name` of its namespace selects it.
+    fn selected_by(&self, name: &str) -> bool {
+        self.budgets.binary_search_by(|b| (**b).cmp(name)).is_ok()
+    }
 }
 
 /// One namespace's budgets and pods (budgets apply only within their namespace).
 #[derive(Debug, Default)]
 struct Namespace {
     /// Budgets by name, compiled once per change; an invalid spec selects nothing.
-    budgets: BTreeMap<String, Result<Budget, SpecError>>,
-    /// Pods by name.
-    pods: HashMap<String, PodEntry>,
+    budgets: BTreeMap<Arc<str>, Result<Budget, SpecError>>,
+    /// Pods by name. Boxed: a hash table's free slots are as large as its entries, and at 150 pods a
+    /// namespace a table of 256 slots is 40 % free.
+    pods: HashMap<String, Box<PodEntry>>,
 }
 
 impl Namespace {
     /// Names of the valid budgets whose selector matches these labels, sorted.
-    fn selecting(&self, labels: &BTreeMap<String, String>) -> Vec<String> {
+    fn selecting(&self, labels: &BTreeMap<String, String>) -> Box<[Arc<str>]> {
         self.budgets
             .iter()
             .filter(|(_, b)| b.as_ref().is_ok_and(|b| b.selector.matches(labels)))
@@ -64,23 +81,27 @@ impl Namespace {
             .collect()
     }
 
-    fn compiled<'a>(&'a self, names: &'a [String]) -> Vec<&'a Budget> {
-        names.iter().filter_map(|name| self.budgets.get(name).and_then(|b| b.as_ref().ok())).collect()
+    /// The pods the budget `name` of this namespace selects.
+    fn selected_by<'a>(&'a self, name: &str) -> impl Iterator<Item = &'a PodEntry> {
+        self.pods.values().map(|e| &**e).filter(move |e| e.selected_by(name))
+    }
+
+    fn compiled<'a>(&'a self, names: &'a [Arc<str>]) -> Vec<&'a Budget> {
+        names.iter().filter_map(|name| self.budgets.get(&**name).and_then(|b| b.as_ref().ok())).collect()
     }
 }
 
-/// The operator's view of budgets and pods, indexed both ways.
+/// The operator's view of budgets and pods. Each pod keeps the names of the budgets of its namespace that
+/// select it; the pods a budget selects, or whose record names it, are found by a pass over its namespace's
+/// pods (every namespace's for a cluster budget), not kept twice: at 150 000 pods the reverse maps cost more
+/// than the pods (docs/performance.md).
 #[derive(Debug, Default)]
 pub struct Index {
     namespaces: HashMap<String, Namespace>,
-    /// Budget → names of the pods (same namespace) it selects.
-    budget_pods: HashMap<ObjKey, HashSet<String>>,
     /// The `ClusterGpuMemoryBudget`s by name, compiled once per change; an invalid spec selects nothing.
     cluster: BTreeMap<String, Result<Budget, SpecError>>,
     /// The namespaces' labels, which the cluster budgets select by.
     namespace_labels: NamespaceLabels,
-    /// Budget → the pods whose record names it.
-    record_pods: HashMap<ObjKey, HashSet<ObjKey>>,
     /// Budget → the last pods deleted with an eviction record naming it: an eviction whose pod is gone
     /// before the budget is reconciled is still counted.
     tombstones: HashMap<ObjKey, VecDeque<PodInfo>>,
@@ -90,7 +111,15 @@ pub struct Index {
     selected_pods: usize,
     budget_resync: Option<HashSet<ObjKey>>,
     cluster_resync: Option<HashSet<String>>,
-    pod_resync: Option<HashSet<ObjKey>>,
+    /// The pod re-list under way, if one is: pods it has not listed by its end are forgotten. A number
+    /// kept in each entry, not a set of keys, so a re-list of 150 000 pods costs no memory of its own.
+    pod_resync: Option<u32>,
+    /// The last pod re-list's number.
+    pod_relists: u32,
+    /// One copy of each distinct label set the pods carry.
+    label_sets: HashSet<Labels>,
+    /// How many label sets there were after the last sweep of unused ones.
+    label_sets_swept: usize,
 }
 
 /// The valid cluster budgets that select a pod of `namespace` (labelled `namespace_labels`) labelled `labels`.
@@ -152,14 +181,14 @@ impl Index {
             seen.insert(key.clone());
         }
         let compiled = Budget::compile(resource);
-        let old = self.namespaces.get(&key.namespace).and_then(|ns| ns.budgets.get(&key.name));
+        let old = self.namespaces.get(&key.namespace).and_then(|ns| ns.budgets.get(key.name.as_str()));
         match old {
             Some(old) => {
                 self.invalid_budgets -= usize::from(old.is_err());
                 if same_matching(old, &compiled, !self.cluster.is_empty()) {
                     self.invalid_budgets += usize::from(compiled.is_err());
                     if let Some(ns) = self.namespaces.get_mut(&key.namespace) {
-                        ns.budgets.insert(key.name.clone(), compiled);
+                        ns.budgets.insert(key.name.as_str().into(), compiled);
                     }
                     return Affected::from([key]);
                 }
@@ -170,28 +199,29 @@ impl Index {
         let mut affected = self.unlink_budget(&key);
         affected.insert(key.clone());
         let ns = self.namespaces.entry(key.namespace.clone()).or_default();
-        let mut selected = HashSet::new();
+        let name: Arc<str> = match ns.budgets.get_key_value(key.name.as_str()) {
+            Some((kept, _)) => kept.clone(),
+            None => key.name.as_str().into(),
+        };
         if let Ok(budget) = &compiled {
-            for (pod_name, entry) in &mut ns.pods {
+            for entry in ns.pods.values_mut() {
                 if !budget.selector.matches(&entry.info.labels) {
                     continue;
                 }
                 if entry.budgets.is_empty() {
                     self.selected_pods += 1;
                 }
-                if let Err(at) = entry.budgets.binary_search(&key.name) {
-                    entry.budgets.insert(at, key.name.clone());
+                if let Err(at) = entry.budgets.binary_search(&name) {
+                    let mut names = std::mem::take(&mut entry.budgets).into_vec();
+                    names.insert(at, name.clone());
+                    entry.budgets = names.into_boxed_slice();
                 }
-                affected.extend(entry.budgets.iter().map(|b| ObjKey::new(&key.namespace, b)));
+                affected.extend(keys_in(&key.namespace, &entry.budgets));
                 let ns_labels = self.namespace_labels.get(&key.namespace);
                 affected.extend(cluster_keys(&self.cluster, &key.namespace, ns_labels, &entry.info.labels));
-                selected.insert(pod_name.clone());
             }
         }
-        ns.budgets.insert(key.name.clone(), compiled);
-        if !selected.is_empty() {
-            self.budget_pods.insert(key, selected);
-        }
+        ns.budgets.insert(name, compiled);
         affected
     }
 
@@ -200,7 +230,7 @@ impl Index {
         let mut affected = self.unlink_budget(key);
         affected.remove(key);
         self.tombstones.remove(key);
-        if let Some(old) = self.namespaces.get_mut(&key.namespace).and_then(|ns| ns.budgets.remove(&key.name)) {
+        if let Some(old) = self.namespaces.get_mut(&key.namespace).and_then(|ns| ns.budgets.remove(key.name.as_str())) {
             self.budgets -= 1;
             self.invalid_budgets -= usize::from(old.is_err());
         }
@@ -211,14 +241,14 @@ impl Index {
     /// Removes a budget from the pods it selected; returns every budget that selected one of them.
     fn unlink_budget(&mut self, key: &ObjKey) -> Affected {
         let mut affected = Affected::new();
-        let pods = self.budget_pods.remove(key).unwrap_or_default();
         let Some(ns) = self.namespaces.get_mut(&key.namespace) else { return affected };
-        for pod_name in pods {
-            let Some(entry) = ns.pods.get_mut(&pod_name) else { continue };
-            affected.extend(entry.budgets.iter().map(|b| ObjKey::new(&key.namespace, b)));
+        for entry in ns.pods.values_mut().filter(|e| e.selected_by(&key.name)) {
+            affected.extend(keys_in(&key.namespace, &entry.budgets));
             let ns_labels = self.namespace_labels.get(&key.namespace);
             affected.extend(cluster_keys(&self.cluster, &key.namespace, ns_labels, &entry.info.labels));
-            entry.budgets.retain(|b| *b != key.name);
+            let mut names = std::mem::take(&mut entry.budgets).into_vec();
+            names.retain(|b| **b != *key.name);
+            entry.budgets = names.into_boxed_slice();
             if entry.budgets.is_empty() {
                 self.selected_pods -= 1;
             }
@@ -237,7 +267,7 @@ impl Index {
         let gone: Vec<ObjKey> = self
             .namespaces
             .iter()
-            .flat_map(|(ns, n)| n.budgets.keys().map(move |name| ObjKey::new(ns, name)))
+            .flat_map(|(ns, n)| n.budgets.keys().map(move |name| ObjKey::new(ns, &**name)))
             .filter(|k| !seen.contains(k))
             .collect();
         let mut affected = Affected::new();
@@ -264,7 +294,10 @@ impl Index {
             .iter()
             .flat_map(|(namespace, ns)| {
                 let ns_labels = self.namespace_labels.get(namespace);
-                ns.pods.values().filter(move |e| budget.selects(&PodLabels::new(namespace, ns_labels, &e.info.labels)))
+                ns.pods
+                    .values()
+                    .map(|e| &**e)
+                    .filter(move |e| budget.selects(&PodLabels::new(namespace, ns_labels, &e.info.labels)))
             })
             .collect()
     }
@@ -281,7 +314,7 @@ impl Index {
     /// Every budget selecting a pod: those of its namespace, then the cluster ones.
     fn selecting_entry(&self, namespace: &str, entry: &PodEntry) -> Vec<ObjKey> {
         let ns_labels = self.namespace_labels.get(namespace);
-        let mut keys: Vec<ObjKey> = entry.budgets.iter().map(|b| ObjKey::new(namespace, b)).collect();
+        let mut keys: Vec<ObjKey> = keys_in(namespace, &entry.budgets).collect();
         keys.extend(cluster_keys(&self.cluster, namespace, ns_labels, &entry.info.labels));
         keys
     }
@@ -372,7 +405,7 @@ impl Index {
                 let after = cluster_keys(&self.cluster, &relabel.namespace, &relabel.after, labels);
                 if before != after {
                     affected.extend(before.into_iter().chain(after));
-                    affected.extend(entry.budgets.iter().map(|b| ObjKey::new(&relabel.namespace, b)));
+                    affected.extend(keys_in(&relabel.namespace, &entry.budgets));
                 }
             }
         }
@@ -392,15 +425,17 @@ impl Index {
     // ---- pods ----------------------------------------------------------------------------------------
 
     /// A pod was created or changed (or listed).
-    pub fn apply_pod(&mut self, info: PodInfo) -> Affected {
+    pub fn apply_pod(&mut self, mut info: PodInfo) -> Affected {
         let key = info.key();
-        if let Some(seen) = self.pod_resync.as_mut() {
-            seen.insert(key.clone());
-        }
+        info.labels = self.intern(info.labels);
+        let listed_in = self.pod_resync.unwrap_or(self.pod_relists);
         let mut affected = Affected::new();
         let ns = self.namespaces.entry(key.namespace.clone()).or_default();
-        let (labels_same, old_record_budget) = match ns.pods.get(&key.name) {
-            Some(entry) if entry.info == info => return affected,
+        let (labels_same, old_record_budget) = match ns.pods.get_mut(&key.name) {
+            Some(entry) if entry.info == info => {
+                entry.listed_in = listed_in;
+                return affected;
+            }
             Some(entry) => (entry.info.labels == info.labels, entry.info.recorded_budget()),
             None => (false, None),
         };
@@ -413,14 +448,6 @@ impl Index {
             affected.extend(cluster_keys(&self.cluster, &key.namespace, ns_labels, &info.labels));
         }
         let new_record_budget = info.recorded_budget();
-        if old_record_budget != new_record_budget {
-            if let Some(old) = &old_record_budget {
-                unlink_record(&mut self.record_pods, old, &key);
-            }
-            if let Some(new) = &new_record_budget {
-                self.record_pods.entry(new.clone()).or_default().insert(key.clone());
-            }
-        }
         affected.extend(old_record_budget);
         affected.extend(new_record_budget);
 
@@ -429,6 +456,7 @@ impl Index {
             // recorded ones, above) can see a difference.
             if let Some(entry) = ns.pods.get_mut(&key.name) {
                 entry.info = info;
+                entry.listed_in = listed_in;
             }
             affected.extend(self.resolved(&key));
             return affected;
@@ -439,22 +467,10 @@ impl Index {
             Some(entry) => entry.budgets.clone(),
             None => {
                 self.pods += 1;
-                Vec::new()
+                Box::default()
             }
         };
-        for name in old_budgets.iter().filter(|b| !new_budgets.contains(b)) {
-            let budget = ObjKey::new(&key.namespace, name);
-            if let Some(set) = self.budget_pods.get_mut(&budget) {
-                set.remove(&key.name);
-                if set.is_empty() {
-                    self.budget_pods.remove(&budget);
-                }
-            }
-        }
-        for name in new_budgets.iter().filter(|b| !old_budgets.contains(b)) {
-            self.budget_pods.entry(ObjKey::new(&key.namespace, name)).or_default().insert(key.name.clone());
-        }
-        affected.extend(old_budgets.iter().chain(&new_budgets).map(|b| ObjKey::new(&key.namespace, b)));
+        affected.extend(keys_in(&key.namespace, &old_budgets).chain(keys_in(&key.namespace, &new_budgets)));
         if old_budgets.is_empty() != new_budgets.is_empty() {
             if new_budgets.is_empty() {
                 self.selected_pods -= 1;
@@ -462,8 +478,22 @@ impl Index {
                 self.selected_pods += 1;
             }
         }
-        ns.pods.insert(key.name, PodEntry { info, budgets: new_budgets });
+        ns.pods.insert(key.name, Box::new(PodEntry { info, budgets: new_budgets, listed_in }));
         affected
+    }
+
+    /// The shared copy of a label set: the one kept if a pod already carries these labels, else this one,
+    /// kept from now on. Sets no pod carries any more are dropped whenever the number kept has doubled.
+    fn intern(&mut self, labels: Labels) -> Labels {
+        if let Some(kept) = self.label_sets.get(&*labels) {
+            return kept.clone();
+        }
+        self.label_sets.insert(labels.clone());
+        if self.label_sets.len() > 2 * self.label_sets_swept.max(512) {
+            self.label_sets.retain(|set| Arc::strong_count(set) > 1);
+            self.label_sets_swept = self.label_sets.len();
+        }
+        labels
     }
 
     /// A pod was deleted (or stopped matching the watch).
@@ -474,23 +504,13 @@ impl Index {
         };
         self.pods -= 1;
         self.prune(&key.namespace);
-        for name in &entry.budgets {
-            let budget = ObjKey::new(&key.namespace, name);
-            if let Some(set) = self.budget_pods.get_mut(&budget) {
-                set.remove(&key.name);
-                if set.is_empty() {
-                    self.budget_pods.remove(&budget);
-                }
-            }
-            affected.insert(budget);
-        }
+        affected.extend(keys_in(&key.namespace, &entry.budgets));
         if !entry.budgets.is_empty() {
             self.selected_pods -= 1;
         }
         let ns_labels = self.namespace_labels.get(&key.namespace);
         affected.extend(cluster_keys(&self.cluster, &key.namespace, ns_labels, &entry.info.labels));
         if let Some(recorded) = entry.info.recorded_budget() {
-            unlink_record(&mut self.record_pods, &recorded, key);
             if entry.info.record.as_ref().is_some_and(|r| r.eviction_requested_at.is_some()) {
                 let tombstones = self.tombstones.entry(recorded.clone()).or_default();
                 let mut gone = entry.info;
@@ -507,17 +527,19 @@ impl Index {
 
     /// A re-list of the pods begins.
     pub fn begin_pod_resync(&mut self) {
-        self.pod_resync = Some(HashSet::new());
+        self.pod_relists = self.pod_relists.wrapping_add(1);
+        self.pod_resync = Some(self.pod_relists);
     }
 
     /// A re-list of the pods ended: forgets those it did not list.
     pub fn end_pod_resync(&mut self) -> Affected {
-        let Some(seen) = self.pod_resync.take() else { return Affected::new() };
+        let Some(relist) = self.pod_resync.take() else { return Affected::new() };
         let gone: Vec<ObjKey> = self
             .namespaces
             .iter()
-            .flat_map(|(ns, n)| n.pods.keys().map(move |name| ObjKey::new(ns, name)))
-            .filter(|k| !seen.contains(k))
+            .flat_map(|(ns, n)| {
+                n.pods.iter().filter(|(_, e)| e.listed_in != relist).map(move |(name, _)| ObjKey::new(ns, name))
+            })
             .collect();
         let mut affected = Affected::new();
         for key in &gone {
@@ -562,7 +584,12 @@ impl Index {
         let mut names: Vec<String> = if budget.is_cluster() {
             self.cluster_pods(&budget.name).iter().map(|e| e.info.key().to_string()).collect()
         } else {
-            self.budget_pods.get(budget).into_iter().flatten().cloned().collect()
+            self.namespaces
+                .get(&budget.namespace)
+                .into_iter()
+                .flat_map(|ns| ns.selected_by(&budget.name))
+                .map(|entry| entry.info.name.clone())
+                .collect()
         };
         names.sort();
         names
@@ -571,15 +598,23 @@ impl Index {
     /// What the status computation of a budget reads: the pods it selects (each with every budget that
     /// selects it) and the pods whose record names it (live ones, then the remembered deleted ones).
     pub fn inputs(&self, budget: &ObjKey) -> Inputs<'_> {
-        let recorded = self
-            .record_pods
-            .get(budget)
-            .into_iter()
-            .flatten()
-            .filter_map(|pod| self.namespaces.get(&pod.namespace)?.pods.get(&pod.name))
-            .map(|entry| &entry.info)
-            .chain(self.tombstones.get(budget).into_iter().flatten())
-            .collect();
+        let live: Vec<&PodInfo> = if budget.is_cluster() {
+            self.namespaces
+                .values()
+                .flat_map(|ns| ns.pods.values())
+                .map(|e| &e.info)
+                .filter(|p| p.records(budget))
+                .collect()
+        } else {
+            self.namespaces
+                .get(&budget.namespace)
+                .into_iter()
+                .flat_map(|ns| ns.pods.values())
+                .map(|e| &e.info)
+                .filter(|p| p.records(budget))
+                .collect()
+        };
+        let recorded = live.into_iter().chain(self.tombstones.get(budget).into_iter().flatten()).collect();
         if budget.is_cluster() {
             let selected = self
                 .cluster_pods(&budget.name)
@@ -600,19 +635,15 @@ impl Index {
             return Inputs { spec: None, selected: Vec::new(), recorded };
         };
         let namespace_labels = self.namespace_labels.get(&budget.namespace);
-        let selected = self
-            .budget_pods
-            .get(budget)
-            .into_iter()
-            .flatten()
-            .filter_map(|name| ns.pods.get(name))
+        let selected = ns
+            .selected_by(&budget.name)
             .map(|entry| Selected {
                 pod: &entry.info,
                 namespace_labels,
                 selected_by: self.compiled_for(&budget.namespace, ns, entry),
             })
             .collect();
-        Inputs { spec: ns.budgets.get(&budget.name).map(Result::as_ref), selected, recorded }
+        Inputs { spec: ns.budgets.get(budget.name.as_str()).map(Result::as_ref), selected, recorded }
     }
 
     /// The valid budgets a pod of `namespace` may get: the namespace's, then every valid cluster budget
@@ -676,15 +707,6 @@ fn budget_key(namespace: &str, budget: &Budget) -> ObjKey {
     if budget.is_cluster() { ObjKey::cluster(&budget.name) } else { ObjKey::new(namespace, &budget.name) }
 }
 
-fn unlink_record(record_pods: &mut HashMap<ObjKey, HashSet<ObjKey>>, budget: &ObjKey, pod: &ObjKey) {
-    if let Some(set) = record_pods.get_mut(budget) {
-        set.remove(pod);
-        if set.is_empty() {
-            record_pods.remove(budget);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
@@ -706,7 +728,7 @@ mod tests {
             namespace: ns.into(),
             name: name.into(),
             uid: format!("uid-{name}"),
-            labels: labels.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect(),
+            labels: Arc::new(labels.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()),
             record: None,
             terminating: false,
             gpu: Vec::new(),
@@ -870,6 +892,35 @@ mod tests {
         assert_eq!(index.end_budget_resync(), keys(&["llm"]), "wide and web are gone; llm shared p1 with wide");
         assert_eq!(index.budget_count(), 2);
         assert_eq!(index.budgets_selecting(&ObjKey::new("a", "p1")), Vec::from_iter(keys(&["llm"])));
+
+        // A second re-list: a pod listed by the first but not by this one goes too, and one applied between
+        // re-lists (a watch event) counts as listed only if this re-list lists it.
+        index.apply_pod(pod("a", "p3", &[("app", "llm")]));
+        index.begin_pod_resync();
+        index.apply_pod(pod("a", "p3", &[("app", "llm")]));
+        index.end_pod_resync();
+        assert_eq!(index.pod_count(), 1);
+        assert!(index.resolved(&ObjKey::new("a", "p1")).is_none() && index.resolved(&ObjKey::new("a", "p3")).is_some());
+    }
+
+    #[test]
+    fn pods_with_the_same_labels_share_one_copy_and_unused_sets_are_dropped() {
+        let mut index = fixture();
+        index.apply_pod(pod("a", "p1", &[("app", "llm"), ("pod-template-hash", "5d8f")]));
+        index.apply_pod(pod("b", "p2", &[("app", "llm"), ("pod-template-hash", "5d8f")]));
+        let labels = |index: &Index, ns: &str, name: &str| index.namespaces[ns].pods[name].info.labels.clone();
+        assert!(Arc::ptr_eq(&labels(&index, "a", "p1"), &labels(&index, "b", "p2")), "one copy for both pods");
+        assert_eq!(index.label_sets.len(), 1);
+
+        // Thousands of pods with labels of their own come and go: the sets kept stay bounded by those in use.
+        for i in 0..5_000 {
+            let name = format!("job-{i}");
+            index.apply_pod(pod("a", &name, &[("app", "llm"), ("job-index", &i.to_string())]));
+            index.delete_pod(&ObjKey::new("a", &name));
+        }
+        assert!(index.label_sets.len() <= 2 * 512 + 1, "{} label sets kept for 2 pods", index.label_sets.len());
+        assert!(index.label_sets.contains(&*labels(&index, "a", "p1")), "a set in use is never dropped");
+        assert_eq!(index.resolved(&ObjKey::new("a", "p1")), Some(ObjKey::new("a", "llm")));
     }
 
     #[test]

@@ -11,6 +11,7 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 
 use gpubudget_common::caps::{self, GpuContainer};
 use gpubudget_common::pod_record::{self, PodRecord};
@@ -67,6 +68,10 @@ impl std::fmt::Display for ObjKey {
     }
 }
 
+/// A pod's labels, shared: the index keeps one copy of each distinct label set (the replicas of a Deployment
+/// carry the same labels), which is most of what 150 000 pods would otherwise cost (docs/performance.md).
+pub type Labels = Arc<BTreeMap<String, String>>;
+
 /// A pod as the operator keeps it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodInfo {
@@ -77,7 +82,7 @@ pub struct PodInfo {
     /// `metadata.uid`: evictions are counted once per UID.
     pub uid: String,
     /// Labels, for the budgets' selectors.
-    pub labels: BTreeMap<String, String>,
+    pub labels: Labels,
     /// The agent's record (the `gpubudget.io/` annotations), if the pod has a well-formed one.
     pub record: Option<PodRecord>,
     /// The pod is being deleted (`metadata.deletionTimestamp`), as an evicted pod is once the Eviction API
@@ -110,7 +115,7 @@ impl PodInfo {
             namespace: key.namespace,
             name: key.name,
             uid: meta.uid.clone().unwrap_or_default(),
-            labels: meta.labels.clone().unwrap_or_default(),
+            labels: Arc::new(meta.labels.clone().unwrap_or_default()),
             record: meta.annotations.as_ref().and_then(PodRecord::from_annotations),
             terminating: meta.deletion_timestamp.is_some(),
             gpu: Vec::new(),
@@ -134,6 +139,15 @@ impl PodInfo {
     /// `namespace/name`.
     pub fn key(&self) -> ObjKey {
         ObjKey::new(&self.namespace, &self.name)
+    }
+
+    /// Whether this pod's record names the budget `key` ([`PodInfo::recorded_budget`], without building a key).
+    pub fn records(&self, key: &ObjKey) -> bool {
+        let Some(record) = &self.record else { return false };
+        match record.budget.strip_prefix(gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX) {
+            Some(cluster) => key.is_cluster() && key.name == cluster,
+            None => !key.is_cluster() && key.namespace == self.namespace && key.name == record.budget,
+        }
     }
 
     /// The budget this pod's record names, if any: one of its namespace, or a cluster budget

@@ -455,7 +455,7 @@ mod tests {
             namespace: "a".into(),
             name: name.into(),
             uid: format!("uid-{name}"),
-            labels: [("app".to_owned(), app.to_owned())].into(),
+            labels: std::sync::Arc::new([("app".to_owned(), app.to_owned())].into()),
             record: record.map(|(state, usage_bytes, budget)| PodRecord {
                 state,
                 usage_bytes,

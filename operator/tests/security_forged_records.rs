@@ -24,7 +24,7 @@ fn forged(namespace: &str, name: &str, terminating: bool) -> PodInfo {
         namespace: namespace.into(),
         name: name.into(),
         uid: format!("uid-{namespace}-{name}"),
-        labels: BTreeMap::from([("app".to_owned(), "other".to_owned())]),
+        labels: std::sync::Arc::new(BTreeMap::from([("app".to_owned(), "other".to_owned())])),
         record: Some(PodRecord {
             state: BudgetState::Evicting,
             usage_bytes: 1 << 40,
