@@ -216,6 +216,17 @@ impl Context {
         (obj.status().cloned(), rv)
     }
 
+    /// The cache shows a status this replica wrote: the copy kept for [`Context::previous`] is no longer
+    /// needed (kept, it would double the statuses held: one in the cache, one here, for every budget).
+    fn caught_up<K: StatusOwner>(&self, obj: &K) {
+        let Some(key) = obj.key() else { return };
+        let mut written = lock(&self.written);
+        let rv = &obj.meta().resource_version;
+        if rv.is_some() && written.get(&key).is_some_and(|w| w.after == *rv) {
+            written.remove(&key);
+        }
+    }
+
     fn update_gauges(&self, index: &Index) {
         self.metrics.budgets.set(index.budget_count() as i64);
         self.metrics.budgets_invalid.set(index.invalid_budget_count() as i64);
@@ -634,7 +645,10 @@ fn watch_budgets<K: Indexed>(
                     K::begin(&mut index);
                     (Affected::new(), None, false)
                 }
-                Event::InitApply(b) | Event::Apply(b) => (K::apply(&mut index, b), b.key(), false),
+                Event::InitApply(b) | Event::Apply(b) => {
+                    index_ctx.caught_up(b);
+                    (K::apply(&mut index, b), b.key(), false)
+                }
                 Event::Delete(b) => {
                     let key = b.key();
                     if let Some(k) = &key {

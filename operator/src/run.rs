@@ -51,6 +51,10 @@ pub struct RunArgs {
     /// Log format.
     #[arg(long, env = "GPUBUDGET_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// Budgets reconciled (and their statuses written) at once. The API server's write rate bounds how fast
+    /// every status is written after a start (docs/performance.md, "Scale table").
+    #[arg(long, env = "GPUBUDGET_STATUS_CONCURRENCY", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub status_concurrency: u16,
     /// This replica's pod name (the Downward API's metadata.name): the lease identity and events' instance.
     #[arg(long, env = "POD_NAME")]
     pub pod_name: Option<String>,
@@ -107,7 +111,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<i32> {
             leader::run(client.clone(), election, leader_tx.clone(), health.clone(), shutdown.clone()),
         ));
     }
-    let settings = Settings { instance: Some(identity), ..Settings::default() };
+    let settings = Settings { instance: Some(identity), concurrency: args.status_concurrency, ..Settings::default() };
     let ctx = Arc::new(Context::new(client.clone(), metrics, leader_rx, settings));
     if let Some(addr) = args.webhook_addr {
         let app = eviction_check::router(PodLookup::new(client.clone())).merge(caps_webhook::router(ctx.clone()));
@@ -217,6 +221,23 @@ mod tests {
         async move {
             shutdown.cancelled().await;
             Ok(())
+        }
+    }
+
+    #[test]
+    fn status_concurrency_defaults_to_16_and_refuses_0_and_more_than_256() {
+        use clap::Parser;
+        let parse = |args: &[&str]| crate::cli::Cli::try_parse_from([&["gpubudget-operator", "run"], args].concat());
+        let concurrency = |args: &[&str]| match parse(args).map(|cli| cli.command) {
+            Ok(crate::cli::Command::Run(run)) => Ok(run.status_concurrency),
+            Ok(_) => unreachable!("run parses as run"),
+            Err(error) => Err(error.to_string()),
+        };
+        assert_eq!(concurrency(&[]), Ok(16));
+        assert_eq!(concurrency(&["--status-concurrency", "64"]), Ok(64));
+        for bad in ["0", "257", "many"] {
+            let error = concurrency(&["--status-concurrency", bad]).expect_err(bad);
+            assert!(error.contains("--status-concurrency"), "{error}");
         }
     }
 
