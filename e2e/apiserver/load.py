@@ -6,7 +6,7 @@ The API server and the admin's token come from the environment: GPUBUDGET_API (h
 GPUBUDGET_TOKEN. Certificates are not verified (a local test control plane).
 
     load.py budgets PREFIX NAMESPACES PER_NS [LIMIT]     budget-<b> in PREFIX-<n>; budget-0 selects every pod
-    load.py pods PREFIX NAMESPACES PER_NS PER_BUDGET_NS NODES [--records]
+    load.py pods PREFIX NAMESPACES PER_NS PER_BUDGET_NS NODES [--records] [--missing]
     load.py record-latency PREFIX NAMESPACES PER_NS PER_BUDGET_NS CHANGES
     load.py stream status|spec NAMES_FILE RATE SECONDS       NAMES_FILE: namespace/name lines
     load.py edit-all NAMES_FILE SPEC_JSON                     every budget's spec merge-patched at once
@@ -132,11 +132,25 @@ def cmd_budgets(prefix, namespaces, per_ns, limit="40Gi"):
 
 
 def cmd_pods(prefix, namespaces, per_ns, per_budget_ns, nodes, *flags):
+    """Pods (and their records with --records); with --missing, only those not there (a kept population
+    after pods were lost)."""
     namespaces, per_ns, per_budget_ns, nodes = int(namespaces), int(per_ns), int(per_budget_ns), int(nodes)
     records = "--records" in flags
     last_applied = "x" * 1500
+    present = set()
+    if "--missing" in flags:
+        def listed(n):
+            def job():
+                names = {p["metadata"]["name"] for p in request("GET", f"/api/v1/namespaces/{ns(prefix, n)}/pods")["items"]}
+                with lock:
+                    present.update((n, name) for name in names)
+            return job
+        lock = threading.Lock()
+        parallel(listed(n) for n in range(namespaces))
 
     def create(n, k):
+        if (n, f"pod-{k:05}") in present:
+            return
         namespace, name, node = ns(prefix, n), f"pod-{k:05}", f"{prefix}-node-{(n * per_ns + k) % nodes}"
         app = app_of(k, per_budget_ns)
         request("POST", f"/api/v1/namespaces/{namespace}/pods", {
@@ -155,7 +169,8 @@ def cmd_pods(prefix, namespaces, per_ns, per_budget_ns, nodes, *flags):
 
     t0 = time.monotonic()
     parallel(lambda n=n, k=k: create(n, k) for n in range(namespaces) for k in range(per_ns))
-    print(f"{namespaces * per_ns} pods created{' with records' if records else ''} in {time.monotonic() - t0:.1f} s")
+    print(f"{namespaces * per_ns - len(present)} pods created{' with records' if records else ''} in "
+          f"{time.monotonic() - t0:.1f} s" + (f" ({len(present)} were there)" if present else ""))
 
 
 def percentile(samples, q):
@@ -172,7 +187,9 @@ def cmd_record_latency(prefix, namespaces, per_ns, per_budget_ns, changes):
         i = (c * 7919) % (namespaces * per_ns)
         n, k = i // per_ns, i % per_ns
         budget = app_of(k, per_budget_ns).replace("app-", "budget-")
-        usage = 7 * GI + 1000 + c
+        # Above every other pod's usage, and above what an earlier run over kept objects wrote (a record
+        # applied again unchanged is no change at all, and its status would show it at once).
+        usage = 7 * GI + (int(time.time()) % 1_000_000) * 1000 + c
         t0 = time.monotonic()
         apply_record(ns(prefix, n), f"pod-{k:05}", usage, budget, f"{prefix}-node-0")
         while True:

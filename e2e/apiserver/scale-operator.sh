@@ -17,7 +17,8 @@
 # API server it measures. GPUBUDGET_E2E_CEILING=1: once the operator is stopped, every budget's status is
 # rewritten by load.py (server-side apply as the operator does, then JSON merge patch; 16 at a time, as the
 # operator's reconciles): the API server's own rate for these writes, to compare the operator's with.
-# GPUBUDGET_E2E_NODES (default 50): the nodes the pods' records name. GPUBUDGET_E2E_REUSE=PREFIX runs the
+# GPUBUDGET_E2E_NODES (default 50): the nodes the pods are bound to and their records name (created as Node
+# objects). GPUBUDGET_E2E_REUSE=PREFIX runs the
 # operator again over the objects an earlier run kept (GPUBUDGET_E2E_KEEP=1 prints its PREFIX), their statuses
 # removed first, so every budget is written again (at 150 000 pods, creating them takes longer than the run).
 # Environment: GPUBUDGET_E2E_BIN (default target/release), HELM, GPUBUDGET_E2E_KEEP=1.
@@ -46,6 +47,7 @@ cleanup() {
   [ -z "$OPERATOR_PID" ] || kill "$OPERATOR_PID" 2>/dev/null || true
   if [ "${GPUBUDGET_E2E_KEEP:-0}" != 1 ]; then
     kubectl delete clusterrolebinding,clusterrole -l "app.kubernetes.io/instance=$RELEASE" --ignore-not-found >/dev/null 2>&1 || true
+    kubectl delete nodes -l "e2e.gpubudget.io/run=$P" --wait=false >/dev/null 2>&1 || true
     for n in $(seq 0 $((NAMESPACES - 1))); do kubectl delete namespace "$P-$n" --wait=false >/dev/null 2>&1 || true; done
     kubectl delete namespace "$P" --wait=false >/dev/null 2>&1 || true
     rm -rf "$WORK"
@@ -55,8 +57,21 @@ cleanup() {
 trap cleanup EXIT
 
 say "CRD, the operator's RBAC; $NAMESPACES namespaces × $BUDGETS_PER_NS budgets, × $PER_NS pods with records"
+NODES=${GPUBUDGET_E2E_NODES:-50}
+# The Node objects the pods are bound to: without them the controller manager's pod garbage collector deletes
+# the pods as orphans (10 a second), and every deletion is a real change of two budgets' statuses.
+create_nodes() {
+  local part
+  for part in 0 1 2 3; do
+    seq "$part" 4 $((NODES - 1)) | awk -v p="$P" '{printf "{\"apiVersion\":\"v1\",\"kind\":\"Node\",\"metadata\":{\"name\":\"%s-node-%d\",\"labels\":{\"e2e.gpubudget.io/run\":\"%s\"}}}\n", p, $1, p}' \
+      | jq -s '{apiVersion: "v1", kind: "List", items: .}' | kubectl apply -f - >/dev/null 2>&1 &
+  done
+  wait
+}
 if [ -n "${GPUBUDGET_E2E_REUSE:-}" ]; then
   info "reusing $P's objects; their statuses removed"
+  create_nodes
+  info "$(python3 "$HERE/load.py" pods "$P" "$NAMESPACES" "$PER_NS" "$BUDGETS_PER_NS" "$NODES" --records --missing)"
   info "$(python3 "$HERE/load.py" status-ceiling "$P" "$NAMESPACES" "$BUDGETS_PER_NS" clear 16)"
 else
   kubectl create namespace "$P" >/dev/null
@@ -64,7 +79,8 @@ else
   for n in $(seq 0 $((NAMESPACES - 1))); do echo "{\"apiVersion\":\"v1\",\"kind\":\"Namespace\",\"metadata\":{\"name\":\"$P-$n\"}}"; done \
     | jq -s '{apiVersion: "v1", kind: "List", items: .}' | kubectl create -f - >/dev/null
   info "$(python3 "$HERE/load.py" budgets "$P" "$NAMESPACES" "$BUDGETS_PER_NS")"
-  info "$(python3 "$HERE/load.py" pods "$P" "$NAMESPACES" "$PER_NS" "$BUDGETS_PER_NS" "${GPUBUDGET_E2E_NODES:-50}" --records)"
+  create_nodes
+  info "$(python3 "$HERE/load.py" pods "$P" "$NAMESPACES" "$PER_NS" "$BUDGETS_PER_NS" "$NODES" --records)"
   [ "${GPUBUDGET_E2E_KEEP:-0}" != 1 ] || info "kept: rerun with GPUBUDGET_E2E_REUSE=$P"
 fi
 BUDGETS=$((NAMESPACES * BUDGETS_PER_NS))
