@@ -6,6 +6,36 @@
 # The helm binary: $HELM, else helm from PATH, else the one .ci/helm.sh installs (empty when none).
 HELM=${HELM:-$(command -v helm || find /tmp/gpubudget-ci-cache/helm -type f -name helm 2>/dev/null | head -n1 || true)}
 
+# control_plane_or_skip WHAT BINARY...: exits 0 with a "skipped:" line unless GPUBUDGET_E2E_APISERVER=1 and a
+# control plane answers (KUBECONFIG's, else one up.sh starts from REALK8S_DIR: STARTED_REALK8S=1, for the
+# script's cleanup to stop it); then BIN (GPUBUDGET_E2E_BIN, default target/release) holds the release BINARYs
+# (built when missing) and HELM is there. WHAT names the run in the skip line. Needs REPO and REALK8S.
+control_plane_or_skip() {
+  local what=$1 missing=()
+  shift
+  if [ "${GPUBUDGET_E2E_APISERVER:-0}" != 1 ]; then
+    echo "skipped: $what on a real kube-apiserver runs with GPUBUDGET_E2E_APISERVER=1 (see the header of $0)"
+    exit 0
+  fi
+  STARTED_REALK8S=0
+  if [ -z "${KUBECONFIG:-}" ]; then
+    if [ -n "${REALK8S_DIR:-}" ] && [ -x "$REALK8S_DIR/bin/kube-apiserver" ] && [ -f "$REALK8S/up.sh" ]; then
+      eval "$(bash "$REALK8S/up.sh")"
+      STARTED_REALK8S=1
+    else
+      echo "skipped: KUBECONFIG is not set, and REALK8S_DIR has no kube-apiserver built ($REALK8S/README.md)"
+      exit 0
+    fi
+  fi
+  kubectl version --request-timeout=10s >/dev/null 2>&1 || { echo "skipped: kubectl version failed with KUBECONFIG=$KUBECONFIG"; exit 0; }
+  BIN=${GPUBUDGET_E2E_BIN:-$REPO/target/release}
+  local binary
+  for binary in "$@"; do [ -x "$BIN/$binary" ] || missing+=(-p "$binary"); done
+  [ "${#missing[@]}" = 0 ] || (cd "$REPO" && cargo build --release "${missing[@]}")
+  # shellcheck disable=SC2015 # both tests must hold
+  [ -n "$HELM" ] && [ -x "$HELM" ] || { echo "FAIL: no helm (3.10 or newer): put it in PATH, set HELM, or run bash .ci/helm.sh once" >&2; exit 1; }
+}
+
 say() { printf '\n=== [%3ds] %s\n' "$((SECONDS - START))" "$*"; }
 info() { printf '    %s\n' "$*"; }
 die() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }

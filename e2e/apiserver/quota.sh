@@ -26,30 +26,9 @@ if [ -n "${1:-}" ] && [ -z "${QUOTA_TEE:-}" ]; then
   QUOTA_TEE=1 exec > >(tee "$1") 2>&1
 fi
 
-if [ "${GPUBUDGET_E2E_APISERVER:-0}" != 1 ]; then
-  echo "skipped: namespace totals on a real kube-apiserver run with GPUBUDGET_E2E_APISERVER=1 (see the header of $0)"
-  exit 0
-fi
-STARTED_REALK8S=0
-if [ -z "${KUBECONFIG:-}" ]; then
-  if [ -n "${REALK8S_DIR:-}" ] && [ -x "$REALK8S_DIR/bin/kube-apiserver" ] && [ -f "$REALK8S/up.sh" ]; then
-    eval "$(bash "$REALK8S/up.sh")"
-    STARTED_REALK8S=1
-  else
-    echo "skipped: KUBECONFIG is not set, and REALK8S_DIR has no kube-apiserver built ($REALK8S/README.md)"
-    exit 0
-  fi
-fi
-kubectl version --request-timeout=10s >/dev/null 2>&1 || { echo "skipped: kubectl version failed with KUBECONFIG=$KUBECONFIG"; exit 0; }
-
-BIN=${GPUBUDGET_E2E_BIN:-$REPO/target/release}
-if [ ! -x "$BIN/gpubudget-agent" ] || [ ! -x "$BIN/gpubudget-operator" ]; then
-  (cd "$REPO" && cargo build --release -p gpubudget-agent -p gpubudget-operator)
-fi
 # shellcheck source=../lib.sh
 . "$REPO/e2e/lib.sh"
-# shellcheck disable=SC2015 # both tests must hold
-[ -n "$HELM" ] && [ -x "$HELM" ] || { echo "FAIL: no helm (3.10 or newer): put it in PATH, set HELM, or run bash .ci/helm.sh once" >&2; exit 1; }
+control_plane_or_skip "namespace totals" gpubudget-agent gpubudget-operator
 STEP_TIMEOUT=${GPUBUDGET_E2E_STEP_TIMEOUT:-60}
 POLL=0.5
 GI=1073741824
