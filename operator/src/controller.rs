@@ -101,6 +101,43 @@ struct Written {
     status: GpuMemoryBudgetStatus,
 }
 
+/// The statuses this replica is writing and has written, until the cache shows them.
+#[derive(Debug, Default)]
+struct Writes {
+    /// Written, not yet seen in the cache: what [`Context::previous`] computes from meanwhile.
+    done: HashMap<ObjKey, Written>,
+    /// Being written, with the last resourceVersion the watch delivered meanwhile: when it is the write's own,
+    /// the cache already shows it and no copy is kept (the watch can be quicker than the write's answer).
+    in_flight: HashMap<ObjKey, Option<String>>,
+}
+
+impl Writes {
+    /// A write of `key`'s status begins.
+    fn begin(&mut self, key: &ObjKey) {
+        self.in_flight.insert(key.clone(), None);
+    }
+
+    /// The watch delivered `key` at `rv`: a copy of the status written at `rv` is dropped, and a write under
+    /// way remembers `rv`.
+    fn seen(&mut self, key: &ObjKey, rv: &Option<String>) {
+        if rv.is_some() && self.done.get(key).is_some_and(|w| w.after == *rv) {
+            self.done.remove(key);
+        }
+        if let Some(seen) = self.in_flight.get_mut(key) {
+            seen.clone_from(rv);
+        }
+    }
+
+    /// The write of `key`'s status was answered (`None`: it failed): the copy is kept unless the watch
+    /// already delivered what it wrote.
+    fn answered(&mut self, key: &ObjKey, written: Option<Written>) {
+        let seen = self.in_flight.remove(key).flatten();
+        if let Some(written) = written.filter(|w| w.after.is_none() || w.after != seen) {
+            self.done.insert(key.clone(), written);
+        }
+    }
+}
+
 /// What reconciles share.
 pub struct Context {
     client: Client,
@@ -113,7 +150,7 @@ pub struct Context {
     synced: watch::Sender<bool>,
     /// What has listed: (namespaced budgets, namespaces, cluster budgets or their first failure).
     listed: Mutex<(bool, bool, bool)>,
-    written: Mutex<HashMap<ObjKey, Written>>,
+    written: Mutex<Writes>,
     failures: Mutex<HashMap<ObjKey, u32>>,
     caps_namespaces: watch::Sender<BTreeSet<String>>,
 }
@@ -207,24 +244,25 @@ impl Context {
         let obj_meta = obj.meta();
         let rv = obj_meta.resource_version.clone();
         let mut written = lock(&self.written);
-        if let Some(w) = written.get(key) {
+        if let Some(w) = written.done.get(key) {
             if w.uid == obj_meta.uid && w.before == rv && rv.is_some() {
                 return (Some(w.status.clone()), w.after.clone());
             }
-            written.remove(key);
+            written.done.remove(key);
         }
         (obj.status().cloned(), rv)
     }
 
-    /// The cache shows a status this replica wrote: the copy kept for [`Context::previous`] is no longer
+    /// The cache shows a budget: a copy kept for [`Context::previous`] of the status it shows is no longer
     /// needed (kept, it would double the statuses held: one in the cache, one here, for every budget).
     fn caught_up<K: StatusOwner>(&self, obj: &K) {
         let Some(key) = obj.key() else { return };
-        let mut written = lock(&self.written);
-        let rv = &obj.meta().resource_version;
-        if rv.is_some() && written.get(&key).is_some_and(|w| w.after == *rv) {
-            written.remove(&key);
-        }
+        lock(&self.written).seen(&key, &obj.meta().resource_version);
+    }
+
+    /// The number of statuses kept until the cache shows them (for tests).
+    pub fn statuses_kept(&self) -> usize {
+        lock(&self.written).done.len()
     }
 
     fn update_gauges(&self, index: &Index) {
@@ -341,7 +379,7 @@ pub async fn reconcile<K: StatusOwner>(obj: Arc<K>, ctx: Arc<Context>) -> Result
         if matches!(error, Error::Conflict)
             && let Some(key) = &key
         {
-            lock(&ctx.written).remove(key);
+            lock(&ctx.written).done.remove(key);
         }
     }
     result
@@ -382,18 +420,18 @@ async fn reconcile_inner<K: StatusOwner>(obj: &K, ctx: &Context) -> Result<Actio
     });
     let api: Api<K> = K::api(ctx.client.clone(), &key);
     let params = PatchParams::apply(&ctx.settings.field_manager).force();
-    let written = api.patch_status(&key.name, &params, &Patch::Apply(&patch)).await?;
+    lock(&ctx.written).begin(&key);
+    let result = api.patch_status(&key.name, &params, &Patch::Apply(&patch)).await;
+    let copy = result.as_ref().ok().map(|written| Written {
+        uid: obj.meta().uid.clone(),
+        before: resource_version.clone(),
+        after: written.meta().resource_version.clone(),
+        status: written.status().cloned().unwrap_or(next.clone()),
+    });
+    lock(&ctx.written).answered(&key, copy);
+    result?;
     ctx.metrics.status_writes.inc();
     tracing::debug!(budget = %key, matched = next.matched_pods, over = next.pods_over_budget, evictions = next.evictions, "status written");
-    lock(&ctx.written).insert(
-        key.clone(),
-        Written {
-            uid: obj.meta().uid.clone(),
-            before: resource_version,
-            after: written.meta().resource_version.clone(),
-            status: written.status().cloned().unwrap_or(next.clone()),
-        },
-    );
     let reference = obj.object_ref(&());
     for notice in notices(previous.as_ref(), &next) {
         let event = KubeEvent {
@@ -652,7 +690,9 @@ fn watch_budgets<K: Indexed>(
                 Event::Delete(b) => {
                     let key = b.key();
                     if let Some(k) = &key {
-                        lock(&index_ctx.written).remove(k);
+                        let mut written = lock(&index_ctx.written);
+                        written.done.remove(k);
+                        written.in_flight.remove(k);
                         lock(&index_ctx.failures).remove(k);
                     }
                     (key.as_ref().map(|k| K::delete(&mut index, k)).unwrap_or_default(), None, false)
@@ -784,6 +824,48 @@ pub fn display(obj: &GpuMemoryBudget) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn written(after: &str) -> Written {
+        Written {
+            uid: Some("u".into()),
+            before: Some("1".into()),
+            after: Some(after.into()),
+            status: GpuMemoryBudgetStatus::default(),
+        }
+    }
+
+    #[test]
+    fn a_written_status_is_kept_only_until_the_watch_delivers_it_whichever_comes_first() {
+        let key = ObjKey::new("a", "llm");
+        let rv = |v: &str| Some(v.to_owned());
+        // The answer first, then the watch: kept, then dropped.
+        let mut writes = Writes::default();
+        writes.begin(&key);
+        writes.answered(&key, Some(written("2")));
+        assert_eq!(writes.done.len(), 1, "the cache does not show it yet");
+        writes.seen(&key, &rv("2"));
+        assert!(writes.done.is_empty() && writes.in_flight.is_empty());
+
+        // The watch first (the write's own event), then the answer: never kept.
+        writes.begin(&key);
+        writes.seen(&key, &rv("3"));
+        writes.answered(&key, Some(written("3")));
+        assert!(writes.done.is_empty() && writes.in_flight.is_empty());
+
+        // Another writer's event during the write: ours is kept until the watch shows it.
+        writes.begin(&key);
+        writes.seen(&key, &rv("4"));
+        writes.answered(&key, Some(written("5")));
+        assert_eq!(writes.done.get(&key).and_then(|w| w.after.clone()), rv("5"));
+        writes.seen(&key, &rv("4"));
+        assert_eq!(writes.done.len(), 1, "an older event drops nothing");
+
+        // A failed write keeps nothing of its own.
+        let other = ObjKey::new("a", "web");
+        writes.begin(&other);
+        writes.answered(&other, None);
+        assert!(!writes.done.contains_key(&other) && writes.in_flight.is_empty());
+    }
 
     #[test]
     fn backoff_doubles_and_saturates() {

@@ -249,6 +249,9 @@ async fn status_is_written_only_when_it_changes() {
     let writes = status_writes(&fake);
     assert_eq!(writes, 2, "one write per budget");
     assert_eq!(op.ctx.metrics().status_writes.get(), 2);
+    // Once the cache shows them, no copy of the written statuses is kept (whichever came first: the write's
+    // answer or its event on the watch).
+    assert_eq!(op.ctx.statuses_kept(), 0, "copies of statuses the cache already shows");
 
     // Pod changes the operator does not keep: another annotation, the pod's status.
     fake.modify("pods", "team-a", "p1", |p| p["metadata"]["annotations"]["example.com/x"] = "1".into());
