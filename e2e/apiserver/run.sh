@@ -148,8 +148,8 @@ yq -y --arg url "https://$WEBHOOK/validate-eviction" --arg ca "$CA_BUNDLE" '
   | if .kind == "ValidatingWebhookConfiguration"
     then .webhooks |= map(.clientConfig = {url: $url, caBundle: $ca}) else . end' "$WORK/chart.yaml" > "$WORK/applied.yaml"
 kubectl apply -f "$WORK/applied.yaml" | sed 's/^/    /'
-[ "$(yq -r 'select(.kind == "ValidatingAdmissionPolicy") | .metadata.name' "$WORK/applied.yaml" | grep -c .)" = 3 ] \
-  || die "expected the chart's three admission policies"
+[ "$(yq -r 'select(.kind == "ValidatingAdmissionPolicy") | .metadata.name' "$WORK/applied.yaml" | grep -c .)" = 4 ] \
+  || die "expected the chart's four admission policies (node restriction of pods and events, records, caps record)"
 
 say "nodes, pods (API objects; the test is their kubelet), identities"
 for n in "$NODE" "$NODE2"; do
