@@ -111,10 +111,10 @@ pub struct Index {
     selected_pods: usize,
     budget_resync: Option<HashSet<ObjKey>>,
     cluster_resync: Option<HashSet<String>>,
-    /// The pod re-list under way, if one is: pods it has not listed by its end are forgotten. A number
-    /// kept in each entry, not a set of keys, so a re-list of 150 000 pods costs no memory of its own.
-    pod_resync: Option<u32>,
-    /// The last pod re-list's number.
+    /// A pod re-list is under way: pods it has not listed by its end are forgotten.
+    pod_resync: bool,
+    /// The pod re-lists begun, which each entry records as `listed_in` (a number per pod, not a set of
+    /// keys, so a re-list of 150 000 pods costs no memory of its own).
     pod_relists: u32,
     /// One copy of each distinct label set the pods carry.
     label_sets: HashSet<Labels>,
@@ -428,7 +428,7 @@ impl Index {
     pub fn apply_pod(&mut self, mut info: PodInfo) -> Affected {
         let key = info.key();
         info.labels = self.intern(info.labels);
-        let listed_in = self.pod_resync.unwrap_or(self.pod_relists);
+        let listed_in = self.pod_relists;
         let mut affected = Affected::new();
         let ns = self.namespaces.entry(key.namespace.clone()).or_default();
         let (labels_same, old_record_budget) = match ns.pods.get_mut(&key.name) {
@@ -528,12 +528,15 @@ impl Index {
     /// A re-list of the pods begins.
     pub fn begin_pod_resync(&mut self) {
         self.pod_relists = self.pod_relists.wrapping_add(1);
-        self.pod_resync = Some(self.pod_relists);
+        self.pod_resync = true;
     }
 
     /// A re-list of the pods ended: forgets those it did not list.
     pub fn end_pod_resync(&mut self) -> Affected {
-        let Some(relist) = self.pod_resync.take() else { return Affected::new() };
+        if !std::mem::take(&mut self.pod_resync) {
+            return Affected::new();
+        }
+        let relist = self.pod_relists;
         let gone: Vec<ObjKey> = self
             .namespaces
             .iter()
@@ -598,23 +601,19 @@ impl Index {
     /// What the status computation of a budget reads: the pods it selects (each with every budget that
     /// selects it) and the pods whose record names it (live ones, then the remembered deleted ones).
     pub fn inputs(&self, budget: &ObjKey) -> Inputs<'_> {
-        let live: Vec<&PodInfo> = if budget.is_cluster() {
-            self.namespaces
-                .values()
-                .flat_map(|ns| ns.pods.values())
-                .map(|e| &e.info)
-                .filter(|p| p.records(budget))
-                .collect()
+        // A namespaced budget is recorded only by pods of its namespace; a cluster budget by any.
+        let namespaces: Vec<&Namespace> = if budget.is_cluster() {
+            self.namespaces.values().collect()
         } else {
-            self.namespaces
-                .get(&budget.namespace)
-                .into_iter()
-                .flat_map(|ns| ns.pods.values())
-                .map(|e| &e.info)
-                .filter(|p| p.records(budget))
-                .collect()
+            self.namespaces.get(&budget.namespace).into_iter().collect()
         };
-        let recorded = live.into_iter().chain(self.tombstones.get(budget).into_iter().flatten()).collect();
+        let recorded = namespaces
+            .into_iter()
+            .flat_map(|ns| ns.pods.values())
+            .map(|e| &e.info)
+            .filter(|p| p.records(budget))
+            .chain(self.tombstones.get(budget).into_iter().flatten())
+            .collect();
         if budget.is_cluster() {
             let selected = self
                 .cluster_pods(&budget.name)

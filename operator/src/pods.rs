@@ -141,23 +141,29 @@ impl PodInfo {
         ObjKey::new(&self.namespace, &self.name)
     }
 
-    /// Whether this pod's record names the budget `key` ([`PodInfo::recorded_budget`], without building a key).
+    /// The budget this pod's record names: `(true, name)` for a cluster budget, `(false, name)` for one of its
+    /// namespace.
+    fn recorded(&self) -> Option<(bool, &str)> {
+        let recorded = &self.record.as_ref()?.budget;
+        Some(match recorded.strip_prefix(gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX) {
+            Some(cluster) => (true, cluster),
+            None => (false, recorded.as_str()),
+        })
+    }
+
+    /// Whether this pod's record names the budget `key` (as [`PodInfo::recorded_budget`], without building a
+    /// key: the index asks it of every pod of a namespace).
     pub fn records(&self, key: &ObjKey) -> bool {
-        let Some(record) = &self.record else { return false };
-        match record.budget.strip_prefix(gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX) {
-            Some(cluster) => key.is_cluster() && key.name == cluster,
-            None => !key.is_cluster() && key.namespace == self.namespace && key.name == record.budget,
-        }
+        self.recorded().is_some_and(|(cluster, name)| {
+            cluster == key.is_cluster() && key.name == name && (cluster || key.namespace == self.namespace)
+        })
     }
 
     /// The budget this pod's record names, if any: one of its namespace, or a cluster budget
     /// (`ClusterGpuMemoryBudget/<name>`, [`ObjKey::cluster`]).
     pub fn recorded_budget(&self) -> Option<ObjKey> {
-        let recorded = &self.record.as_ref()?.budget;
-        Some(match recorded.strip_prefix(gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX) {
-            Some(cluster) => ObjKey::cluster(cluster),
-            None => ObjKey::new(&self.namespace, recorded),
-        })
+        let (cluster, name) = self.recorded()?;
+        Some(if cluster { ObjKey::cluster(name) } else { ObjKey::new(&self.namespace, name) })
     }
 }
 
@@ -423,6 +429,37 @@ mod tests {
     use super::*;
     use gpubudget_common::BudgetState;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+
+    #[test]
+    fn a_record_names_a_budget_of_its_namespace_or_a_cluster_budget() {
+        let pod = |budget: &str| {
+            let mut meta = ObjectMeta { name: Some("p".into()), namespace: Some("a".into()), ..ObjectMeta::default() };
+            meta.annotations = Some(
+                PodRecord {
+                    state: BudgetState::Within,
+                    usage_bytes: 1,
+                    budget: budget.into(),
+                    node: "n".into(),
+                    eviction_requested_at: None,
+                }
+                .to_annotations(),
+            );
+            PodInfo::from_meta(&meta).expect("named")
+        };
+        let local = pod("llm");
+        assert_eq!(local.recorded_budget(), Some(ObjKey::new("a", "llm")));
+        assert!(local.records(&ObjKey::new("a", "llm")));
+        assert!(!local.records(&ObjKey::new("b", "llm")), "a budget of another namespace");
+        assert!(!local.records(&ObjKey::cluster("llm")), "a cluster budget of the same name");
+
+        let cluster = pod(&format!("{}wide", gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX));
+        assert_eq!(cluster.recorded_budget(), Some(ObjKey::cluster("wide")));
+        assert!(cluster.records(&ObjKey::cluster("wide")));
+        assert!(!cluster.records(&ObjKey::new("a", "wide")));
+
+        let none = PodInfo { record: None, ..local };
+        assert!(none.recorded_budget().is_none() && !none.records(&ObjKey::new("a", "llm")));
+    }
 
     #[test]
     fn pod_meta_reads_only_what_it_keeps() {
