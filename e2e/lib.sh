@@ -23,7 +23,10 @@ control_plane_or_skip() {
       eval "$(bash "$REALK8S/up.sh")"
       STARTED_REALK8S=1
     else
-      echo "skipped: KUBECONFIG is not set, and REALK8S_DIR has no kube-apiserver built ($REALK8S/README.md)"
+      echo "skipped: KUBECONFIG is not set, and REALK8S_DIR has no kube-apiserver built. To run $0: build one once"
+      echo "  (bash $REALK8S/build.sh <git dir of a Kubernetes source snapshot>, ~8 min on 2 cores; $REALK8S/README.md),"
+      echo "  then GPUBUDGET_E2E_APISERVER=1 REALK8S_DIR=/tmp/realk8s $0 (starts and stops it), or with one up:"
+      echo "  GPUBUDGET_E2E_APISERVER=1 KUBECONFIG=/tmp/realk8s/run/kubeconfig $0"
       exit 0
     fi
   fi

@@ -21,40 +21,9 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 REALK8S=${REALK8S:-/work/shared/realk8s}
 
-usage() {
-  cat <<EOF
-skipped: gpubudget e2e/apiserver needs a Kubernetes control plane: $1
-  To run it (a real kube-apiserver + etcd + controller-manager on this machine, no kubelet, ~8 min to build once):
-    bash $REALK8S/build.sh <git dir of a Kubernetes source snapshot>
-    GPUBUDGET_E2E_APISERVER=1 REALK8S_DIR=/tmp/realk8s e2e/apiserver/run.sh
-  or, with a control plane already up and its admin in KUBECONFIG:
-    GPUBUDGET_E2E_APISERVER=1 KUBECONFIG=/tmp/realk8s/run/kubeconfig e2e/apiserver/run.sh
-EOF
-}
-
-STARTED_REALK8S=0
-if [ -z "${KUBECONFIG:-}" ]; then
-  if [ -n "${REALK8S_DIR:-}" ] && [ -x "$REALK8S_DIR/bin/kube-apiserver" ] && [ -f "$REALK8S/up.sh" ]; then
-    eval "$(bash "$REALK8S/up.sh")"
-    STARTED_REALK8S=1
-  else
-    usage "KUBECONFIG is not set, and REALK8S_DIR has no kube-apiserver built"
-    exit 0
-  fi
-fi
-if ! kubectl version --request-timeout=10s >/dev/null 2>&1; then
-  usage "kubectl version failed with KUBECONFIG=$KUBECONFIG"
-  exit 0
-fi
-
-BIN=${GPUBUDGET_E2E_BIN:-$REPO/target/release}
-if [ ! -x "$BIN/gpubudget-agent" ] || [ ! -x "$BIN/gpubudget-operator" ]; then
-  (cd "$REPO" && cargo build --release -p gpubudget-agent -p gpubudget-operator)
-fi
 # shellcheck source=../lib.sh
 . "$REPO/e2e/lib.sh"
-# shellcheck disable=SC2015 # both tests must hold
-[ -n "$HELM" ] && [ -x "$HELM" ] || { echo "FAIL: no helm (3.10 or newer): put it in PATH, set HELM, or run bash .ci/helm.sh once" >&2; exit 1; }
+control_plane_or_skip "gpubudget e2e/apiserver" gpubudget-agent gpubudget-operator
 STEP_TIMEOUT=${GPUBUDGET_E2E_STEP_TIMEOUT:-60}
 
 ID=$(date +%s | tail -c 5)$RANDOM
