@@ -68,7 +68,7 @@ impl Caps {
 }
 
 /// The value of one of the variables in a container's `env` (the entry that wins: the last of its name).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum EnvValue {
     /// `value: ...` (an absent value is the empty string, as Kubernetes reads it).
     Literal(String),
@@ -77,7 +77,7 @@ pub enum EnvValue {
 }
 
 /// What the caps module needs of one container.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub struct GpuContainer {
     /// The container's name.
     pub name: String,

@@ -5,6 +5,7 @@
 //! its memory small at cluster scale, and `kubectl get pod -o yaml` shows them.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use crate::state::BudgetState;
 
@@ -46,9 +47,9 @@ pub struct PodRecord {
     pub usage_bytes: u64,
     /// The budget that applies: a name in the pod's namespace, or [`CLUSTER_BUDGET_PREFIX`] and a cluster
     /// budget's name ([`crate::Budget::record_name`]).
-    pub budget: String,
+    pub budget: Arc<str>,
     /// The node of the agent that wrote it.
-    pub node: String,
+    pub node: Arc<str>,
     /// When eviction was requested, if it was.
     pub eviction_requested_at: Option<String>,
 }
@@ -59,8 +60,8 @@ impl PodRecord {
         Some(Self {
             state: BudgetState::parse(annotations.get(STATE)?)?,
             usage_bytes: annotations.get(USAGE_BYTES)?.parse().ok()?,
-            budget: annotations.get(BUDGET)?.clone(),
-            node: annotations.get(NODE).cloned().unwrap_or_default(),
+            budget: annotations.get(BUDGET)?.as_str().into(),
+            node: annotations.get(NODE).map(|n| n.as_str().into()).unwrap_or_default(),
             eviction_requested_at: annotations.get(EVICTION_REQUESTED_AT).cloned(),
         })
     }
@@ -70,8 +71,8 @@ impl PodRecord {
         let mut out = BTreeMap::from([
             (STATE.to_owned(), self.state.as_str().to_owned()),
             (USAGE_BYTES.to_owned(), self.usage_bytes.to_string()),
-            (BUDGET.to_owned(), self.budget.clone()),
-            (NODE.to_owned(), self.node.clone()),
+            (BUDGET.to_owned(), self.budget.to_string()),
+            (NODE.to_owned(), self.node.to_string()),
         ]);
         if let Some(at) = &self.eviction_requested_at {
             out.insert(EVICTION_REQUESTED_AT.to_owned(), at.clone());

@@ -45,10 +45,10 @@ pub fn rows(pods: &[Pod], limits: &HashMap<(String, String), u64>) -> Vec<TopRow
             let namespace = meta.namespace.clone().unwrap_or_default();
             let scope =
                 if record.budget.starts_with(CLUSTER_BUDGET_PREFIX) { String::new() } else { namespace.clone() };
-            let limit_bytes = limits.get(&(scope, record.budget.clone())).copied();
+            let limit_bytes = limits.get(&(scope, record.budget.to_string())).copied();
             Some(TopRow {
                 name: meta.name.clone().unwrap_or_default(),
-                node: Some(record.node.clone())
+                node: Some(record.node.to_string())
                     .filter(|n| !n.is_empty())
                     .or_else(|| pod.spec.as_ref().and_then(|s| s.node_name.clone())),
                 state: record.state,
@@ -57,7 +57,7 @@ pub fn rows(pods: &[Pod], limits: &HashMap<(String, String), u64>) -> Vec<TopRow
                 limit: limit_bytes.map(|l| HumanBytes(l).to_string()),
                 percent: limit_bytes.and_then(|l| percent(record.usage_bytes, l)),
                 limit_bytes,
-                budget: record.budget,
+                budget: record.budget.to_string(),
                 eviction_requested_at: record.eviction_requested_at,
                 namespace,
             })

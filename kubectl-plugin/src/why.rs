@@ -298,7 +298,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
             r.budget
         ));
     }
-    let budget_name = applying.map(Budget::record_name).or_else(|| record.as_ref().map(|r| r.budget.clone()));
+    let budget_name = applying.map(Budget::record_name).or_else(|| record.as_ref().map(|r| r.budget.to_string()));
     let budget = budget_name.as_deref().map(info);
     let limit = applying.map(|b| b.limit_bytes);
     let over_since = record.as_ref().filter(|r| r.state.is_over()).and_then(|_| events::over_since(&rows));
@@ -339,8 +339,8 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
             state: r.state,
             usage_bytes: r.usage_bytes,
             usage: HumanBytes(r.usage_bytes).to_string(),
-            budget: r.budget.clone(),
-            node: r.node.clone(),
+            budget: r.budget.to_string(),
+            node: r.node.to_string(),
             percent: limit.and_then(|l| percent(r.usage_bytes, l)),
             eviction_requested_at: r.eviction_requested_at.clone(),
         }),

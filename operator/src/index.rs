@@ -26,15 +26,20 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
+use gpubudget_common::caps::GpuContainer;
 use gpubudget_common::{Budget, ClusterGpuMemoryBudget, GpuMemoryBudget, PodLabels, SpecError};
 
+use crate::intern::Pool;
 use crate::namespaces::{NamespaceLabels, Relabel};
-use crate::pods::{Labels, ObjKey, PodInfo};
+use crate::pods::{ObjKey, PodInfo};
 use crate::status::{Inputs, Selected};
 
 /// How many deleted, evicted pods are remembered per budget (fewer than `status.countedEvictions` holds, so
 /// every remembered one stays in that dedupe list).
 pub const TOMBSTONES_MAX: usize = 32;
+
+/// Sorted budget names, shared (see [`Index::budget_sets`]).
+type Names = Arc<[Arc<str>]>;
 
 /// Budgets whose status a change may have changed.
 pub type Affected = BTreeSet<ObjKey>;
@@ -47,9 +52,9 @@ fn keys_in<'a>(namespace: &'a str, names: &'a [Arc<str>]) -> impl Iterator<Item 
 #[derive(Debug)]
 struct PodEntry {
     info: PodInfo,
-    /// Names of the valid budgets (same namespace) whose selector matches the pod, sorted; shared with
-    /// the namespace's map.
-    budgets: Box<[Arc<str>]>,
+    /// Names of the valid budgets (same namespace) whose selector matches the pod, sorted; one copy for the
+    /// pods that carry the same labels.
+    budgets: Names,
     /// The pod re-list that last listed it ([`Index::begin_pod_resync`]).
     listed_in: u32,
 }
@@ -68,12 +73,12 @@ struct Namespace {
     budgets: BTreeMap<Arc<str>, Result<Budget, SpecError>>,
     /// Pods by name. Boxed: a hash table's free slots are as large as its entries, and at 150 pods a
     /// namespace a table of 256 slots is 40 % free.
-    pods: HashMap<String, Box<PodEntry>>,
+    pods: HashMap<Arc<str>, Box<PodEntry>>,
 }
 
 impl Namespace {
     /// Names of the valid budgets whose selector matches these labels, sorted.
-    fn selecting(&self, labels: &BTreeMap<String, String>) -> Box<[Arc<str>]> {
+    fn selecting(&self, labels: &BTreeMap<String, String>) -> Vec<Arc<str>> {
         self.budgets
             .iter()
             .filter(|(_, b)| b.as_ref().is_ok_and(|b| b.selector.matches(labels)))
@@ -117,9 +122,13 @@ pub struct Index {
     /// keys, so a re-list of 150 000 pods costs no memory of its own).
     pod_relists: u32,
     /// One copy of each distinct label set the pods carry.
-    label_sets: HashSet<Labels>,
-    /// How many label sets there were after the last sweep of unused ones.
-    label_sets_swept: usize,
+    label_sets: Pool<BTreeMap<String, String>>,
+    /// One copy of each distinct list of GPU containers.
+    gpu_sets: Pool<[GpuContainer]>,
+    /// One copy of each namespace, node and recorded budget name the pods carry.
+    names: Pool<str>,
+    /// One copy of each list of selecting budgets the pods carry.
+    budget_sets: Pool<[Arc<str>]>,
 }
 
 /// The valid cluster budgets that select a pod of `namespace` (labelled `namespace_labels`) labelled `labels`.
@@ -212,9 +221,9 @@ impl Index {
                     self.selected_pods += 1;
                 }
                 if let Err(at) = entry.budgets.binary_search(&name) {
-                    let mut names = std::mem::take(&mut entry.budgets).into_vec();
+                    let mut names = entry.budgets.to_vec();
                     names.insert(at, name.clone());
-                    entry.budgets = names.into_boxed_slice();
+                    entry.budgets = self.budget_sets.intern(names.into());
                 }
                 affected.extend(keys_in(&key.namespace, &entry.budgets));
                 let ns_labels = self.namespace_labels.get(&key.namespace);
@@ -246,9 +255,9 @@ impl Index {
             affected.extend(keys_in(&key.namespace, &entry.budgets));
             let ns_labels = self.namespace_labels.get(&key.namespace);
             affected.extend(cluster_keys(&self.cluster, &key.namespace, ns_labels, &entry.info.labels));
-            let mut names = std::mem::take(&mut entry.budgets).into_vec();
+            let mut names = entry.budgets.to_vec();
             names.retain(|b| **b != *key.name);
-            entry.budgets = names.into_boxed_slice();
+            entry.budgets = self.budget_sets.intern(names.into());
             if entry.budgets.is_empty() {
                 self.selected_pods -= 1;
             }
@@ -427,11 +436,15 @@ impl Index {
     /// A pod was created or changed (or listed).
     pub fn apply_pod(&mut self, mut info: PodInfo) -> Affected {
         let key = info.key();
-        info.labels = self.intern(info.labels);
+        self.share(&mut info);
         let listed_in = self.pod_relists;
         let mut affected = Affected::new();
         let ns = self.namespaces.entry(key.namespace.clone()).or_default();
-        let (labels_same, old_record_budget) = match ns.pods.get_mut(&key.name) {
+        if let Some((name, _)) = ns.pods.get_key_value(&*info.name) {
+            // The map's key and the entry share the name.
+            info.name = name.clone();
+        }
+        let (labels_same, old_record_budget) = match ns.pods.get_mut(&*info.name) {
             Some(entry) if entry.info == info => {
                 entry.listed_in = listed_in;
                 return affected;
@@ -442,7 +455,7 @@ impl Index {
         if !labels_same {
             // The cluster budgets selecting it before and now (their matches and overlaps may change).
             let ns_labels = self.namespace_labels.get(&key.namespace);
-            if let Some(entry) = ns.pods.get(&key.name) {
+            if let Some(entry) = ns.pods.get(key.name.as_str()) {
                 affected.extend(cluster_keys(&self.cluster, &key.namespace, ns_labels, &entry.info.labels));
             }
             affected.extend(cluster_keys(&self.cluster, &key.namespace, ns_labels, &info.labels));
@@ -454,7 +467,7 @@ impl Index {
         if labels_same {
             // Same labels: same selecting budgets, same resolution. Only the budget that applies (and the
             // recorded ones, above) can see a difference.
-            if let Some(entry) = ns.pods.get_mut(&key.name) {
+            if let Some(entry) = ns.pods.get_mut(key.name.as_str()) {
                 entry.info = info;
                 entry.listed_in = listed_in;
             }
@@ -462,12 +475,12 @@ impl Index {
             return affected;
         }
 
-        let new_budgets = ns.selecting(&info.labels);
-        let old_budgets = match ns.pods.get(&key.name) {
+        let new_budgets = self.budget_sets.intern(ns.selecting(&info.labels).into());
+        let old_budgets = match ns.pods.get(key.name.as_str()) {
             Some(entry) => entry.budgets.clone(),
             None => {
                 self.pods += 1;
-                Box::default()
+                Names::default()
             }
         };
         affected.extend(keys_in(&key.namespace, &old_budgets).chain(keys_in(&key.namespace, &new_budgets)));
@@ -478,28 +491,26 @@ impl Index {
                 self.selected_pods += 1;
             }
         }
-        ns.pods.insert(key.name, Box::new(PodEntry { info, budgets: new_budgets, listed_in }));
+        ns.pods.insert(info.name.clone(), Box::new(PodEntry { info, budgets: new_budgets, listed_in }));
         affected
     }
 
-    /// The shared copy of a label set: the one kept if a pod already carries these labels, else this one,
-    /// kept from now on. Sets no pod carries any more are dropped whenever the number kept has doubled.
-    fn intern(&mut self, labels: Labels) -> Labels {
-        if let Some(kept) = self.label_sets.get(&*labels) {
-            return kept.clone();
+    /// The pod with what other pods carry alike replaced by the copies kept for all of them.
+    fn share(&mut self, info: &mut PodInfo) {
+        self.label_sets.share(&mut info.labels);
+        self.gpu_sets.share(&mut info.gpu);
+        self.names.share(&mut info.namespace);
+        if let Some(record) = &mut info.record {
+            self.names.share(&mut record.budget);
+            self.names.share(&mut record.node);
         }
-        self.label_sets.insert(labels.clone());
-        if self.label_sets.len() > 2 * self.label_sets_swept.max(512) {
-            self.label_sets.retain(|set| Arc::strong_count(set) > 1);
-            self.label_sets_swept = self.label_sets.len();
-        }
-        labels
     }
 
     /// A pod was deleted (or stopped matching the watch).
     pub fn delete_pod(&mut self, key: &ObjKey) -> Affected {
         let mut affected = Affected::new();
-        let Some(entry) = self.namespaces.get_mut(&key.namespace).and_then(|ns| ns.pods.remove(&key.name)) else {
+        let Some(entry) = self.namespaces.get_mut(&key.namespace).and_then(|ns| ns.pods.remove(key.name.as_str()))
+        else {
             return affected;
         };
         self.pods -= 1;
@@ -541,7 +552,7 @@ impl Index {
             .namespaces
             .iter()
             .flat_map(|(ns, n)| {
-                n.pods.iter().filter(|(_, e)| e.listed_in != relist).map(move |(name, _)| ObjKey::new(ns, name))
+                n.pods.iter().filter(|(_, e)| e.listed_in != relist).map(move |(name, _)| ObjKey::new(ns, &**name))
             })
             .collect();
         let mut affected = Affected::new();
@@ -565,7 +576,7 @@ impl Index {
     /// selects it.
     pub fn resolved(&self, pod: &ObjKey) -> Option<ObjKey> {
         let ns = self.namespaces.get(&pod.namespace)?;
-        let entry = ns.pods.get(&pod.name)?;
+        let entry = ns.pods.get(pod.name.as_str())?;
         let pod_labels = PodLabels::new(&pod.namespace, self.namespace_labels.get(&pod.namespace), &entry.info.labels);
         let resolution = gpubudget_common::resolve(self.compiled_for(&pod.namespace, ns, entry), &pod_labels)?;
         Some(budget_key(&pod.namespace, resolution.budget))
@@ -576,7 +587,7 @@ impl Index {
     pub fn budgets_selecting(&self, pod: &ObjKey) -> Vec<ObjKey> {
         self.namespaces
             .get(&pod.namespace)
-            .and_then(|ns| ns.pods.get(&pod.name))
+            .and_then(|ns| ns.pods.get(pod.name.as_str()))
             .map(|e| self.selecting_entry(&pod.namespace, e))
             .unwrap_or_default()
     }
@@ -591,7 +602,7 @@ impl Index {
                 .get(&budget.namespace)
                 .into_iter()
                 .flat_map(|ns| ns.selected_by(&budget.name))
-                .map(|entry| entry.info.name.clone())
+                .map(|entry| entry.info.name.to_string())
                 .collect()
         };
         names.sort();
@@ -619,7 +630,7 @@ impl Index {
                 .cluster_pods(&budget.name)
                 .into_iter()
                 .filter_map(|entry| {
-                    let namespace = &entry.info.namespace;
+                    let namespace = &*entry.info.namespace;
                     let ns = self.namespaces.get(namespace)?;
                     Some(Selected {
                         pod: &entry.info,
@@ -726,11 +737,11 @@ mod tests {
         PodInfo {
             namespace: ns.into(),
             name: name.into(),
-            uid: format!("uid-{name}"),
+            uid: format!("uid-{name}").as_str().into(),
             labels: Arc::new(labels.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()),
             record: None,
             terminating: false,
-            gpu: Vec::new(),
+            gpu: Arc::default(),
             started_ms: None,
             exempt: None,
             grace_seconds: None,
@@ -815,7 +826,7 @@ mod tests {
         assert_eq!(index.delete_pod(&ObjKey::new("a", "p1")), keys(&["llm", "wide"]));
         index.delete_pod(&ObjKey::new("a", "p2"));
         let inputs = index.inputs(&ObjKey::new("a", "llm"));
-        assert_eq!(inputs.recorded.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(), ["p1"]);
+        assert_eq!(inputs.recorded.iter().map(|p| &*p.name).collect::<Vec<_>>(), ["p1"]);
         assert!(inputs.selected.is_empty());
         for i in 0..TOMBSTONES_MAX + 5 {
             let mut q = pod("a", &format!("q{i}"), &[]);
@@ -903,6 +914,44 @@ mod tests {
     }
 
     #[test]
+    fn what_pods_carry_alike_is_kept_once() {
+        let mut index = fixture();
+        let gpu = |devices| -> Arc<[GpuContainer]> { Arc::from([GpuContainer { devices, ..GpuContainer::default() }]) };
+        let recorded = |ns: &str, name: &str, devices| PodInfo {
+            record: Some(PodRecord {
+                state: BudgetState::Within,
+                usage_bytes: 1 << 30,
+                budget: "llm".into(),
+                node: "gpu-node-7".into(),
+                eviction_requested_at: None,
+            }),
+            gpu: gpu(devices),
+            ..pod(ns, name, &[("app", "llm")])
+        };
+        index.apply_pod(recorded("a", "p1", 1));
+        index.apply_pod(recorded("a", "p2", 1));
+        index.apply_pod(recorded("a", "p3", 2));
+        let entry = |name: &str| &index.namespaces["a"].pods[name].info;
+        let (p1, p2, p3) = (entry("p1"), entry("p2"), entry("p3"));
+        let (r1, r2) = (p1.record.as_ref().unwrap(), p2.record.as_ref().unwrap());
+        assert!(Arc::ptr_eq(&p1.namespace, &p2.namespace));
+        assert!(Arc::ptr_eq(&r1.node, &r2.node) && Arc::ptr_eq(&r1.budget, &r2.budget));
+        assert!(Arc::ptr_eq(&p1.gpu, &p2.gpu) && !Arc::ptr_eq(&p1.gpu, &p3.gpu));
+        assert_eq!(p3.gpu, gpu(2), "different containers are kept apart");
+        let (key, kept) = index.namespaces["a"].pods.get_key_value("p1").unwrap();
+        assert!(Arc::ptr_eq(key, &kept.info.name), "the map's key is the entry's name");
+        let budgets = |name: &str| index.namespaces["a"].pods[name].budgets.clone();
+        assert!(Arc::ptr_eq(&budgets("p1"), &budgets("p3")), "same labels, one list of selecting budgets");
+        assert_eq!(budgets("p1").iter().map(|b| &**b).collect::<Vec<_>>(), ["llm", "wide"]);
+
+        // A new event for a pod keeps sharing (the new copy is dropped), and equal pods stay equal.
+        index.apply_pod(recorded("a", "p1", 1));
+        let (key, kept) = index.namespaces["a"].pods.get_key_value("p1").unwrap();
+        assert!(Arc::ptr_eq(key, &kept.info.name));
+        assert_eq!(kept.info, recorded("a", "p1", 1));
+    }
+
+    #[test]
     fn pods_with_the_same_labels_share_one_copy_and_unused_sets_are_dropped() {
         let mut index = fixture();
         index.apply_pod(pod("a", "p1", &[("app", "llm"), ("pod-template-hash", "5d8f")]));
@@ -969,7 +1018,7 @@ mod tests {
             p.record = usage.map(|(gib, budget)| PodRecord {
                 state: if gib > 2 { BudgetState::Over } else { BudgetState::Within },
                 usage_bytes: gib << 30,
-                budget: format!("b{budget}"),
+                budget: format!("b{budget}").into(),
                 node: "n".into(),
                 eviction_requested_at: None,
             });

@@ -8,6 +8,7 @@ pub mod crd;
 pub mod error;
 pub mod eviction_check;
 pub mod index;
+pub mod intern;
 pub mod leader;
 pub mod metrics;
 pub mod namespaces;

@@ -72,15 +72,80 @@ impl std::fmt::Display for ObjKey {
 /// carry the same labels), which is most of what 150 000 pods would otherwise cost (docs/performance.md).
 pub type Labels = Arc<BTreeMap<String, String>>;
 
+/// A pod's `metadata.uid`. The API server makes it a UUID, kept as its 16 bytes (as text, with its `String`,
+/// it costs 72 bytes a pod); any other text (fakes, tests) is kept as it is. Shown as it was read.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Uid {
+    /// A UUID in its canonical form (lowercase, hyphenated), which is how it is shown again.
+    Uuid([u8; 16]),
+    /// Anything else, the empty UID included.
+    Text(Box<str>),
+}
+
+impl Uid {
+    /// The UUID in canonical text, or `None` for any other text.
+    fn parse_uuid(text: &str) -> Option<[u8; 16]> {
+        const GROUPS: [usize; 5] = [8, 4, 4, 4, 12];
+        let mut out = [0; 16];
+        let mut at = 0;
+        let mut groups = text.split('-');
+        for len in GROUPS {
+            let group = groups.next().filter(|g| g.len() == len)?;
+            if !group.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+                return None;
+            }
+            for pair in group.as_bytes().chunks(2) {
+                out[at] = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+                at += 1;
+            }
+        }
+        groups.next().is_none().then_some(out)
+    }
+
+    /// No UID (a pod without one is never counted as evicted).
+    pub fn is_empty(&self) -> bool {
+        matches!(self, Self::Text(t) if t.is_empty())
+    }
+}
+
+impl Default for Uid {
+    fn default() -> Self {
+        Self::Text(Box::default())
+    }
+}
+
+impl From<&str> for Uid {
+    fn from(text: &str) -> Self {
+        Self::parse_uuid(text).map_or_else(|| Self::Text(text.into()), Self::Uuid)
+    }
+}
+
+impl fmt::Display for Uid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Text(text) => f.write_str(text),
+            Self::Uuid(bytes) => {
+                for (i, b) in bytes.iter().enumerate() {
+                    if matches!(i, 4 | 6 | 8 | 10) {
+                        f.write_str("-")?;
+                    }
+                    write!(f, "{b:02x}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 /// A pod as the operator keeps it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodInfo {
-    /// Namespace.
-    pub namespace: String,
+    /// Namespace (shared by its pods in the index).
+    pub namespace: Arc<str>,
     /// Name.
-    pub name: String,
+    pub name: Arc<str>,
     /// `metadata.uid`: evictions are counted once per UID.
-    pub uid: String,
+    pub uid: Uid,
     /// Labels, for the budgets' selectors.
     pub labels: Labels,
     /// The agent's record (the `gpubudget.io/` annotations), if the pod has a well-formed one.
@@ -88,8 +153,9 @@ pub struct PodInfo {
     /// The pod is being deleted (`metadata.deletionTimestamp`), as an evicted pod is once the Eviction API
     /// accepted the request; a pod deleted from the cache is remembered with this set.
     pub terminating: bool,
-    /// Its GPU containers with their cap variables (fixed at creation); empty without GPU containers.
-    pub gpu: Vec<GpuContainer>,
+    /// Its GPU containers with their cap variables (fixed at creation); empty without GPU containers. Shared:
+    /// a workload's replicas carry the same.
+    pub gpu: Arc<[GpuContainer]>,
     /// When it started (ms since the epoch): `status.startTime`, else `metadata.creationTimestamp`. A
     /// namespace total evicts the most recent start first.
     pub started_ms: Option<u64>,
@@ -112,13 +178,13 @@ impl PodInfo {
     pub fn from_meta(meta: &ObjectMeta) -> Option<Self> {
         let key = ObjKey::of(meta)?;
         Some(Self {
-            namespace: key.namespace,
-            name: key.name,
-            uid: meta.uid.clone().unwrap_or_default(),
+            namespace: key.namespace.into(),
+            name: key.name.into(),
+            uid: meta.uid.as_deref().map(Uid::from).unwrap_or_default(),
             labels: Arc::new(meta.labels.clone().unwrap_or_default()),
             record: meta.annotations.as_ref().and_then(PodRecord::from_annotations),
             terminating: meta.deletion_timestamp.is_some(),
-            gpu: Vec::new(),
+            gpu: Arc::default(),
             started_ms: meta.creation_timestamp.as_ref().map(epoch_ms),
             exempt: meta
                 .annotations
@@ -133,12 +199,12 @@ impl PodInfo {
     /// requested the eviction, and the pod is going (terminating or deleted). A request that a
     /// PodDisruptionBudget refused leaves the pod running: not an eviction (yet).
     pub fn evicted_by(&self, name: &str) -> Option<&PodRecord> {
-        self.record.as_ref().filter(|r| self.terminating && r.budget == name && r.eviction_requested_at.is_some())
+        self.record.as_ref().filter(|r| self.terminating && *r.budget == *name && r.eviction_requested_at.is_some())
     }
 
     /// `namespace/name`.
     pub fn key(&self) -> ObjKey {
-        ObjKey::new(&self.namespace, &self.name)
+        ObjKey::new(&*self.namespace, &*self.name)
     }
 
     /// The budget this pod's record names: `(true, name)` for a cluster budget, `(false, name)` for one of its
@@ -147,7 +213,7 @@ impl PodInfo {
         let recorded = &self.record.as_ref()?.budget;
         Some(match recorded.strip_prefix(gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX) {
             Some(cluster) => (true, cluster),
-            None => (false, recorded.as_str()),
+            None => (false, &**recorded),
         })
     }
 
@@ -155,7 +221,7 @@ impl PodInfo {
     /// key: the index asks it of every pod of a namespace).
     pub fn records(&self, key: &ObjKey) -> bool {
         self.recorded().is_some_and(|(cluster, name)| {
-            cluster == key.is_cluster() && key.name == name && (cluster || key.namespace == self.namespace)
+            cluster == key.is_cluster() && key.name == name && (cluster || *key.namespace == *self.namespace)
         })
     }
 
@@ -163,7 +229,7 @@ impl PodInfo {
     /// (`ClusterGpuMemoryBudget/<name>`, [`ObjKey::cluster`]).
     pub fn recorded_budget(&self) -> Option<ObjKey> {
         let (cluster, name) = self.recorded()?;
-        Some(if cluster { ObjKey::cluster(name) } else { ObjKey::new(&self.namespace, name) })
+        Some(if cluster { ObjKey::cluster(name) } else { ObjKey::new(&*self.namespace, name) })
     }
 }
 
@@ -203,7 +269,7 @@ impl PodMeta {
     /// What the operator keeps of this pod; `None` without a name or namespace.
     pub fn info(&self) -> Option<PodInfo> {
         PodInfo::from_meta(&self.metadata).map(|info| PodInfo {
-            gpu: self.gpu.clone(),
+            gpu: self.gpu.as_slice().into(),
             started_ms: self.started_ms.or(info.started_ms),
             exempt: if self.critical { Some(Exempt::Critical) } else { info.exempt },
             grace_seconds: self.grace_seconds,
@@ -429,6 +495,37 @@ mod tests {
     use super::*;
     use gpubudget_common::BudgetState;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+
+    #[test]
+    fn a_uuid_is_kept_as_bytes_and_shown_as_it_was_read() {
+        let text = "0b6f6a4e-03e7-4c1e-9d7a-0000000000a5";
+        let uid = Uid::from(text);
+        assert!(matches!(uid, Uid::Uuid(b) if b[0] == 0x0b && b[15] == 0xa5));
+        assert_eq!(uid.to_string(), text);
+        // Not canonical (upper case, braces, a group too long or short): kept as text, never rewritten.
+        for other in [
+            "0B6F6A4E-03E7-4C1E-9D7A-0000000000A5",
+            "{0b6f6a4e-03e7-4c1e-9d7a-0000000000a5}",
+            "0b6f6a4e03e7-4c1e-9d7a-0000000000a5",
+            "0b6f6a4e-03e7-4c1e-9d7a-0000000000a5-",
+            "uid-p1",
+            "",
+        ] {
+            assert_eq!(Uid::from(other), Uid::Text(other.into()), "{other}");
+            assert_eq!(Uid::from(other).to_string(), other);
+        }
+        assert!(Uid::from("").is_empty() && !uid.is_empty());
+        assert_ne!(Uid::from(text), Uid::from("0b6f6a4e-03e7-4c1e-9d7a-0000000000a6"));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_uid_reads_back_as_written(text in "[0-9a-fA-F-]{0,40}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}") {
+            let uid = Uid::from(text.as_str());
+            proptest::prop_assert_eq!(uid.to_string(), text.clone());
+            proptest::prop_assert_eq!(uid, Uid::from(text.as_str()));
+        }
+    }
 
     #[test]
     fn a_record_names_a_budget_of_its_namespace_or_a_cluster_budget() {

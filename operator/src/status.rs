@@ -35,7 +35,7 @@ use gpubudget_common::{Budget, BudgetState, ClusterGpuMemoryBudget, GpuMemoryBud
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 
-use crate::pods::PodInfo;
+use crate::pods::{PodInfo, Uid};
 
 /// The status type.
 pub type Status = GpuMemoryBudgetStatus;
@@ -215,8 +215,8 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
         .take(TOP_PODS_MAX)
         .map(|(pod, record)| TopPod {
             // A cluster budget's pods come from many namespaces: `namespace/pod`.
-            name: if budget.is_cluster() { format!("{}/{}", pod.namespace, pod.name) } else { pod.name.clone() },
-            node: Some(record.node.clone()).filter(|n| !n.is_empty()),
+            name: if budget.is_cluster() { format!("{}/{}", pod.namespace, pod.name) } else { pod.name.to_string() },
+            node: Some(record.node.to_string()).filter(|n| !n.is_empty()),
             usage: HumanBytes(record.usage_bytes).to_string(),
             usage_bytes: i64::try_from(record.usage_bytes).unwrap_or(i64::MAX),
             state: record.state,
@@ -250,30 +250,30 @@ fn count_evictions(
         .filter(|(pod, _, _)| !pod.uid.is_empty())
         .collect();
     // Already counted, or listed twice (a pod and its tombstone): skipped.
-    let mut seen: HashSet<&str> = counted.iter().map(String::as_str).collect();
+    let mut seen: HashSet<Uid> = counted.iter().map(|uid| Uid::from(uid.as_str())).collect();
     let mut new: Vec<&(&PodInfo, &PodRecord, &str)> =
-        evicted.iter().filter(|(pod, _, _)| seen.insert(pod.uid.as_str())).collect();
+        evicted.iter().filter(|(pod, _, _)| seen.insert(pod.uid.clone())).collect();
     new.sort_by(|a, b| (parse_time(a.2), &a.0.name).cmp(&(parse_time(b.2), &b.0.name)));
     for (pod, record, at) in new {
         evictions += 1;
-        counted.push(pod.uid.clone());
+        counted.push(pod.uid.to_string());
         let newer = match last.as_ref().and_then(|l| parse_time(&l.time)) {
             Some(previous_time) => parse_time(at).is_some_and(|t| t >= previous_time),
             None => true,
         };
         if newer {
             last = Some(EvictionRecord {
-                pod: if cluster { format!("{}/{}", pod.namespace, pod.name) } else { pod.name.clone() },
-                node: Some(record.node.clone()).filter(|n| !n.is_empty()),
+                pod: if cluster { format!("{}/{}", pod.namespace, pod.name) } else { pod.name.to_string() },
+                node: Some(record.node.to_string()).filter(|n| !n.is_empty()),
                 time: (*at).to_owned(),
                 usage: HumanBytes(record.usage_bytes).to_string(),
             });
         }
     }
     // Bounded: forget first the UIDs of pods that are gone (they cannot be seen, so counted, again).
-    let present: HashSet<&str> = evicted.iter().map(|(pod, _, _)| pod.uid.as_str()).collect();
+    let present: HashSet<&Uid> = evicted.iter().map(|(pod, _, _)| &pod.uid).collect();
     while counted.len() > COUNTED_EVICTIONS_MAX {
-        let at = counted.iter().position(|uid| !present.contains(uid.as_str())).unwrap_or(0);
+        let at = counted.iter().position(|uid| !present.contains(&Uid::from(uid.as_str()))).unwrap_or(0);
         counted.remove(at);
     }
     status.evictions = evictions;
@@ -435,6 +435,7 @@ mod tests {
     static NO_NS: BTreeMap<String, String> = BTreeMap::new();
     use super::*;
     use gpubudget_common::pod_record::PodRecord;
+    use std::sync::Arc;
 
     fn resource(name: &str, limit: &str, selector: &str) -> GpuMemoryBudget {
         let mut r: GpuMemoryBudget = serde_yaml::from_str(&format!(
@@ -454,7 +455,7 @@ mod tests {
         PodInfo {
             namespace: "a".into(),
             name: name.into(),
-            uid: format!("uid-{name}"),
+            uid: format!("uid-{name}").as_str().into(),
             labels: std::sync::Arc::new([("app".to_owned(), app.to_owned())].into()),
             record: record.map(|(state, usage_bytes, budget)| PodRecord {
                 state,
@@ -464,7 +465,7 @@ mod tests {
                 eviction_requested_at: None,
             }),
             terminating: false,
-            gpu: Vec::new(),
+            gpu: Arc::default(),
             started_ms: None,
             exempt: None,
             grace_seconds: None,
@@ -499,7 +500,7 @@ mod tests {
             mps_limit: mps.map(|m| EnvValue::Literal(m.into())),
             ..GpuContainer::default()
         };
-        PodInfo { gpu: vec![gpu], ..pod(name, "llm", None) }
+        PodInfo { gpu: Arc::from([gpu]), ..pod(name, "llm", None) }
     }
 
     #[test]

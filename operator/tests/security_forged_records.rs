@@ -3,6 +3,7 @@
 //! records"), through the real index and status computation.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use gpubudget_common::pod_record::PodRecord;
 use gpubudget_common::{BudgetState, GpuMemoryBudget};
@@ -23,7 +24,7 @@ fn forged(namespace: &str, name: &str, terminating: bool) -> PodInfo {
     PodInfo {
         namespace: namespace.into(),
         name: name.into(),
-        uid: format!("uid-{namespace}-{name}"),
+        uid: format!("uid-{namespace}-{name}").as_str().into(),
         labels: std::sync::Arc::new(BTreeMap::from([("app".to_owned(), "other".to_owned())])),
         record: Some(PodRecord {
             state: BudgetState::Evicting,
@@ -33,7 +34,7 @@ fn forged(namespace: &str, name: &str, terminating: bool) -> PodInfo {
             eviction_requested_at: Some("2026-11-21T18:00:00Z".into()),
         }),
         terminating,
-        gpu: Vec::new(),
+        gpu: Arc::default(),
         started_ms: None,
         exempt: None,
         grace_seconds: None,

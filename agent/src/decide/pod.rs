@@ -155,7 +155,7 @@ impl Enforcer {
 
     fn new_memory(&self, now: Now, view: &PodView) -> PodMemory {
         // What this agent (on this node) recorded before a restart.
-        let record = view.record.clone().filter(|r| r.node == self.settings.node);
+        let record = view.record.clone().filter(|r| *r.node == *self.settings.node);
         PodMemory {
             pod: PodRef::of(view),
             tracker: Tracker::default(),
@@ -206,7 +206,7 @@ impl Enforcer {
             mem.pressure = None;
         }
         // A record of ours with no budget behind it any more: remove it, once.
-        let ours = view.record.as_ref().is_some_and(|r| r.node == self.settings.node) || mem.written.is_some();
+        let ours = view.record.as_ref().is_some_and(|r| *r.node == *self.settings.node) || mem.written.is_some();
         if ours && mem.has_annotations && !mem.write_in_flight && now.mono_ms >= mem.write_retry_at {
             mem.write_in_flight = true;
             out.push(Action::Clear { pod: mem.pod.clone() });
@@ -398,7 +398,7 @@ impl Enforcer {
                     let moved = w.state != state;
                     (moved && (state == BudgetState::Evicting || since_write >= self.settings.state_min_interval_ms))
                         || !budget.is_record_name(&w.budget)
-                        || w.node != self.settings.node
+                        || *w.node != *self.settings.node
                         || w.eviction_requested_at != mem.eviction_requested_at
                         || (percent_changed(w.usage_bytes, total, self.settings.usage_change_percent)
                             && since_write >= self.settings.usage_min_interval_ms)
@@ -433,8 +433,8 @@ impl Enforcer {
         PodRecord {
             state: record_state(mem),
             usage_bytes: cx.usage.total,
-            budget: cx.budget.record_name(),
-            node: self.settings.node.clone(),
+            budget: cx.budget.record_name().into(),
+            node: self.settings.node.as_str().into(),
             eviction_requested_at: mem.eviction_requested_at.clone(),
         }
     }

@@ -45,6 +45,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::controller::Context;
 use crate::index::Index;
+use crate::pods::Uid;
 
 /// The field manager of quota status writes (its own: the budget status controller's writes never touch it).
 pub const FIELD_MANAGER: &str = "gpubudget-operator/quota";
@@ -120,9 +121,9 @@ pub fn quota_pods(index: &Index, quota: &Budget) -> BTreeMap<String, Vec<QuotaPo
                 continue;
             }
             out.entry(namespace.to_owned()).or_default().push(QuotaPod {
-                name: pod.name.clone(),
-                uid: pod.uid.clone(),
-                node: Some(record.node.clone()).filter(|n| !n.is_empty()),
+                name: pod.name.to_string(),
+                uid: pod.uid.to_string(),
+                node: Some(record.node.to_string()).filter(|n| !n.is_empty()),
                 started_ms: pod.started_ms.unwrap_or(0),
                 usage_bytes: record.usage_bytes,
                 state: record.state,
@@ -367,6 +368,7 @@ impl Quotas {
         }
         let grace_of = |ns: &str, uid: &str| {
             let index = self.ctx.index.read().unwrap_or_else(PoisonError::into_inner);
+            let uid = Uid::from(uid);
             let own = index
                 .pods_by_namespace()
                 .filter(|(n, _)| *n == ns)
@@ -445,8 +447,8 @@ impl Quotas {
                     .pods_by_namespace()
                     .filter(|(n, _)| *n == namespace)
                     .flat_map(|(_, pods)| pods)
-                    .find(|p| &p.name == pod)
-                    .map(|p| p.uid.clone())
+                    .find(|p| *p.name == **pod)
+                    .map(|p| p.uid.to_string())
             };
             let pod_ref = ObjectReference {
                 api_version: Some("v1".into()),

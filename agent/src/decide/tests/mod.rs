@@ -151,7 +151,7 @@ fn climbs_to_evicting_in_the_contract_order() {
     assert_eq!(kinds(&evicting), ["Over->Evicting", "apply:Evicting", "EvictingForGpuMemory"]);
     let Action::Apply { record, .. } = &evicting[1] else { panic!("apply") };
     assert_eq!(record.eviction_requested_at.as_deref(), Some("2027-01-15T08:00:20Z"));
-    assert_eq!(record.node, NODE);
+    assert_eq!(&*record.node, NODE);
     assert_eq!(
         notes(&evicting)[0],
         "using 9Gi of 8Gi (budget team-a/llm) for 10s; evicting with 30s grace; held by trainer (pid 4242, GPU 0) 9Gi"
