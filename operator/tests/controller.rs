@@ -8,6 +8,7 @@ use std::time::Duration;
 use gpubudget_common::GpuMemoryBudget;
 use gpubudget_common::crd::GpuMemoryBudgetStatus;
 use gpubudget_daemon::Health;
+use gpubudget_operator::controller;
 use gpubudget_testkit::{FakeApi, Verb};
 use serde_json::{Value, json};
 use tokio::sync::watch;
@@ -282,6 +283,29 @@ async fn status_is_written_only_when_it_changes() {
         assert!(!accept.contains("as=PartialObjectMetadata"), "{} {}?{} accept {accept}", r.method, r.path, r.query);
         assert!(r.query.contains("fieldSelector=status.phase"), "{} {}?{}", r.method, r.path, r.query);
     }
+    op.stop().await;
+}
+
+#[tokio::test]
+async fn every_budget_is_reconciled_again_each_resync_and_nothing_is_written_for_it() {
+    let fake = cluster();
+    let settings = controller::Settings { resync: Duration::from_millis(400), ..controller::Settings::default() };
+    let op = Operator::start_with(&fake, true, settings);
+    until(&fake, "first statuses", |f| status(f, "llm").matched_pods == 2 && status(f, "wide").matched_pods == 1).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (reconciles, writes) = (op.ctx.metrics().reconciles.get(), status_writes(&fake));
+    // Nothing changes: the one timer reconciles both budgets again, over and over, and writes nothing.
+    assert!(
+        fake.wait_until(WAIT, |_| op.ctx.metrics().reconciles.get() >= reconciles + 4).await,
+        "no resync: {} reconciles",
+        op.ctx.metrics().reconciles.get()
+    );
+    assert_eq!(status_writes(&fake), writes, "a resync with nothing changed writes nothing");
+
+    // A status someone else overwrote: no event reconciles it (the watch passes on generation changes
+    // only), the next resync puts it right.
+    fake.modify("gpumemorybudgets", "team-a", "llm", |b| b["status"]["matchedPods"] = 7.into());
+    until(&fake, "the status put right", |f| status(f, "llm").matched_pods == 2).await;
     op.stop().await;
 }
 

@@ -28,9 +28,13 @@ pub struct Operator {
 impl Operator {
     /// Starts the controller on `fake`, leader or not.
     pub fn start(fake: &FakeApi, leader: bool) -> Self {
+        Self::start_with(fake, leader, Settings::default())
+    }
+
+    /// [`Operator::start`] with these settings (retries always start after 20 ms).
+    pub fn start_with(fake: &FakeApi, leader: bool, settings: Settings) -> Self {
         let (tx, rx) = watch::channel(leader);
-        let settings =
-            Settings { min_backoff: Duration::from_millis(20), instance: Some("test".into()), ..Settings::default() };
+        let settings = Settings { min_backoff: Duration::from_millis(20), instance: Some("test".into()), ..settings };
         let ctx = Arc::new(Context::new(fake.client(), Metrics::default(), rx, settings));
         let health = Health::new(&[CHECK_PODS, CHECK_BUDGETS]);
         let shutdown = CancellationToken::new();
