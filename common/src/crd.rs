@@ -302,7 +302,7 @@ pub struct EvictionRecord {
 }
 
 /// A matched pod and what it holds.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, Hash, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TopPod {
     /// Pod name.

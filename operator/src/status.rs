@@ -25,6 +25,7 @@
 //!   twice from the same inputs is equal, and [`same_ignoring_timestamps`] tells whether a write is needed.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::str::FromStr;
 
 use gpubudget_common::caps::{self, Assessment, Caps};
@@ -369,6 +370,27 @@ fn condition(
     }
 }
 
+/// What the operator's cache keeps of a status's `topPods`: a digest. They are most of a status (10 pods with
+/// names, nodes and usages, about 1.8 KB) and are only ever compared, never read back.
+pub fn top_pods_digest(top: &[TopPod]) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    top.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// Whether `next` would change nothing of `previous` (conditions' transition times aside). `previous_top`:
+/// the digest of `previous`'s `topPods` when the cache dropped them ([`top_pods_digest`]), `None` when
+/// `previous` has them.
+pub fn unchanged(previous: &GpuMemoryBudgetStatus, previous_top: Option<u64>, next: &GpuMemoryBudgetStatus) -> bool {
+    match previous_top {
+        None => same_ignoring_timestamps(previous, next),
+        Some(digest) => {
+            digest == top_pods_digest(&next.top_pods)
+                && same_ignoring_timestamps(previous, &GpuMemoryBudgetStatus { top_pods: Vec::new(), ..next.clone() })
+        }
+    }
+}
+
 /// Whether two statuses say the same thing (condition timestamps aside): if so, nothing is written.
 pub fn same_ignoring_timestamps(a: &GpuMemoryBudgetStatus, b: &GpuMemoryBudgetStatus) -> bool {
     fn normalized(s: &GpuMemoryBudgetStatus) -> GpuMemoryBudgetStatus {
@@ -673,6 +695,27 @@ mod tests {
         assert_eq!((s.evictions, s.matched_pods), (4, 0));
         let n = notices(None, &s);
         assert_eq!(n.iter().map(|n| (n.reason, n.warning)).collect::<Vec<_>>(), [("InvalidSpec", true)]);
+    }
+
+    #[test]
+    fn the_cache_compares_top_pods_by_their_digest() {
+        let top = |usage: u64| TopPod {
+            name: "p1".into(),
+            node: Some("gpu-1".into()),
+            usage: HumanBytes(usage).to_string(),
+            usage_bytes: usage as i64,
+            state: BudgetState::Within,
+        };
+        let full = GpuMemoryBudgetStatus { matched_pods: 1, top_pods: vec![top(GI)], ..Default::default() };
+        let cached = GpuMemoryBudgetStatus { top_pods: Vec::new(), ..full.clone() };
+        let digest = Some(top_pods_digest(&full.top_pods));
+        assert!(unchanged(&full, None, &full.clone()) && unchanged(&cached, digest, &full));
+        let moved = GpuMemoryBudgetStatus { top_pods: vec![top(2 * GI)], ..full.clone() };
+        assert!(!unchanged(&cached, digest, &moved), "only a top pod changed");
+        assert!(!unchanged(&cached, Some(0), &full), "a digest not known for this version matches nothing");
+        let counted = GpuMemoryBudgetStatus { matched_pods: 2, ..full.clone() };
+        assert!(!unchanged(&cached, digest, &counted), "the rest is compared as before");
+        assert!(!unchanged(&cached, None, &full), "a cached status is never taken as having no top pods");
     }
 
     #[test]

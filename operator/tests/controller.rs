@@ -265,6 +265,15 @@ async fn status_is_written_only_when_it_changes() {
     fake.modify("pods", "team-a", "p1", |p| p["metadata"]["annotations"]["example.com/x"] = "2".into());
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(status_writes(&fake), after_record, "nothing kept changed");
+    // Only the top pods change (a usage within the same state; the cache keeps a digest of them): written.
+    record(&fake, "p1", "Within", 2 * GI, "llm", None);
+    until(&fake, "the new usage", |f| {
+        status(f, "llm").top_pods.first().is_some_and(|t| t.usage_bytes == (2 * GI) as i64)
+    })
+    .await;
+    assert_eq!(status_writes(&fake), after_record + 1);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(status_writes(&fake), after_record + 1, "written once");
     op.stop().await;
 
     // A restart over up-to-date statuses writes nothing.
