@@ -14,6 +14,8 @@
 # of 100 budgets in a namespace without pods on the node), GPUBUDGET_E2E_STREAM_RATE
 # (writes per second, default 20), GPUBUDGET_E2E_WRITES=1 (then the agent's write load, below),
 # GPUBUDGET_E2E_IDLE_SECONDS (default 30: the agent's CPU with nothing changing, after its records),
+# GPUBUDGET_E2E_SETTLE_SECONDS (default 0: a wait before that window, for the operator's status writes that the
+# records cause to reach the agent's budget watch first),
 # GPUBUDGET_E2E_KEEP=1. The agent runs with the chart's RBAC and admission policies and a node-bound token,
 # as in run.sh; its budgets are all Within (no events, no evictions): what is measured is the records.
 #
@@ -52,6 +54,7 @@ STREAMS=${GPUBUDGET_E2E_STREAM:-}
 WRITES=${GPUBUDGET_E2E_WRITES:-0}
 RATE=${GPUBUDGET_E2E_STREAM_RATE:-20}
 IDLE=${GPUBUDGET_E2E_IDLE_SECONDS:-30}
+SETTLE=${GPUBUDGET_E2E_SETTLE_SECONDS:-0}
 START=$SECONDS
 # sockets PID: "local-port bytes-received" of each of the agent's open connections to the API server.
 sockets() {
@@ -212,11 +215,13 @@ EOF
     "$(echo "$rss / 1024" | bc -l)" "$max_conn" "$conn" "${errors:-0}" "$(echo "$(received "$AGENT_PID") / 1048576" | bc -l)" \
     "$(metric gpubudget_pod_table_rebuilds_total)" | tee -a "$WORK/results.txt"
   # The agent's CPU over IDLE seconds with nothing changing: sampling (replayed) and deciding every 250 ms.
+  sleep "$SETTLE"
   local c0
   c0=$(cpu_ms "$AGENT_PID")
+  sockets "$AGENT_PID" > "$WORK/idle.sockets"
   sleep "$IDLE"
-  printf '    IDLE   %-6s budgets=%s  agent_cpu=%sms in %s s (%s ticks)\n' "$label" "$BUDGETS" \
-    "$(( $(cpu_ms "$AGENT_PID") - c0 ))" "$IDLE" "$((IDLE * 4))" | tee -a "$WORK/results.txt"
+  printf '    IDLE   %-6s budgets=%s  agent_cpu=%sms in %s s (%s ticks) after %s s settling, received %s bytes\n' "$label" "$BUDGETS" \
+    "$(( $(cpu_ms "$AGENT_PID") - c0 ))" "$IDLE" "$((IDLE * 4))" "$SETTLE" "$(received_since "$AGENT_PID" "$WORK/idle.sockets")" | tee -a "$WORK/results.txt"
   local kind
   for kind in $STREAMS; do
     local r0 c0
