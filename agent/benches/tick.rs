@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use criterion::{BatchSize, BenchmarkId, Criterion, criterion_group, criterion_main};
 use gpubudget_agent::act::log::LogExecutor;
-use gpubudget_agent::attribute::pods::PodTable;
+use gpubudget_agent::attribute::pods::{PodTable, PodView};
 use gpubudget_agent::attribute::{ProcAttributor, parse_cgroup_file};
 use gpubudget_agent::decide::Settings;
 use gpubudget_agent::pipeline::Engine;
@@ -51,12 +51,23 @@ fn corpus_block(key: &str) -> String {
 }
 
 /// A synthetic node written to `dir`, an engine over it, and its pod table, after the first ticks' writes.
-fn engine_for(dir: &Path, processes: u32) -> (Engine, PodTable) {
+fn engine_for(dir: &Path, processes: u32, extra_budgets: u32) -> (Engine, PodTable) {
     let node = SyntheticNode::new("n1", 8, processes);
     node.write_proc(&dir.join("proc")).expect("fixture /proc");
     let sample = dir.join("sample.json");
     std::fs::write(&sample, node.sample_json()).expect("sample file");
-    let table = node.table();
+    // Budgets of the pods' namespace that select none of them: the table carries every budget of the
+    // namespaces with pods here, as the agent's does.
+    let mut budgets = node.budgets.clone();
+    budgets.extend((0..extra_budgets).map(|k| {
+        serde_yaml::from_str::<gpubudget_common::GpuMemoryBudget>(&format!(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: other-{k}, namespace: team-a}}\n\
+             spec: {{selector: {{matchLabels: {{app: other-{k}}}}}, limit: 40Gi}}\n"
+        ))
+        .expect("budget")
+    }));
+    let table = PodTable::build(node.pods.iter().filter_map(PodView::from_pod), &budgets, Some(&node.node));
+    assert_eq!(table.budgets.len(), budgets.len(), "every budget of the namespace is in the table");
     let mut engine = Engine::new(
         SamplerSlot::new(RecordedSampler::factory(sample)),
         ProcAttributor::new(&dir.join("proc")),
@@ -82,7 +93,7 @@ fn engine_for(dir: &Path, processes: u32) -> (Engine, PodTable) {
 /// Steady ticks must not grow the heap (and, with a sample file, should not allocate at all).
 fn check_allocations() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (mut engine, table) = engine_for(dir.path(), 128);
+    let (mut engine, table) = engine_for(dir.path(), 128, 0);
     let ticks = 1_000u32;
     let region = Region::new(GLOBAL);
     let mut actions = 0;
@@ -168,7 +179,7 @@ fn bench(c: &mut Criterion) {
     let mut tick = c.benchmark_group("tick");
     for processes in [8u32, 128, 1024] {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (mut engine, table) = engine_for(dir.path(), processes);
+        let (mut engine, table) = engine_for(dir.path(), processes, 0);
         tick.bench_function(BenchmarkId::from_parameter(processes), |b| {
             b.iter(|| {
                 let report = engine.tick(&table, true);
@@ -177,6 +188,20 @@ fn bench(c: &mut Criterion) {
         });
     }
     tick.finish();
+
+    // Issue 25: the tick's cost does not grow with the budgets of the pods' namespaces (128 processes).
+    let mut by_budgets = c.benchmark_group("tick_128_processes_by_budgets");
+    for extra in [0u32, 10_000] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut engine, table) = engine_for(dir.path(), 128, extra);
+        by_budgets.bench_function(BenchmarkId::from_parameter(table.budgets.len()), |b| {
+            b.iter(|| {
+                let report = engine.tick(&table, true);
+                assert!(report.sampled && engine.take_actions().next().is_none());
+            })
+        });
+    }
+    by_budgets.finish();
 }
 
 criterion_group! {

@@ -98,8 +98,19 @@ impl Episode {
 }
 
 /// `0 (GPU-…)`, or the label alone without a UUID.
-fn gpu_name(info: &GpuInfo) -> String {
-    if info.uuid.is_empty() { info.label.clone() } else { format!("{} ({})", info.label, info.uuid) }
+fn gpu_name(info: &GpuInfo) -> GpuName<'_> {
+    GpuName(info)
+}
+
+/// A GPU as notes name it: its label, and its UUID when known. Written only into a note (a tick that writes
+/// none allocates nothing for it).
+struct GpuName<'a>(&'a GpuInfo);
+
+impl std::fmt::Display for GpuName<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let info = self.0;
+        if info.uuid.is_empty() { f.write_str(&info.label) } else { write!(f, "{} ({})", info.label, info.uuid) }
+    }
 }
 
 #[derive(Debug, Clone, Default)]
