@@ -69,7 +69,7 @@ pub struct Settings {
     /// Reconciles running at once.
     pub concurrency: u16,
     /// Every budget is reconciled again this often even if nothing changed (a safety net): one timer for
-    /// all of them, not one each (10 000 timers held 6 MB in the controller's scheduler).
+    /// all of them, not one each (10 000 timers held about 6 MiB in the controller's scheduler).
     pub resync: Duration,
     /// First retry delay after a transient failure (doubling up to `max_backoff`).
     pub min_backoff: Duration,
@@ -263,7 +263,7 @@ impl Context {
 
     /// The status to compute from, and the resourceVersion to write against: ours if the cache has not yet
     /// caught up with our last write, else the cache's. With the cache's, the digest of its `topPods`
-    /// ([`Context::drop_top_pods`]; `None` if not known for this version: compared as empty, so written).
+    /// ([`Context::drop_top_pods`]; one that matches nothing if not known for this version, so written).
     fn previous<K: StatusOwner>(&self, key: &ObjKey, obj: &K) -> Previous {
         let obj_meta = obj.meta();
         let rv = obj_meta.resource_version.clone();
@@ -275,14 +275,14 @@ impl Context {
             written.done.remove(key);
         }
         drop(written);
-        // Not known for this version (never the case once the watch delivered it): a digest nothing matches,
-        // so the status is written.
+        // Not known for this version (never the case once the watch delivered it): 0, which no digest of a
+        // status it would write matches in practice, so the status is written.
         let top = lock(&self.top_digests).get(key).filter(|(at, _)| *at == rv).map_or(0, |(_, digest)| *digest);
         Previous { status: obj.status().cloned(), top: Some(top), resource_version: rv }
     }
 
-    /// Drops a budget's `topPods` before it is cached, keeping their digest (with 10 000 budgets, 18 MB
-    /// fewer: docs/performance.md).
+    /// Drops a budget's `topPods` before it is cached, keeping their digest (with 10 000 budgets, 14 MiB
+    /// fewer on a real API server: docs/performance.md).
     fn drop_top_pods<K: StatusOwner>(&self, obj: &mut K) {
         let (Some(key), rv) = (obj.key(), obj.meta().resource_version.clone()) else { return };
         let Some(status) = obj.status_mut() else { return };
