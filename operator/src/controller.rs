@@ -47,7 +47,7 @@ use crate::error::Error;
 use crate::index::{Affected, Index};
 use crate::metrics::Metrics;
 use crate::pods::{ObjKey, PodMeta};
-use crate::status::{self, Inputs, notices, top_pods_digest, unchanged};
+use crate::status::{self, Inputs, PreviousTop, notices, top_pods_digest, unchanged};
 
 /// The field manager of every status write (and the events' reporting controller).
 pub const FIELD_MANAGER: &str = "gpubudget-operator";
@@ -93,11 +93,11 @@ impl Default for Settings {
     }
 }
 
-/// What a reconcile computes from: the status before, the digest of its `topPods` if the cache dropped them
-/// ([`status::unchanged`]), and the resourceVersion to write against.
+/// What a reconcile computes from: the status before, where its `topPods` are ([`status::unchanged`]), and
+/// the resourceVersion to write against.
 struct Previous {
     status: Option<GpuMemoryBudgetStatus>,
-    top: Option<u64>,
+    top: PreviousTop,
     resource_version: Option<String>,
 }
 
@@ -262,23 +262,25 @@ impl Context {
     }
 
     /// The status to compute from, and the resourceVersion to write against: ours if the cache has not yet
-    /// caught up with our last write, else the cache's. With the cache's, the digest of its `topPods`
-    /// ([`Context::drop_top_pods`]; one that matches nothing if not known for this version, so written).
+    /// caught up with our last write, else the cache's, whose `topPods` are a digest ([`Context::drop_top_pods`]).
     fn previous<K: StatusOwner>(&self, key: &ObjKey, obj: &K) -> Previous {
         let obj_meta = obj.meta();
         let rv = obj_meta.resource_version.clone();
         let mut written = lock(&self.written);
         if let Some(w) = written.done.get(key) {
             if w.uid == obj_meta.uid && w.before == rv && rv.is_some() {
-                return Previous { status: Some(w.status.clone()), top: None, resource_version: w.after.clone() };
+                let (status, resource_version) = (Some(w.status.clone()), w.after.clone());
+                return Previous { status, top: PreviousTop::InStatus, resource_version };
             }
             written.done.remove(key);
         }
         drop(written);
-        // Not known for this version (never the case once the watch delivered it): 0, which no digest of a
-        // status it would write matches in practice, so the status is written.
-        let top = lock(&self.top_digests).get(key).filter(|(at, _)| *at == rv).map_or(0, |(_, digest)| *digest);
-        Previous { status: obj.status().cloned(), top: Some(top), resource_version: rv }
+        let top = match lock(&self.top_digests).get(key) {
+            Some((at, digest)) if *at == rv => PreviousTop::Digest(*digest),
+            // Another version's (the watch moved on between the cache and this read): written.
+            _ => PreviousTop::Unknown,
+        };
+        Previous { status: obj.status().cloned(), top, resource_version: rv }
     }
 
     /// Drops a budget's `topPods` before it is cached, keeping their digest (with 10 000 budgets, 14 MiB
@@ -295,6 +297,16 @@ impl Context {
     fn caught_up<K: StatusOwner>(&self, obj: &K) {
         let Some(key) = obj.key() else { return };
         lock(&self.written).seen(&key, &obj.meta().resource_version);
+    }
+
+    /// A budget was deleted: what was kept about it goes.
+    fn forget(&self, key: &ObjKey) {
+        let mut written = lock(&self.written);
+        written.done.remove(key);
+        written.in_flight.remove(key);
+        drop(written);
+        lock(&self.top_digests).remove(key);
+        lock(&self.failures).remove(key);
     }
 
     /// The number of statuses kept until the cache shows them (for tests).
@@ -739,11 +751,7 @@ fn watch_budgets<K: Indexed>(
                 Event::Delete(b) => {
                     let key = b.key();
                     if let Some(k) = &key {
-                        let mut written = lock(&index_ctx.written);
-                        written.done.remove(k);
-                        written.in_flight.remove(k);
-                        lock(&index_ctx.top_digests).remove(k);
-                        lock(&index_ctx.failures).remove(k);
+                        index_ctx.forget(k);
                     }
                     (key.as_ref().map(|k| K::delete(&mut index, k)).unwrap_or_default(), None, false)
                 }

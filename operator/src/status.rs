@@ -378,29 +378,41 @@ pub fn top_pods_digest(top: &[TopPod]) -> u64 {
     hasher.finish()
 }
 
-/// Whether `next` would change nothing of `previous` (conditions' transition times aside). `previous_top`:
-/// the digest of `previous`'s `topPods` when the cache dropped them ([`top_pods_digest`]), `None` when
-/// `previous` has them.
-pub fn unchanged(previous: &GpuMemoryBudgetStatus, previous_top: Option<u64>, next: &GpuMemoryBudgetStatus) -> bool {
-    match previous_top {
-        None => same_ignoring_timestamps(previous, next),
-        Some(digest) => {
-            digest == top_pods_digest(&next.top_pods)
-                && same_ignoring_timestamps(previous, &GpuMemoryBudgetStatus { top_pods: Vec::new(), ..next.clone() })
-        }
-    }
+/// Where a previous status's `topPods` are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreviousTop {
+    /// In the status itself (a status this replica wrote).
+    InStatus,
+    /// Dropped by the cache, which kept their digest ([`top_pods_digest`]).
+    Digest(u64),
+    /// Dropped, and no digest is known for the version cached: taken as different, so the status is written.
+    Unknown,
 }
 
-/// Whether two statuses say the same thing (condition timestamps aside): if so, nothing is written.
+/// Whether `next` would change nothing of `previous` (conditions' transition times aside): if so, nothing is
+/// written.
+pub fn unchanged(previous: &GpuMemoryBudgetStatus, top: PreviousTop, next: &GpuMemoryBudgetStatus) -> bool {
+    let top_same = match top {
+        PreviousTop::InStatus => previous.top_pods == next.top_pods,
+        PreviousTop::Digest(digest) => digest == top_pods_digest(&next.top_pods),
+        PreviousTop::Unknown => false,
+    };
+    top_same && normalized(previous) == normalized(next)
+}
+
+/// Whether two statuses say the same thing (condition timestamps aside).
 pub fn same_ignoring_timestamps(a: &GpuMemoryBudgetStatus, b: &GpuMemoryBudgetStatus) -> bool {
-    fn normalized(s: &GpuMemoryBudgetStatus) -> GpuMemoryBudgetStatus {
-        let mut s = s.clone();
-        for c in &mut s.conditions {
-            c.last_transition_time = Time(Timestamp::UNIX_EPOCH);
-        }
-        s
+    unchanged(a, PreviousTop::InStatus, b)
+}
+
+/// A status without what the comparison leaves aside: conditions' transition times, and the top pods
+/// (compared apart, since the cache may hold only their digest).
+fn normalized(s: &GpuMemoryBudgetStatus) -> GpuMemoryBudgetStatus {
+    let mut s = GpuMemoryBudgetStatus { top_pods: Vec::new(), ..s.clone() };
+    for c in &mut s.conditions {
+        c.last_transition_time = Time(Timestamp::UNIX_EPOCH);
     }
-    normalized(a) == normalized(b)
+    s
 }
 
 /// The status of a condition, if present.
@@ -708,14 +720,21 @@ mod tests {
         };
         let full = GpuMemoryBudgetStatus { matched_pods: 1, top_pods: vec![top(GI)], ..Default::default() };
         let cached = GpuMemoryBudgetStatus { top_pods: Vec::new(), ..full.clone() };
-        let digest = Some(top_pods_digest(&full.top_pods));
-        assert!(unchanged(&full, None, &full.clone()) && unchanged(&cached, digest, &full));
+        let digest = PreviousTop::Digest(top_pods_digest(&full.top_pods));
+        assert!(unchanged(&full, PreviousTop::InStatus, &full.clone()) && unchanged(&cached, digest, &full));
         let moved = GpuMemoryBudgetStatus { top_pods: vec![top(2 * GI)], ..full.clone() };
         assert!(!unchanged(&cached, digest, &moved), "only a top pod changed");
-        assert!(!unchanged(&cached, Some(0), &full), "a digest not known for this version matches nothing");
+        assert!(!unchanged(&full, PreviousTop::InStatus, &moved), "only a top pod changed (kept in the status)");
+        assert!(
+            !unchanged(&cached, PreviousTop::Unknown, &full),
+            "a digest not known for this version matches nothing"
+        );
         let counted = GpuMemoryBudgetStatus { matched_pods: 2, ..full.clone() };
         assert!(!unchanged(&cached, digest, &counted), "the rest is compared as before");
-        assert!(!unchanged(&cached, None, &full), "a cached status is never taken as having no top pods");
+        assert!(
+            !unchanged(&cached, PreviousTop::InStatus, &full),
+            "a cached status is never taken as having no top pods"
+        );
     }
 
     #[test]
