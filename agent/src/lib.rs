@@ -25,3 +25,7 @@ pub mod cmd;
 pub mod pipeline;
 
 pub use cmd::dispatch;
+
+/// A hash map for what a tick looks up per pod and per process (keys are UIDs and names from the API server;
+/// foldhash, seeded per process, instead of SipHash).
+pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;

@@ -570,7 +570,7 @@ fn rebuilds(agent: &Stack) -> u64 {
 }
 
 /// The operator writes budget statuses all the time; every agent watches every budget. Those writes must not
-/// make the agents rebuild their tables, nor budgets of namespaces without pods on the node: only a spec
+/// make the agents rebuild their tables, nor budgets or labels of namespaces without pods on the node: only a spec
 /// change that moves what is enforced here, a new budget or a deleted one does, and the records follow it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn budget_status_writes_do_not_rebuild_the_pod_table_and_spec_changes_do() {
@@ -600,8 +600,13 @@ async fn budget_status_writes_do_not_rebuild_the_pod_table_and_spec_changes_do()
     .expect("budget");
     f.modify("gpumemorybudgets", "team-z", "elsewhere", |b| b["spec"]["limit"] = serde_json::json!("2Gi"));
     f.delete_object("gpumemorybudgets", "team-z", "elsewhere");
+    // Namespaces come and go cluster-wide; one without pods here, labelled and deleted, changes nothing here.
+    f.apply_yaml("apiVersion: v1\nkind: Namespace\nmetadata: {name: team-y}").expect("namespace");
+    f.modify("namespaces", "", "team-y", |ns| ns["metadata"]["labels"] = serde_json::json!({"tier": "tenant"}))
+        .expect("namespace");
+    f.delete_object("namespaces", "", "team-y");
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(rebuilds(&agent), settled, "status and metadata writes, budgets of namespaces without pods here");
+    assert_eq!(rebuilds(&agent), settled, "status and metadata writes, budgets and namespaces without pods here");
 
     // 7 GiB of a limit lowered to 7.5 GiB: Near.
     f.modify("gpumemorybudgets", "team-a", "llm-inference", |b| b["spec"]["limit"] = serde_json::json!("7680Mi"))

@@ -12,6 +12,7 @@ use gpubudget_agent::pipeline::Engine;
 use gpubudget_agent::report::metrics::Metrics;
 use gpubudget_agent::sample::SamplerSlot;
 use gpubudget_agent::sample::file::RecordedSampler;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use prometheus_client::registry::Registry;
 use synthetic::SyntheticNode;
 
@@ -56,6 +57,26 @@ fn cached_series_follow_the_pods() {
         assert!(!text.contains("pod=\"p0\""), "p0's series stay after it left:\n{text}");
         assert!(text.contains("pod=\"p1\""));
     }
+    // The gauges are written when what they show changes: p0's limit lowered (still Over), then raised to
+    // 8Gi (Within); its limit and states follow at the next tick.
+    let with_b0 = |limit: &str| {
+        let mut budgets = node.budgets.clone();
+        for b in budgets.iter_mut().filter(|b| b.metadata.name.as_deref() == Some("b0")) {
+            b.spec.limit = Quantity(limit.into());
+        }
+        PodTable::build(node.pods.iter().filter_map(PodView::from_pod), &budgets, Some("n1"))
+    };
+    for (limit, bytes, state) in [("4Gi", 4u64 << 30, "Over"), ("2Gi", 2 << 30, "Over"), ("8Gi", 8 << 30, "Within")] {
+        engine.tick(&with_b0(limit), true);
+        let text = encode(&registry);
+        for line in [
+            format!("gpubudget_pod_budget_bytes{{namespace=\"team-a\",pod=\"p0\",budget=\"b0\"}} {bytes}"),
+            format!("gpubudget_pod_state{{namespace=\"team-a\",pod=\"p0\",state=\"{state}\"}} 1"),
+        ] {
+            assert!(text.contains(&line), "{limit}: {line} missing from\n{text}");
+        }
+    }
+    assert!(encode(&registry).contains("gpubudget_pod_state{namespace=\"team-a\",pod=\"p0\",state=\"Over\"} 0"));
     // Every pod has a budget: nothing is unbudgeted. The same pods with no budget in the table: the bytes of
     // each GPU's pods are.
     engine.tick(&full, true);

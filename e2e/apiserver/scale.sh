@@ -16,7 +16,7 @@
 # GPUBUDGET_E2E_IDLE_SECONDS (default 30: the agent's CPU with nothing changing, after its records),
 # GPUBUDGET_E2E_SETTLE_SECONDS (default 0: a wait before that window, for the operator's status writes that the
 # records cause to reach the agent's budget watch first),
-# GPUBUDGET_E2E_KEEP=1. The agent runs with the chart's RBAC and admission policies and a node-bound token,
+# GPUBUDGET_E2E_PERF=PREFIX (a perf profile of that window, PREFIX-BUDGETS.data), GPUBUDGET_E2E_KEEP=1. The agent runs with the chart's RBAC and admission policies and a node-bound token,
 # as in run.sh; its budgets are all Within (no events, no evictions): what is measured is the records.
 #
 # GPUBUDGET_E2E_WRITES=1: the agent's write load (issue 25), every API write it makes (records, events,
@@ -68,6 +68,10 @@ received() { sockets "$1" | awk '{s += $2} END {printf "%d\n", s}'; }
 # connection that closed in between (an idle write connection leaves the pool after 90 s) is not counted.
 received_since() { sockets "$1" | awk 'NR == FNR {before[$1] = $2; next} {s += $2 - before[$1]} END {printf "%d\n", s}' "$2" -; }
 cpu_ms() { awk '{print ($14 + $15) * 10}' "/proc/$1/stat"; }
+# cpu_us PID: the CPU time of PID's threads alive now, in microseconds (the scheduler's nanosecond account,
+# /proc/PID/task/*/schedstat; a thread that exited is not in it, so `threads` is printed with it).
+cpu_us() { cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {printf "%d\n", s / 1000}'; }
+threads() { ls /proc/"$1"/task | wc -l; }
 metric() { curl -fsS "http://$ADMIN/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
 # writes: the agent's API writes so far, by kind and in all ("apply=110 event=3 all=113").
 writes() {
@@ -216,12 +220,29 @@ EOF
     "$(metric gpubudget_pod_table_rebuilds_total)" | tee -a "$WORK/results.txt"
   # The agent's CPU over IDLE seconds with nothing changing: sampling (replayed) and deciding every 250 ms.
   sleep "$SETTLE"
-  local c0
-  c0=$(cpu_ms "$AGENT_PID")
+  # Besides the CPU time at 10 ms resolution (/proc/PID/stat), the scheduler's microseconds and the time the
+  # agent measured inside its ticks (gpubudget_sample_duration_seconds: wall time of sample, attribution,
+  # decisions and metrics), so that what the agent spends outside its ticks shows.
+  local c0 u0 t0 n0 th0 rb0
+  c0=$(cpu_ms "$AGENT_PID") u0=$(cpu_us "$AGENT_PID") th0=$(threads "$AGENT_PID")
+  t0=$(metric gpubudget_sample_duration_seconds_sum) n0=$(metric gpubudget_sample_duration_seconds_count)
+  rb0=$(metric gpubudget_pod_table_rebuilds_total)
   sockets "$AGENT_PID" > "$WORK/idle.sockets"
-  sleep "$IDLE"
+  if [ -n "${GPUBUDGET_E2E_PERF:-}" ]; then
+    # A CPU profile of the agent over the window (perf's samples add to the CPU measured).
+    perf record -q -F 4999 -g -p "$AGENT_PID" -o "$GPUBUDGET_E2E_PERF-$BUDGETS.data" -- sleep "$IDLE" 2>/dev/null
+  else
+    sleep "$IDLE"
+  fi
+  local us ticks tick_us
+  us=$(( $(cpu_us "$AGENT_PID") - u0 ))
+  ticks=$(echo "$(metric gpubudget_sample_duration_seconds_count) - $n0" | bc)
+  tick_us=$(echo "($(metric gpubudget_sample_duration_seconds_sum) - $t0) * 1000000 / 1" | bc)
   printf '    IDLE   %-6s budgets=%s  agent_cpu=%sms in %s s (%s ticks) after %s s settling, received %s bytes\n' "$label" "$BUDGETS" \
     "$(( $(cpu_ms "$AGENT_PID") - c0 ))" "$IDLE" "$((IDLE * 4))" "$SETTLE" "$(received_since "$AGENT_PID" "$WORK/idle.sockets")" | tee -a "$WORK/results.txt"
+  printf '    IDLE   %-6s budgets=%s  agent_cpu_us=%s (threads %s -> %s)  ticks=%s  inside_ticks_us=%s  per_tick_us=%s  outside_per_tick_us=%s  table_rebuilds=%s\n' \
+    "$label" "$BUDGETS" "$us" "$th0" "$(threads "$AGENT_PID")" "$ticks" "$tick_us" "$((us / ticks))" "$(( (us - tick_us) / ticks ))" \
+    "$(echo "$(metric gpubudget_pod_table_rebuilds_total) - $rb0" | bc)" | tee -a "$WORK/results.txt"
   local kind
   for kind in $STREAMS; do
     local r0 c0

@@ -102,6 +102,18 @@ pub enum Change {
     Everything,
 }
 
+impl Change {
+    /// What `event` changed, given whether it changed the cache; `namespace` names the namespace an object
+    /// is about (a budget's own, a Namespace's name).
+    fn of<K>(changed: bool, event: &watcher::Event<K>, namespace: impl Fn(&K) -> &str) -> Self {
+        match event {
+            _ if !changed => Self::Nothing,
+            watcher::Event::Apply(k) | watcher::Event::Delete(k) => Self::In(namespace(k).to_owned()),
+            watcher::Event::Init | watcher::Event::InitApply(_) | watcher::Event::InitDone => Self::Everything,
+        }
+    }
+}
+
 /// The agent's budget cache, fed by the budget watch: the index in use, and the one a relist is filling.
 #[derive(Debug, Default)]
 pub struct BudgetCache {
@@ -115,11 +127,7 @@ impl BudgetCache {
     pub fn apply(&mut self, event: &watcher::Event<GpuMemoryBudget>) -> Change {
         let changed =
             self.index.apply(event, |index, b, delete| if delete { index.remove(b) } else { index.insert(b) });
-        match event {
-            _ if !changed => Change::Nothing,
-            watcher::Event::Apply(b) | watcher::Event::Delete(b) => Change::In(key(b).0.to_owned()),
-            watcher::Event::Init | watcher::Event::InitApply(_) | watcher::Event::InitDone => Change::Everything,
-        }
+        Change::of(changed, event, |b| key(b).0)
     }
 
     /// The first list has been applied.
@@ -241,8 +249,10 @@ impl ClusterCache {
         self.refresh(changed)
     }
 
-    /// Applies a Namespace watch event (its labels only are kept); whether the pod table must be rebuilt.
-    pub fn apply_namespace(&mut self, event: &watcher::Event<Namespace>) -> bool {
+    /// Applies a Namespace watch event (its labels only are kept). A namespace's labels are read for the pods
+    /// in it only, so a change of one is [`Change::In`] that namespace (a node without pods there has nothing
+    /// to rebuild: namespaces come and go cluster-wide).
+    pub fn apply_namespace(&mut self, event: &watcher::Event<Namespace>) -> Change {
         let changed = self.namespaces.apply(event, |namespaces, ns, delete| {
             let name = ns.metadata.name.clone().unwrap_or_default();
             if delete {
@@ -251,7 +261,7 @@ impl ClusterCache {
             let labels = ns.metadata.labels.clone().unwrap_or_default();
             namespaces.insert(name, labels.clone()) != Some(labels)
         });
-        self.refresh(changed)
+        Change::of(self.refresh(changed), event, |ns| ns.metadata.name.as_deref().unwrap_or_default())
     }
 
     /// The cluster budgets' resource is not served (its CRD is not installed): none, and listed, unless a list
@@ -385,16 +395,22 @@ mod tests {
         }
         assert!(cache.apply_budget(&Event::InitDone), "the first list");
         assert!(!cache.synced(), "namespaces not listed yet");
-        cache.apply_namespace(&Event::Init);
+        assert_eq!(cache.apply_namespace(&Event::Init), Change::Nothing);
         cache.apply_namespace(&Event::InitApply(namespace("a", serde_json::json!({"tier": "tenant"}))));
-        assert!(cache.apply_namespace(&Event::InitDone));
+        assert_eq!(cache.apply_namespace(&Event::InitDone), Change::Everything);
         assert!(cache.synced());
         assert_eq!(cache.index().valid().map(|b| b.key()).collect::<Vec<_>>(), ["tenants"]);
         assert_eq!(cache.index().labels_of("a").get("tier").map(String::as_str), Some("tenant"));
         assert!(cache.index().labels_of("unknown").is_empty());
-        assert!(!cache.apply_namespace(&Event::Apply(namespace("a", serde_json::json!({"tier": "tenant"})))));
-        assert!(cache.apply_namespace(&Event::Apply(namespace("a", serde_json::json!({})))), "relabelled");
-        assert!(cache.apply_namespace(&Event::Delete(namespace("a", serde_json::json!({})))));
+        let unchanged = cache.apply_namespace(&Event::Apply(namespace("a", serde_json::json!({"tier": "tenant"}))));
+        assert_eq!(unchanged, Change::Nothing, "a namespace's status or annotations");
+        let relabelled = cache.apply_namespace(&Event::Apply(namespace("a", serde_json::json!({}))));
+        assert_eq!(relabelled, Change::In("a".into()), "relabelled: the pods of `a` only");
+        assert_eq!(
+            cache.apply_namespace(&Event::Delete(namespace("a", serde_json::json!({})))),
+            Change::In("a".into())
+        );
+        assert_eq!(cache.apply_namespace(&Event::Delete(namespace("a", serde_json::json!({})))), Change::Nothing);
         assert!(!cache.apply_budget(&Event::Apply(cluster_budget("tenants", "4Gi"))), "a status write");
         assert!(cache.apply_budget(&Event::Apply(cluster_budget("tenants", "8Gi"))));
         assert!(cache.apply_budget(&Event::Apply(cluster_budget("broken", "8 GiB"))));

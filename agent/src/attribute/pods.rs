@@ -1,7 +1,9 @@
 //! The pods of this node as enforcement needs them, indexed for the PID → pod join, with each pod's
 //! budget resolved. Rebuilt only when the pods or the budgets change, never per sample.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use crate::FastMap;
 use std::sync::Arc;
 
 use gpubudget_common::caps;
@@ -188,8 +190,8 @@ pub struct PodTable {
     pub budget_of: Vec<Option<usize>>,
     /// Budgets that failed validation, with why.
     pub invalid_budgets: Vec<(String, SpecError)>,
-    by_uid: HashMap<String, usize>,
-    by_name: HashMap<(String, String), usize>,
+    by_uid: FastMap<String, usize>,
+    by_name: FastMap<(String, String), usize>,
 }
 
 impl PodTable {
@@ -231,8 +233,8 @@ impl PodTable {
                 .and_then(|r| candidates.clone().find(|i| std::ptr::eq(&*budgets[*i], r.budget)));
             budget_of.push(applies);
         }
-        let mut by_uid = HashMap::with_capacity(pods.len());
-        let mut by_name = HashMap::with_capacity(pods.len());
+        let mut by_uid = FastMap::with_capacity_and_hasher(pods.len(), Default::default());
+        let mut by_name = FastMap::with_capacity_and_hasher(pods.len(), Default::default());
         for (i, p) in pods.iter().enumerate() {
             by_uid.insert(p.uid.to_string(), i);
             if let Some(m) = &p.mirror_of {

@@ -168,14 +168,14 @@ impl Caches {
             );
         }
         {
-            let (changes, cache, announce) = (changes.clone(), cluster.clone(), announce.clone());
+            let (changes, cache, announce, pods) = (changes.clone(), cluster.clone(), announce.clone(), pods.clone());
             spawn_watch(
                 Api::<Namespace>::all(client.clone()),
                 watcher::Config::default().page_size(LIST_PAGE_SIZE),
                 "namespaces",
                 shutdown.clone(),
                 move |event: watcher::Event<Namespace>| {
-                    if lock(&cache).apply_namespace(&event) {
+                    if rebuilds(&pods, &lock(&cache).apply_namespace(&event)) {
                         changes.fetch_add(1, Ordering::AcqRel);
                     }
                     announce();
@@ -191,16 +191,7 @@ impl Caches {
                 shutdown,
                 move |event| {
                     let mut cache = lock(&cache);
-                    // A budget of a namespace without pods here changes nothing here (a pod that arrives there
-                    // later is a pod change, and the table built then reads the budgets as they are).
-                    let rebuild = match cache.apply(&event) {
-                        Change::Nothing => false,
-                        Change::In(namespace) => {
-                            pods.state().iter().any(|p| p.metadata.namespace.as_deref() == Some(namespace.as_str()))
-                        }
-                        Change::Everything => true,
-                    };
-                    if rebuild {
+                    if rebuilds(&pods, &cache.apply(&event)) {
                         changes.fetch_add(1, Ordering::AcqRel);
                     }
                     drop(cache);
@@ -235,6 +226,19 @@ impl Caches {
             cluster.index(),
             Some(node),
         )
+    }
+}
+
+/// Whether a change of the budgets or namespaces changes the pod table of a node with `pods`: a change in a
+/// namespace without pods here does not (a pod that arrives there later is a pod change, and the table built
+/// then reads the budgets and labels as they are).
+fn rebuilds(pods: &reflector::Store<Pod>, change: &Change) -> bool {
+    match change {
+        Change::Nothing => false,
+        Change::In(namespace) => {
+            pods.state().iter().any(|p| p.metadata.namespace.as_deref() == Some(namespace.as_str()))
+        }
+        Change::Everything => true,
     }
 }
 

@@ -2,7 +2,6 @@
 //! its budget's state machine ([`super::pod`]) or clears what no budget covers any more. The pressure step
 //! is in [`super::pressure::step`], the executors' reports in [`Enforcer::feedback`].
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use gpubudget_common::BudgetState;
@@ -10,6 +9,7 @@ use gpubudget_common::BudgetState;
 use super::pod::{Context, PodMemory};
 use super::pressure::step::GpuPressure;
 use super::{Action, Now, Settings, gpus};
+use crate::FastMap;
 use crate::attribute::pods::PodTable;
 use crate::attribute::{PodUsage, Usage};
 use crate::sample::{GpuInfo, Snapshot};
@@ -19,7 +19,7 @@ use gpubudget_common::quantity::HumanBytes;
 #[derive(Debug)]
 pub struct Enforcer {
     pub(in crate::decide) settings: Settings,
-    pub(in crate::decide) pods: HashMap<Arc<str>, PodMemory>,
+    pub(in crate::decide) pods: FastMap<Arc<str>, PodMemory>,
     pub(in crate::decide) generation: u64,
     /// Per GPU of the snapshot: the pressure signal.
     pub(in crate::decide) gpus: Vec<GpuPressure>,
@@ -30,7 +30,7 @@ pub struct Enforcer {
 impl Enforcer {
     /// An enforcer with these settings and no memory (a fresh start).
     pub fn new(settings: Settings) -> Self {
-        Self { settings, pods: HashMap::new(), generation: 0, gpus: Vec::new(), watch: gpus::GpuWatch::default() }
+        Self { settings, pods: FastMap::default(), generation: 0, gpus: Vec::new(), watch: gpus::GpuWatch::default() }
     }
 
     /// Looks at each GPU's health and accounting ([`gpus`]): Node events for a GPU whose sample fails or

@@ -13,6 +13,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use crate::FastMap;
 use crate::act::Counters;
 use crate::attribute::Usage;
 use crate::attribute::pods::PodTable;
@@ -332,6 +333,18 @@ struct PodSeries {
     budget_gauge: Gauge,
     states: [StateLabels; 4],
     state_gauges: [Gauge; 4],
+    /// The state and limit the gauges hold (set only when they change: a steady tick writes no gauge).
+    shown: Option<(BudgetState, u64)>,
+    seen: u64,
+}
+
+/// One container's memory on one GPU.
+#[derive(Debug)]
+struct MemorySeries {
+    labels: ContainerLabels,
+    gauge: Gauge,
+    /// The bytes the gauge holds.
+    shown: Option<u64>,
     seen: u64,
 }
 
@@ -355,9 +368,9 @@ struct GpuSeries {
 /// Keeps the per-pod series in step with the pods, removing those of pods that are gone.
 #[derive(Debug, Default)]
 pub struct SeriesTracker {
-    memory: HashMap<SeriesKey, (ContainerLabels, Gauge, u64)>,
-    sums: HashMap<SeriesKey, u64>,
-    pods: HashMap<Arc<str>, PodSeries>,
+    memory: FastMap<SeriesKey, MemorySeries>,
+    sums: FastMap<SeriesKey, u64>,
+    pods: FastMap<Arc<str>, PodSeries>,
     gpus: Vec<GpuSeries>,
     generation: u64,
 }
@@ -394,8 +407,8 @@ impl SeriesTracker {
                 metrics.gpu_total.remove(&s.labels);
                 metrics.gpu_budgeted.remove(&s.labels);
             }
-            for (_, (labels, _, _)) in self.memory.drain() {
-                metrics.pod_memory.remove(&labels);
+            for (_, series) in self.memory.drain() {
+                metrics.pod_memory.remove(&series.labels);
             }
             self.gpus = snapshot
                 .gpus
@@ -465,15 +478,18 @@ impl SeriesTracker {
                     gpu: snapshot.gpus.get(key.2).map(|g| g.label.clone()).unwrap_or_default(),
                 };
                 let gauge = metrics.pod_memory.get_or_create(&labels).clone();
-                (labels, gauge, 0)
+                MemorySeries { labels, gauge, shown: None, seen: 0 }
             });
-            entry.2 = generation;
-            entry.1.set(i64::try_from(*bytes).unwrap_or(i64::MAX));
+            entry.seen = generation;
+            if entry.shown != Some(*bytes) {
+                entry.shown = Some(*bytes);
+                entry.gauge.set(i64::try_from(*bytes).unwrap_or(i64::MAX));
+            }
         }
-        self.memory.retain(|_, (labels, _, seen)| {
-            let keep = *seen == generation;
+        self.memory.retain(|_, series| {
+            let keep = series.seen == generation;
             if !keep {
-                metrics.pod_memory.remove(labels);
+                metrics.pod_memory.remove(&series.labels);
             }
             keep
         });
@@ -497,6 +513,7 @@ impl SeriesTracker {
                     budget: budget_labels,
                     state_gauges: std::array::from_fn(|k| metrics.pod_state.get_or_create(&states[k]).clone()),
                     states,
+                    shown: None,
                     seen: 0,
                 }
             });
@@ -504,11 +521,15 @@ impl SeriesTracker {
                 metrics.pod_budget.remove(&series.budget);
                 series.budget.budget.clone_from(&budget.name);
                 series.budget_gauge = metrics.pod_budget.get_or_create(&series.budget).clone();
+                series.shown = None;
             }
             series.seen = generation;
-            series.budget_gauge.set(i64::try_from(budget.limit_bytes).unwrap_or(i64::MAX));
-            for (gauge, s) in series.state_gauges.iter().zip(STATES) {
-                gauge.set(i64::from(s == state));
+            if series.shown != Some((state, budget.limit_bytes)) {
+                series.shown = Some((state, budget.limit_bytes));
+                series.budget_gauge.set(i64::try_from(budget.limit_bytes).unwrap_or(i64::MAX));
+                for (gauge, s) in series.state_gauges.iter().zip(STATES) {
+                    gauge.set(i64::from(s == state));
+                }
             }
         }
         self.pods.retain(|_, series| {
