@@ -13,7 +13,8 @@
 # GPUBUDGET_E2E_STREAM ("status spec elsewhere": the streams to run after each count; elsewhere: spec changes
 # of 100 budgets in a namespace without pods on the node), GPUBUDGET_E2E_STREAM_RATE
 # (writes per second, default 20), GPUBUDGET_E2E_WRITES=1 (then the agent's write load, below),
-# GPUBUDGET_E2E_IDLE_SECONDS (default 30: the agent's CPU with nothing changing, after its records),
+# GPUBUDGET_E2E_IDLE_SECONDS (default 30: the agent's CPU with nothing changing, after its records; in 10 ms
+# steps, in microseconds and split into the time inside its ticks and outside),
 # GPUBUDGET_E2E_SETTLE_SECONDS (default 0: a wait before that window, for the operator's status writes that the
 # records cause to reach the agent's budget watch first),
 # GPUBUDGET_E2E_PERF=PREFIX (a perf profile of that window, PREFIX-BUDGETS.data), GPUBUDGET_E2E_KEEP=1. The agent runs with the chart's RBAC and admission policies and a node-bound token,
