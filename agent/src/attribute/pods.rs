@@ -2,8 +2,6 @@
 //! budget resolved. Rebuilt only when the pods or the budgets change, never per sample.
 
 use std::collections::BTreeMap;
-
-use crate::FastMap;
 use std::sync::Arc;
 
 use gpubudget_common::caps;
@@ -11,6 +9,7 @@ use gpubudget_common::pod_record::{self, PodRecord};
 use gpubudget_common::{Budget, GpuMemoryBudget, PodLabels, SpecError, is_critical, resolve};
 
 use super::budgets::{BudgetIndex, ClusterIndex};
+use crate::FastMap;
 use k8s_openapi::api::core::v1::Pod;
 
 /// Annotation the kubelet puts on the mirror pod of a static pod: the static pod's UID, which is what
