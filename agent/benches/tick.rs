@@ -50,7 +50,6 @@ fn corpus_block(key: &str) -> String {
     out
 }
 
-/// A synthetic node written to `dir`, an engine over it, and its pod table, after the first ticks' writes.
 /// The budgets of a bench's table.
 #[derive(Debug, Clone, Copy)]
 enum Budgets {
@@ -62,6 +61,7 @@ enum Budgets {
     NodeAnd(u32),
 }
 
+/// A synthetic node written to `dir`, an engine over it, and its pod table, after the first ticks' writes.
 fn engine_for(dir: &Path, processes: u32, with: Budgets) -> (Engine, PodTable) {
     let node = SyntheticNode::new("n1", 8, processes);
     node.write_proc(&dir.join("proc")).expect("fixture /proc");
