@@ -77,29 +77,18 @@ pub type Labels = Arc<BTreeMap<String, String>>;
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Uid {
     /// A UUID in its canonical form (lowercase, hyphenated), which is how it is shown again.
-    Uuid([u8; 16]),
+    Uuid(uuid::Uuid),
     /// Anything else, the empty UID included.
     Text(Box<str>),
 }
 
 impl Uid {
-    /// The UUID in canonical text, or `None` for any other text.
-    fn parse_uuid(text: &str) -> Option<[u8; 16]> {
-        const GROUPS: [usize; 5] = [8, 4, 4, 4, 12];
-        let mut out = [0; 16];
-        let mut at = 0;
-        let mut groups = text.split('-');
-        for len in GROUPS {
-            let group = groups.next().filter(|g| g.len() == len)?;
-            if !group.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
-                return None;
-            }
-            for pair in group.as_bytes().chunks(2) {
-                out[at] = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
-                at += 1;
-            }
-        }
-        groups.next().is_none().then_some(out)
+    /// The UUID of `text` if `text` is its canonical form (other forms `uuid` reads, such as upper case or
+    /// braces, would not be shown as they were read), else `None`.
+    fn parse_uuid(text: &str) -> Option<uuid::Uuid> {
+        uuid::Uuid::try_parse(text)
+            .ok()
+            .filter(|u| *u.hyphenated().encode_lower(&mut uuid::Uuid::encode_buffer()) == *text)
     }
 
     /// No UID (a pod without one is never counted as evicted).
@@ -124,15 +113,7 @@ impl fmt::Display for Uid {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Text(text) => f.write_str(text),
-            Self::Uuid(bytes) => {
-                for (i, b) in bytes.iter().enumerate() {
-                    if matches!(i, 4 | 6 | 8 | 10) {
-                        f.write_str("-")?;
-                    }
-                    write!(f, "{b:02x}")?;
-                }
-                Ok(())
-            }
+            Self::Uuid(uuid) => fmt::Display::fmt(&uuid.hyphenated(), f),
         }
     }
 }
@@ -500,7 +481,7 @@ mod tests {
     fn a_uuid_is_kept_as_bytes_and_shown_as_it_was_read() {
         let text = "0b6f6a4e-03e7-4c1e-9d7a-0000000000a5";
         let uid = Uid::from(text);
-        assert!(matches!(uid, Uid::Uuid(b) if b[0] == 0x0b && b[15] == 0xa5));
+        assert!(matches!(uid, Uid::Uuid(u) if u.as_bytes()[0] == 0x0b && u.as_bytes()[15] == 0xa5));
         assert_eq!(uid.to_string(), text);
         // Not canonical (upper case, braces, a group too long or short): kept as text, never rewritten.
         for other in [
