@@ -25,8 +25,9 @@
 //!   twice from the same inputs is equal, and [`same_ignoring_timestamps`] tells whether a write is needed.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::hash::{DefaultHasher, Hash, Hasher};
+use std::hash::{BuildHasher, RandomState};
 use std::str::FromStr;
+use std::sync::LazyLock;
 
 use gpubudget_common::caps::{self, Assessment, Caps};
 use gpubudget_common::crd::{COUNTED_EVICTIONS_MAX, EvictionRecord, GpuMemoryBudgetStatus, TOP_PODS_MAX, TopPod};
@@ -372,10 +373,11 @@ fn condition(
 
 /// What the operator's cache keeps of a status's `topPods`: a digest. They are most of a status (10 pods with
 /// names, nodes and usages, about 1.8 KB) and are only ever compared, never read back.
+/// Keyed per process, so that no tenant can name pods whose list collides with another's (a collision would
+/// leave a stale `topPods` unwritten).
 pub fn top_pods_digest(top: &[TopPod]) -> u64 {
-    let mut hasher = DefaultHasher::new();
-    top.hash(&mut hasher);
-    hasher.finish()
+    static KEYS: LazyLock<RandomState> = LazyLock::new(RandomState::new);
+    KEYS.hash_one(top)
 }
 
 /// Where a previous status's `topPods` are.
