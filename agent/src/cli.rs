@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::decide::Settings;
+use crate::decide::cadence::Cadence;
 use crate::decide::gpus::AccountingSettings;
 use crate::decide::pressure::{PressureSettings, Threshold, Unbudgeted};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -44,9 +45,54 @@ pub struct SampleArgs {
     /// Where the host's proc filesystem is (NVML reports host PIDs).
     #[arg(long, env = "GPUBUDGET_PROC_ROOT", default_value = "/proc")]
     pub proc_root: PathBuf,
-    /// Sampling interval ("250ms", "1s").
+    /// Sampling interval ("250ms", "1s") while no pod and no GPU is close to a threshold.
     #[arg(long, env = "GPUBUDGET_INTERVAL", default_value = "250ms", value_parser = parse_duration)]
     pub interval: Duration,
+    /// Sampling interval while a budgeted pod is at or near its warning threshold (or rising toward it), or a
+    /// GPU's free memory is near its pressure threshold (or falling toward it): at most --interval. "auto":
+    /// 20ms, or --interval where that is shorter; "off": always --interval.
+    #[arg(long, env = "GPUBUDGET_INTERVAL_NEAR", default_value = "auto", value_parser = parse_near_interval)]
+    pub interval_near: NearInterval,
+}
+
+impl SampleArgs {
+    /// The sampling pace these flags ask for: an error when --interval-near is longer than --interval.
+    pub fn cadence(&self) -> Result<Cadence, String> {
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1);
+        let relaxed = ms(self.interval);
+        let fast = match self.interval_near {
+            NearInterval::Off => return Ok(Cadence::fixed(relaxed)),
+            NearInterval::Auto => Cadence::DEFAULT.fast_ms.min(relaxed),
+            NearInterval::Every(d) => ms(d),
+        };
+        match fast {
+            fast if fast <= relaxed => Ok(Cadence { relaxed_ms: relaxed, fast_ms: fast, ..Cadence::DEFAULT }),
+            fast => Err(format!(
+                "--interval-near ({fast}ms) must not be longer than --interval ({relaxed}ms); \"off\" samples at \
+                 --interval always"
+            )),
+        }
+    }
+}
+
+/// `--interval-near`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NearInterval {
+    /// The default fast interval (20 ms), or `--interval` where that is shorter.
+    Auto,
+    /// Always `--interval`.
+    Off,
+    /// This interval (at most `--interval`).
+    Every(Duration),
+}
+
+/// Parses `--interval-near`.
+fn parse_near_interval(text: &str) -> Result<NearInterval, String> {
+    match text.trim() {
+        "auto" => Ok(NearInterval::Auto),
+        "off" => Ok(NearInterval::Off),
+        other => parse_duration(other).map(NearInterval::Every),
+    }
 }
 
 /// GPU memory pressure eviction (docs/agent.md, "Pressure"): the kubelet's node-pressure eviction, per GPU.
@@ -247,7 +293,7 @@ impl RunArgs {
     pub fn replay(node: &str, proc_root: PathBuf, sample_file: PathBuf, interval: Duration) -> Self {
         Self {
             node_name: node.to_owned(),
-            sample: SampleArgs { proc_root, interval },
+            sample: SampleArgs { proc_root, interval, interval_near: NearInterval::Off },
             admin_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             sample_file: Some(sample_file),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
@@ -417,9 +463,36 @@ mod tests {
         let Command::Run(run) = cli.command else { panic!("run") };
         assert_eq!(run.node_name, "n1");
         assert_eq!(run.sample.interval, Duration::from_secs(1));
+        assert_eq!(run.sample.cadence(), Ok(Cadence { relaxed_ms: 1_000, fast_ms: 20, ..Cadence::DEFAULT }));
         assert_eq!(cli.log_format, LogFormat::Json);
         use clap::CommandFactory;
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn the_sampling_pace_defaults_to_the_decisions_and_a_near_interval_longer_than_the_interval_is_refused() {
+        let sample = |extra: &[&str]| {
+            let mut argv = vec!["gpubudget-agent", "run", "--node-name", "n1"];
+            argv.extend_from_slice(extra);
+            match Cli::try_parse_from(argv).expect("parses").command {
+                Command::Run(run) => run.sample.cadence(),
+                _ => panic!("run"),
+            }
+        };
+        assert_eq!(sample(&[]), Ok(Cadence::DEFAULT));
+        assert_eq!(sample(&["--interval-near", "off"]), Ok(Cadence::fixed(250)));
+        assert_eq!(sample(&["--interval", "100ms", "--interval-near", "100ms"]), Ok(Cadence::fixed(100)));
+        // The default follows a shorter --interval (an interval set before --interval-near existed still runs).
+        assert_eq!(sample(&["--interval", "10ms"]), Ok(Cadence::fixed(10)));
+        assert_eq!(
+            sample(&["--interval", "1s", "--interval-near", "50ms"]).map(|c| (c.relaxed_ms, c.fast_ms)),
+            Ok((1_000, 50))
+        );
+        let error = sample(&["--interval", "100ms", "--interval-near", "200ms"]).expect_err("refused");
+        assert!(error.contains("--interval-near (200ms) must not be longer than --interval (100ms)"), "{error}");
+        assert!(
+            Cli::try_parse_from(["gpubudget-agent", "run", "--node-name", "n", "--interval-near", "fast"]).is_err()
+        );
     }
 
     #[test]

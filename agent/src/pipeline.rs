@@ -47,6 +47,8 @@ pub struct Engine {
     driver_series: DriverSeries,
     started: Instant,
     actions: Vec<Action>,
+    /// The interval last chosen.
+    next: Duration,
 }
 
 impl Engine {
@@ -65,6 +67,7 @@ impl Engine {
             driver_series: DriverSeries::default(),
             started: Instant::now(),
             actions: Vec::new(),
+            next: Duration::ZERO,
         }
     }
 
@@ -117,7 +120,21 @@ impl Engine {
         );
         let tick_time = start.elapsed();
         self.metrics.sample_duration.observe(tick_time.as_secs_f64());
+        self.enforcer.tick_cost(tick_time);
         TickReport { sampled: true, sample_time, tick_time }
+    }
+
+    /// How long after the last tick's start the next is due: the relaxed interval, or the fast one while a
+    /// pod or a GPU is close to a threshold ([`crate::decide::cadence`]). Published as
+    /// `gpubudget_sample_interval_seconds` when it changes.
+    pub fn next_sample(&mut self) -> Duration {
+        let (next, fast) = self.enforcer.next_sample();
+        if next != self.next {
+            tracing::debug!(interval = ?next, reason = fast.map(|u| u.as_str()), "sampling pace");
+            self.next = next;
+            self.metrics.sample_interval.set(next.as_secs_f64());
+        }
+        next
     }
 
     /// Whether budgets are enforced on at least one GPU: the sampler is up and a GPU was sampled in the

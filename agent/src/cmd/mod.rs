@@ -11,6 +11,12 @@ use crate::cli;
 
 /// Runs a parsed command line.
 pub async fn dispatch(cli: cli::Cli) -> anyhow::Result<()> {
+    // Flags that depend on each other, checked before anything starts.
+    if let cli::Command::Run(cli::RunArgs { sample, .. })
+    | cli::Command::Standalone(cli::StandaloneArgs { sample, .. }) = &cli.command
+    {
+        sample.cadence().map_err(anyhow::Error::msg)?;
+    }
     match cli.command {
         cli::Command::Run(args) => run::run(args).await,
         cli::Command::Top(args) => top::run(args).await,

@@ -12,6 +12,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::Context as _;
 use futures::StreamExt as _;
@@ -280,6 +281,8 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
             args.pressure.apply(&mut settings);
             args.accounting.apply(&mut settings);
             args.records.apply(&mut settings);
+            // Checked by `dispatch` before anything starts.
+            settings.cadence = args.sample.cadence().unwrap_or(settings.cadence);
             settings
         },
         metrics.clone(),
@@ -302,11 +305,12 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
             }
         }
     }
-    let mut interval = tokio::time::interval(args.sample.interval);
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick at once; each next one when the engine's pace says (decide::cadence).
+    let next = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(next);
     let mut table = PodTable::default();
     let mut seen: Option<u64> = None;
-    tracing::info!(%node, interval = ?args.sample.interval, proc_root = %args.sample.proc_root.display(), "agent running");
+    tracing::info!(%node, interval = ?args.sample.interval, interval_near = ?args.sample.interval_near, proc_root = %args.sample.proc_root.display(), "agent running");
     loop {
         tokio::select! {
             () = shutdown.cancelled() => break,
@@ -314,7 +318,8 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
                 engine.feedback(report);
                 executor.dispatch(engine.take_actions());
             }
-            _ = interval.tick() => {
+            () = &mut next => {
+                let started = tokio::time::Instant::now();
                 let synced = caches.synced();
                 if synced {
                     let generation = caches.generation();
@@ -331,6 +336,7 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
                 engine.tick(&table, synced);
                 health.set("gpu", engine.enforcing());
                 executor.dispatch(engine.take_actions());
+                next.as_mut().reset(started + engine.next_sample());
             }
         }
     }

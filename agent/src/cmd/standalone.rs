@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use gpubudget_common::GpuMemoryBudget;
@@ -129,6 +129,8 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
             let mut settings = Settings::new(&node);
             args.pressure.apply(&mut settings);
             args.accounting.apply(&mut settings);
+            // Checked by `dispatch` before anything starts.
+            settings.cadence = args.sample.cadence().unwrap_or(settings.cadence);
             settings
         },
         Metrics::new(&mut registry),
@@ -147,14 +149,16 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
     executor.line(&json!({
         "ts": ts, "ts_unix": ts_unix, "kind": "start", "node": &node,
         "interval_ms": args.sample.interval.as_millis() as u64,
+        "interval_near_ms": engine.enforcer.settings().cadence.fast_ms,
         "pods": table.pods.len(), "budgets": table.budgets.len(),
         "source": args.sample_file.as_ref().map_or_else(|| "nvml".to_owned(), |p| format!("file:{}", p.display())),
     }))?;
 
     let deadline = args.duration.map(|d| Instant::now() + d);
-    let mut interval = tokio::time::interval(args.sample.interval);
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let (mut ticks, mut sampled) = (0u64, 0u64);
+    // The first tick at once; each next one when the engine's pace says (decide::cadence).
+    let next = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(next);
+    let (mut ticks, mut sampled, mut fast) = (0u64, 0u64, 0u64);
     let mut sample_us: Vec<u32> = Vec::new();
     let mut tick_us: Vec<u32> = Vec::new();
     let mut last_usage: HashMap<std::sync::Arc<str>, u64> = HashMap::new();
@@ -162,8 +166,9 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
     loop {
         tokio::select! {
             () = shutdown.cancelled() => break,
-            _ = interval.tick() => {}
+            () = &mut next => {}
         }
+        let started = tokio::time::Instant::now();
         if deadline.is_some_and(|d| Instant::now() >= d) {
             break;
         }
@@ -234,11 +239,14 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
                 }))?;
             }
         }
+        let interval = engine.next_sample();
+        fast += u64::from(interval < args.sample.interval);
+        next.as_mut().reset(started + interval);
     }
     let (ts, ts_unix) = timestamp_fields(jiff::Timestamp::now());
     let reads = engine.attributor.reads();
     executor.line(&json!({
-        "ts": ts, "ts_unix": ts_unix, "kind": "stats", "ticks": ticks, "sampled": sampled,
+        "ts": ts, "ts_unix": ts_unix, "kind": "stats", "ticks": ticks, "sampled": sampled, "fast_ticks": fast,
         "sample_us": summary(sample_us), "tick_us": summary(tick_us),
         "proc_reads": {"stat": reads.stat, "cgroup": reads.cgroup},
     }))?;

@@ -8,7 +8,7 @@ use gpubudget_common::BudgetState;
 
 use super::pod::{Context, PodMemory};
 use super::pressure::step::GpuPressure;
-use super::{Action, Now, Settings, gpus};
+use super::{Action, Now, Settings, cadence, gpus};
 use crate::FastMap;
 use crate::attribute::pods::PodTable;
 use crate::attribute::{PodUsage, Usage};
@@ -25,12 +25,21 @@ pub struct Enforcer {
     pub(in crate::decide) gpus: Vec<GpuPressure>,
     /// Per GPU: health and accounting, told on the Node.
     pub(in crate::decide) watch: gpus::GpuWatch,
+    /// How soon the next sample comes ([`cadence`]).
+    pub(in crate::decide) pace: cadence::Pace,
 }
 
 impl Enforcer {
     /// An enforcer with these settings and no memory (a fresh start).
     pub fn new(settings: Settings) -> Self {
-        Self { settings, pods: FastMap::default(), generation: 0, gpus: Vec::new(), watch: gpus::GpuWatch::default() }
+        Self {
+            settings,
+            pods: FastMap::default(),
+            generation: 0,
+            gpus: Vec::new(),
+            watch: gpus::GpuWatch::default(),
+            pace: cadence::Pace::default(),
+        }
     }
 
     /// Looks at each GPU's health and accounting ([`gpus`]): Node events for a GPU whose sample fails or
@@ -61,6 +70,17 @@ impl Enforcer {
         self.pods.get(uid).filter(|m| !m.last_budget.is_empty()).map(|m| m.tracker.state)
     }
 
+    /// How long after the last tick the next sample is due ([`cadence`]), and why it is the fast pace.
+    pub fn next_sample(&self) -> (std::time::Duration, Option<cadence::Urgency>) {
+        let ms = self.pace.next_ms(&self.settings.cadence);
+        (std::time::Duration::from_millis(ms), self.pace.fast())
+    }
+
+    /// Records what a whole tick cost, for the fast pace's bound on the agent's CPU.
+    pub fn tick_cost(&mut self, cost: std::time::Duration) {
+        self.pace.cost(u64::try_from(cost.as_micros()).unwrap_or(u64::MAX));
+    }
+
     /// Pods remembered.
     pub fn len(&self) -> usize {
         self.pods.len()
@@ -74,6 +94,7 @@ impl Enforcer {
     /// Decides this tick. `usage` is indexed like `table.pods`; `gpus` are the snapshot's (for messages).
     pub fn tick(&mut self, now: Now, table: &PodTable, usage: &[PodUsage], gpus: &[GpuInfo], out: &mut Vec<Action>) {
         self.generation += 1;
+        self.pace.begin(now.mono_ms);
         let empty = PodUsage::default();
         for (i, view) in table.pods.iter().enumerate() {
             let pod_usage = usage.get(i).unwrap_or(&empty);

@@ -29,6 +29,7 @@
 //!   and the executors' reports about it;
 //! - [`pressure`]: GPU memory pressure: the signal and the choice of the pod to evict, and (in
 //!   `pressure/step.rs`) the step of a tick that acts on them, [`Enforcer::pressure`];
+//! - [`cadence`]: how soon the next sample is taken (faster while something is close to a threshold);
 //! - [`gpus`]: each GPU's health and accounting, told on the Node;
 //! - [`driver_limits`]: the NVIDIA driver's per-cgroup limits (R615) beside the budget: agree or not, and how;
 //! - `notes`: helpers for the text of events.
@@ -36,6 +37,7 @@
 //! Nothing here knows the command line: `cli` turns flags into [`Settings`], never the reverse
 //! (`tests/layering.rs` checks it).
 
+pub mod cadence;
 pub mod driver_limits;
 mod enforcer;
 pub mod gpus;

@@ -7,7 +7,7 @@ use gpubudget_common::quantity::HumanBytes;
 use gpubudget_common::{Budget, BudgetAction, BudgetState, Tracker, step};
 
 use super::notes::{bounded, holders_summary, seconds};
-use super::{Action, Enforcer, EvictOutcome, Feedback, Now, PodRef, Reason};
+use super::{Action, Enforcer, EvictOutcome, Feedback, Now, PodRef, Reason, cadence};
 use crate::attribute::PodUsage;
 use crate::attribute::pods::PodView;
 use crate::sample::GpuInfo;
@@ -220,6 +220,8 @@ impl Enforcer {
         let total = cx.usage.total;
         let thresholds = budget.thresholds(view.never_evicted().is_some());
         let mut mem = self.take_memory(now, view);
+        // Its usage at the last tick, if it was seen then (the rate its usage moves at).
+        let prev_usage = (mem.seen + 1 == self.generation && !mem.last_budget.is_empty()).then_some(mem.last_usage);
         mem.seen = self.generation;
         // A budget edit (Warn → Evict, a shorter overLimitSeconds) or a move to a budget that acts otherwise
         // does not act on the time already spent over the limit: the period starts afresh, and is told.
@@ -242,6 +244,12 @@ impl Enforcer {
         }
         mem.policy = Some(policy);
         mem.tracker = step(mem.tracker, &thresholds, now.mono_ms, total);
+        let cadence = self.settings.cadence;
+        if let Some(why) =
+            cadence::pod(&cadence, mem.tracker.state, total, prev_usage, self.pace.dt_ms(), thresholds.warn)
+        {
+            self.pace.urge(&cadence, now.mono_ms, why);
+        }
         mem.last_usage = total;
         mem.last_limit = budget.limit_bytes;
         if !budget.has_key(&mem.last_budget) {

@@ -1,6 +1,6 @@
 //! The decisions' tunables ([`Settings`]) and the time a tick is decided at ([`Now`]).
 
-use super::{gpus, pressure};
+use super::{cadence, gpus, pressure};
 
 /// Tunables (the defaults are the write budget).
 #[derive(Debug, Clone)]
@@ -37,6 +37,8 @@ pub struct Settings {
     /// so), and the record is retried while the pod terminates. A write the tenant can break (annotations
     /// filling the 256 KiB limit, a webhook refusing the update) cannot hold the eviction back.
     pub record_wait_ms: u64,
+    /// How often the agent samples: relaxed, and fast while something is close to a threshold ([`cadence`]).
+    pub cadence: cadence::Cadence,
 }
 
 impl Settings {
@@ -57,6 +59,7 @@ impl Settings {
             accounting: gpus::AccountingSettings::DEFAULT,
             record_wait_attempts: 3,
             record_wait_ms: 30_000,
+            cadence: cadence::Cadence::DEFAULT,
         }
     }
 }

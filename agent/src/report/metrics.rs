@@ -112,6 +112,8 @@ pub struct Metrics {
     pub sample_duration: Histogram,
     /// `gpubudget_pod_table_rebuilds_total`.
     pub table_rebuilds: Counter,
+    /// `gpubudget_sample_interval_seconds`.
+    pub sample_interval: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// `gpubudget_driver_limits_available`.
     pub driver_limits_available: Gauge,
     /// `gpubudget_pod_driver_hard_limit_bytes`.
@@ -141,6 +143,7 @@ impl Metrics {
             gpu_budgeted: Family::default(),
             sample_duration: Histogram::new(buckets),
             table_rebuilds: Counter::default(),
+            sample_interval: Gauge::default(),
             driver_limits_available: Gauge::default(),
             pod_driver_hard: Family::default(),
             pod_driver_soft: Family::default(),
@@ -249,6 +252,11 @@ impl Metrics {
             "gpubudget_sample_duration_seconds",
             "Time to sample, attribute and decide, per tick",
             m.sample_duration.clone(),
+        );
+        registry.register(
+            "gpubudget_sample_interval_seconds",
+            "Time from the last sample to the next: the --interval, or the shorter --interval-near while a pod or a GPU is close to a threshold",
+            m.sample_interval.clone(),
         );
         m
     }

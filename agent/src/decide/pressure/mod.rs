@@ -97,6 +97,12 @@ impl PressureSettings {
     pub fn enabled(&self) -> bool {
         self.hard.is_some() || self.soft.is_some()
     }
+
+    /// The larger of the two thresholds in bytes on a GPU of `total` bytes (0: none set).
+    pub fn threshold_bytes(&self, total: u64) -> u64 {
+        let bytes = |t: Option<Threshold>| t.map_or(0, |t| t.bytes(total));
+        bytes(self.hard).max(bytes(self.soft))
+    }
 }
 
 /// Which threshold put a GPU under pressure.

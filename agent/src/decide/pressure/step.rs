@@ -10,7 +10,7 @@ use crate::attribute::PodUsage;
 use crate::attribute::pods::PodTable;
 use crate::decide::notes::{bounded, holders_summary, seconds};
 use crate::decide::pod::{Context, Eviction};
-use crate::decide::{Action, Enforcer, NodeReason, Now, Reason};
+use crate::decide::{Action, Enforcer, NodeReason, Now, Reason, cadence};
 use crate::sample::Snapshot;
 
 /// One GPU's memory pressure between ticks.
@@ -21,6 +21,8 @@ pub(in crate::decide) struct GpuPressure {
     pub(in crate::decide) told_overcommitted: bool,
     /// A pressure eviction on this GPU was refused: the next choice waits until then (monotonic ms).
     pub(in crate::decide) retry_at: u64,
+    /// Free bytes at the last sample (the rate they fall at, for the [`cadence`]).
+    pub(in crate::decide) last_free: Option<u64>,
 }
 
 /// Marks the "overcommitted" event as sent for this pressure episode; whether it already was.
@@ -65,6 +67,12 @@ impl Enforcer {
             let settings = self.settings.pressure;
             let unbudgeted = self.settings.unbudgeted_pods;
             let gpu = &mut self.gpus[g];
+            let threshold = settings.threshold_bytes(total);
+            let cadence = self.settings.cadence;
+            if let Some(why) = cadence::gpu(&cadence, free, gpu.last_free, self.pace.dt_ms(), threshold) {
+                self.pace.urge(&cadence, now.mono_ms, why);
+            }
+            gpu.last_free = Some(free);
             match gpu.signal.observe(&settings, free, total, now.mono_ms) {
                 Change::Began(cause) => {
                     let (name, threshold) = match cause {
