@@ -8,8 +8,10 @@
 #   team-n/neighbour  budget 40Gi; cycles 16 GiB: allocate, hold 1 s, free and empty_cache, 0.5 s, again
 #   team-g/grower     budget 8Gi (overLimitSeconds 600: the budget's own timer never fires in a run); jumps to
 #                     JUMP GiB (default: the card's memory less 28 GiB), then climbs at RATE GiB/s
-# For each RATE (RATES, GiB/s) the case runs twice: pressure eviction off (--pressure-hard off) and on (the
-# default hard threshold, 5 % of the GPU; pressure grace GRACE s). The script stands in for the kubelet: when
+# For each RATE (RATES, GiB/s) the case runs three times (MODES): pressure eviction off (--pressure-hard off),
+# and on (the default hard threshold, 5 % of the GPU; pressure grace GRACE s) at the old pace (a fixed 250 ms:
+# --interval-near off) and at the new one (250 ms, 20 ms while the GPU's free memory is near the threshold or
+# falling toward it: issue 36). The script stands in for the kubelet: when
 # the agent decides to evict the grower it sends SIGTERM to its processes at once and SIGKILL after the grace.
 # Measured per case: when the neighbour first met CUDA OOM (seconds after the grower's jump); with pressure on,
 # the free memory when the eviction was decided (the agent's event) and the time from the free memory crossing
@@ -20,6 +22,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-$(mktemp -d /tmp/gpubudget-pressure-out.XXXX)}
 AGENT=${GPUBUDGET_AGENT:-.carry/gpubudget-agent}
 RATES=${RATES:-"0.25 1 4"}
+MODES=${MODES:-"off old new"}
 JUMP=${JUMP:-}  # default: the card's memory less 28 GiB (about 7 GiB of climbing before the 5 % threshold)
 GRACE=${GRACE:-2}
 NODE=gpu-e2e
@@ -91,14 +94,15 @@ start() { # name pod args...
   eval "PID_$name=$!"
 }
 
-run_case() { # rate on|off
-  local rate=$1 mode=$2 hard
+run_case() { # rate off|old|new
+  local rate=$1 mode=$2 hard near
   CASE="r${rate}-$mode"
-  hard=$([ "$mode" = on ] && echo 5% || echo off)
+  hard=$([ "$mode" = off ] && echo off || echo 5%)
+  near=$([ "$mode" = new ] && echo auto || echo off)
   start neighbour team-n/neighbour neighbour --gib 16 --hold 1 --pause 0.5
   for _ in $(seq 1 120); do grep -q '"ready"' "$WORK/$CASE-neighbour.jsonl" 2>/dev/null && break; sleep 0.5; done
   "$AGENT" standalone --budgets "$WORK/budgets.yaml" --pods "$WORK/pods.yaml" --node-name "$NODE" --interval 250ms \
-    --pressure-hard "$hard" --pressure-grace-seconds "$GRACE" --output "$WORK/$CASE-agent.jsonl" 2> "$WORK/$CASE-agent.err" &
+    --interval-near "$near" --pressure-hard "$hard" --pressure-grace-seconds "$GRACE" --output "$WORK/$CASE-agent.jsonl" 2> "$WORK/$CASE-agent.err" &
   local agent=$!
   PIDS+=($agent)
   sleep 2
@@ -130,12 +134,13 @@ run_case() { # rate on|off
 { echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"; echo "gpu: $GPU"; echo "agent: $("$AGENT" --version)"
   echo "torch: $(python3 -c 'import torch; print(torch.__version__)')"; echo "rates: $RATES GiB/s, jump $JUMP GiB, pressure grace $GRACE s"; } > "$WORK/results.txt"
 for rate in $RATES; do
-  for mode in off on; do run_case "$rate" "$mode"; done
+  for mode in $MODES; do run_case "$rate" "$mode"; done
 done
 
-python3 - "$WORK" "$RATES" >> "$WORK/results.txt" <<'PY'
+python3 - "$WORK" "$RATES" "$MODES" >> "$WORK/results.txt" <<'PY'
 import json, re, sys, glob, os
-work, rates = sys.argv[1], sys.argv[2].split()
+work, rates, modes = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
+SAID = {"off": "off", "old": "on, fixed 250 ms", "new": "on, 250 ms / 20 ms near"}
 GIB = 1 << 30
 def lines(path):
     try:
@@ -146,12 +151,12 @@ print()
 print("| rate | pressure eviction | neighbour's first CUDA OOM (s after the jump) | eviction decided (s after the jump) | free memory at the decision | threshold crossed → decision |")
 print("| --- | --- | --- | --- | --- | --- |")
 for rate in rates:
-    for mode in ("off", "on"):
+    for mode in modes:
         case = f"r{rate}-{mode}"
         n, g, a = (lines(f"{work}/{case}-{x}.jsonl") for x in ("neighbour", "grower", "agent"))
         jump = next((e for e in g if e["event"] == "jumped"), None)
         if not jump:
-            print(f"| {rate} GiB/s | {mode} | (grower never started) | | | |"); continue
+            print(f"| {rate} GiB/s | {SAID[mode]} | (grower never started) | | | |"); continue
         t0, total = jump["t"], jump["total"]
         threshold = total * 5 // 100
         oom = next((e["t"] - t0 for e in n if e["event"] == "oom" and e["t"] >= t0), None)
@@ -165,6 +170,7 @@ for rate in rates:
         crossed = next((e["t"] for e in g if e["event"] in ("grew", "oom") and e.get("free", total) < threshold), None)
         lag = f"{ev['ts_unix'] - crossed:.3f} s" if ev and crossed else "–"
         f = lambda x: "never" if x is None else f"{x:.1f}"
-        print(f"| {rate} GiB/s | {mode} | {f(oom)} | {f(decided) if mode == 'on' else '–'} | {free or '–'} | {lag if mode == 'on' else '–'} |")
+        on = mode != "off"
+        print(f"| {rate} GiB/s | {SAID[mode]} | {f(oom)} | {f(decided) if on else '–'} | {free or '–'} | {lag if on else '–'} |")
 PY
 cat "$WORK/results.txt"
