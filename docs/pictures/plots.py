@@ -1,0 +1,309 @@
+"""The plots of docs/pictures, drawn from the committed result files only (run by generate.sh).
+
+    python3 docs/pictures/plots.py OUTDIR
+
+neighbour.svg  the neighbour's GPU memory while an over-budget pod grows, at 0.25, 1 and 4 GiB/s: budgets alone,
+               with pressure eviction, and under MPS without and with the cap the admission webhook sets.
+               Read from the raw logs inside e2e/gpu/results/*.tgz (never extracted to disk), written by
+               e2e/gpu/pressure.sh and e2e/gpu/mps-caps.sh with the workloads of e2e/gpu/pressure.py.
+story.svg      the Evict story on the real node, and every story's place in the run, from
+               e2e/cluster/results/*realk8s*.txt (written by e2e/cluster/realk8s.sh).
+
+Everything drawn is a line of those files; nothing is interpolated or made up. Each figure says what it was
+measured on. The SVG bytes depend only on the inputs and the pinned matplotlib (docs/pictures/requirements.txt):
+svg.hashsalt is fixed and the date left out, so CI can regenerate and compare (.ci/pictures.sh).
+"""
+
+import json
+import re
+import sys
+import tarfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("svg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+GPU_RESULTS = REPO / "e2e/gpu/results"
+CLUSTER_RESULTS = REPO / "e2e/cluster/results"
+GIB = 1 << 30
+
+PRESSURE_TGZ = "2026-11-23-h100-pressure-logs.tgz"
+CAPS_TGZ = "2026-11-24-h100-mps-caps-raw.tgz"
+RATES = ["0.25", "1", "4"]
+
+plt.rcParams.update(
+    {
+        "svg.hashsalt": "gpubudget",  # ids in the SVG are hashes of this, not random
+        "svg.fonttype": "path",  # text as paths: the same on every machine
+        "font.family": "DejaVu Sans",  # shipped with matplotlib
+        "font.size": 9,
+        "axes.titlesize": 9,
+        "axes.spines.top": False,
+        "axes.spines.right": False,
+    }
+)
+
+
+def save(fig, path):
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+
+
+class Tarball:
+    """The members of one results tarball, read in memory."""
+
+    def __init__(self, name):
+        self.name = name
+        self.files = {}
+        with tarfile.open(GPU_RESULTS / name) as tar:
+            for member in tar.getmembers():
+                if member.isfile():
+                    self.files[member.name.removeprefix("./")] = tar.extractfile(member).read().decode()
+
+    def jsonl(self, name):
+        return [json.loads(line) for line in self.files.get(name, "").splitlines() if line.startswith("{")]
+
+    def header(self):
+        """date, gpu (name, driver, memory) and torch from the run's results.txt."""
+        fields = {}
+        for line in self.files["results.txt"].splitlines():
+            key, _, value = line.partition(": ")
+            if key in ("date", "gpu", "torch") and value:
+                fields[key] = value
+        return fields
+
+
+def run_of(tar, prefix):
+    """One case: the grower's, the neighbour's and the agent's lines, with times relative to the grower's jump."""
+    grower = tar.jsonl(f"{prefix}grower.jsonl")
+    neighbour = tar.jsonl(f"{prefix}neighbour.jsonl")
+    agent = tar.jsonl(f"{prefix}agent.jsonl")
+    jump = next(e for e in grower if e["event"] == "jumped")
+    t0 = jump["t"]
+    run = {"t0": t0, "total": jump["total"]}
+    run["grower"] = [(e["t"] - t0, e["bytes"] / GIB, e["event"]) for e in grower if "bytes" in e]
+    run["holding"] = [(e["t"] - t0, e["bytes"] / GIB) for e in neighbour if e["event"] == "holding"]
+    run["oom"] = [(e["t"] - t0, e["held"] / GIB) for e in neighbour if e["event"] == "oom"]
+    first = [t for t, _ in run["oom"] if t >= 0]
+    run["first_oom"] = first[0] if first else None
+    evicting = [
+        e
+        for e in agent
+        if e.get("kind") == "event" and e.get("reason") == "EvictingForGpuMemory" and "grower" in e.get("pod", "")
+    ]
+    run["evicting"] = evicting[0]["ts_unix"] - t0 if evicting else None
+    if evicting:
+        free = re.search(r"\(([0-9.]+\s*[KMGT]i)B? free of", evicting[0]["note"])
+        run["evicting_free"] = free.group(1) if free else None
+    grower_oom = [t for t, _, kind in run["grower"] if kind == "oom" and t >= 0]
+    run["grower_first_oom"] = grower_oom[0] if grower_oom else None
+    return run
+
+
+def neighbour_figure(out):
+    pressure = Tarball(PRESSURE_TGZ)
+    caps = Tarball(CAPS_TGZ)
+    ph, ch = pressure.header(), caps.header()
+    rows = [
+        (pressure, "r{rate}-off-", "budgets alone\n(pressure eviction off)", ph),
+        (pressure, "r{rate}-on-", "with pressure eviction\n(hard threshold 5 %)", ph),
+        (caps, "r{rate}_uncapped_", "under MPS, no cap\n(pressure eviction off)", ch),
+        (caps, "r{rate}_capped_", "under MPS, capped at 55Gi\n(pressure eviction off)", ch),
+    ]
+    fig, axes = plt.subplots(len(rows), len(RATES), figsize=(12, 12), sharey=True, sharex="col")
+    for r, (tar, pattern, label, header) in enumerate(rows):
+        for c, rate in enumerate(RATES):
+            ax = axes[r][c]
+            prefix = pattern.format(rate=rate.replace(".", "p") if tar is caps else rate)
+            run = run_of(tar, prefix)
+            t = [p[0] for p in run["grower"]]
+            ax.step(t, [p[1] for p in run["grower"]], where="post", color="#b8860b", lw=1.4, label="the grower's tensors")
+            if run["holding"]:
+                ax.plot(*zip(*run["holding"]), "o", ms=3.5, color="#2e7d32", label="the neighbour got its 16 GiB")
+            if run["oom"]:
+                ax.plot(*zip(*run["oom"]), "x", ms=7, mew=2, color="#c62828", label="the neighbour met CUDA out of memory")
+            ax.axhline(run["total"] / GIB, color="#777777", lw=0.8, ls=":")
+            ax.axvline(0, color="#999999", lw=0.6)
+            notes = []
+            if run["first_oom"] is not None:
+                notes.append(f"neighbour's first CUDA OOM {run['first_oom']:.1f} s")
+            else:
+                notes.append("neighbour never met CUDA OOM")
+            if run["evicting"] is not None:
+                ax.axvline(run["evicting"], color="#1565c0", lw=1.2, ls="--")
+                notes.append(f"eviction decided {run['evicting']:.1f} s ({run['evicting_free']} free)")
+            if "capped" in prefix and "uncapped" not in prefix and run["grower_first_oom"] is not None:
+                notes.append(f"grower met OOM at its cap {run['grower_first_oom']:.1f} s")
+            ax.set_title(f"{rate} GiB/s\n" + "\n".join(notes), loc="left")
+            ax.set_ylim(0, 82)
+            ax.set_xlim(left=-4)
+            if c == 0:
+                ax.set_ylabel(f"{label}\n\nGiB of tensors held")
+            if r == len(rows) - 1:
+                ax.set_xlabel("seconds after the grower's jump")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    handles.append(plt.Line2D([], [], color="#1565c0", ls="--"))
+    labels.append("the agent decides the grower's eviction")
+    handles.append(plt.Line2D([], [], color="#777777", ls=":"))
+    labels.append("the card's memory (CUDA's total)")
+    fig.legend(handles, labels, loc="lower center", ncol=3, frameon=False, bbox_to_anchor=(0.5, 0.05))
+    gpu, driver, memory = ph["gpu"].split(", ")
+    fig.suptitle(
+        "A pod over its budget (the grower, 8Gi; 55Gi when capped) fills the GPU; its neighbour, within its 40Gi,\n"
+        f"cycles 16 GiB. {gpu} ({memory}), driver {driver}, torch {ph['torch']}; the agent in standalone mode.",
+        fontsize=10,
+    )
+    fig.text(
+        0.01,
+        0.005,
+        f"Rows 1-2: e2e/gpu/pressure.sh on {ph['date']}, e2e/gpu/results/{PRESSURE_TGZ}.\n"
+        f"Rows 3-4: e2e/gpu/mps-caps.sh on {ch['date']} (MPS control daemon running), e2e/gpu/results/{CAPS_TGZ}.\n"
+        "One run per panel. Each point is a line a workload logged: the grower after each 256 MiB chunk, the neighbour "
+        "once per cycle (16 GiB held, or CUDA OOM\nwith what it got). NVML counts each process's CUDA context on top "
+        "(about 0.5 GiB). Not plotted: the H200 re-run of 2026-11-26 (1 and 4 GiB/s,\n"
+        "e2e/gpu/results/2026-11-26-h200-pressure-f7e2a96.txt; its raw logs are not committed), and a cap with pressure "
+        "eviction on (never run).",
+        fontsize=7.5,
+        va="bottom",
+    )
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    save(fig, out / "neighbour.svg")
+
+
+QUANTITY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+
+
+def quantity(text):
+    m = re.fullmatch(r"([0-9.]+)(Ki|Mi|Gi)", text)
+    return float(m.group(1)) * QUANTITY[m.group(2)] / GIB
+
+
+def story_run(path):
+    """Sections (start second, title) and the Evict story's figures of one realk8s.sh result."""
+    text = path.read_text()
+    sections, phases = [], []
+    for line in text.splitlines():
+        m = re.match(r"=== \[\s*(\d+)s\] (.*)", line)
+        if m:
+            sections.append((int(m.group(1)), m.group(2)))
+            continue
+        m = re.search(r"sample phase (\d+): llm-evict (\S+),", line)
+        if m:
+            phases.append((sections[-1][0], int(m.group(1)), quantity(m.group(2))))
+    over = re.search(r"GpuMemoryOverBudget on llm-evict \((\S+) of (\S+)\)", text)
+    warn = re.search(r"llm-evict: using \S+ of \S+ \(budget [^)]*\), at or above the (\d+)% warning", text)
+    stopped = re.search(r"sample over the limit written to llm-evict's container stopped: (\d+) s", text)
+    over_limit = re.search(r"after overLimitSeconds \((\d+) s\) the agent evicts llm-evict", text)
+    node = re.search(r"\n\s+n1\s+Ready\s+\S+\s+\S+\s+(v\S+)\s+\S+\s+\S+\s+(.+?)\s{2,}(\S+)\s+(containerd://\S+)", text)
+    first = text.splitlines()[0]
+    commit = re.search(r"at ([0-9a-f]{7})", first)
+    return {
+        "file": path.name,
+        "label": path.name[:10] + (f", {commit.group(1)}" if commit else ""),
+        "sections": sections,
+        "phases": phases,
+        "limit": quantity(over.group(2)),
+        "warn_percent": int(warn.group(1)) if warn else None,
+        "stopped_after": int(stopped.group(1)),
+        "over_limit_seconds": int(over_limit.group(1)),
+        "node": f"kubelet {node.group(1)}, {node.group(4).replace('://', ' ')}, {node.group(2)}" if node else "",
+    }
+
+
+def short(title):
+    title = re.sub(r"\s*\(.*", "", title)
+    title = re.sub(r":.*", "", title)
+    return title if len(title) <= 46 else title[:44] + "…"
+
+
+def story_figure(out):
+    # By date; on one date, the file without a commit in its name was written first (git log).
+    paths = sorted(CLUSTER_RESULTS.glob("*realk8s*.txt"), key=lambda p: (p.name[:10], len(p.name)))
+    runs = [story_run(p) for p in paths]
+    colors = ["#7b1fa2", "#00897b", "#e65100"]
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(11, 11), gridspec_kw={"height_ratios": [1, 1.5]}, constrained_layout=True
+    )
+
+    # The Evict story: llm-evict's replayed usage, aligned at the sample that goes over the limit.
+    for run, color in zip(runs, colors):
+        over_at = next(t for t, n, v in run["phases"] if v > run["limit"])
+        phases = [(t - over_at, v) for t, n, v in run["phases"] if t <= over_at]
+        stop = run["stopped_after"]
+        xs = [p[0] for p in phases] + [stop]
+        ys = [p[1] for p in phases] + [phases[-1][1]]
+        top.step(xs, ys, where="post", color=color, lw=1.5, label=f"{run['label']}: {stop} s after")
+        top.plot([stop], [ys[-1]], "s", color=color, ms=7)
+    run = runs[-1]
+    top.axhline(run["limit"], color="#c62828", lw=1, ls="--")
+    top.text(-14.5, run["limit"] + 0.12, f"limit {run['limit']:g}Gi (Evict)", color="#c62828", fontsize=8)
+    if run["warn_percent"]:
+        warn = run["limit"] * run["warn_percent"] / 100
+        top.axhline(warn, color="#ef6c00", lw=0.8, ls=":")
+        top.text(-14.5, warn - 0.35, f"Near at {run['warn_percent']} %", color="#ef6c00", fontsize=8)
+    top.axvspan(0, run["over_limit_seconds"], color="#c62828", alpha=0.08)
+    top.text(0.3, 9.7, f"overLimitSeconds: {run['over_limit_seconds']} s", color="#c62828", fontsize=8)
+    top.text(-12, 6.15, "Within", fontsize=8)
+    top.text(-3.2, 7.65, "Near", fontsize=8)
+    top.text(0.3, 9.15, "Over, then Evicting; evicted", fontsize=8)
+    top.set_xlim(-15, 16)
+    top.set_ylim(0, 10)
+    top.set_xlabel("seconds after the over-limit sample was written (kubectl apply of the ConfigMap the agent replays)")
+    top.set_ylabel("llm-evict's usage as replayed (GiB)")
+    top.set_title(
+        "The Evict story: llm-evict (budget llm-inference: 8Gi, Evict) goes Near, then Over, and is evicted.\n"
+        "The usage steps are the replayed sample phases, placed at the run.sh section that wrote them (whole\n"
+        "seconds); the square: the container stopped (no host process left in its cgroup; polled every 2 s).\n"
+        "The events' own times are not in the logs: run.sh checks them, it does not time them.",
+        loc="left",
+    )
+    top.legend(loc="lower right", frameon=False, fontsize=8, title="run: the container stopped", title_fontsize=8)
+
+    # Every story of the run, three runs: where each section started and ended.
+    titles = []
+    for run in runs:
+        for _, title in run["sections"]:
+            if short(title) not in titles and not title.startswith(("PASS", "cleanup")):
+                titles.append(short(title))
+    height = 0.8 / len(runs)
+    for i, (run, color) in enumerate(zip(runs, colors)):
+        secs = run["sections"]
+        for (start, title), (end, _) in zip(secs, secs[1:]):
+            if title.startswith(("PASS", "cleanup")):
+                continue
+            y = titles.index(short(title)) - 0.4 + i * height
+            bottom.barh(y, max(end - start, 0.6), left=start, height=height * 0.9, color=color, align="edge")
+        passed = next((t for t, title in secs if title.startswith("PASS")), None)
+        bottom.plot([], [], color=color, lw=6, label=f"{run['label']} (PASS at {passed} s) — {run['file']}")
+        over_at = next(t for t, n, v in run["phases"] if v > run["limit"])
+        evict_row = next(j for j, t in enumerate(titles) if t.startswith("Evict story"))
+        bottom.plot([over_at + run["stopped_after"]], [evict_row - 0.4 + (i + 0.5) * height], "s", color="black", ms=4)
+    bottom.set_yticks(range(len(titles)))
+    bottom.set_yticklabels(titles, fontsize=8)
+    bottom.invert_yaxis()
+    bottom.set_xlabel("seconds since run.sh started (its section stamps)")
+    bottom.set_title(
+        "Every story of the run (e2e/cluster/run.sh on the real node), three runs; the black square: llm-evict's container "
+        "stopped", loc="left"
+    )
+    bottom.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False, fontsize=8)
+    fig.suptitle(
+        f"bash e2e/cluster/realk8s.sh: one real node, {runs[-1]['node']};\n"
+        "the chart installed by helm, images from the release binaries; GPU usage replayed by host PID (no GPU)",
+        fontsize=10,
+    )
+    save(fig, out / "story.svg")
+
+
+def main():
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
+    out.mkdir(parents=True, exist_ok=True)
+    neighbour_figure(out)
+    story_figure(out)
+
+
+if __name__ == "__main__":
+    main()
