@@ -24,6 +24,13 @@ import matplotlib
 
 matplotlib.use("svg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib import font_manager  # noqa: E402
+
+# Only the fonts matplotlib ships (its DejaVu Sans): a system font of the same name in another version would
+# change the glyphs' paths, and so the bytes, from one machine to the next.
+font_manager.fontManager.ttflist = [
+    f for f in font_manager.fontManager.ttflist if f.fname.startswith(matplotlib.get_data_path())
+]
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_RESULTS = REPO / "e2e/gpu/results"
