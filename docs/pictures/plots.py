@@ -116,7 +116,7 @@ def neighbour_figure(out):
     ph, ch = pressure.header(), caps.header()
     rows = [
         (pressure, "r{rate}-off-", "budgets alone\n(pressure eviction off)", ph),
-        (pressure, "r{rate}-on-", "with pressure eviction\n(hard threshold 5 %)", ph),
+        (pressure, "r{rate}-on-", "with pressure eviction\n(5 %, sampled every 250 ms)", ph),
         (caps, "r{rate}_uncapped_", "under MPS, no cap\n(pressure eviction off)", ch),
         (caps, "r{rate}_capped_", "under MPS, capped at 55Gi\n(pressure eviction off)", ch),
     ]
