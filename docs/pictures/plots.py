@@ -121,6 +121,7 @@ def neighbour_figure(out):
         (caps, "r{rate}_capped_", "under MPS, capped at 55Gi\n(pressure eviction off)", ch),
     ]
     fig, axes = plt.subplots(len(rows), len(RATES), figsize=(12, 12), sharey=True, sharex="col")
+    ends = [0.0] * len(RATES)  # the last logged second of each column, so no panel is cut short
     for r, (tar, pattern, label, header) in enumerate(rows):
         for c, rate in enumerate(RATES):
             ax = axes[r][c]
@@ -146,11 +147,13 @@ def neighbour_figure(out):
                 notes.append(f"grower met OOM at its cap {run['grower_first_oom']:.1f} s")
             ax.set_title(f"{rate} GiB/s\n" + "\n".join(notes), loc="left")
             ax.set_ylim(0, 82)
-            ax.set_xlim(left=-4)
+            ends[c] = max(ends[c], *(p[0] for key in ("grower", "holding", "oom") for p in run[key]))
             if c == 0:
                 ax.set_ylabel(f"{label}\n\nGiB of tensors held")
             if r == len(rows) - 1:
                 ax.set_xlabel("seconds after the grower's jump")
+    for c, end in enumerate(ends):
+        axes[0][c].set_xlim(-4, end + 1)
     handles, labels = axes[0][0].get_legend_handles_labels()
     handles.append(plt.Line2D([], [], color="#1565c0", ls="--"))
     labels.append("the agent decides the grower's eviction")
