@@ -171,7 +171,8 @@ def main(work):
         s, t = stats["sample_us"], stats["tick_us"]
         rows.append(("cost per tick during the run (1 GPU)", None,
                      f"NVML sample p50 {s['p50']} us, p99 {s['p99']} us; whole tick p50 {t['p50']} us, p99 {t['p99']} us; "
-                     f"{stats['sampled']}/{stats['ticks']} ticks at {start.get('interval_ms')} ms; "
+                     f"{stats['sampled']}/{stats['ticks']} ticks at {start.get('interval_ms')} ms "
+                     f"({stats.get('fast_ticks', 0)} of them at {start.get('interval_near_ms')} ms, near a threshold); "
                      f"/proc reads: {stats['proc_reads']['stat']} stat, {stats['proc_reads']['cgroup']} cgroup"))
 
     idle = lines(os.path.join(work, "idle-stats.json"))

@@ -42,7 +42,7 @@ stop_all() {
 cleanup() {
   set +e
   stop_all
-  cp -f "$WORK"/*.jsonl "$WORK/results.txt" "$OUT/" 2>/dev/null
+  cp -f "$WORK/results.txt" "$OUT/" 2>/dev/null  # the raw lines are in logs.tgz (the device tool returns 8 files)
   tar -C "$WORK" -czf "$OUT/logs.tgz" . 2>/dev/null
   for dir in $(printf '%s\n' "${CGROUPS[@]}" | sort -r); do rmdir "$dir" 2>/dev/null; done
   rm -rf "$WORK"
