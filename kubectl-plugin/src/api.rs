@@ -9,10 +9,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 
 use crate::cli::Connection;
-use crate::error::Error;
-
-/// The budgets' resource, as errors name it.
-pub const BUDGETS: &str = "gpumemorybudgets.gpubudget.io";
+use crate::error::{BUDGETS, CLUSTER_BUDGETS, Error};
 
 /// A client for the connection flags, and the namespace they pick.
 pub async fn connect(flags: &Connection) -> Result<(Client, String), Error> {
@@ -95,9 +92,6 @@ pub async fn budgets(client: &Client, namespace: Option<&str>) -> Result<Budgets
     let list = api.list(&ListParams::default()).await.map_err(|e| Error::from_kube(e, "list", BUDGETS, namespace))?;
     Ok(Budgets::from_objects(list.items.into_iter().map(|o| serde_json::to_value(o).unwrap_or_default())))
 }
-
-/// The cluster budgets' resource, as errors name it.
-pub const CLUSTER_BUDGETS: &str = "clustergpumemorybudgets.gpubudget.io";
 
 /// Every `ClusterGpuMemoryBudget` (#23); none when their CRD is not installed (a 404).
 pub async fn cluster_budgets(client: &Client) -> Result<Vec<ClusterGpuMemoryBudget>, Error> {

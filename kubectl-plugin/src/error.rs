@@ -1,5 +1,10 @@
 //! The plugin's errors, each saying what was asked of whom and what to do.
 
+/// The budgets' resource, as errors name it (a 404 on it means the CRD is not installed).
+pub const BUDGETS: &str = "gpumemorybudgets.gpubudget.io";
+/// The cluster budgets' resource, as errors name it.
+pub const CLUSTER_BUDGETS: &str = "clustergpumemorybudgets.gpubudget.io";
+
 /// Where a request went: `in namespace team-a`, or `at the cluster scope` (`-A`).
 pub fn scope(namespace: Option<&str>) -> String {
     match namespace {
@@ -52,7 +57,7 @@ impl Error {
                 scope,
             },
             kube::Error::Api(status) if status.code == 401 => Error::Unauthorized(status.message),
-            kube::Error::Api(status) if status.code == 404 && resource == crate::api::BUDGETS => Error::NotServed {
+            kube::Error::Api(status) if status.code == 404 && resource == BUDGETS => Error::NotServed {
                 resource,
                 why: "the GpuMemoryBudget CRD is not installed (kubectl apply -f crds/ or install the chart)",
             },
@@ -88,7 +93,7 @@ mod tests {
         let text = Error::from_kube(status(403), "get", "pods", Some("team-a")).to_string();
         assert!(text.contains("cannot get pods in namespace team-a") && !text.contains("-n NAMESPACE"), "{text}");
         assert!(matches!(Error::from_kube(status(401), "get", "pods", None), Error::Unauthorized(_)));
-        assert!(matches!(Error::from_kube(status(404), "list", crate::api::BUDGETS, None), Error::NotServed { .. }));
+        assert!(matches!(Error::from_kube(status(404), "list", BUDGETS, None), Error::NotServed { .. }));
         assert!(matches!(Error::from_kube(status(500), "list", "pods", None), Error::Api { .. }));
     }
 }

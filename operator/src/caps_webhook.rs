@@ -4,7 +4,7 @@
 //!
 //! - Scope: the chart's `MutatingWebhookConfiguration` sends only pods of namespaces labelled
 //!   [`NAMESPACE_LABEL`], which the leader keeps on exactly the namespaces holding a budget with caps
-//!   enabled, or selected by a `ClusterGpuMemoryBudget` with caps enabled ([`namespaces_to_label`]); other
+//!   enabled, or selected by a `ClusterGpuMemoryBudget` with caps enabled ([`crate::caps_scope`]); other
 //!   pods never reach the operator. A pod is resolved among its namespace's budgets and the cluster ones,
 //!   with its namespace's labels.
 //! - Never in the way: every answer allows the pod. A request it cannot read, or a patch it cannot
@@ -17,34 +17,23 @@
 //!
 //! The decision ([`decide`]) is a pure function of the request, the budgets and the namespace's labels.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::{Arc, PoisonError};
-use std::time::Duration;
 
 use axum::Json;
 use axum::extract::State;
 use gpubudget_common::Budget;
 use gpubudget_common::caps::{self, Record};
-use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Pod};
-use kube::Api;
-use kube::api::{ListParams, Patch, PatchParams};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::core::DynamicObject;
 use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
 use kube::runtime::events::{Event, EventType};
-use tokio_util::sync::CancellationToken;
 
+pub use crate::caps_scope::NAMESPACE_LABEL;
 use crate::controller::Context;
 
 /// The path the chart's `MutatingWebhookConfiguration` calls.
 pub const PATH: &str = "/mutate-pod-caps";
-/// The label the leader keeps on namespaces holding a budget with `admissionCaps: Enabled`; the webhook's
-/// `namespaceSelector` matches it.
-pub const NAMESPACE_LABEL: &str = "gpubudget.io/admission-caps";
-/// The label's value.
-pub const NAMESPACE_LABEL_VALUE: &str = "enabled";
-/// The field manager of the namespace label (server-side apply).
-pub const LABEL_FIELD_MANAGER: &str = "gpubudget-operator-caps";
-
 /// What an admission did, for the metric's `result` label.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {
@@ -106,103 +95,6 @@ pub fn decide(
         Ok(patched) => (patched, verdict),
         Err(error) => (response, Verdict::Failed(format!("the patch cannot be encoded: {error}"))),
     }
-}
-
-/// The namespace label changes that make the labelled set equal to `wanted`: (label these, unlabel these).
-pub fn namespaces_to_label(labelled: &BTreeSet<String>, wanted: &BTreeSet<String>) -> (Vec<String>, Vec<String>) {
-    (wanted.difference(labelled).cloned().collect(), labelled.difference(wanted).cloned().collect())
-}
-
-/// Keeps [`NAMESPACE_LABEL`] on exactly the namespaces holding a budget with caps enabled, while this
-/// replica leads and its caches have listed. Labels are set by server-side apply with
-/// [`LABEL_FIELD_MANAGER`] and removed by a merge patch (whoever wrote them). On becoming leader it lists the labelled
-/// namespaces first, so a label left by a previous leader for a budget since deleted is removed. Failures
-/// are logged and retried after [`LABEL_RETRY`]. Returns when `shutdown` is cancelled.
-pub async fn label_namespaces(ctx: Arc<Context>, shutdown: CancellationToken) {
-    let api: Api<Namespace> = Api::all(ctx.client());
-    let mut wanted_rx = ctx.caps_namespaces();
-    let mut leader = ctx.leader_watch();
-    let mut synced = ctx.synced_watch();
-    let mut labelled: Option<BTreeSet<String>> = None;
-    loop {
-        let ready = *leader.borrow_and_update() && *synced.borrow_and_update();
-        if !ready {
-            labelled = None;
-        } else {
-            let wanted = wanted_rx.borrow_and_update().clone();
-            match sync_labels(&api, &ctx, labelled.take(), &wanted).await {
-                Ok(now) => labelled = Some(now),
-                Err(error) => {
-                    tracing::warn!(%error, "cannot label the namespaces of caps-enabled budgets; retrying");
-                    tokio::select! {
-                        () = shutdown.cancelled() => return,
-                        () = tokio::time::sleep(LABEL_RETRY) => continue,
-                    }
-                }
-            }
-        }
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = changed(&mut wanted_rx) => {}
-            () = changed(&mut leader) => {}
-            () = changed(&mut synced) => {}
-        }
-    }
-}
-
-/// Waits for the next change; never returns once the sender is gone (a value that cannot change any more,
-/// such as leadership without election, must not end the labeller, nor with it the controller).
-async fn changed<T>(rx: &mut tokio::sync::watch::Receiver<T>) {
-    if rx.changed().await.is_err() {
-        std::future::pending::<()>().await;
-    }
-}
-
-/// How long after a failed label write the labeller tries again.
-pub const LABEL_RETRY: Duration = Duration::from_secs(5);
-
-async fn sync_labels(
-    api: &Api<Namespace>,
-    ctx: &Context,
-    labelled: Option<BTreeSet<String>>,
-    wanted: &BTreeSet<String>,
-) -> Result<BTreeSet<String>, kube::Error> {
-    let mut labelled = match labelled {
-        Some(known) => known,
-        None => {
-            let selector = format!("{NAMESPACE_LABEL}={NAMESPACE_LABEL_VALUE}");
-            let list = api.list_metadata(&ListParams::default().labels(&selector)).await?;
-            list.items.into_iter().filter_map(|n| n.metadata.name).collect()
-        }
-    };
-    let (add, remove) = namespaces_to_label(&labelled, wanted);
-    for (name, label) in add.iter().map(|n| (n, true)).chain(remove.iter().map(|n| (n, false))) {
-        let written = if label {
-            let body = serde_json::json!({"apiVersion": "v1", "kind": "Namespace",
-                "metadata": {"name": name, "labels": {NAMESPACE_LABEL: NAMESPACE_LABEL_VALUE}}});
-            api.patch(name, &PatchParams::apply(LABEL_FIELD_MANAGER).force(), &Patch::Apply(&body)).await
-        } else {
-            // A merge patch, not an apply: the label goes even if someone else (or a manager of another
-            // name) wrote it; the label is the webhook's scope and nothing else's.
-            let body = serde_json::json!({"metadata": {"labels": {NAMESPACE_LABEL: null}}});
-            let params = PatchParams { field_manager: Some(LABEL_FIELD_MANAGER.into()), ..PatchParams::default() };
-            api.patch(name, &params, &Patch::Merge(&body)).await
-        };
-        match written {
-            Ok(_) => {}
-            // A namespace being deleted (or gone) needs no label.
-            Err(kube::Error::Api(e)) if !label && e.code == 404 => {}
-            Err(error) => return Err(error),
-        }
-        ctx.metrics().namespace_label_writes.inc();
-        tracing::info!(namespace = %name, label = NAMESPACE_LABEL, set = label, "caps webhook scope changed");
-        if label {
-            labelled.insert(name.clone());
-        } else {
-            labelled.remove(name);
-        }
-    }
-    Ok(labelled)
 }
 
 /// How the pod is named in messages: its name, or `generateName*` before the API server names it.

@@ -43,6 +43,7 @@ use kube::{Api, Client, Resource, ResourceExt};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::caps_scope::{self, Labeller};
 use crate::error::Error;
 use crate::index::{Affected, Index};
 use crate::metrics::Metrics;
@@ -862,7 +863,14 @@ pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken)
     };
 
     let namespaces = watch_namespaces(ctx.clone(), triggers, health, shutdown.clone());
-    let labels = crate::caps_webhook::label_namespaces(ctx.clone(), shutdown.clone());
+    let labeller = Labeller {
+        client: ctx.client(),
+        wanted: ctx.caps_namespaces(),
+        leader: ctx.leader_watch(),
+        synced: ctx.synced_watch(),
+        writes: ctx.metrics.namespace_label_writes.clone(),
+    };
+    let labels = caps_scope::label_namespaces(labeller, shutdown.clone());
     tokio::select! {
         result = pods => result?,
         () = leadership => {},

@@ -1,6 +1,7 @@
 //! The gpubudget operator: turns what the node agents record on pods into `GpuMemoryBudget` status,
 //! generates the CRD, and validates budget files offline.
 
+pub mod caps_scope;
 pub mod caps_webhook;
 pub mod cli;
 pub mod controller;

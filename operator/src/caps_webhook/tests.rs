@@ -119,13 +119,6 @@ fn only_pod_creations_are_touched_and_trouble_never_refuses_a_pod() {
     assert_eq!(verdict.label(), "failed");
 }
 
-#[test]
-fn labels_follow_the_namespaces_with_caps_budgets() {
-    let set = |names: &[&str]| names.iter().map(|n| (*n).to_owned()).collect::<BTreeSet<String>>();
-    assert_eq!(namespaces_to_label(&set(&["a", "b"]), &set(&["b", "c"])), (vec!["c".to_owned()], vec!["a".to_owned()]));
-    assert_eq!(namespaces_to_label(&set(&["a"]), &set(&["a"])), (vec![], vec![]));
-}
-
 fn cluster_budget(name: &str, limit: &str, namespace_selector: &str, caps: bool) -> Budget {
     let caps = if caps { ", admissionCaps: Enabled" } else { "" };
     let resource: gpubudget_common::ClusterGpuMemoryBudget = serde_yaml::from_str(&format!(
