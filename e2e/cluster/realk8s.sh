@@ -5,6 +5,7 @@
 # sample naming real host PIDs, and prints PASS. See e2e/cluster/README.md.
 #
 #   bash e2e/cluster/realk8s.sh            # REALK8S (default /work/shared/realk8s) holds up.sh, node-up.sh, image.sh
+#   bash e2e/cluster/realk8s.sh caps       # only these stories of run.sh (and the setup and what they need)
 #
 # The images: the same binaries the Dockerfiles build (`cargo build --release --locked -p <crate>`, default
 # features), at the Dockerfiles' ENTRYPOINT path, on this machine's glibc (image.sh adds the libraries ldd
@@ -64,4 +65,4 @@ GPUBUDGET_E2E_TAG=$TAG \
   GPUBUDGET_E2E_SHELL_IMAGE=local/busybox:1 \
   GPUBUDGET_E2E_AGENT_BINARY=$REPO/target/release/gpubudget-agent \
   GPUBUDGET_E2E_OPERATOR_BINARY=$REPO/target/release/gpubudget-operator \
-  bash "$HERE/run.sh"
+  bash "$HERE/run.sh" "$@"
