@@ -120,7 +120,7 @@ impl Engine {
         );
         let tick_time = start.elapsed();
         self.metrics.sample_duration.observe(tick_time.as_secs_f64());
-        self.enforcer.tick_cost(tick_time);
+        self.enforcer.tick_cost_us(u64::try_from(tick_time.as_micros()).unwrap_or(u64::MAX));
         TickReport { sampled: true, sample_time, tick_time }
     }
 
@@ -128,7 +128,8 @@ impl Engine {
     /// pod or a GPU is close to a threshold ([`crate::decide::cadence`]). Published as
     /// `gpubudget_sample_interval_seconds` when it changes.
     pub fn next_sample(&mut self) -> Duration {
-        let (next, fast) = self.enforcer.next_sample();
+        let (ms, fast) = self.enforcer.next_sample_ms();
+        let next = Duration::from_millis(ms);
         if next != self.next {
             tracing::debug!(interval = ?next, reason = fast.map(|u| u.as_str()), "sampling pace");
             self.next = next;

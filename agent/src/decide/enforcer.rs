@@ -70,15 +70,15 @@ impl Enforcer {
         self.pods.get(uid).filter(|m| !m.last_budget.is_empty()).map(|m| m.tracker.state)
     }
 
-    /// How long after the last tick the next sample is due ([`cadence`]), and why it is the fast pace.
-    pub fn next_sample(&self) -> (std::time::Duration, Option<cadence::Urgency>) {
-        let ms = self.pace.next_ms(&self.settings.cadence);
-        (std::time::Duration::from_millis(ms), self.pace.fast())
+    /// How many milliseconds after the last tick the next sample is due ([`cadence`]), and why it is the fast
+    /// pace.
+    pub fn next_sample_ms(&self) -> (u64, Option<cadence::Urgency>) {
+        (self.pace.next_ms(&self.settings.cadence), self.pace.fast())
     }
 
-    /// Records what a whole tick cost, for the fast pace's bound on the agent's CPU.
-    pub fn tick_cost(&mut self, cost: std::time::Duration) {
-        self.pace.cost(u64::try_from(cost.as_micros()).unwrap_or(u64::MAX));
+    /// Records what a whole tick cost (microseconds), for the fast pace's bound on the agent's CPU.
+    pub fn tick_cost_us(&mut self, micros: u64) {
+        self.pace.cost(micros);
     }
 
     /// Pods remembered.
