@@ -11,7 +11,7 @@ use crate::attribute::pods::PodTable;
 use crate::decide::Enforcer;
 use crate::decide::{Action, Feedback, Now, Settings};
 use crate::report::metrics::{DriverSeries, Metrics, SeriesTracker};
-use crate::sample::{SamplerSlot, SlotOutcome, Snapshot};
+use crate::sample::{SamplerSlot, SlotOutcome, Snapshot, monotonic_now};
 
 /// What a tick did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,7 +65,7 @@ impl Engine {
             driver_views: Vec::new(),
             series: SeriesTracker::default(),
             driver_series: DriverSeries::default(),
-            started: Instant::now(),
+            started: monotonic_now(),
             actions: Vec::new(),
             next: Duration::ZERO,
         }
@@ -73,7 +73,8 @@ impl Engine {
 
     /// The clock now.
     pub fn now(&self) -> Now {
-        let mono_ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let mono_ms =
+            u64::try_from(monotonic_now().saturating_duration_since(self.started).as_millis()).unwrap_or(u64::MAX);
         Now { mono_ms, wall: jiff::Timestamp::now() }
     }
 
@@ -81,7 +82,7 @@ impl Engine {
     pub fn tick(&mut self, table: &PodTable, enforce: bool) -> TickReport {
         let start = Instant::now();
         let now = self.now();
-        let outcome = self.slot.sample(start, &mut self.snapshot);
+        let outcome = self.slot.sample(monotonic_now(), &mut self.snapshot);
         let sample_time = start.elapsed();
         match outcome {
             SlotOutcome::Sampled => {}

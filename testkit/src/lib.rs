@@ -502,17 +502,40 @@ impl FakeApi {
         self.state().events_for(namespace, pod)
     }
 
-    /// Polls `condition` every 10 ms until it holds (true) or `timeout` passes (false).
+    /// Polls `condition` every 10 ms of tokio's clock until it holds (true) or `timeout` passes (false). On a
+    /// paused clock (`#[tokio::test(start_paused = true)]`) the wait takes no wall-clock time: the clock moves
+    /// from timer to timer whenever the runtime has nothing else to run.
     pub async fn wait_until(&self, timeout: Duration, mut condition: impl FnMut(&FakeApi) -> bool) -> bool {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            if condition(self) {
-                return true;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                return false;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        wait_for(timeout, || condition(self)).await
     }
+}
+
+/// [`FakeApi::wait_until`] for a condition on something else than the fake (a component's health, its
+/// metrics).
+pub async fn wait_for(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if condition() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Lets `window` of tokio's **paused** clock pass, for the assertions that something does *not* happen in a
+/// window ("still one eviction after 800 ms"). The runtime moves the clock from timer to timer and runs every
+/// task woken in between, so each tick, retry and timeout of the code under test that falls in the window
+/// runs, in order, as it would on the wall clock; the call itself takes no wall-clock time.
+///
+/// # Panics
+///
+/// Unless the clock is paused (`#[tokio::test(start_paused = true)]`): it is never a wall-clock wait.
+#[cfg(feature = "paused-clock")]
+pub async fn pass_time(window: Duration) {
+    // `advance` panics ("time is not frozen") on a clock that runs; by zero it moves nothing.
+    tokio::time::advance(Duration::ZERO).await;
+    tokio::time::sleep(window).await;
 }

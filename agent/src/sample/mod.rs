@@ -7,6 +7,14 @@ pub mod nvml;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The agent's monotonic clock, for every timer its decisions and retries keep (`overLimitSeconds`, backoffs):
+/// tokio's. In the agent it reads `std::time::Instant::now()`; a test on tokio's paused clock
+/// (`#[tokio::test(start_paused = true)]`) controls it, so the timers run without wall-clock waits. (Durations
+/// measured for metrics, such as a sample's cost, stay on `std::time::Instant`.)
+pub fn monotonic_now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
 /// One GPU, or one MIG instance of a GPU: the unit processes are reported on.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GpuInfo {

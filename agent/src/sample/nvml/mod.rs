@@ -206,7 +206,7 @@ impl NvmlSampler<RealNvml> {
     /// Initialises NVML and lists the GPUs; the mode comes from `GPUBUDGET_NVML_REFRESH`.
     pub fn new() -> Result<Self, SampleError> {
         let mode = RefreshMode::from_env();
-        let mut sampler = Self::with_backend(RealNvml::init()?, mode, Instant::now())?;
+        let mut sampler = Self::with_backend(RealNvml::init()?, mode, super::monotonic_now())?;
         sampler.stats.enabled = std::env::var_os("GPUBUDGET_NVML_STATS").is_some();
         if mode == RefreshMode::Never {
             tracing::warn!(
@@ -313,7 +313,8 @@ impl<B: Backend> NvmlSampler<B> {
         Ok(())
     }
 
-    /// One sample at `now` (the clock is a parameter for tests; [`Sampler::sample`] passes `Instant::now()`).
+    /// One sample at `now` (the clock is a parameter for tests; [`Sampler::sample`] passes
+    /// [`super::monotonic_now`]).
     pub fn sample_at(&mut self, now: Instant, out: &mut Snapshot) -> Result<(), SampleError> {
         let start = Instant::now();
         let result = self.sample_units(now, out);
@@ -460,7 +461,7 @@ fn merge(list: &mut Vec<ProcessSample>, gpu: usize, listed: Vec<Listed>) {
 
 impl<B: Backend + 'static> Sampler for NvmlSampler<B> {
     fn sample(&mut self, out: &mut Snapshot) -> Result<(), SampleError> {
-        self.sample_at(Instant::now(), out)
+        self.sample_at(super::monotonic_now(), out)
     }
 
     fn source(&self) -> String {
