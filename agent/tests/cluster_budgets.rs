@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use gpubudget_demo::stack::Stack;
-use gpubudget_testkit::{FakeApi, Verb};
+use gpubudget_testkit::{FakeApi, Verb, pass_time};
 
 const WAIT: Duration = Duration::from_secs(10);
 const GI: u64 = 1 << 30;
@@ -97,7 +97,7 @@ async fn start_with(fake: FakeApi, usage: &[(&str, u64)]) -> Stack {
 
 /// 3 GiB each: under the cluster budget (4Gi) everywhere but over the tight namespaced one (2Gi), which wins
 /// in its namespace; every record names the budget that applies.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn each_pod_gets_the_smallest_limit_of_cluster_and_namespaced_budgets() {
     let agent =
         start(&[("tenant-empty", 3 * GI), ("tenant-loose", 3 * GI), ("tenant-tight", 3 * GI), ("free", 3 * GI)]).await;
@@ -113,7 +113,7 @@ async fn each_pod_gets_the_smallest_limit_of_cluster_and_namespaced_budgets() {
 
 /// 6 GiB each: over the cluster budget. The pod of the namespace with no budget, and the pod of the namespace
 /// whose 16Gi budget selects it, are evicted; the pod relabelled out of every namespaced selector still is.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_pod_over_the_cluster_budget_is_evicted_whatever_its_namespace_sets() {
     let agent = start(&[("tenant-empty", 6 * GI), ("free", 6 * GI)]).await;
     let f = &agent.fake;
@@ -136,12 +136,12 @@ async fn a_pod_over_the_cluster_budget_is_evicted_whatever_its_namespace_sets() 
 
 /// A namespace labelled into the cluster budget's namespaceSelector after the agent started: its pod is
 /// governed from then on (the agent watches namespaces' labels).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn labelling_a_namespace_brings_its_pods_under_the_cluster_budget() {
     let agent = start(&[("free", 6 * GI)]).await;
     let f = &agent.fake;
     assert!(f.wait_until(WAIT, |_| agent.agent_health().is_ready()).await, "{}", agent.agent_health().report());
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    pass_time(Duration::from_millis(300)).await;
     assert!(evicted(f).is_empty(), "not selected yet");
     f.modify("namespaces", "", "free", |ns| {
         ns["metadata"]["labels"] = serde_json::json!({"gpubudget.io/tier": "tenant"});
@@ -154,7 +154,7 @@ async fn labelling_a_namespace_brings_its_pods_under_the_cluster_budget() {
 
 /// An upgrade whose CRDs were not applied first (Helm installs crds/ on first install only): the cluster
 /// budgets' list is answered 404. The agent is ready and enforces the namespaced budgets all the same.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn without_the_cluster_crd_namespaced_budgets_are_enforced() {
     let fake = FakeApi::new();
     fake.fail_next(Verb::List, "clustergpumemorybudgets", 10_000, 404);

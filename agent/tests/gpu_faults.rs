@@ -227,7 +227,7 @@ mod pipeline {
     use gpubudget_agent::decide::{Action, EvictOutcome, Feedback, NodeReason, Settings};
     use gpubudget_agent::pipeline::Engine;
     use gpubudget_agent::report::metrics::Metrics;
-    use gpubudget_agent::sample::{Sampler, SamplerSlot};
+    use gpubudget_agent::sample::{Sampler, SamplerSlot, monotonic_now};
     use gpubudget_common::GpuMemoryBudget;
     use k8s_openapi::api::core::v1::Pod;
     use prometheus_client::registry::Registry;
@@ -283,7 +283,7 @@ mod pipeline {
     fn engine(nvml: &FakeNvml, proc_root: &std::path::Path, registry: &mut Registry) -> Engine {
         let fake = nvml.clone();
         let slot = SamplerSlot::new(Box::new(move || {
-            let sampler = NvmlSampler::with_backend(fake.clone(), RefreshMode::Always, Instant::now())?;
+            let sampler = NvmlSampler::with_backend(fake.clone(), RefreshMode::Always, monotonic_now())?;
             Ok(Box::new(sampler) as Box<dyn Sampler>)
         }));
         Engine::new(slot, ProcAttributor::new(proc_root), Settings::new("n1"), Metrics::new(registry))
@@ -311,8 +311,9 @@ mod pipeline {
         out
     }
 
-    /// Runs `ticks` ticks, every write and eviction answered as accepted; the actions decided.
-    fn run(engine: &mut Engine, table: &PodTable, ticks: usize) -> Vec<Action> {
+    /// Runs `ticks` ticks 20 ms apart on tokio's paused clock (the engine's and the sampler's), every write and
+    /// eviction answered as accepted; the actions decided.
+    async fn run(engine: &mut Engine, table: &PodTable, ticks: usize) -> Vec<Action> {
         let mut all = Vec::new();
         for _ in 0..ticks {
             engine.tick(table, true);
@@ -331,19 +332,19 @@ mod pipeline {
             }
             all.extend(actions);
             all.extend(engine.take_actions());
-            std::thread::sleep(Duration::from_millis(20));
+            tokio::time::advance(Duration::from_millis(20)).await;
         }
         all
     }
 
-    #[test]
-    fn nothing_is_decided_from_a_failed_gpu_and_the_others_are_enforced() {
+    #[tokio::test(start_paused = true)]
+    async fn nothing_is_decided_from_a_failed_gpu_and_the_others_are_enforced() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (nvml, table) = node(dir.path());
         nvml.with(|w| w.gpus[1].fault = Some(Fault::Lost));
         let mut registry = Registry::default();
         let mut engine = engine(&nvml, dir.path(), &mut registry);
-        let actions = run(&mut engine, &table, 10);
+        let actions = run(&mut engine, &table, 10).await;
         assert!(engine.enforcing(), "enforcing on GPU 0");
         // on-0 is over on the sampled GPU: evicted. on-1's and on-both's bytes on GPU 1 are not seen, so
         // neither is over: nothing is decided from the failed GPU.
@@ -359,10 +360,10 @@ mod pipeline {
 
         // GPU 1 comes back: on-1 (10 GiB) and on-both (5 + 5 GiB, under on each GPU, over in total) are over.
         nvml.with(|w| w.gpus[1].fault = None);
-        let started = Instant::now();
+        let started = tokio::time::Instant::now();
         let mut actions = Vec::new();
         while started.elapsed() < Duration::from_secs(3) && evicted(&actions).len() < 2 {
-            actions.extend(run(&mut engine, &table, 1));
+            actions.extend(run(&mut engine, &table, 1).await);
         }
         let mut back = evicted(&actions);
         back.sort();
@@ -371,26 +372,26 @@ mod pipeline {
         assert!(encode(&registry).contains("gpubudget_gpu_sampled{gpu=\"1\"} 1"));
     }
 
-    #[test]
-    fn readiness_is_enforcing_on_at_least_one_gpu() {
+    #[tokio::test(start_paused = true)]
+    async fn readiness_is_enforcing_on_at_least_one_gpu() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (nvml, table) = node(dir.path());
         let mut registry = Registry::default();
         let mut engine = engine(&nvml, dir.path(), &mut registry);
         assert!(!engine.enforcing(), "not before a sample");
-        run(&mut engine, &table, 1);
+        run(&mut engine, &table, 1).await;
         assert!(engine.enforcing());
         nvml.with(|w| w.gpus[0].fault = Some(Fault::Lost));
-        run(&mut engine, &table, 1);
+        run(&mut engine, &table, 1).await;
         assert!(engine.enforcing(), "one GPU left");
         nvml.with(|w| w.gpus[1].fault = Some(Fault::Lost));
-        let actions = run(&mut engine, &table, 3);
+        let actions = run(&mut engine, &table, 3).await;
         assert!(!engine.enforcing(), "no GPU sampled: not ready");
         assert!(evicted(&actions).is_empty());
         nvml.with(|w| w.gpus.iter_mut().for_each(|g| g.fault = None));
-        let started = Instant::now();
+        let started = tokio::time::Instant::now();
         while !engine.enforcing() && started.elapsed() < Duration::from_secs(3) {
-            run(&mut engine, &table, 1);
+            run(&mut engine, &table, 1).await;
         }
         assert!(engine.enforcing(), "ready again once a GPU is back");
     }

@@ -5,8 +5,9 @@
 use std::time::Duration;
 
 use gpubudget_demo::stack::Stack;
-use gpubudget_testkit::{FakeApi, Verb};
+use gpubudget_testkit::{FakeApi, Verb, pass_time, wait_for};
 use serde_json::Value;
+use tokio::time::Instant;
 
 const NODE: &str = "gpu-node-1";
 const WAIT: Duration = Duration::from_secs(10);
@@ -97,7 +98,7 @@ fn writes(fake: &FakeApi) -> Vec<String> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn evicts_once_with_grace_after_recording_and_telling() {
     let fake = fake_with(&budgets(1));
     fake.set_graceful_pod_deletion(true);
@@ -153,7 +154,7 @@ async fn evicts_once_with_grace_after_recording_and_telling() {
     );
 
     // Exactly one request, however long the loop keeps running.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    pass_time(Duration::from_millis(800)).await;
     assert_eq!(f.count(Verb::Create, "pods/eviction"), 1);
     let metrics = agent.agent_metrics();
     assert!(metrics.contains(r#"gpubudget_evictions_total{result="accepted"} 1"#), "{metrics}");
@@ -161,7 +162,7 @@ async fn evicts_once_with_grace_after_recording_and_telling() {
     agent.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_blocked_eviction_is_told_and_retried() {
     let fake = fake_with(&budgets(0));
     fake.block_evictions(1);
@@ -193,7 +194,7 @@ async fn a_blocked_eviction_is_told_and_retried() {
 /// unless the budget sets `blockedEvictionTimeoutSeconds`. Here evictions are refused with a 500 (what two
 /// PodDisruptionBudgets on one pod get), which is told like a 429; after 2 s of refusals the pod is deleted,
 /// with the budget's grace period and its UID as a precondition.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn evictions_refused_past_the_blocked_timeout_delete_the_pod_with_grace() {
     let budget = budgets(0).replace(
         "overLimitSeconds: 0, evictionGracePeriodSeconds: 30}",
@@ -218,7 +219,7 @@ async fn evictions_refused_past_the_blocked_timeout_delete_the_pod_with_grace() 
     let body = delete.body.expect("delete options");
     assert_eq!(body["preconditions"]["uid"], pod["metadata"]["uid"], "{body:#}");
     assert!(reasons(f).iter().any(|r| r == "DeletingForGpuMemory"), "{:?}", reasons(f));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    pass_time(Duration::from_millis(500)).await;
     assert_eq!(f.count(Verb::Delete, "pods"), 1, "one delete");
     agent.stop().await;
 }
@@ -226,7 +227,7 @@ async fn evictions_refused_past_the_blocked_timeout_delete_the_pod_with_grace() 
 /// Static pods (#11 scenario 7): evicting (or deleting) a mirror pod deletes only the mirror, and the kubelet
 /// keeps running the static pod. So they are treated like critical pods: told, never evicted. And every pod
 /// write the agent makes (records, evictions) carries the pod's UID as a precondition.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn static_pods_are_never_evicted_and_every_pod_write_names_the_uid() {
     let fake = fake_with(&budgets(0));
     fake.apply_yaml(
@@ -242,7 +243,7 @@ async fn static_pods_are_never_evicted_and_every_pod_write_names_the_uid() {
     let over = |f: &FakeApi| f.events_for("team-a", "static-0").into_iter().find(|e| e.reason == "GpuMemoryOverBudget");
     assert!(f.wait_until(WAIT, |f| over(f).is_some()).await, "{:?}", f.events_for("team-a", "static-0"));
     assert!(over(f).expect("event").message.contains("static pod"), "{:?}", over(f));
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    pass_time(Duration::from_millis(500)).await;
     assert_eq!(f.evictions().len(), 1, "only small-0: {:?}", f.evictions());
     assert_eq!(f.evictions()[0]["metadata"]["name"], "small-0");
     assert_eq!(
@@ -277,7 +278,7 @@ async fn static_pods_are_never_evicted_and_every_pod_write_names_the_uid() {
 /// Counts that lie (#11): an eviction refused by a PodDisruptionBudget, then the pod back under its limit.
 /// No eviction happened, so the record drops `eviction-requested-at`: a later deletion of the pod (a
 /// rollout) is not counted by the operator as an eviction.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_refused_eviction_leaves_no_request_time_once_the_pod_is_back_under() {
     let fake = fake_with(&budgets(0));
     fake.block_all_evictions();
@@ -300,7 +301,7 @@ async fn a_refused_eviction_leaves_no_request_time_once_the_pod_is_back_under() 
 /// A budget switched from Warn to Evict while its pod has long been over the limit (#11 scenario 6): the
 /// period starts afresh at the edit (`GpuMemoryBudgetChanged`), so the eviction comes a full
 /// `overLimitSeconds` after it, not on the next sample.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn switching_warn_to_evict_starts_the_period_afresh() {
     let warn = budgets(1).replace("action: Evict, overLimitSeconds: 1,", "action: Warn, overLimitSeconds: 1,");
     assert!(warn.contains("action: Warn, overLimitSeconds: 1,"), "{warn}");
@@ -310,8 +311,8 @@ async fn switching_warn_to_evict_starts_the_period_afresh() {
     let state = |f: &FakeApi| annotations(f, "team-a", "llm-0").get("gpubudget.io/state").cloned();
     assert!(f.wait_until(WAIT, |f| state(f) == Some(Value::from("Over"))).await, "{:?}", writes(f));
     // Time passes over the limit under Warn: twice the period.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let edited = std::time::Instant::now();
+    pass_time(Duration::from_secs(2)).await;
+    let edited = Instant::now();
     f.modify("gpumemorybudgets", "team-a", "llm-inference", |b| b["spec"]["action"] = Value::from("Evict"))
         .expect("budget");
     assert!(f.wait_until(WAIT, |f| !f.evictions().is_empty()).await, "evicted: {:?}", writes(f));
@@ -324,7 +325,7 @@ async fn switching_warn_to_evict_starts_the_period_afresh() {
 
 /// The pod's own grace period cannot hold the memory (#11): a pod asking for an hour, under a budget that
 /// sets no `evictionGracePeriodSeconds`, is evicted with 30 s.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_pods_own_long_grace_period_is_capped_at_30s() {
     let budget = budgets(0).replace(", evictionGracePeriodSeconds: 30}", "}");
     let fake = fake_with(&budget);
@@ -340,7 +341,7 @@ async fn a_pods_own_long_grace_period_is_capped_at_30s() {
     agent.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn warn_critical_and_other_nodes_pods_are_never_evicted() {
     let fake = fake_with(&budgets(0));
     let usage = [
@@ -352,7 +353,7 @@ async fn warn_critical_and_other_nodes_pods_are_never_evicted() {
     let f = &agent.fake;
     assert!(f.wait_until(WAIT, |f| !f.events_for("team-w", "audit-0").is_empty()).await);
     assert!(f.wait_until(WAIT, |f| !f.events_for("kube-system", "dns-0").is_empty()).await);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    pass_time(Duration::from_millis(1500)).await;
     assert_eq!(f.count(Verb::Create, "pods/eviction"), 0);
     let audit = f.events_for("team-w", "audit-0");
     assert_eq!(audit.len(), 1, "{audit:?}");
@@ -372,7 +373,7 @@ async fn warn_critical_and_other_nodes_pods_are_never_evicted() {
     agent.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn steady_state_writes_nothing_and_series_follow_the_pods() {
     let fake = fake_with(&budgets(10));
     let agent =
@@ -388,13 +389,13 @@ async fn steady_state_writes_nothing_and_series_follow_the_pods() {
     assert_eq!(f.events_for("team-a", "llm-0")[0].reason, "GpuMemoryNearBudget");
 
     // Steady: two seconds (40 ticks) with usage moving by less than 5 %: not one write.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    pass_time(Duration::from_millis(300)).await;
     f.clear_requests();
     agent.set_named_usage(&[
         ("team-a", "small-0", "main", 2 * GI + GI / 50),
         ("team-a", "llm-0", "trainer", 7_900_000_000),
     ]);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    pass_time(Duration::from_secs(2)).await;
     assert_eq!(writes(f), Vec::<String>::new());
 
     let metrics = agent.agent_metrics();
@@ -411,19 +412,11 @@ async fn steady_state_writes_nothing_and_series_follow_the_pods() {
     }
     // A pod that goes away takes its series with it.
     f.delete_object("pods", "team-a", "llm-0");
-    let gone = async {
-        loop {
-            if !agent.agent_metrics().contains(r#"pod="llm-0""#) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
-    tokio::time::timeout(WAIT, gone).await.expect("series removed");
+    assert!(wait_for(WAIT, || !agent.agent_metrics().contains(r#"pod="llm-0""#)).await, "series removed");
     agent.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn back_under_the_budget_is_recorded_and_told() {
     let fake = fake_with(&budgets(30));
     let agent = start(fake, &[("team-a", "llm-0", "trainer", 9 * GI)]).await;
@@ -457,7 +450,7 @@ async fn back_under_the_budget_is_recorded_and_told() {
     agent.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn not_ready_and_no_decisions_until_the_sampler_works() {
     let fake = fake_with(&budgets(0));
     let agent = start(fake, &[]).await;
@@ -465,18 +458,12 @@ async fn not_ready_and_no_decisions_until_the_sampler_works() {
     let f = &agent.fake;
     // Whatever the first tick saw, the broken file soon makes the sampler fail (counted) and readiness drop.
     // (The gpu check also starts out false, before the first tick: wait for the failure itself.)
-    let down = async {
-        loop {
-            let report = agent.agent_health().report();
-            let failed = agent.agent_metrics().contains(r#"gpubudget_nvml_errors_total{call="read_sample_file"}"#);
-            if failed && report.contains("gpu not ready") && report.contains("pods ok") && report.contains("budgets ok")
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+    let down = || {
+        let report = agent.agent_health().report();
+        let failed = agent.agent_metrics().contains(r#"gpubudget_nvml_errors_total{call="read_sample_file"}"#);
+        failed && report.contains("gpu not ready") && report.contains("pods ok") && report.contains("budgets ok")
     };
-    tokio::time::timeout(WAIT, down).await.expect("caches synced, sample read failed and counted, gpu check down");
+    assert!(wait_for(WAIT, down).await, "caches synced, sample read failed and counted, gpu check down");
     assert!(!agent.agent_health().is_ready());
     assert_eq!(f.count(Verb::Create, "pods/eviction"), 0);
     // Back: ready again, and enforcing.
@@ -486,7 +473,7 @@ async fn not_ready_and_no_decisions_until_the_sampler_works() {
     agent.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_restart_repeats_nothing_and_never_evicts_earlier() {
     let fake = fake_with(&budgets(3));
     let usage = [("team-a", "llm-0", "trainer", 9 * GI)];
@@ -494,12 +481,12 @@ async fn a_restart_repeats_nothing_and_never_evicts_earlier() {
     let over = |f: &FakeApi| annotations(f, "team-a", "llm-0").get("gpubudget.io/state").is_some_and(|s| s == "Over");
     assert!(first.fake.wait_until(WAIT, over).await);
     assert!(first.fake.wait_until(WAIT, |f| f.events_for("team-a", "llm-0").len() == 1).await);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    pass_time(Duration::from_millis(1500)).await;
     let fake = first.stop().await;
     fake.clear_requests();
 
     // Halfway through overLimitSeconds, a new agent: its timer starts at its own start.
-    let restarted = std::time::Instant::now();
+    let restarted = Instant::now();
     let second = start(fake, &usage).await;
     let f = &second.fake;
     assert!(f.wait_until(WAIT, |f| f.count(Verb::Create, "pods/eviction") == 1).await);
@@ -522,7 +509,7 @@ async fn a_restart_repeats_nothing_and_never_evicts_earlier() {
 /// 200 pods of one node writing their first records at once, each request answered after 50 ms: at most
 /// `MAX_WRITES_IN_FLIGHT` requests are in flight together (on a real API server each is one HTTP/1.1
 /// connection: 1 000 pods opened 1 004 connections before the bound), and every pod still gets its record.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn api_writes_are_bounded_in_flight_and_every_pod_gets_its_record() {
     use gpubudget_agent::act::kube::MAX_WRITES_IN_FLIGHT;
     const PODS: usize = 200;
@@ -572,7 +559,7 @@ fn rebuilds(agent: &Stack) -> u64 {
 /// The operator writes budget statuses all the time; every agent watches every budget. Those writes must not
 /// make the agents rebuild their tables, nor budgets or labels of namespaces without pods on the node: only a spec
 /// change that moves what is enforced here, a new budget or a deleted one does, and the records follow it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn budget_status_writes_do_not_rebuild_the_pod_table_and_spec_changes_do() {
     let fake = fake_with(&budgets(30));
     let agent = start(fake, &[("team-a", "llm-0", "trainer", 7 * GI)]).await;
@@ -580,7 +567,7 @@ async fn budget_status_writes_do_not_rebuild_the_pod_table_and_spec_changes_do()
     let state = |f: &FakeApi| annotations(f, "team-a", "llm-0").get("gpubudget.io/state").cloned();
     assert!(f.wait_until(WAIT, |f| state(f).is_some_and(|s| s == "Within")).await);
     // Every pod's first record is a pod change the table follows: let them land.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    pass_time(Duration::from_millis(500)).await;
     let settled = rebuilds(&agent);
     assert!(settled >= 1, "the first table");
 
@@ -605,7 +592,7 @@ async fn budget_status_writes_do_not_rebuild_the_pod_table_and_spec_changes_do()
     f.modify("namespaces", "", "team-y", |ns| ns["metadata"]["labels"] = serde_json::json!({"tier": "tenant"}))
         .expect("namespace");
     f.delete_object("namespaces", "", "team-y");
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    pass_time(Duration::from_millis(500)).await;
     assert_eq!(rebuilds(&agent), settled, "status and metadata writes, budgets and namespaces without pods here");
 
     // 7 GiB of a limit lowered to 7.5 GiB: Near.
@@ -613,14 +600,10 @@ async fn budget_status_writes_do_not_rebuild_the_pod_table_and_spec_changes_do()
         .expect("budget");
     assert!(f.wait_until(WAIT, |f| state(f).is_some_and(|s| s == "Near")).await, "the new limit applies");
     // The spec change, and the pod's new record (a pod change) in the same or the next tick.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    pass_time(Duration::from_millis(300)).await;
     let after_spec = rebuilds(&agent);
     assert!(after_spec > settled);
     f.delete_object("gpumemorybudgets", "team-w", "audit");
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while rebuilds(&agent) == after_spec && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(rebuilds(&agent) > after_spec, "a deleted budget");
+    assert!(wait_for(WAIT, || rebuilds(&agent) > after_spec).await, "a deleted budget");
     agent.stop().await;
 }

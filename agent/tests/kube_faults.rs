@@ -4,11 +4,12 @@
 //! without a restart. (Blocked evictions, a broken sampler and a restart in the middle of the grace
 //! period are in tests/kube.rs; the sampler's rebuild with backoff in src/gpu/mod.rs.)
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpubudget_demo::stack::Stack;
-use gpubudget_testkit::{FakeApi, Verb};
+use gpubudget_testkit::{FakeApi, Verb, pass_time};
 use serde_json::Value;
+use tokio::time::Instant;
 
 const WAIT: Duration = Duration::from_secs(10);
 const GI: u64 = 1 << 30;
@@ -57,7 +58,7 @@ fn metric(metrics: &str, series: &str) -> f64 {
 /// eviction comes no earlier than overLimitSeconds, is requested once, and its record lands by retry
 /// while the pod terminates (so the operator counts it). The eviction itself does not wait for its
 /// record: with a grace period shorter than the write backoff the count can be lost (docs/security.md).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn failed_record_writes_are_retried_and_the_eviction_is_neither_early_nor_doubled() {
     let fake = fake_with(&budget("8Gi", 2));
     fake.fail_next(Verb::Patch, "pods", 1, 500);
@@ -74,7 +75,7 @@ async fn failed_record_writes_are_retried_and_the_eviction_is_neither_early_nor_
         "the eviction record is not lost"
     );
     assert_eq!(annotation(f, "gpubudget.io/state").as_deref(), Some("Evicting"));
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    pass_time(Duration::from_millis(600)).await;
     assert_eq!(f.count(Verb::Create, "pods/eviction"), 1, "one request");
     let metrics = agent.agent_metrics();
     assert_eq!(metric(&metrics, r#"gpubudget_api_writes_total{kind="apply",result="error"}"#), 3.0, "{metrics}");
@@ -88,7 +89,7 @@ async fn failed_record_writes_are_retried_and_the_eviction_is_neither_early_nor_
 /// record 3 failed attempts only, then goes ahead, with a `GpuMemoryEvictionRecordFailed` event and
 /// `gpubudget_evictions_without_record_total`; the record is retried while the pod terminates and, once the
 /// API takes it, the operator counts the eviction.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_record_the_tenant_breaks_delays_the_eviction_a_bounded_time_only() {
     let fake = fake_with(&budget("8Gi", 1));
     fake.fail_next(Verb::Patch, "pods", 1_000_000, 422);
@@ -130,7 +131,7 @@ async fn a_record_the_tenant_breaks_delays_the_eviction_a_bounded_time_only() {
 
 /// A 500 (or a timeout-like failure) on the eviction request: counted, retried after the backoff, once,
 /// and only while the pod is still over its budget.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_failed_eviction_request_is_retried_once_after_the_backoff() {
     let fake = fake_with(&budget("8Gi", 0));
     fake.fail_next(Verb::Create, "pods/eviction", 1, 500);
@@ -149,14 +150,14 @@ async fn a_failed_eviction_request_is_retried_once_after_the_backoff() {
             == 1.0)
             .await
     );
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    pass_time(Duration::from_millis(500)).await;
     assert_eq!(f.count(Verb::Create, "pods/eviction"), 2, "no request after the accepted one");
     agent.stop().await;
 }
 
 /// Watches cut and re-lists failing (500, then 410 Expired): the agent resumes, sees the budget edited
 /// while it was disconnected, and acts on it, without a restart; it never evicts on stale data.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn watch_disconnects_and_failed_relists_recover_without_a_restart() {
     let fake = fake_with(&budget("16Gi", 0));
     let agent = start(fake, 9 * GI);
@@ -175,7 +176,7 @@ async fn watch_disconnects_and_failed_relists_recover_without_a_restart() {
     );
     assert_eq!(annotation(f, "gpubudget.io/budget").as_deref(), Some("llm"));
     assert!(f.wait_until(WAIT, |_| agent.agent_health().is_ready()).await, "{}", agent.agent_health().report());
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    pass_time(Duration::from_millis(500)).await;
     assert_eq!(f.count(Verb::Create, "pods/eviction"), 1);
     agent.stop().await;
 }

@@ -89,6 +89,9 @@ fn standalone_decides_from_files_and_follows_sample_file_updates() {
         .arg(&out)
         .spawn()
         .expect("runs");
+    // A wall-clock wait, and it must be: the agent is a child process (the binary itself) ticking on the
+    // wall clock, which no tokio clock here controls. 600 ms is a dozen 50 ms ticks on the 4Gi sample
+    // before the 9Gi one replaces it.
     std::thread::sleep(Duration::from_millis(600));
     // A ConfigMap-style update: a new file renamed over the old one.
     let next = dir.path().join("next.json");

@@ -3,15 +3,16 @@
 //! attributed through a fixture `/proc` tree laid out like a kubelet's cgroups. The budgets are the ones in
 //! `examples/`. Run with `--nocapture` to see the events and the `kubectl get gmb` view it produces.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use gpubudget_common::crd::GpuMemoryBudgetStatus;
 use gpubudget_common::quantity::HumanBytes;
 use gpubudget_common::{GpuMemoryBudget, pod_record};
 use gpubudget_demo::scenario::budgets_table;
 use gpubudget_demo::stack::{CONTEXT, GI, MI, NODE, Stack, kubelet_like_api, put_example, put_pod};
-use gpubudget_testkit::EventSummary;
+use gpubudget_testkit::{EventSummary, pass_time};
 use serde_json::{Value, json};
+use tokio::time::Instant;
 
 /// Assertions over the stack, as the stories read them.
 trait See {
@@ -111,7 +112,7 @@ impl See for Stack {
 
 const LLM_CID: &str = "1f2e3d4c5b6a79881f2e3d4c5b6a79881f2e3d4c5b6a79881f2e3d4c5b6a7988";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn evict_story_a_pod_climbs_past_its_budget_and_is_evicted_once() {
     let stack = Stack::new(kubelet_like_api());
     let fake = &stack.fake;
@@ -156,7 +157,7 @@ async fn evict_story_a_pod_climbs_past_its_budget_and_is_evicted_once() {
     assert!(evicting.message.contains("evicting with 30s grace"), "{}", evicting.message);
 
     // Exactly one eviction request, carrying the budget's grace period; the pod is recorded as evicting.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    pass_time(Duration::from_secs(1)).await;
     let evictions = stack.fake.evictions();
     assert_eq!(evictions.len(), 1, "{evictions:#?}");
     assert_eq!(evictions[0]["apiVersion"], "policy/v1");
@@ -178,7 +179,7 @@ async fn evict_story_a_pod_climbs_past_its_budget_and_is_evicted_once() {
     assert_eq!(fake.evictions().len(), 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn warn_story_events_and_status_but_never_an_eviction() {
     let stack = Stack::new(kubelet_like_api());
     let fake = &stack.fake;
@@ -199,7 +200,7 @@ async fn warn_story_events_and_status_but_never_an_eviction() {
     assert!(over.message.contains("using 41Gi of 40Gi"), "{}", over.message);
 
     // Well past overLimitSeconds: still no eviction, and nothing says one is coming.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    pass_time(Duration::from_secs(3)).await;
     assert!(stack.fake.evictions().is_empty());
     let reasons: Vec<String> = stack.events("team-a", "finetune-0").into_iter().map(|e| e.reason).collect();
     assert!(!reasons.iter().any(|r| r == "EvictingForGpuMemory"), "{reasons:?}");
@@ -211,7 +212,7 @@ async fn warn_story_events_and_status_but_never_an_eviction() {
     stack.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn overlapping_story_the_smallest_budget_applies_and_both_say_so() {
     let stack = Stack::new(kubelet_like_api());
     let fake = &stack.fake;
@@ -254,7 +255,7 @@ async fn overlapping_story_the_smallest_budget_applies_and_both_say_so() {
     stack.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn pressure_story_the_gpu_fills_and_the_pod_most_over_its_budget_goes_at_once() {
     let stack = Stack::new(kubelet_like_api());
     let fake = &stack.fake;
@@ -302,7 +303,7 @@ async fn pressure_story_the_gpu_fills_and_the_pod_most_over_its_budget_goes_at_o
 /// default node policy (`unbudgetedPods: Ranked`) the pod no budget selects is guaranteed nothing: it is the one
 /// evicted for pressure, through the eviction API with the pressure grace, with an event that says why, and
 /// without any record written on it; the budgeted neighbour stays.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn unbudgeted_story_a_namespace_without_a_budget_fills_the_gpu_and_goes_before_the_budgeted_neighbour() {
     let stack = Stack::new(kubelet_like_api());
     let fake = &stack.fake;
@@ -353,7 +354,7 @@ async fn unbudgeted_story_a_namespace_without_a_budget_fills_the_gpu_and_goes_be
     stack.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn gpu_failure_story_a_lost_gpu_is_told_on_the_node_and_nothing_is_decided_from_it() {
     let stack = Stack::new(kubelet_like_api());
     let fake = &stack.fake;
@@ -383,7 +384,7 @@ async fn gpu_failure_story_a_lost_gpu_is_told_on_the_node_and_nothing_is_decided
     // budget's one second.
     stack.annotations_until("team-a", "llm-0", "a Within record", |a| a[pod_record::STATE] == "Within").await;
     assert!(stack.agent_health().is_ready(), "{}", stack.readiness());
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    pass_time(Duration::from_secs(3)).await;
     assert!(fake.evictions().is_empty(), "evicted from a failed GPU's figures");
     assert!(stack.events("team-a", "llm-0").iter().all(|e| e.reason != "GpuMemoryOverBudget"));
     assert_eq!(on_node("GpuSampleFailed").len(), 1, "told once");
@@ -396,7 +397,7 @@ async fn gpu_failure_story_a_lost_gpu_is_told_on_the_node_and_nothing_is_decided
     stack.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(start_paused = true)]
 async fn a_pod_created_over_a_zero_period_budget_is_evicted_and_a_refusal_is_told() {
     let stack = Stack::new(kubelet_like_api());
     let stack = stack.started().await;

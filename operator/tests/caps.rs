@@ -60,7 +60,7 @@ async fn until(fake: &FakeApi, what: &str, mut check: impl FnMut(&FakeApi) -> bo
     assert!(fake.wait_until(WAIT, |f| check(f)).await, "timed out waiting for {what}");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn the_leader_labels_exactly_the_namespaces_with_caps_budgets() {
     let fake = FakeApi::new();
     namespace(&fake, "team-a", json!({}));
@@ -91,7 +91,7 @@ async fn the_leader_labels_exactly_the_namespaces_with_caps_budgets() {
     op.stop().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn status_counts_caps_from_the_environment_never_from_the_annotation() {
     let fake = FakeApi::new();
     budget(&fake, "team-a", "llm", "8Gi", "Enabled");
@@ -194,7 +194,7 @@ async fn the_webhook_caps_from_the_controllers_cache_and_reports_it() {
     server.await.expect("joins").expect("serves cleanly");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_leader_without_election_keeps_running_and_labelling() {
     // Without election the leadership sender may be dropped at once (it cannot change): the labeller must not
     // take that as the end, nor stop the controller with it.
@@ -215,7 +215,7 @@ async fn a_leader_without_election_keeps_running_and_labelling() {
 
 /// #23: a `ClusterGpuMemoryBudget` with `admissionCaps: Enabled` scopes the webhook to the namespaces it
 /// selects, and follows a relabel in and out.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn the_leader_labels_the_namespaces_a_caps_cluster_budget_selects() {
     use kube::CustomResourceExt;
     let fake = FakeApi::new();

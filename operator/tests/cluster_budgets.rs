@@ -92,7 +92,7 @@ fn fixture() -> FakeApi {
     fake
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_cluster_budgets_status_counts_its_pods_across_namespaces_and_follows_relabels() {
     let fake = fixture();
     let op = Operator::start(&fake, true);
@@ -159,7 +159,7 @@ async fn a_cluster_budgets_status_counts_its_pods_across_namespaces_and_follows_
 
 /// Without the ClusterGpuMemoryBudget CRD (an upgrade whose CRDs were not applied), the operator still
 /// becomes ready and writes the namespaced budgets' status.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn without_the_cluster_crd_the_namespaced_statuses_are_written() {
     let fake = FakeApi::new();
     fake.fail_next(Verb::List, "clustergpumemorybudgets", usize::MAX, 404);

@@ -9,7 +9,7 @@ use gpubudget_common::GpuMemoryBudget;
 use gpubudget_common::crd::GpuMemoryBudgetStatus;
 use gpubudget_daemon::Health;
 use gpubudget_operator::controller;
-use gpubudget_testkit::{FakeApi, Verb};
+use gpubudget_testkit::{FakeApi, Verb, pass_time, wait_for};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -98,7 +98,7 @@ fn cluster() -> FakeApi {
     fake
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn status_conditions_and_events_follow_the_agents_records() {
     let fake = cluster();
     let op = Operator::start(&fake, true);
@@ -146,7 +146,7 @@ async fn status_conditions_and_events_follow_the_agents_records() {
     op.stop().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn pods_above_the_request_are_counted_once_the_budget_sets_one() {
     let fake = FakeApi::new();
     budget(&fake, "burst", "16Gi", json!({"matchLabels": {"app": "burst"}}));
@@ -180,7 +180,7 @@ async fn pods_above_the_request_are_counted_once_the_budget_sets_one() {
     op.stop().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_label_change_moves_a_pod_between_budgets() {
     let fake = cluster();
     let op = Operator::start(&fake, true);
@@ -198,7 +198,7 @@ async fn a_label_change_moves_a_pod_between_budgets() {
     op.stop().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn evictions_are_counted_once_across_restarts() {
     let fake = cluster();
     fake.set_graceful_pod_deletion(true);
@@ -240,13 +240,13 @@ async fn evictions_are_counted_once_across_restarts() {
     op.stop().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn status_is_written_only_when_it_changes() {
     let fake = cluster();
     let op = Operator::start(&fake, true);
     until(&fake, "first statuses", |f| status(f, "llm").matched_pods == 2 && status(f, "wide").matched_pods == 1).await;
     // Let the first writes settle (each budget's own write comes back through the watch).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    pass_time(Duration::from_millis(300)).await;
     let writes = status_writes(&fake);
     assert_eq!(writes, 2, "one write per budget");
     assert_eq!(op.ctx.metrics().status_writes.get(), 2);
@@ -263,7 +263,7 @@ async fn status_is_written_only_when_it_changes() {
     let after_record = status_writes(&fake);
     assert_eq!(after_record, writes + 1);
     fake.modify("pods", "team-a", "p1", |p| p["metadata"]["annotations"]["example.com/x"] = "2".into());
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    pass_time(Duration::from_millis(300)).await;
     assert_eq!(status_writes(&fake), after_record, "nothing kept changed");
     // Only the top pods change (a usage within the same state; the cache keeps a digest of them): written.
     record(&fake, "p1", "Within", 2 * GI, "llm", None);
@@ -272,7 +272,7 @@ async fn status_is_written_only_when_it_changes() {
     })
     .await;
     assert_eq!(status_writes(&fake), after_record + 1);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    pass_time(Duration::from_millis(300)).await;
     assert_eq!(status_writes(&fake), after_record + 1, "written once");
     op.stop().await;
 
@@ -280,7 +280,7 @@ async fn status_is_written_only_when_it_changes() {
     fake.clear_requests();
     let op = Operator::start(&fake, true);
     op.synced().await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    pass_time(Duration::from_millis(500)).await;
     assert!(op.ctx.metrics().reconciles.get() >= 2, "every budget was reconciled");
     assert_eq!(status_writes(&fake), 0);
     // Full pod requests (the caps status reads the containers' environment; the parser keeps only that
@@ -295,13 +295,13 @@ async fn status_is_written_only_when_it_changes() {
     op.stop().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn every_budget_is_reconciled_again_each_resync_and_nothing_is_written_for_it() {
     let fake = cluster();
     let settings = controller::Settings { resync: Duration::from_millis(400), ..controller::Settings::default() };
     let op = Operator::start_with(&fake, true, settings);
     until(&fake, "first statuses", |f| status(f, "llm").matched_pods == 2 && status(f, "wide").matched_pods == 1).await;
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    pass_time(Duration::from_millis(100)).await;
     let (reconciles, writes) = (op.ctx.metrics().reconciles.get(), status_writes(&fake));
     // Nothing changes: the one timer reconciles both budgets again, over and over, and writes nothing.
     assert!(
@@ -318,7 +318,7 @@ async fn every_budget_is_reconciled_again_each_resync_and_nothing_is_written_for
     op.stop().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn invalid_budgets_are_not_ready_until_fixed() {
     let fake = cluster();
     let op = Operator::start(&fake, true);
@@ -337,7 +337,7 @@ async fn invalid_budgets_are_not_ready_until_fixed() {
         .await;
     // No hot loop: an invalid budget waits for a change.
     let reconciles = op.ctx.metrics().reconciles.get();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    pass_time(Duration::from_millis(300)).await;
     assert!(op.ctx.metrics().reconciles.get() <= reconciles + 1);
 
     fake.modify("gpumemorybudgets", "team-a", "llm", |b| b["spec"]["warnAtPercent"] = 80.into());
@@ -347,13 +347,13 @@ async fn invalid_budgets_are_not_ready_until_fixed() {
     op.stop().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn only_the_leader_writes() {
     let fake = cluster();
     let op = Operator::start(&fake, false);
     op.synced().await;
     record(&fake, "p1", "Over", 9 * GI, "llm", None);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    pass_time(Duration::from_millis(300)).await;
     assert_eq!(status_writes(&fake), 0, "a follower does not write");
     op.leader.send_replace(true);
     until(&fake, "the new leader's statuses", |f| {
@@ -361,15 +361,15 @@ async fn only_the_leader_writes() {
     })
     .await;
     op.leader.send_replace(false);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    pass_time(Duration::from_millis(100)).await;
     let writes = status_writes(&fake);
     record(&fake, "p2", "Over", 9 * GI, "llm", None);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    pass_time(Duration::from_millis(300)).await;
     assert_eq!(status_writes(&fake), writes, "deposed: no more writes");
     op.stop().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn transient_failures_are_retried() {
     let fake = cluster();
     fake.fail_next(Verb::Patch, "gpumemorybudgets/status", 3, 503);
@@ -391,7 +391,7 @@ async fn transient_failures_are_retried() {
     op.stop().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_eviction_is_counted_even_when_the_pod_is_gone_at_once() {
     let fake = cluster();
     let op = Operator::start(&fake, true);
@@ -400,12 +400,12 @@ async fn an_eviction_is_counted_even_when_the_pod_is_gone_at_once() {
     record(&fake, "p1", "Evicting", 9 * GI, "llm", Some("2027-01-15T08:00:00Z"));
     assert!(fake.delete_object("pods", "team-a", "p1"));
     until(&fake, "the eviction", |f| status(f, "llm").evictions == 1 && status(f, "llm").matched_pods == 1).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    pass_time(Duration::from_millis(200)).await;
     assert_eq!(status(&fake, "llm").evictions, 1);
     op.stop().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn the_crd_is_awaited() {
     let fake = FakeApi::new();
     let health = Health::new(&[gpubudget_operator::run::CHECK_CRD]);
@@ -414,11 +414,11 @@ async fn the_crd_is_awaited() {
         let (client, health, shutdown) = (fake.client(), health.clone(), shutdown.clone());
         async move { gpubudget_operator::run::wait_for_crd(client, &health, &shutdown).await }
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    pass_time(Duration::from_millis(200)).await;
     assert!(!wait.is_finished() && !health.is_ready(), "waits while the CRD is missing");
     let mut crd = serde_json::to_value(<GpuMemoryBudget as kube::CustomResourceExt>::crd()).expect("crd");
     fake.put_object(crd.clone()).expect("stored");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    pass_time(Duration::from_millis(200)).await;
     assert!(!wait.is_finished(), "not established yet");
     crd["status"] = json!({"conditions": [{"type": "Established", "status": "True"}]});
     fake.put_object(crd).expect("stored");
@@ -433,6 +433,7 @@ async fn the_crd_is_awaited() {
     assert!(!waited);
 }
 
+/// On the wall clock, as kube-lease-manager's lease expiry is (see below).
 #[tokio::test]
 async fn one_replica_leads_and_another_takes_over() {
     use gpubudget_operator::leader::{self, CHECK_LEASE, Election};
@@ -448,17 +449,13 @@ async fn one_replica_leads_and_another_takes_over() {
     };
     let (a, a_health, a_stop, a_task) = replica("operator-a");
     let (b, b_health, b_stop, b_task) = replica("operator-b");
-    let deadline = tokio::time::Instant::now() + WAIT;
     // One leads, the other stands by; both are ready.
-    while !(*a.borrow() ^ *b.borrow() && a_health.is_ready() && b_health.is_ready()) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no leader and follower: {} {}",
-            a_health.report(),
-            b_health.report()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    assert!(
+        wait_for(WAIT, || *a.borrow() ^ *b.borrow() && a_health.is_ready() && b_health.is_ready()).await,
+        "no leader and follower: {} {}",
+        a_health.report(),
+        b_health.report()
+    );
     let lease = fake.get("leases", "gpubudget", "gpubudget-operator").expect("lease created");
     let holder = lease["spec"]["holderIdentity"].as_str().unwrap_or_default().to_owned();
     let (leader_stop, leader_task, follower, follower_stop, follower_task) = if *a.borrow() {
@@ -468,9 +465,15 @@ async fn one_replica_leads_and_another_takes_over() {
         assert_eq!(holder, "operator-b");
         (b_stop, b_task, a, a_stop, a_task)
     };
-    // Both stay what they are over several renewals.
+    // Both stay what they are over several renewals (one a second with a 2 s lease). A wall-clock wait, and it
+    // must be: kube-lease-manager keeps the lease's expiry as wall-clock time (SystemTime), and a follower
+    // re-reads the lease only once that passes, so on a paused tokio clock it would never take over, nor be
+    // tempted to.
+    let lease_writes = || fake.count(Verb::Update, "leases") + fake.count(Verb::Patch, "leases");
+    let before = lease_writes();
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(!*follower.borrow());
+    assert!(lease_writes() >= before + 2, "renewals in 3 s: {}", lease_writes() - before);
     // The leader stops (SIGTERM): it releases the lease, the other takes over within the lease duration.
     leader_stop.cancel();
     tokio::time::timeout(WAIT, leader_task).await.expect("stops").expect("joins").expect("clean");

@@ -177,7 +177,8 @@ async fn serves_https_with_the_mounted_certificate() {
         Duration::from_millis(200),
         Duration::ZERO,
     ));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // No wait for the server: the listener is bound, so curl's connection waits in its backlog until the
+    // server task (run while this one awaits curl) accepts it.
     let body = review("on-gpu-2", Some("gpu-1")).to_string();
     let url = format!("https://localhost:{}{PATH}", addr.port());
     let out = tokio::process::Command::new("curl")
@@ -209,6 +210,9 @@ async fn serves_https_with_the_mounted_certificate() {
             if String::from_utf8_lossy(&out.stdout).contains("rsaEncryption") {
                 return;
             }
+            // A wall-clock wait, and it must be: the probe is a separate process (openssl) on a real socket,
+            // and the reload follows the files' mtime, checked on the server's 200 ms timer; a paused tokio
+            // clock would race ahead of both.
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
     })

@@ -10,7 +10,7 @@ use std::time::Duration;
 use gpubudget_common::ClusterGpuMemoryQuota;
 use gpubudget_common::crd::ClusterGpuMemoryQuotaStatus;
 use gpubudget_operator::quota::{self, QuotaSettings};
-use gpubudget_testkit::{FakeApi, Verb};
+use gpubudget_testkit::{FakeApi, Verb, pass_time};
 use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 
@@ -131,7 +131,7 @@ async fn a_total_reached_by_many_small_pods_on_several_nodes_evicts_the_latest_a
     assert!(quota_events(&fake).iter().any(|(r, n)| r == "NamespaceGpuMemoryOver" && n.starts_with("team-a:")));
 
     // Nothing before the 30 s over the limit.
-    tokio::time::sleep(Duration::from_secs(20)).await;
+    pass_time(Duration::from_secs(20)).await;
     assert!(evicted_pods(&fake).is_empty(), "evicted before the period: {:?}", evicted_pods(&fake));
     until(&fake, Duration::from_secs(30), "an eviction", |f| !evicted_pods(f).is_empty()).await;
     let after = started.elapsed();
@@ -149,14 +149,14 @@ async fn a_total_reached_by_many_small_pods_on_several_nodes_evicts_the_latest_a
     assert!(quota_events(&fake).iter().any(|(r, _)| r == "NamespaceGpuMemoryEvicting"));
 
     // p5 terminates (its grace): the others stay, nothing more is asked for while it holds its memory.
-    tokio::time::sleep(Duration::from_secs(30)).await;
+    pass_time(Duration::from_secs(30)).await;
     assert_eq!(evicted_pods(&fake), ["p5"]);
     assert!(fake.finish_deletion("team-a", "p5"));
     until(&fake, Duration::from_secs(15), "the eviction counted", |f| status(f).evictions == 1).await;
     let s = status(&fake);
     assert_eq!(team(&s, "team-a")["total"], "10Gi");
     assert_eq!(s.last_eviction.as_ref().map(|e| e.pod.as_str()), Some("p5"));
-    tokio::time::sleep(Duration::from_secs(60)).await;
+    pass_time(Duration::from_secs(60)).await;
     assert_eq!(evicted_pods(&fake), ["p5"], "10Gi is not over 10Gi");
     for i in 0..5 {
         assert!(fake.get("pods", "team-a", &format!("p{i}")).is_some());
@@ -174,7 +174,7 @@ async fn a_pod_its_agent_evicts_is_not_evicted_twice_and_a_refused_eviction_is_r
     let op = Operator::start(&fake, true);
     let quota_task = start_quota(&op);
     until(&fake, Duration::from_secs(10), "team-a over", |f| status(f).namespaces_over == 1).await;
-    tokio::time::sleep(Duration::from_secs(60)).await;
+    pass_time(Duration::from_secs(60)).await;
     assert!(evicted_pods(&fake).is_empty(), "the agent's eviction is enough: {:?}", evicted_pods(&fake));
 
     // A later 2Gi pod: even without p5 team-a would hold 12Gi. The newest pod that is not already going goes,
@@ -185,7 +185,7 @@ async fn a_pod_its_agent_evicts_is_not_evicted_twice_and_a_refused_eviction_is_r
     assert_eq!(evicted_pods(&fake), ["p6", "p6"]);
     let events = fake.events_for("team-a", "p6");
     assert!(events.iter().any(|e| e.reason == "NamespaceGpuMemoryEvictionBlocked"), "{events:?}");
-    tokio::time::sleep(Duration::from_secs(30)).await;
+    pass_time(Duration::from_secs(30)).await;
     assert_eq!(evicted_pods(&fake), ["p6", "p6"], "accepted: not asked again while it terminates");
     assert!(fake.get("pods", "team-a", "p5").is_some_and(|p| p["metadata"].get("deletionTimestamp").is_none()));
     op.stop().await;
@@ -203,7 +203,7 @@ async fn two_operators_during_a_leader_change_evict_once_and_keep_the_period() {
     until(&fake, Duration::from_secs(10), "team-a over", |f| status(f).namespaces_over == 1).await;
 
     // Mid-period, a loses the lease and b takes over.
-    tokio::time::sleep(Duration::from_secs(15)).await;
+    pass_time(Duration::from_secs(15)).await;
     let banked = team(&status(&fake), "team-a")["overMillis"].as_i64().unwrap_or_default();
     assert!(banked >= 10_000, "time over banked in the status at the hand-over: {banked}");
     a.leader.send_replace(false);
@@ -223,14 +223,14 @@ async fn two_operators_during_a_leader_change_evict_once_and_keep_the_period() {
     assert_eq!(managers, ["gpubudget-operator/quota"]);
 
     // Back to a, while p5 terminates: neither asks again.
-    tokio::time::sleep(Duration::from_secs(12)).await;
+    pass_time(Duration::from_secs(12)).await;
     b.leader.send_replace(false);
     a.leader.send_replace(true);
-    tokio::time::sleep(Duration::from_secs(40)).await;
+    pass_time(Duration::from_secs(40)).await;
     assert_eq!(evicted_pods(&fake), ["p5"], "one eviction across two leaders");
     assert!(fake.finish_deletion("team-a", "p5"));
     until(&fake, Duration::from_secs(15), "counted once", |f| status(f).evictions == 1).await;
-    tokio::time::sleep(Duration::from_secs(30)).await;
+    pass_time(Duration::from_secs(30)).await;
     assert_eq!(status(&fake).evictions, 1);
     a.stop().await;
     b.stop().await;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use gpubudget_daemon::Health;
 use gpubudget_operator::controller::{self, CHECK_BUDGETS, CHECK_PODS, Context, Settings};
 use gpubudget_operator::metrics::Metrics;
-use gpubudget_testkit::FakeApi;
+use gpubudget_testkit::{FakeApi, wait_for};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -50,11 +50,7 @@ impl Operator {
 
     /// Waits until both caches have synced.
     pub async fn synced(&self) {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        while !self.health.is_ready() {
-            assert!(tokio::time::Instant::now() < deadline, "caches never synced: {}", self.health.report());
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        assert!(wait_for(WAIT, || self.health.is_ready()).await, "caches never synced: {}", self.health.report());
     }
 }
 
