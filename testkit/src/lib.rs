@@ -535,7 +535,9 @@ pub async fn wait_for(timeout: Duration, mut condition: impl FnMut() -> bool) ->
 /// Unless the clock is paused (`#[tokio::test(start_paused = true)]`): it is never a wall-clock wait.
 #[cfg(feature = "paused-clock")]
 pub async fn pass_time(window: Duration) {
+    use futures::FutureExt;
     // `advance` panics ("time is not frozen") on a clock that runs; by zero it moves nothing.
-    tokio::time::advance(Duration::ZERO).await;
+    let paused = std::panic::AssertUnwindSafe(tokio::time::advance(Duration::ZERO)).catch_unwind().await;
+    assert!(paused.is_ok(), "pass_time needs tokio's paused clock (#[tokio::test(start_paused = true)])");
     tokio::time::sleep(window).await;
 }
