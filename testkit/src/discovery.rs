@@ -6,7 +6,8 @@ use std::collections::BTreeMap;
 
 use serde_json::{Value, json};
 
-use crate::store::{Gr, State};
+use crate::object::Gr;
+use crate::store::State;
 
 /// One resource at one version, as discovery lists it.
 #[derive(Debug)]

@@ -3,7 +3,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::store::Gr;
+use crate::object::Gr;
 
 /// The same data under its `events.k8s.io/v1` and its core `v1` name, as the API server converts it.
 const FIELDS: &[(&str, &str)] = &[

@@ -36,16 +36,19 @@ use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tower::Service;
 
+mod defaults;
 mod discovery;
 mod events;
+mod object;
 mod select;
 mod server;
 mod ssa;
 mod store;
 mod table;
 
+use object::{Gr, meta_str};
 pub use server::ResponseBody;
-use store::{Change, EvictionBlock, Fault, Gr, State, meta_str};
+use store::{Change, EvictionBlock, Fault, State};
 
 /// A request verb, as RBAC names them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

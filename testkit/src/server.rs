@@ -13,9 +13,10 @@ use http::{Method, Request, Response, header};
 use http_body::Frame;
 use serde_json::{Value, json};
 
+use crate::object::{Gr, meta_str, partial};
 use crate::select::{FieldSelector, LabelSelector};
 use crate::ssa::{self, Section, Writer};
-use crate::store::{Change, EvictionBlock, Gr, State, WatchSpec, meta_str, now, partial};
+use crate::store::{Change, EvictionBlock, State, WatchSpec, now};
 use crate::table::Printer;
 use crate::{RecordedRequest, Verb, resource_matches};
 
@@ -439,6 +440,7 @@ impl State {
             ssa::record_update(&json!({}), &mut object, &writer);
         }
         self.learn(&call.gr, &object, call.route.namespace.is_some());
+        self.default_fields(&call.gr, &mut object);
         if call.dry_run() {
             return Ok(Reply::Json(201, call.render(&object)));
         }

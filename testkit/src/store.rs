@@ -11,32 +11,13 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use serde_json::{Value, json};
 
 use crate::events;
+use crate::object::{Gr, meta_str, partial};
 use crate::select::{FieldSelector, LabelSelector};
 use crate::table::Printer;
 use crate::{EventSummary, RecordedRequest, Verb};
 
 /// How many changes the history keeps for watches that resume from an older resourceVersion.
 const HISTORY: usize = 10_000;
-
-/// A group and resource (plural), e.g. `("", "pods")` or `("gpubudget.io", "gpumemorybudgets")`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(crate) struct Gr {
-    pub(crate) group: String,
-    pub(crate) plural: String,
-}
-
-impl Gr {
-    pub(crate) fn new(group: &str, plural: &str) -> Self {
-        Gr { group: group.to_owned(), plural: plural.to_owned() }
-    }
-}
-
-impl std::fmt::Display for Gr {
-    /// The way the API server names a resource in messages: `pods`, `gpumemorybudgets.gpubudget.io`.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.group.is_empty() { f.write_str(&self.plural) } else { write!(f, "{}.{}", self.plural, self.group) }
-    }
-}
 
 /// What the fake knows about a resource type.
 #[derive(Debug, Clone)]
@@ -113,15 +94,6 @@ static UIDS: AtomicU64 = AtomicU64::new(1);
 fn new_uid() -> String {
     let n = UIDS.fetch_add(1, Ordering::Relaxed);
     format!("{:08x}-7e57-4000-8000-{:012x}", std::process::id(), n)
-}
-
-pub(crate) fn meta_str<'a>(object: &'a Value, field: &str) -> &'a str {
-    object["metadata"][field].as_str().unwrap_or_default()
-}
-
-/// The metadata-only form of an object (what `as=PartialObjectMetadata` asks for).
-pub(crate) fn partial(object: &Value) -> Value {
-    json!({"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": object["metadata"]})
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -279,20 +251,45 @@ impl State {
         self.infos.iter()
     }
 
-    /// Whether the resource has a status subresource: registered so, or its stored CRD says so (as the real
-    /// server serves a custom resource from its CRD).
+    /// The stored CRD that defines a resource (the real server serves a custom resource from its CRD).
+    pub(crate) fn crd(&self, gr: &Gr) -> Option<&Value> {
+        self.list(&Gr::new("apiextensions.k8s.io", "customresourcedefinitions"), None).into_iter().find(|crd| {
+            crd["spec"]["group"] == gr.group.as_str() && crd["spec"]["names"]["plural"] == gr.plural.as_str()
+        })
+    }
+
+    /// One version of a stored CRD (`spec.versions[]` whose `name` is `version`).
+    pub(crate) fn crd_version(&self, gr: &Gr, version: &str) -> Option<&Value> {
+        self.crd(gr)?["spec"]["versions"].as_array()?.iter().find(|v| v["name"] == version)
+    }
+
+    /// Whether the resource has a status subresource: registered so, or its stored CRD says so.
     pub(crate) fn has_status(&self, gr: &Gr) -> bool {
         self.infos.get(gr).is_some_and(|i| i.status)
-            || self.list(&Gr::new("apiextensions.k8s.io", "customresourcedefinitions"), None).iter().any(|crd| {
-                let spec = &crd["spec"];
-                spec["group"] == gr.group.as_str()
-                    && spec["names"]["plural"] == gr.plural.as_str()
-                    && spec["versions"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .any(|v| v["subresources"]["status"].is_object())
+            || self.crd(gr).is_some_and(|crd| {
+                crd["spec"]["versions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|v| v["subresources"]["status"].is_object())
             })
+    }
+
+    /// Applies the `default`s of the stored CRD's schema for the object's version, as the API server does
+    /// for the custom resources it serves; nothing for resources without a stored CRD.
+    pub(crate) fn default_fields(&self, gr: &Gr, object: &mut Value) {
+        let version = object["apiVersion"].as_str().map(|av| av.rsplit('/').next().unwrap_or(av).to_owned());
+        let schema = version.and_then(|v| self.crd_version(gr, &v)).map(|v| &v["schema"]["openAPIV3Schema"]);
+        if let Some(schema) = schema.filter(|s| s.is_object()) {
+            crate::defaults::apply(schema, object);
+        }
+    }
+
+    /// The printer for a resource at an API version (a stored CRD's `additionalPrinterColumns` for it);
+    /// `include_object` is the request's `includeObject`.
+    pub(crate) fn printer(&self, gr: &Gr, version: &str, include_object: Option<&str>) -> Printer {
+        let columns = self.crd_version(gr, version).and_then(|v| v["additionalPrinterColumns"].as_array());
+        Printer::new(gr, include_object, columns.filter(|c| !c.is_empty()).cloned())
     }
 
     pub(crate) fn set_status_subresource(&mut self, gr: Gr) {
@@ -420,8 +417,10 @@ impl State {
         object
     }
 
-    /// Creates a new object: uid, creationTimestamp, generation; keeps what else the caller set.
+    /// Creates a new object: its CRD's schema defaults, uid, creationTimestamp, generation; keeps what else the
+    /// caller set.
     pub(crate) fn insert_new(&mut self, gr: &Gr, mut object: Value) -> Value {
+        self.default_fields(gr, &mut object);
         let meta = &mut object["metadata"];
         meta["uid"] = Value::String(new_uid());
         meta["creationTimestamp"] = Value::String(now());
@@ -433,10 +432,11 @@ impl State {
         self.commit(gr, object, Change::Added)
     }
 
-    /// Writes `new` over `live`: identity metadata carried over, generation bumped when anything outside
-    /// metadata (and status, when it is a subresource) changed; an unchanged object is not written; a
-    /// terminating object whose finalizers are all gone is removed.
+    /// Writes `new` over `live`: its CRD's schema defaults applied, identity metadata carried over, generation
+    /// bumped when anything outside metadata (and status, when it is a subresource) changed; an unchanged
+    /// object is not written; a terminating object whose finalizers are all gone is removed.
     pub(crate) fn update(&mut self, gr: &Gr, live: &Value, mut new: Value, dry_run: bool) -> Value {
+        self.default_fields(gr, &mut new);
         for key in ["uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "namespace", "name"]
         {
             match live["metadata"].get(key) {

@@ -8,7 +8,7 @@ use k8s_openapi::jiff::Timestamp;
 use serde_json::{Value, json};
 
 use crate::events;
-use crate::store::{Gr, State, meta_str, partial};
+use crate::object::{Gr, meta_str, partial};
 
 /// How objects of one resource become table rows.
 #[derive(Debug, Clone)]
@@ -38,9 +38,11 @@ fn column(name: &str, type_: &str, format: &str, priority: i64, description: &st
     json!({"name": name, "type": type_, "format": format, "description": description, "priority": priority})
 }
 
-impl State {
-    /// The printer for a resource at an API version; `include_object` is the request's `includeObject`.
-    pub(crate) fn printer(&self, gr: &Gr, version: &str, include_object: Option<&str>) -> Printer {
+impl Printer {
+    /// The printer for a resource; `include_object` is the request's `includeObject`, `defined` the
+    /// `additionalPrinterColumns` of the CRD's version being read (`None`: no CRD, or it defines none; then
+    /// NAME and AGE).
+    pub(crate) fn new(gr: &Gr, include_object: Option<&str>, defined: Option<Vec<Value>>) -> Printer {
         let include = match include_object {
             Some("None") => Include::None,
             Some("Object") => Include::Object,
@@ -77,7 +79,7 @@ impl State {
                 (columns, Cells::Event)
             }
             _ => {
-                let defined = self.printer_columns(gr, version).unwrap_or_else(|| {
+                let defined = defined.unwrap_or_else(|| {
                     vec![json!({"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"})]
                 });
                 let s = |c: &Value, k: &str| c[k].as_str().unwrap_or_default().to_owned();
@@ -98,17 +100,6 @@ impl State {
         Printer { columns, cells, include }
     }
 
-    /// The `additionalPrinterColumns` of a stored CRD's version (`None` without a CRD or columns).
-    fn printer_columns(&self, gr: &Gr, version: &str) -> Option<Vec<Value>> {
-        let crds = self.list(&Gr::new("apiextensions.k8s.io", "customresourcedefinitions"), None);
-        let crd =
-            crds.into_iter().find(|c| c["spec"]["group"] == gr.group && c["spec"]["names"]["plural"] == gr.plural)?;
-        let v = crd["spec"]["versions"].as_array()?.iter().find(|v| v["name"] == version)?;
-        v["additionalPrinterColumns"].as_array().filter(|c| !c.is_empty()).cloned()
-    }
-}
-
-impl Printer {
     /// A `Table` of these objects.
     pub(crate) fn table<'a>(&self, objects: impl IntoIterator<Item = &'a Value>, resource_version: &str) -> Value {
         let rows: Vec<Value> = objects.into_iter().map(|o| self.row(o)).collect();
@@ -351,7 +342,7 @@ mod tests {
             "reason": "OverBudget", "note": "uses 9Gi", "regarding": {"kind": "Pod", "name": "p"},
             "reportingController": "gpubudget-agent", "reportingInstance": "n1",
             "eventTime": "2020-01-01T00:00:00.000000Z", "series": {"count": 4, "lastObservedTime": "2020-01-01T00:00:00.000000Z"}});
-        let printer = State::default().printer(&Gr::new("events.k8s.io", "events"), "v1", Some("None"));
+        let printer = Printer::new(&Gr::new("events.k8s.io", "events"), Some("None"), None);
         let row = printer.row(&event);
         assert!(row.get("object").is_none());
         let cells = row["cells"].as_array().unwrap();
