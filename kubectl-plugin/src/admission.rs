@@ -101,6 +101,21 @@ fn toolkit_meaning(variable: &str, value: &str) -> (Option<u64>, String) {
     }
 }
 
+/// What [`admission`] says of a pod whose spec sets no cap: who could have set one and did not. The
+/// variables are named once, with a verb that agrees with its subject ("the GPU containers a, b set none of
+/// ..."; "no container sets ...").
+fn uncapped(gpu_containers: &[String]) -> String {
+    let variables = format!("{MPS_LIMIT}, {NVIDIA_LIMIT}, {NVIDIA_REQUEST}");
+    let who = match gpu_containers {
+        [] => format!(
+            "no container asks for nvidia.com/gpu or nvidia.com/gpu.shared, and no container sets any of {variables}"
+        ),
+        [one] => format!("the GPU container {one} sets none of {variables}"),
+        many => format!("the GPU containers {} set none of {variables}", many.join(", ")),
+    };
+    format!("none set at admission: {who}; only the budget's eviction bounds this pod's GPU memory")
+}
+
 /// The caps the pod spec sets, for [`crate::why`].
 pub fn admission(pod: &Pod) -> Admission {
     let containers: Vec<&Container> =
@@ -134,19 +149,7 @@ pub fn admission(pod: &Pod) -> Admission {
     let gpu_containers: Vec<String> = gpu.iter().map(|c| c.name.clone()).collect();
     let set_by_gpubudget = caps::record_of(pod).map(|r| format!("cap set at admission by gpubudget: {}", r.summary()));
     let summary = if caps.is_empty() {
-        let which = if gpu_containers.is_empty() {
-            "no container asks for nvidia.com/gpu or nvidia.com/gpu.shared, and none".to_owned()
-        } else {
-            format!(
-                "the GPU container{} {}",
-                if gpu_containers.len() == 1 { "" } else { "s" },
-                gpu_containers.join(", ")
-            )
-        };
-        format!(
-            "none set at admission: {which} sets none of {MPS_LIMIT}, {NVIDIA_LIMIT}, {NVIDIA_REQUEST}; only the \
-             budget's eviction bounds this pod's GPU memory"
-        )
+        uncapped(&gpu_containers)
     } else {
         caps.iter()
             .map(|c| format!("{} {}={}: {}", c.container, c.variable, c.value, c.meaning))
@@ -178,8 +181,22 @@ mod tests {
         assert!(a.caps.is_empty());
         assert!(a.summary.starts_with("none set at admission: the GPU container server sets none of"), "{}", a.summary);
         let a = admission(&pod("  - {name: main, image: x}\n"));
-        assert!(a.summary.contains("no container asks for nvidia.com/gpu"), "{}", a.summary);
+        assert_eq!(
+            a.summary,
+            "none set at admission: no container asks for nvidia.com/gpu or nvidia.com/gpu.shared, and no container \
+             sets any of CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, NVIDIA_GPU_MEMORY_LIMIT, NVIDIA_GPU_MEMORY_REQUEST; only \
+             the budget's eviction bounds this pod's GPU memory"
+        );
+        assert!(!a.summary.contains("none sets none"), "{}", a.summary);
         assert!(a.set_by_gpubudget.is_none());
+        let a = admission(&pod(
+            "  - {name: a, image: x, resources: {limits: {nvidia.com/gpu: 1}}}\n  - {name: b, image: x, resources: {limits: {nvidia.com/gpu.shared: 1}}}\n",
+        ));
+        assert!(
+            a.summary.starts_with("none set at admission: the GPU containers a, b set none of CUDA_MPS"),
+            "{}",
+            a.summary
+        );
     }
 
     #[test]
