@@ -9,14 +9,33 @@
 /// assert_eq!(table(&rows), "NAME   USAGE\nllm-0  9Gi\n");
 /// ```
 pub fn table(rows: &[Vec<String>]) -> String {
+    padded(rows, 2, 0)
+}
+
+/// Columns as `kubectl get` prints a server's Table (Go's tabwriter as kubectl sets it up: each cell but the
+/// last padded by 3 spaces, a column at least 6 wide), trailing spaces trimmed.
+///
+/// ```
+/// use gpubudget_common::text::kubectl_get;
+/// let rows = [vec!["NAME".to_owned(), "AGE".into()], vec!["a".into(), "5s".into()], vec!["bb".into(), "1m".into()]];
+/// assert_eq!(kubectl_get(&rows), "NAME   AGE\na      5s\nbb     1m\n");
+/// assert_eq!(kubectl_get(&[vec!["X".to_owned(), "Y".into()]]), "X     Y\n", "at least 6 wide");
+/// ```
+pub fn kubectl_get(rows: &[Vec<String>]) -> String {
+    padded(rows, 3, 6)
+}
+
+/// Each column as wide as its widest cell plus `gap`, and at least `min_width`.
+fn padded(rows: &[Vec<String>], gap: usize, min_width: usize) -> String {
     let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> = (0..columns)
         .map(|c| rows.iter().filter_map(|r| r.get(c)).map(|s| s.chars().count()).max().unwrap_or(0))
+        .map(|w| (w + gap).max(min_width))
         .collect();
     let mut out = String::new();
     for row in rows {
-        let line: Vec<String> = row.iter().enumerate().map(|(c, s)| format!("{s:<w$}", w = widths[c])).collect();
-        out.push_str(line.join("  ").trim_end());
+        let line: String = row.iter().enumerate().map(|(c, s)| format!("{s:<w$}", w = widths[c])).collect();
+        out.push_str(line.trim_end());
         out.push('\n');
     }
     out

@@ -7,10 +7,10 @@
 //! they change, and the pod events as they happen.
 
 use std::collections::HashSet;
-use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use gpubudget_common::quantity::HumanBytes;
+use gpubudget_common::text::kubectl_get;
 use gpubudget_testkit::FakeApi;
 use serde_json::{Value, json};
 
@@ -41,10 +41,8 @@ struct Pods {
 /// The CRD, as `kubectl` discovers it.
 const CRD: &str = include_str!("../../crds/gpumemorybudgets.gpubudget.io.yaml");
 
-/// Puts the CRD, the namespaces, budgets and pods into `fake`, and the pods' processes into the fixture
-/// `/proc` of `stack`; usage starts at the recording's figures.
-fn populate(stack: &Stack) -> Pods {
-    let fake = &stack.fake;
+/// Puts the demo's CRD, namespaces and budgets (those of `examples/`) into `fake`.
+pub fn put_budgets(fake: &FakeApi) {
     fake.apply_yaml(CRD).expect("CRD stored");
     for ns in ["team-a", "team-b"] {
         fake.put_object(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}))
@@ -54,6 +52,13 @@ fn populate(stack: &Stack) -> Pods {
     put_example(fake, "training-warn.yaml", "team-a", |_| {});
     put_example(fake, "namespace-wide.yaml", "team-b", |_| {});
     put_example(fake, "llm-inference.yaml", "team-b", |_| {});
+}
+
+/// Puts the CRD, the namespaces, budgets and pods into `fake`, and the pods' processes into the fixture
+/// `/proc` of `stack`; usage starts at the recording's figures.
+fn populate(stack: &Stack) -> Pods {
+    let fake = &stack.fake;
+    put_budgets(fake);
 
     let cid = |c: &str| c.repeat(32);
     let llm = put_pod(fake, "team-a", "llm-0", json!({"app": "llm"}), &cid("1f"));
@@ -122,32 +127,40 @@ fn usage_of(pods: &Pods, step: &Step) -> Vec<(u32, u64)> {
     out
 }
 
-/// The budgets as `kubectl get gmb -A` prints them.
+/// The budgets as `kubectl get gmb -A` prints them against the in-memory API, less `AGE` (it changes every
+/// second): the Table the API answers kubectl with (the CRD's `additionalPrinterColumns`), printed as kubectl
+/// prints it. No column is kept here: a column added to the CRD shows up.
 pub fn budgets_table(fake: &FakeApi) -> String {
-    let mut rows =
-        vec![["NAMESPACE", "NAME", "LIMIT", "ACTION", "MATCHED", "OVER", "EVICTED"].map(str::to_owned).to_vec()];
-    let mut budgets = fake.list("gpumemorybudgets", None);
-    budgets.sort_by_key(|b| (b["metadata"]["namespace"].to_string(), b["metadata"]["name"].to_string()));
-    for b in budgets {
-        let s = &b["status"];
-        let n = |v: &Value| v.as_i64().map_or_else(String::new, |n| n.to_string());
-        rows.push(vec![
-            b["metadata"]["namespace"].as_str().unwrap_or_default().to_owned(),
-            b["metadata"]["name"].as_str().unwrap_or_default().to_owned(),
-            b["spec"]["limit"].as_str().unwrap_or_default().to_owned(),
-            b["spec"]["action"].as_str().unwrap_or("Evict").to_owned(),
-            n(&s["matchedPods"]),
-            n(&s["podsOverBudget"]),
-            n(&s["evictions"]),
-        ]);
+    kubectl_text(&fake.table("gpumemorybudgets", None), true, &["Age"])
+}
+
+/// What `kubectl get` prints for a server-side `meta.k8s.io/v1` `Table`: the columns of priority 0 (the
+/// others need `-o wide`) but those named in `leave_out`, names upper-cased, `NAMESPACE` first with `-A`
+/// (`all_namespaces`, read from each row's object metadata), a missing cell (`null`: the column's JSONPath
+/// found nothing) empty, as kubectl 1.32 prints it (checked against it by `tests/tables.rs`).
+pub fn kubectl_text(table: &Value, all_namespaces: bool, leave_out: &[&str]) -> String {
+    let definitions = table["columnDefinitions"].as_array().map(Vec::as_slice).unwrap_or_default();
+    let shown: Vec<usize> = (0..definitions.len())
+        .filter(|&i| {
+            let c = &definitions[i];
+            c["priority"].as_i64().unwrap_or(0) == 0 && !leave_out.contains(&c["name"].as_str().unwrap_or_default())
+        })
+        .collect();
+    let namespace = all_namespaces.then(|| "NAMESPACE".to_owned());
+    let header = namespace
+        .into_iter()
+        .chain(shown.iter().map(|&i| definitions[i]["name"].as_str().unwrap_or_default().to_uppercase()));
+    let mut rows = vec![header.collect::<Vec<_>>()];
+    for row in table["rows"].as_array().into_iter().flatten() {
+        let cell = |v: &Value| match v {
+            Value::Null => String::new(),
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        let namespace = all_namespaces.then(|| cell(&row["object"]["metadata"]["namespace"]));
+        rows.push(namespace.into_iter().chain(shown.iter().map(|&i| cell(&row["cells"][i]))).collect());
     }
-    let widths: Vec<usize> = (0..rows[0].len()).map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0)).collect();
-    let mut out = String::new();
-    for row in rows {
-        let cells: Vec<String> = row.iter().zip(&widths).map(|(cell, w)| format!("{cell:<w$}")).collect();
-        let _ = writeln!(out, "{}", cells.join("   ").trim_end());
-    }
-    out
+    kubectl_get(&rows)
 }
 
 /// Events not printed yet, as `kubectl get events -A -w` prints them (oldest first).

@@ -292,6 +292,13 @@ impl FakeApi {
         state.list(&state.resolve(resource), namespace).into_iter().cloned().collect()
     }
 
+    /// The `meta.k8s.io/v1` `Table` the fake answers `kubectl get <resource>` with (in one namespace, or all
+    /// for `None`: `-A`): the same printer columns, cells and row order as over HTTP, each row with the object's
+    /// metadata (`includeObject=Metadata`, kubectl's default).
+    pub fn table(&self, resource: &str, namespace: Option<&str>) -> Value {
+        self.state().table(resource, namespace)
+    }
+
     /// The stored object as a typed resource (`None` when absent or when it does not deserialize).
     pub fn typed<K>(&self, namespace: &str, name: &str) -> Option<K>
     where

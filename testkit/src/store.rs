@@ -275,6 +275,17 @@ impl State {
             })
     }
 
+    /// The `Table` a list of `resource` answers at the version the fake knows it by (see [`FakeApi::table`]).
+    ///
+    /// [`FakeApi::table`]: crate::FakeApi::table
+    pub(crate) fn table(&self, resource: &str, namespace: Option<&str>) -> Value {
+        let gr = self.resolve(resource);
+        let api_version = self.info(&gr).map(|i| i.api_version.as_str()).unwrap_or_default();
+        let version = api_version.rsplit('/').next().unwrap_or_default();
+        let objects = self.served(&gr, namespace);
+        self.printer(&gr, version, None).table(objects.iter().map(|o| &**o), &self.rv.to_string())
+    }
+
     /// Applies the `default`s of the stored CRD's schema for the object's version, as the API server does
     /// for the custom resources it serves; nothing for resources without a stored CRD.
     pub(crate) fn default_fields(&self, gr: &Gr, object: &mut Value) {

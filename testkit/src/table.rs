@@ -128,7 +128,8 @@ impl Printer {
     }
 }
 
-/// A cell of a CRD column, the way the API server types it; `null` (kubectl: `<none>`) when missing.
+/// A cell of a CRD column, the way the API server types it; `null` when missing (kubectl 1.32 prints it
+/// empty).
 fn typed_cell(value: Option<&Value>, type_: &str) -> Value {
     let Some(v) = value.filter(|v| !v.is_null()) else { return Value::Null };
     match type_ {
