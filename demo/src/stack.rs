@@ -171,11 +171,8 @@ impl Stack {
     pub fn start_operator(&mut self) {
         let (_, leader) = watch::channel(true);
         let settings = Settings { instance: Some("gpubudget-operator-0".into()), ..Settings::default() };
-        let mut registry = Registry::default();
-        let metrics = gpubudget_operator::metrics::Metrics::register(&mut registry);
+        let (registry, metrics, health) = operator_registry(&[CHECK_PODS, CHECK_BUDGETS]);
         let ctx = Arc::new(Context::new(self.client.clone(), metrics, leader, settings));
-        let health = Health::new(&[CHECK_PODS, CHECK_BUDGETS]);
-        health.register(&mut registry, gpubudget_operator::metrics::READY_METRIC);
         self.operator_registry = Arc::new(registry);
         let (h, shutdown) = (health.clone(), self.shutdown.clone());
         self.tasks.push(tokio::spawn(async move { controller::run(ctx, h, shutdown).await.expect("operator runs") }));
@@ -188,10 +185,7 @@ impl Stack {
         if !self.sample_path().exists() {
             self.set_usage(&[]);
         }
-        let mut registry = Registry::default();
-        let metrics = Metrics::new(&mut registry);
-        let health = Health::new(&gpubudget_agent::cmd::run::CHECKS);
-        health.register(&mut registry, gpubudget_agent::cmd::run::READY_METRIC);
+        let (registry, metrics, health) = agent_registry();
         let args = RunArgs::replay(NODE, self.proc_root(), self.sample_path(), interval);
         self.tasks.push(tokio::spawn(gpubudget_agent::cmd::run::run_with(
             args,
@@ -243,6 +237,25 @@ impl Stack {
         }
         self.fake
     }
+}
+
+/// The agent's metrics and readiness checks, registered as `gpubudget-agent run` registers them (its
+/// `/metrics` serves this registry).
+pub fn agent_registry() -> (Registry, Metrics, Health) {
+    let mut registry = Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let health = Health::new(&gpubudget_agent::cmd::run::CHECKS);
+    health.register(&mut registry, gpubudget_agent::cmd::run::READY_METRIC);
+    (registry, metrics, health)
+}
+
+/// The operator's metrics and readiness `checks`, registered as `gpubudget-operator run` registers them.
+pub fn operator_registry(checks: &[&'static str]) -> (Registry, gpubudget_operator::metrics::Metrics, Health) {
+    let mut registry = Registry::default();
+    let metrics = gpubudget_operator::metrics::Metrics::register(&mut registry);
+    let health = Health::new(checks);
+    health.register(&mut registry, gpubudget_operator::metrics::READY_METRIC);
+    (registry, metrics, health)
 }
 
 /// An in-memory API where pods deleted or evicted stay while they terminate (until
