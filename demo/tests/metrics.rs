@@ -99,6 +99,7 @@ fn touch_agent(metrics: &AgentMetrics) {
         gpu_budgeted,
         sample_duration,
         table_rebuilds,
+        sample_interval,
         driver_limits_available,
         pod_driver_hard,
         pod_driver_soft,
@@ -134,6 +135,7 @@ fn touch_agent(metrics: &AgentMetrics) {
     }
     sample_duration.observe(0.001);
     table_rebuilds.get();
+    sample_interval.get();
     driver_limits_available.get();
     _ = pod_driver_hard.get_or_create(&pod());
     _ = pod_driver_soft.get_or_create(&pod());
@@ -205,7 +207,7 @@ async fn docs_metrics_md_lists_exactly_the_families_the_binaries_export() {
         "docs/metrics.md disagrees with /metrics.\nexported, not in the table (or listed differently): {missing:#?}\n\
          in the table, exported by neither binary (or differently): {stale:#?}"
     );
-    assert!(exported.len() >= 38, "{} families: {exported:#?}", exported.len());
+    assert!(exported.len() >= 39, "{} families: {exported:#?}", exported.len());
 }
 
 #[test]
