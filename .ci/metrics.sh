@@ -28,6 +28,10 @@ fail() {
   exit 1
 }
 
+# As .ci/run builds (so that the binaries `cargo test --workspace` built there are reused, not rebuilt).
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
+export CARGO_PROFILE_DEV_DEBUG=${CARGO_PROFILE_DEV_DEBUG:-line-tables-only}
+export CARGO_PROFILE_TEST_DEBUG=${CARGO_PROFILE_TEST_DEBUG:-line-tables-only}
 # The test profile's binaries (the same features as `cargo test --workspace`, so nothing is rebuilt after it).
 cargo test --workspace --locked --no-run --quiet 2>/dev/null || cargo test --workspace --locked --no-run
 BIN=target/debug
