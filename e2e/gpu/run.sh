@@ -7,7 +7,7 @@
 # It puts PyTorch processes into kubelet-shaped cgroups (containerd, systemd driver:
 # /sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid_>.slice/
 # cri-containerd-<id>.scope), writes matching Pod and GpuMemoryBudget files, and runs the agent in standalone
-# mode on them with the default 250 ms interval. Workloads:
+# mode on them at the default pace (250 ms; 20 ms near a threshold: docs/agent.md, "Sampling pace"). Workloads:
 #   team-a/hold     two containers holding a 2 GiB and a 1 GiB tensor (summed per pod; budget 8Gi: Within)
 #   team-a/freed    allocated 6 GiB and freed it: torch allocated 0, reserved 6 GiB (budget 8Gi at 80 %: Near)
 #   team-b/stepper  grows 256 MiB every 0.25 s past its 3Gi budget (overLimitSeconds 2, grace 30 s): Evicting
