@@ -130,6 +130,10 @@ pub struct Budget {
     /// `spec.admissionCaps` is `Enabled`: the admission webhook sets the driver's caps in new pods
     /// (`crate::caps`).
     pub admission_caps: bool,
+    /// Only on the rules [`resolve`] made for a pod, never on a compiled spec: the cluster budgets that
+    /// selected the pod too and made this budget's rules tighter than its spec (`ClusterGpuMemoryBudget/x
+    /// (action, overLimitSeconds)`), for messages. `None`: the rules are this budget's own.
+    pub tightened_by: Option<String>,
 }
 
 impl Budget {
@@ -203,6 +207,7 @@ impl Budget {
             eviction_grace_period_seconds: spec.eviction_grace_period_seconds,
             blocked_eviction_timeout_seconds,
             admission_caps: spec.admission_caps == AdmissionCaps::Enabled,
+            tightened_by: None,
         })
     }
 
@@ -296,6 +301,54 @@ impl Budget {
             && (self.admission_caps || !other.admission_caps)
     }
 
+    /// Makes this budget's rules no looser than `other`'s in any field [`no_looser_than`](Self::no_looser_than)
+    /// compares but the limit (the budget keeps its own, which names it), taking the tighter value of each;
+    /// `warnAtPercent` takes the earlier warning. Returns the names of the fields `other` tightened.
+    pub fn tighten(&mut self, other: &Budget) -> Vec<&'static str> {
+        let mut changed = Vec::new();
+        if other.guaranteed_bytes() < self.guaranteed_bytes() {
+            self.request_bytes = Some(other.guaranteed_bytes());
+            self.request_text = Some(crate::quantity::HumanBytes(other.guaranteed_bytes()).to_string());
+            changed.push("request");
+        }
+        if other.action == BudgetAction::Evict && self.action != BudgetAction::Evict {
+            self.action = BudgetAction::Evict;
+            changed.push("action");
+        }
+        if other.over_limit_seconds < self.over_limit_seconds {
+            self.over_limit_seconds = other.over_limit_seconds;
+            changed.push("overLimitSeconds");
+        }
+        let most_grace = |b: &Budget| b.eviction_grace_period_seconds.unwrap_or(DEFAULT_EVICTION_GRACE_CAP_SECONDS);
+        if most_grace(other) < most_grace(self) {
+            self.eviction_grace_period_seconds = Some(most_grace(other));
+            changed.push("evictionGracePeriodSeconds");
+        }
+        let blocked = |b: &Budget| b.blocked_eviction_timeout_seconds.unwrap_or(u64::MAX);
+        if blocked(other) < blocked(self) {
+            self.blocked_eviction_timeout_seconds = other.blocked_eviction_timeout_seconds;
+            changed.push("blockedEvictionTimeoutSeconds");
+        }
+        if other.admission_caps && !self.admission_caps {
+            self.admission_caps = true;
+            changed.push("admissionCaps");
+        }
+        if other.warn_at_percent < self.warn_at_percent {
+            self.warn_at_percent = other.warn_at_percent;
+            changed.push("warnAtPercent");
+        }
+        changed
+    }
+
+    /// `budget team-a/llm` or `budget team-a/llm, tightened by ClusterGpuMemoryBudget/strict (action)`: how
+    /// messages name the rules that apply.
+    pub fn described(&self) -> String {
+        match &self.tightened_by {
+            None => format!("budget {}", self.key()),
+            Some(by) => format!("budget {}, tightened by {by}", self.key()),
+        }
+    }
+
     /// The state machine's thresholds for a pod under this budget.
     pub fn thresholds(&self, critical: bool) -> Thresholds {
         Thresholds::new(
@@ -318,12 +371,26 @@ pub fn is_critical(priority_class_name: Option<&str>, priority: Option<i32>) -> 
 /// The budget that applies to a pod, and the others that also select it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Resolution<'a> {
-    /// The budget that applies ([`resolve`]): the smallest limit, ties broken by scope and name. Its
-    /// request is the pod's request (none when it sets none), whatever the others set: limit and request
-    /// come from one budget, so the request is never above the limit.
+    /// The budget that applies ([`resolve`]): the smallest limit, ties broken by scope and name. It names
+    /// the pod's budget (its record, its status counts) and gives its limit; the rules enforced are
+    /// [`applied`](Self::applied).
     pub budget: &'a Budget,
     /// Other budgets that select the pod, in the same order.
     pub also_matched: Vec<&'a Budget>,
+    /// `budget` made no looser than every cluster budget that selects the pod, when one of them is tighter
+    /// in some field than `budget` ([`Budget::tighten`]); `None`: `budget`'s own rules apply.
+    pub tightened: Option<Budget>,
+    /// Whether a cluster budget (an administrator's) selects the pod: then every rule applied is no looser
+    /// than that one's.
+    pub cluster_selected: bool,
+}
+
+impl Resolution<'_> {
+    /// The rules enforced on the pod: [`Resolution::budget`]'s, tightened where a cluster budget selecting
+    /// the pod is tighter.
+    pub fn applied(&self) -> &Budget {
+        self.tightened.as_ref().unwrap_or(self.budget)
+    }
 }
 
 /// What budget selection reads of a pod: its namespace, that namespace's labels (for cluster budgets'
@@ -352,13 +419,19 @@ impl<'a> PodLabels<'a> {
 
 /// Resolves which budget applies to a pod, among the namespaced and cluster budgets given.
 ///
-/// Among those selecting it, the smallest limit wins, whole (limit, request, action and every other
-/// field come from one budget); ties go to a cluster budget, then to the name that sorts first. When a
-/// cluster budget selects the pod, a namespaced budget may win only if it is
-/// [no looser](Budget::no_looser_than) in any field than the cluster budget that would apply without it:
-/// a namespace can tighten a cluster budget (a smaller limit, a smaller request, a shorter
-/// `overLimitSeconds`…) but never loosen it (a larger limit, or `action: Warn`, a longer
-/// `overLimitSeconds`…). A namespaced budget passed over is still reported in `also_matched`.
+/// Among namespaced budgets alone, the smallest limit wins, whole (limit, request, action and every other
+/// field come from one budget); ties go to the name that sorts first. When cluster budgets select the pod,
+/// no rule applied is looser than any of theirs, whatever labels the pod carries (#33):
+/// - their *floor* is the smallest-limit cluster budget (ties: the name that sorts first) made no looser in
+///   any field than each other cluster budget selecting the pod ([`Budget::tighten`]);
+/// - a namespaced budget with a smaller limit wins only if it is [no looser](Budget::no_looser_than) than
+///   the floor in every field: a namespace can tighten a cluster budget (a smaller limit, a smaller
+///   request, a shorter `overLimitSeconds`…) but never loosen it (`action: Warn`, a longer
+///   `overLimitSeconds`…);
+/// - otherwise the smallest-limit cluster budget applies, with the floor's rules
+///   ([`Resolution::tightened`] when they differ from its own).
+///
+/// Budgets passed over are still reported in `also_matched`.
 pub fn resolve<'a>(budgets: impl IntoIterator<Item = &'a Budget>, pod: &PodLabels<'_>) -> Option<Resolution<'a>> {
     let mut matched: Vec<&Budget> = budgets.into_iter().filter(|b| b.selects(pod)).collect();
     if matched.is_empty() {
@@ -370,13 +443,29 @@ pub fn resolve<'a>(budgets: impl IntoIterator<Item = &'a Budget>, pod: &PodLabel
             .then_with(|| b.is_cluster().cmp(&a.is_cluster()))
             .then_with(|| a.name.cmp(&b.name))
     });
-    let cluster = matched.iter().position(|b| b.is_cluster());
-    let winner = match cluster {
-        None => 0,
-        Some(c) => matched[..c].iter().position(|b| b.no_looser_than(matched[c])).unwrap_or(c),
+    let Some(first_cluster) = matched.iter().position(|b| b.is_cluster()) else {
+        let budget = matched.remove(0);
+        return Some(Resolution { budget, also_matched: matched, tightened: None, cluster_selected: false });
+    };
+    let mut floor = matched[first_cluster].clone();
+    let mut by = Vec::new();
+    for other in matched.iter().filter(|b| b.is_cluster()).skip(1) {
+        let fields = floor.tighten(other);
+        if !fields.is_empty() {
+            by.push(format!("ClusterGpuMemoryBudget/{} ({})", other.name, fields.join(", ")));
+        }
+    }
+    let namespaced = matched[..first_cluster].iter().position(|b| b.no_looser_than(&floor));
+    let (winner, tightened) = match namespaced {
+        Some(n) => (n, None),
+        None if by.is_empty() => (first_cluster, None),
+        None => {
+            floor.tightened_by = Some(by.join("; "));
+            (first_cluster, Some(floor))
+        }
     };
     let budget = matched.remove(winner);
-    Some(Resolution { budget, also_matched: matched })
+    Some(Resolution { budget, also_matched: matched, tightened, cluster_selected: true })
 }
 
 #[cfg(test)]
@@ -615,19 +704,102 @@ mod tests {
         assert_eq!(of(&sooner, &at("team-a")).as_deref(), Some("team-a/ns"));
     }
 
-    /// Of two cluster budgets the smallest limit wins, as for namespaced ones; a namespaced budget is judged
-    /// against that one.
+    /// #33: of several cluster budgets the smallest limit names the budget, made no looser in any field than
+    /// the others (a pod label that brings in a smaller-limit `Warn` cluster budget does not buy `Warn`); a
+    /// namespaced budget is judged against that floor.
     #[test]
-    fn cluster_budgets_resolve_among_themselves_by_limit() {
+    fn cluster_budgets_resolve_among_themselves_by_limit_and_the_tightest_rules() {
         let budgets = [
-            cluster("wide", "{}", "{}", "limit: 16Gi"),
-            cluster("narrow", "{}", "{}", "limit: 4Gi, action: Warn"),
+            cluster("wide", "{}", "{}", "limit: 16Gi, overLimitSeconds: 5, blockedEvictionTimeoutSeconds: 60"),
+            cluster("narrow", "{}", "{}", "limit: 4Gi, action: Warn, overLimitSeconds: 600, admissionCaps: Enabled"),
             namespaced("ns", "limit: 2Gi, action: Warn"),
         ];
         let r = resolve(&budgets, &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("matched");
-        assert_eq!(r.budget.key(), "team-a/ns");
-        let r = resolve(&budgets[..2], &PodLabels::new("team-b", &NO_LABELS, &NO_LABELS)).expect("matched");
-        assert_eq!((r.budget.key().as_str(), r.also_matched[0].key().as_str()), ("narrow", "wide"));
+        assert_eq!(r.budget.key(), "narrow", "the namespaced Warn budget would loosen the floor");
+        let applied = r.applied();
+        assert_eq!(
+            (applied.limit_bytes, applied.action, applied.over_limit_seconds, applied.blocked_eviction_timeout_seconds),
+            (4 << 30, BudgetAction::Evict, 5, Some(60))
+        );
+        assert!(applied.admission_caps && r.cluster_selected);
+        assert_eq!(
+            applied.described(),
+            "budget narrow, tightened by ClusterGpuMemoryBudget/wide (action, overLimitSeconds, blockedEvictionTimeoutSeconds)"
+        );
+        assert!(budgets.iter().filter(|b| b.is_cluster()).all(|c| applied.no_looser_than(c)));
+        let strict = namespaced("strict", "limit: 2Gi, overLimitSeconds: 1, blockedEvictionTimeoutSeconds: 10, admissionCaps: Enabled");
+        let with_strict = [budgets[0].clone(), budgets[1].clone(), strict];
+        let r = resolve(&with_strict, &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("matched");
+        assert_eq!((r.budget.key().as_str(), r.tightened.is_none()), ("team-a/strict", true), "no looser: wins whole");
+        let r = resolve(&budgets[..1], &PodLabels::new("team-b", &NO_LABELS, &NO_LABELS)).expect("matched");
+        assert_eq!((r.budget.key().as_str(), r.tightened.is_none(), r.also_matched.len()), ("wide", true, 0));
+        let r = resolve(&budgets[2..], &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("matched");
+        assert_eq!((r.applied().action, r.cluster_selected), (BudgetAction::Warn, false), "namespaced alone: its own");
+    }
+
+    /// #33, the case: a smaller-limit cluster budget that selects by a pod label and is looser in
+    /// every other field; the tenant adds the label and gains nothing.
+    #[test]
+    fn a_label_never_loosens_a_cluster_budget() {
+        let admin = cluster("admin", "{}", "{}", "limit: 8Gi, overLimitSeconds: 10, blockedEvictionTimeoutSeconds: 30");
+        let lax = cluster(
+            "lax",
+            "{}",
+            "{matchLabels: {tier: batch}}",
+            "limit: 6Gi, action: Warn, overLimitSeconds: 3600, evictionGracePeriodSeconds: 3600",
+        );
+        let budgets = [admin.clone(), lax];
+        let plain = resolve(&budgets, &PodLabels::new("t", &NO_LABELS, &NO_LABELS)).expect("matched");
+        let labelled = labels(&[("tier", "batch")]);
+        let relabelled = resolve(&budgets, &PodLabels::new("t", &NO_LABELS, &labelled)).expect("matched");
+        assert_eq!((plain.budget.key(), relabelled.budget.key()), ("admin".to_owned(), "lax".to_owned()));
+        let (a, b) = (plain.applied(), relabelled.applied());
+        assert!(b.no_looser_than(a) && b.no_looser_than(&admin));
+        assert_eq!(
+            (b.action, b.over_limit_seconds, b.eviction_grace_period_seconds, b.blocked_eviction_timeout_seconds),
+            (BudgetAction::Evict, 10, Some(30), Some(30))
+        );
+        assert_eq!(b.limit_bytes, 6 << 30, "the smaller limit is tighter, and kept");
+    }
+
+    const LABELS: [&str; 3] = ["a", "b", "c"];
+
+    fn label_selector(which: Option<usize>) -> String {
+        which.map_or_else(|| "{}".to_owned(), |l| format!("{{matchLabels: {{{}: x}}}}", LABELS[l]))
+    }
+
+    /// A selector (by one of three labels, or none) and random enforcement fields.
+    fn budget_fields() -> impl Strategy<Value = (Option<usize>, String)> {
+        (
+            proptest::option::of(0usize..3),
+            1u64..10,
+            proptest::option::of(0u64..10),
+            any::<bool>(),
+            0u64..100,
+            proptest::option::of(1i64..100),
+            proptest::option::of(0i64..100),
+            any::<bool>(),
+            1i32..=100,
+        )
+            .prop_map(|(selector, limit, request, warn, over, grace, blocked, caps, warn_at)| {
+                let mut rest = format!("limit: {limit}Gi, overLimitSeconds: {over}, warnAtPercent: {warn_at}");
+                if let Some(r) = request {
+                    rest += &format!(", request: {}Gi", r.min(limit));
+                }
+                if warn {
+                    rest += ", action: Warn";
+                }
+                if let Some(g) = grace {
+                    rest += &format!(", evictionGracePeriodSeconds: {g}");
+                }
+                if let Some(b) = blocked {
+                    rest += &format!(", blockedEvictionTimeoutSeconds: {b}");
+                }
+                if caps {
+                    rest += ", admissionCaps: Enabled";
+                }
+                (selector, rest)
+            })
     }
 
     proptest! {
@@ -669,6 +841,40 @@ mod tests {
             match tighter.min_by(|a, b| a.limit_bytes.cmp(&b.limit_bytes).then_with(|| a.name.cmp(&b.name))) {
                 Some(best) => prop_assert_eq!(&r.budget.key(), &best.key()),
                 None => prop_assert_eq!(r.budget.key(), "admin"),
+            }
+        }
+
+        /// #33: any number of cluster and namespaced budgets, selecting by a pod label or not, and any labels
+        /// on the pod: the rules applied are no looser in any field than each cluster budget that selects it,
+        /// and adding a label never makes them looser than before against those cluster budgets.
+        #[test]
+        fn no_label_loosens_any_cluster_budget(
+            clusters in proptest::collection::vec(budget_fields(), 1..5),
+            namespaced_ones in proptest::collection::vec(budget_fields(), 0..5),
+            pod_labels in proptest::collection::btree_set(0usize..3, 0..3),
+        ) {
+            let mut budgets: Vec<Budget> = Vec::new();
+            for (i, (selector, rest)) in clusters.iter().enumerate() {
+                budgets.push(cluster(&format!("c{i}"), "{}", &label_selector(*selector), rest));
+            }
+            for (i, (selector, rest)) in namespaced_ones.iter().enumerate() {
+                let mut b = namespaced(&format!("n{i}"), rest);
+                b.selector = Selector::compile(&serde_yaml::from_str(&label_selector(*selector)).expect("sel")).expect("valid");
+                budgets.push(b);
+            }
+            let pod = labels(&pod_labels.iter().map(|l| (LABELS[*l], "x")).collect::<Vec<_>>());
+            let at = PodLabels::new("team-a", &NO_LABELS, &pod);
+            let selecting: Vec<&Budget> = budgets.iter().filter(|b| b.is_cluster() && b.selects(&at)).collect();
+            match resolve(&budgets, &at) {
+                None => prop_assert!(budgets.iter().all(|b| !b.selects(&at))),
+                Some(r) => {
+                    for c in &selecting {
+                        prop_assert!(r.applied().no_looser_than(c), "{:?} looser than {}", r.applied(), c.name);
+                    }
+                    prop_assert_eq!(r.cluster_selected, !selecting.is_empty());
+                    prop_assert_eq!(r.applied().limit_bytes, r.budget.limit_bytes);
+                    prop_assert!(r.applied().request_bytes.unwrap_or(0) <= r.applied().limit_bytes);
+                }
             }
         }
     }

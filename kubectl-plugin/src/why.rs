@@ -257,8 +257,9 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
     } else {
         labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
     };
-    let applying: Option<&Budget> = resolution.as_ref().map(|r| r.budget);
-    let why = match (budgets, matched.as_slice()) {
+    // The rules enforced: the budget's own, or tightened by the cluster budgets that also select the pod.
+    let applying: Option<&Budget> = resolution.as_ref().map(|r| r.applied());
+    let mut why = match (budgets, matched.as_slice()) {
         (None, _) => match &record {
             Some(r) => {
                 format!("the budgets of {namespace} could not be read; the agent's record names budget {}", r.budget)
@@ -275,7 +276,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
         (Some(_), [first, ..]) if with_cluster => format!(
             "{} budgets select this pod: {}; the smallest limit applies (equal limits: the cluster budget, then the \
              name that sorts first), and a budget of {namespace} only if it is no looser in any field than the \
-             cluster budget, so {}",
+             cluster budgets, so {}",
             matched.len(),
             matched.iter().map(|m| format!("{} ({})", m.name, m.limit)).collect::<Vec<_>>().join(", "),
             first.name
@@ -288,6 +289,12 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
             first.name
         ),
     };
+    if let Some(by) = applying.and_then(|b| b.tightened_by.as_deref()) {
+        why.push_str(&format!(
+            "; no rule applied is looser than any cluster budget that selects the pod, so its rules are tightened by \
+             {by}"
+        ));
+    }
     if let (Some(r), Some(b)) = (&record, applying)
         && !b.is_record_name(&r.budget)
     {

@@ -80,7 +80,7 @@ pub fn decide(
     let labels = pod.metadata.labels.clone().unwrap_or_default();
     let resolution =
         gpubudget_common::resolve(budgets, &gpubudget_common::PodLabels::new(&namespace, namespace_labels, &labels));
-    let admission = caps::admit(&pod, resolution.as_ref().map(|r| r.budget));
+    let admission = caps::admit(&pod, resolution.as_ref().map(|r| r.applied()));
     let verdict = match admission.record {
         Some(record) => Verdict::Capped(record),
         None => Verdict::NoCaps,

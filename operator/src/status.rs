@@ -156,13 +156,15 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
     let mut overlap = Overlap::default();
     let mut top: Vec<(&PodInfo, &PodRecord)> = Vec::new();
     let mut above_request = 0;
-    let caps = Caps::of(budget);
     let mut assessed: HashMap<Assessment, i64> = HashMap::new();
     for selected in &inputs.selected {
         let pod = selected.pod;
         let pod_labels = gpubudget_common::PodLabels::new(&pod.namespace, selected.namespace_labels, &pod.labels);
+        // The caps the pod was given: by the rules that apply to it (a cluster budget may have tightened them).
+        let mut pod_caps = Caps::of(budget);
         let applies = match gpubudget_common::resolve(selected.selected_by.iter().copied(), &pod_labels) {
             Some(resolution) => {
+                pod_caps = Caps::of(resolution.applied());
                 if !resolution.also_matched.is_empty() {
                     overlap.pods += 1;
                     let winner = resolution.budget;
@@ -184,7 +186,7 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
             continue;
         }
         status.matched_pods += 1;
-        if let Some(caps) = caps {
+        if let Some(caps) = pod_caps {
             *assessed.entry(caps::assess(&pod.gpu, caps)).or_default() += 1;
         }
         let Some(record) = &pod.record else { continue };
@@ -201,7 +203,7 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
         top.push((pod, record));
     }
     status.pods_above_request = budget.request_bytes.map(|_| above_request);
-    if caps.is_some() {
+    if Caps::of(budget).is_some() || !assessed.is_empty() {
         let count = |a| assessed.get(&a).copied().unwrap_or_default();
         status.pods_capped = Some(count(Assessment::Capped));
         status.pods_uncapped = Some(count(Assessment::Uncapped));

@@ -185,8 +185,11 @@ pub struct PodTable {
     pub pods: Vec<PodView>,
     /// The valid budgets of the namespaces that have pods here.
     pub budgets: Vec<Arc<Budget>>,
-    /// Per pod, the index in `budgets` of the budget that applies.
+    /// Per pod, the index in `budgets` of the rules that apply: its budget's, or (after the namespaces' runs)
+    /// its budget's tightened by the cluster budgets that also select it ([`gpubudget_common::Resolution`]).
     pub budget_of: Vec<Option<usize>>,
+    /// Per pod, whether a cluster budget (an administrator's) selects it.
+    pub cluster_selected: Vec<bool>,
     /// Budgets that failed validation, with why.
     pub invalid_budgets: Vec<(String, SpecError)>,
     by_uid: FastMap<String, usize>,
@@ -220,6 +223,7 @@ impl PodTable {
         // Pods are sorted by namespace: each namespace's budgets are taken once, as a run of `budgets`.
         let mut run: (Option<&str>, std::ops::Range<usize>) = (None, 0..0);
         let mut budget_of = Vec::with_capacity(pods.len());
+        let mut cluster_selected = Vec::with_capacity(pods.len());
         for p in &pods {
             if run.0 != Some(&*p.namespace) {
                 let start = budgets.len();
@@ -228,9 +232,21 @@ impl PodTable {
             }
             let candidates = (0..clusters).chain(run.1.clone());
             let pod = PodLabels::new(&p.namespace, cluster.labels_of(&p.namespace), &p.labels);
-            let applies = resolve(candidates.clone().map(|i| &*budgets[i]), &pod)
-                .and_then(|r| candidates.clone().find(|i| std::ptr::eq(&*budgets[*i], r.budget)));
-            budget_of.push(applies);
+            let resolved = resolve(candidates.clone().map(|i| &*budgets[i]), &pod).map(|r| {
+                let named = candidates.clone().find(|i| std::ptr::eq(&*budgets[*i], r.budget));
+                (named, r.tightened, r.cluster_selected)
+            });
+            // Rules a cluster budget tightened (#33) are the pod's own entry, after the run.
+            let applies = match resolved {
+                None => None,
+                Some((named, None, cluster)) => named.map(|i| (i, cluster)),
+                Some((_, Some(tightened), cluster)) => {
+                    budgets.push(Arc::new(tightened));
+                    Some((budgets.len() - 1, cluster))
+                }
+            };
+            budget_of.push(applies.map(|(i, _)| i));
+            cluster_selected.push(applies.is_some_and(|(_, cluster)| cluster));
         }
         let mut by_uid = FastMap::with_capacity_and_hasher(pods.len(), Default::default());
         let mut by_name = FastMap::with_capacity_and_hasher(pods.len(), Default::default());
@@ -243,7 +259,7 @@ impl PodTable {
         }
         let mut invalid_budgets = index.invalid();
         invalid_budgets.extend(cluster.invalid());
-        Self { pods, budgets, budget_of, invalid_budgets, by_uid, by_name }
+        Self { pods, budgets, budget_of, cluster_selected, invalid_budgets, by_uid, by_name }
     }
 
     /// The pod whose UID (or static pod UID) this is.

@@ -102,10 +102,10 @@ pub(in crate::decide) struct Context<'a> {
 impl Context<'_> {
     pub(in crate::decide) fn used_of(&self) -> String {
         format!(
-            "using {} of {} (budget {})",
+            "using {} of {} ({})",
             HumanBytes(self.usage.total),
             HumanBytes(self.budget.limit_bytes),
-            self.budget.key()
+            self.budget.described()
         )
     }
 
