@@ -7,8 +7,9 @@ use std::time::Duration;
 use crate::decide::Settings;
 use crate::decide::cadence::Cadence;
 use crate::decide::gpus::AccountingSettings;
-use crate::decide::pressure::{PressureSettings, Threshold, Unbudgeted};
+use crate::decide::pressure::{NamespacedBudgets, PressureSettings, Threshold, Unbudgeted};
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use gpubudget_common::CriticalNamespaces;
 use gpubudget_daemon::LogFormat;
 
 /// gpubudget node agent: GPU memory per pod from NVML, enforced against GpuMemoryBudgets.
@@ -120,6 +121,50 @@ pub struct PressureArgs {
     /// within its budget (critical and static pods excepted); "Never" never evicts them for pressure.
     #[arg(long, env = "GPUBUDGET_UNBUDGETED_PODS", value_enum, default_value = "Ranked")]
     pub unbudgeted_pods: UnbudgetedPods,
+    /// A pressure eviction refused (by a PodDisruptionBudget) this long deletes the pod with its grace, as the
+    /// kubelet's node-pressure eviction does; for pods without a budget and budgets without their own
+    /// blockedEvictionTimeoutSeconds. At most 1h.
+    #[arg(long, env = "GPUBUDGET_PRESSURE_BLOCKED_TIMEOUT", default_value = "60s", value_parser = parse_blocked_timeout)]
+    pub pressure_blocked_timeout: Duration,
+    /// Who writes namespaced GpuMemoryBudgets: "Trusted" (administrators only: a budget's request, else its
+    /// limit, is a guarantee under pressure and its Warn keeps the pod) or "ClusterBound" (tenants may write
+    /// them: under pressure a pod is guaranteed only what a cluster budget selecting it allows, and nothing
+    /// where none does).
+    #[arg(long, env = "GPUBUDGET_NAMESPACED_BUDGETS", value_enum, default_value = "Trusted")]
+    pub namespaced_budgets: NamespacedBudgetsArg,
+    /// The namespaces whose critical-priority pods (system-node-critical, system-cluster-critical) are never
+    /// evicted, comma-separated; empty: none. Elsewhere critical priority exempts nothing.
+    #[arg(long, env = "GPUBUDGET_CRITICAL_NAMESPACES", default_value = "kube-system")]
+    pub critical_namespaces: CriticalNamespaces,
+}
+
+/// Parses `--pressure-blocked-timeout`: a duration of at most an hour.
+fn parse_blocked_timeout(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text)?;
+    if d > Duration::from_secs(3600) {
+        return Err(format!("{text:?}: at most 1h (a PodDisruptionBudget may hold pressure relief back that long)"));
+    }
+    Ok(d)
+}
+
+/// `--namespaced-budgets` (docs/security.md, "No purchased immunity").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum NamespacedBudgetsArg {
+    /// Administrators write them (the chart's default RBAC).
+    #[value(name = "Trusted", alias = "trusted")]
+    Trusted,
+    /// Tenants may write them.
+    #[value(name = "ClusterBound", alias = "clusterbound")]
+    ClusterBound,
+}
+
+impl From<NamespacedBudgetsArg> for NamespacedBudgets {
+    fn from(arg: NamespacedBudgetsArg) -> Self {
+        match arg {
+            NamespacedBudgetsArg::Trusted => Self::Trusted,
+            NamespacedBudgetsArg::ClusterBound => Self::ClusterBound,
+        }
+    }
 }
 
 /// `--unbudgeted-pods` (docs/agent.md, "Pressure").
@@ -167,6 +212,9 @@ impl PressureArgs {
         };
         settings.pressure_grace_seconds = self.pressure_grace_seconds;
         settings.unbudgeted_pods = self.unbudgeted_pods.into();
+        settings.pressure_blocked_timeout_ms = ms(self.pressure_blocked_timeout);
+        settings.namespaced_budgets = self.namespaced_budgets.into();
+        settings.critical_namespaces = self.critical_namespaces.clone();
     }
 }
 
@@ -558,6 +606,34 @@ mod tests {
             assert_eq!(parsed.unbudgeted_pods, want);
         }
         assert!(P::try_parse_from(["p", "--unbudgeted-pods", "sometimes"]).is_err());
+        // #33: the defaults are decide's; bad values are named.
+        let defaults = Settings::new("n1");
+        assert_eq!(settings.pressure_blocked_timeout_ms, defaults.pressure_blocked_timeout_ms);
+        assert_eq!(settings.namespaced_budgets, defaults.namespaced_budgets);
+        assert_eq!(settings.critical_namespaces, defaults.critical_namespaces);
+        let parsed = P::try_parse_from([
+            "p",
+            "--pressure-blocked-timeout",
+            "2m",
+            "--namespaced-budgets",
+            "ClusterBound",
+            "--critical-namespaces",
+            "kube-system,gpu-system",
+        ])
+        .expect("parses")
+        .pressure;
+        parsed.apply(&mut settings);
+        assert_eq!(settings.pressure_blocked_timeout_ms, 120_000);
+        assert_eq!(settings.namespaced_budgets, NamespacedBudgets::ClusterBound);
+        assert!(settings.critical_namespaces.exempts("gpu-system"));
+        for (flag, bad, says) in [
+            ("--pressure-blocked-timeout", "2h", "at most 1h"),
+            ("--critical-namespaces", "Team_A", "is not a namespace name"),
+            ("--namespaced-budgets", "Tenants", "invalid value"),
+        ] {
+            let error = P::try_parse_from(["p", flag, bad]).err().expect(bad).to_string();
+            assert!(error.contains(says), "{flag} {bad}: {error}");
+        }
         assert_eq!(parse_threshold("off"), Ok(MaybeThreshold(None)));
         assert_eq!(parse_threshold("4Gi"), Ok(MaybeThreshold(Some(Threshold::Bytes(4 << 30)))));
         assert!(parse_threshold("lots").is_err());

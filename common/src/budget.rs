@@ -360,12 +360,104 @@ impl Budget {
     }
 }
 
-/// Whether a pod is critical and so never evicted. Decided only from fields that admission controls
-/// (the priority class and the priority the API server resolved from it), never from labels or
-/// annotations the pod's owner can set.
+/// Whether a pod has critical priority. Decided only from fields that admission controls (the priority
+/// class and the priority the API server resolved from it), never from labels or annotations the pod's
+/// owner can set. Critical priority exempts a pod from eviction only in the namespaces an administrator
+/// lists ([`CriticalNamespaces`]): any namespace may use those classes unless a ResourceQuota forbids it.
 pub fn is_critical(priority_class_name: Option<&str>, priority: Option<i32>) -> bool {
     priority_class_name.is_some_and(|c| CRITICAL_PRIORITY_CLASSES.contains(&c))
         || priority.is_some_and(|p| p >= SYSTEM_CRITICAL_PRIORITY)
+}
+
+/// Namespaces listed in `--critical-namespaces` at most.
+pub const CRITICAL_NAMESPACES_MAX: usize = 256;
+
+/// The namespaces whose critical-priority pods are never evicted (#33): an administrator's list
+/// (`--critical-namespaces`, the chart's `criticalNamespaces`), `kube-system` by default. A pod of
+/// `system-node-critical` elsewhere is enforced like any other, and its events say why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CriticalNamespaces(std::sync::Arc<std::collections::BTreeSet<String>>);
+
+impl Default for CriticalNamespaces {
+    fn default() -> Self {
+        Self(std::sync::Arc::new(std::iter::once("kube-system".to_owned()).collect()))
+    }
+}
+
+/// Why a `--critical-namespaces` list is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CriticalNamespacesError {
+    /// An entry is not a namespace name.
+    #[error(
+        "{0:?} is not a namespace name (lowercase letters, digits and '-', at most 63, starting and ending with a letter or digit)"
+    )]
+    NotANamespace(String),
+    /// Too many entries.
+    #[error("{0} namespaces listed; at most {CRITICAL_NAMESPACES_MAX}")]
+    TooMany(usize),
+}
+
+impl std::str::FromStr for CriticalNamespaces {
+    type Err = CriticalNamespacesError;
+
+    /// A comma-separated list (`kube-system,gpu-system`); empty: no namespace (critical priority exempts
+    /// nothing). Each entry a namespace name (a DNS-1123 label).
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let entries: Vec<&str> = text.split(',').map(str::trim).filter(|e| !e.is_empty()).collect();
+        if entries.len() > CRITICAL_NAMESPACES_MAX {
+            return Err(CriticalNamespacesError::TooMany(entries.len()));
+        }
+        let label = |e: &str| {
+            let bytes = e.as_bytes();
+            (1..=63).contains(&bytes.len())
+                && bytes.iter().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+                && bytes[0] != b'-'
+                && bytes[bytes.len() - 1] != b'-'
+        };
+        if let Some(bad) = entries.iter().find(|e| !label(e)) {
+            let shown: String = bad.chars().take(80).collect();
+            return Err(CriticalNamespacesError::NotANamespace(shown));
+        }
+        Ok(Self(std::sync::Arc::new(entries.into_iter().map(str::to_owned).collect())))
+    }
+}
+
+impl std::fmt::Display for CriticalNamespaces {
+    /// `kube-system,gpu-system`, or `(none)`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("(none)");
+        }
+        let mut first = true;
+        for namespace in self.0.iter() {
+            if !first {
+                f.write_str(",")?;
+            }
+            first = false;
+            f.write_str(namespace)?;
+        }
+        Ok(())
+    }
+}
+
+impl CriticalNamespaces {
+    /// Whether critical priority exempts a pod of `namespace`.
+    pub fn exempts(&self, namespace: &str) -> bool {
+        self.0.contains(namespace)
+    }
+
+    /// Whether a pod of `namespace` with this priority is exempt as critical.
+    pub fn exempt(&self, namespace: &str, priority_class_name: Option<&str>, priority: Option<i32>) -> bool {
+        is_critical(priority_class_name, priority) && self.exempts(namespace)
+    }
+
+    /// What an event says of a critical-priority pod outside the list: why it is enforced.
+    pub fn not_exempt_note(&self) -> String {
+        format!(
+            "the pod has critical priority, but critical priority exempts only pods of the namespaces the \
+             administrator lists (criticalNamespaces: {self}), so it is enforced like any other"
+        )
+    }
 }
 
 /// The budget that applies to a pod, and the others that also select it.
@@ -600,6 +692,28 @@ mod tests {
         assert_eq!((r.budget.name.as_str(), r.also_matched.len()), ("wide", 0));
     }
 
+    /// #33: critical priority exempts only in the namespaces an administrator lists; bad lists are named.
+    #[test]
+    fn critical_priority_exempts_only_in_listed_namespaces() {
+        let default = CriticalNamespaces::default();
+        assert!(default.exempt("kube-system", Some("system-node-critical"), None));
+        assert!(!default.exempt("team-a", Some("system-node-critical"), Some(2_000_001_000)), "a tenant's namespace");
+        assert!(!default.exempt("kube-system", Some("high"), Some(10)), "not critical");
+        let listed: CriticalNamespaces = " kube-system, gpu-system ,".parse().expect("valid");
+        assert!(listed.exempts("gpu-system") && listed.exempts("kube-system") && !listed.exempts("team-a"));
+        assert_eq!(listed.to_string(), "gpu-system,kube-system");
+        let none: CriticalNamespaces = "".parse().expect("empty: none");
+        assert!(!none.exempts("kube-system"));
+        assert_eq!(none.to_string(), "(none)");
+        assert!(default.not_exempt_note().contains("criticalNamespaces: kube-system"));
+        for bad in ["Kube-System", "-a", "a-", "a/b", "é", &"a".repeat(64)] {
+            let err = bad.parse::<CriticalNamespaces>().expect_err(bad).to_string();
+            assert!(err.contains("is not a namespace name"), "{bad}: {err}");
+        }
+        let many = (0..=CRITICAL_NAMESPACES_MAX).map(|i| format!("n{i}")).collect::<Vec<_>>().join(",");
+        assert_eq!(many.parse::<CriticalNamespaces>(), Err(CriticalNamespacesError::TooMany(257)));
+    }
+
     #[test]
     fn critical_comes_only_from_priority() {
         assert!(is_critical(Some("system-node-critical"), None));
@@ -727,7 +841,10 @@ mod tests {
             "budget narrow, tightened by ClusterGpuMemoryBudget/wide (action, overLimitSeconds, blockedEvictionTimeoutSeconds)"
         );
         assert!(budgets.iter().filter(|b| b.is_cluster()).all(|c| applied.no_looser_than(c)));
-        let strict = namespaced("strict", "limit: 2Gi, overLimitSeconds: 1, blockedEvictionTimeoutSeconds: 10, admissionCaps: Enabled");
+        let strict = namespaced(
+            "strict",
+            "limit: 2Gi, overLimitSeconds: 1, blockedEvictionTimeoutSeconds: 10, admissionCaps: Enabled",
+        );
         let with_strict = [budgets[0].clone(), budgets[1].clone(), strict];
         let r = resolve(&with_strict, &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("matched");
         assert_eq!((r.budget.key().as_str(), r.tightened.is_none()), ("team-a/strict", true), "no looser: wins whole");

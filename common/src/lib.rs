@@ -12,7 +12,7 @@ pub mod selector;
 pub mod state;
 pub mod text;
 
-pub use budget::{Budget, PodLabels, Resolution, Scope, SpecError, is_critical, resolve};
+pub use budget::{Budget, CriticalNamespaces, PodLabels, Resolution, Scope, SpecError, is_critical, resolve};
 pub use crd::{
     AdmissionCaps, BudgetAction, ClusterGpuMemoryBudget, ClusterGpuMemoryBudgetSpec, ClusterGpuMemoryQuota,
     ClusterGpuMemoryQuotaSpec, ClusterGpuMemoryQuotaStatus, GpuMemoryBudget, GpuMemoryBudgetSpec,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use gpubudget_common::caps;
 use gpubudget_common::pod_record::{self, PodRecord};
-use gpubudget_common::{Budget, GpuMemoryBudget, PodLabels, SpecError, is_critical, resolve};
+use gpubudget_common::{Budget, CriticalNamespaces, GpuMemoryBudget, PodLabels, SpecError, is_critical, resolve};
 
 use super::budgets::{BudgetIndex, ClusterIndex};
 use crate::FastMap;
@@ -38,7 +38,8 @@ pub struct PodView {
     pub node: Option<String>,
     /// `metadata.labels`.
     pub labels: BTreeMap<String, String>,
-    /// Critical by priority class or priority (never evicted).
+    /// Critical by priority class or priority: never evicted in the namespaces the administrator lists
+    /// ([`PodView::never_evicted`]).
     pub critical: bool,
     /// Has a deletion timestamp (being terminated: left alone).
     pub terminating: bool,
@@ -65,11 +66,12 @@ pub fn strip_container_scheme(id: &str) -> String {
 
 impl PodView {
     /// Why this pod is never evicted, if it is: critical (by priority class or priority, which admission
-    /// controls), or a static pod's mirror (`kubernetes.io/config.mirror`): evicting or deleting a mirror
+    /// controls) in a namespace the administrator lists, or a static pod's mirror (`kubernetes.io/config.mirror`): evicting or deleting a mirror
     /// deletes only the mirror, the kubelet runs the static pod on (#11). A pod created through the API with
     /// that annotation is not run by any kubelet, so it holds no GPU memory to protect.
-    pub fn never_evicted(&self) -> Option<&'static str> {
-        if self.critical {
+    /// Critical priority counts only in the namespaces `critical` lists (#33).
+    pub fn never_evicted(&self, critical: &CriticalNamespaces) -> Option<&'static str> {
+        if self.critical && critical.exempts(&self.namespace) {
             Some("the pod is critical and is never evicted")
         } else if self.mirror_of.is_some() {
             Some("the pod is a static pod (evicting its mirror would delete only the mirror) and is never evicted")
@@ -270,6 +272,11 @@ impl PodTable {
     /// The pod `namespace/name`.
     pub fn find_name(&self, namespace: &str, name: &str) -> Option<usize> {
         self.by_name.get(&(namespace.to_owned(), name.to_owned())).copied()
+    }
+
+    /// Whether a cluster budget (an administrator's) selects pod `i`.
+    pub fn cluster_selects(&self, i: usize) -> bool {
+        self.cluster_selected.get(i).copied().unwrap_or(false)
     }
 
     /// The budget that applies to pod `i`.

@@ -81,6 +81,15 @@ impl Enforcer {
         self.pace.cost(micros);
     }
 
+    /// Whether only a tenant-written budget selects pod `i` of `table` (#33): namespaced budgets are
+    /// [`ClusterBound`](crate::decide::pressure::NamespacedBudgets::ClusterBound) and no cluster budget
+    /// selects it.
+    pub(in crate::decide) fn tenant_only(&self, table: &PodTable, i: usize) -> bool {
+        self.settings.namespaced_budgets == crate::decide::pressure::NamespacedBudgets::ClusterBound
+            && table.budget(i).is_some()
+            && !table.cluster_selects(i)
+    }
+
     /// Pods remembered.
     pub fn len(&self) -> usize {
         self.pods.len()
@@ -100,7 +109,8 @@ impl Enforcer {
             let pod_usage = usage.get(i).unwrap_or(&empty);
             match table.budget(i) {
                 Some(budget) => {
-                    let cx = Context { view, budget, usage: pod_usage, gpus };
+                    let tenant_only = self.tenant_only(table, i);
+                    let cx = Context { view, budget, tenant_only, usage: pod_usage, gpus };
                     self.tick_pod(now, &cx, out);
                 }
                 None => self.tick_unbudgeted(now, view, out),

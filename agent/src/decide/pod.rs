@@ -76,6 +76,10 @@ pub(in crate::decide) struct PodMemory {
     pub(in crate::decide) seen: u64,
     /// The GPU whose memory pressure this pod is being evicted for.
     pub(in crate::decide) pressure: Option<usize>,
+    /// A pressure eviction of this pod was refused on this GPU, first at this time (monotonic ms): kept
+    /// across the turns the refusals give back, so a PodDisruptionBudget holds pressure relief back a
+    /// bounded time only (#33). Cleared when that GPU's pressure ends.
+    pub(in crate::decide) pressure_refused: Option<(usize, u64)>,
     /// How the driver's limits disagree with the budget now ([`super::driver_limits`]).
     pub(in crate::decide) driver: Option<super::driver_limits::Disagreement>,
     /// The kinds of disagreement told already (bit per [`super::driver_limits::Disagreement::kind`]).
@@ -95,11 +99,26 @@ fn percent_changed(old: u64, new: u64, percent: u64) -> bool {
 pub(in crate::decide) struct Context<'a> {
     pub(in crate::decide) view: &'a PodView,
     pub(in crate::decide) budget: &'a Budget,
+    /// Only a namespaced budget selects the pod and tenants may write those
+    /// ([`NamespacedBudgets::ClusterBound`](super::pressure::NamespacedBudgets)): under pressure it is
+    /// guaranteed nothing and `Warn` does not keep it (#33).
+    pub(in crate::decide) tenant_only: bool,
     pub(in crate::decide) usage: &'a PodUsage,
     pub(in crate::decide) gpus: &'a [GpuInfo],
 }
 
 impl Context<'_> {
+    /// What the pod is guaranteed under GPU memory pressure: its budget's request, else its limit; nothing
+    /// when only a tenant-written budget selects it.
+    pub(in crate::decide) fn pressure_guarantee(&self) -> u64 {
+        if self.tenant_only { 0 } else { self.budget.guaranteed_bytes() }
+    }
+
+    /// Whether pressure may evict it: its budget says `Evict`, or only a tenant-written budget selects it.
+    pub(in crate::decide) fn pressure_evicts(&self) -> bool {
+        self.budget.action == BudgetAction::Evict || self.tenant_only
+    }
+
     pub(in crate::decide) fn used_of(&self) -> String {
         format!(
             "using {} of {} ({})",
@@ -176,6 +195,7 @@ impl Enforcer {
             last_budget: String::new(),
             seen: 0,
             pressure: None,
+            pressure_refused: None,
             driver: None,
             driver_told: 0,
             driver_record: None,
@@ -218,7 +238,7 @@ impl Enforcer {
         let budget = cx.budget;
         let view = cx.view;
         let total = cx.usage.total;
-        let thresholds = budget.thresholds(view.never_evicted().is_some());
+        let thresholds = budget.thresholds(view.never_evicted(&self.settings.critical_namespaces).is_some());
         let mut mem = self.take_memory(now, view);
         // Its usage at the last tick, if it was seen then (the rate its usage moves at).
         let prev_usage = (mem.seen + 1 == self.generation && !mem.last_budget.is_empty()).then_some(mem.last_usage);
@@ -279,14 +299,15 @@ impl Enforcer {
                 (BudgetState::Within | BudgetState::Near, BudgetState::Over) => {
                     let then = if budget.action == BudgetAction::Warn {
                         "action is Warn: the pod is not evicted".to_owned()
-                    } else if let Some(why) = view.never_evicted() {
+                    } else if let Some(why) = view.never_evicted(&self.settings.critical_namespaces) {
                         why.to_owned()
                     } else if budget.over_limit_seconds == 0 {
                         "evicting now".to_owned()
                     } else {
                         format!("evicting if it stays over for {}s", budget.over_limit_seconds)
                     };
-                    Some((Reason::OverBudget, format!("{}; {then}; {}", cx.used_of(), cx.held_by())))
+                    let why = self.not_exempt(view);
+                    Some((Reason::OverBudget, format!("{}; {then}; {}{why}", cx.used_of(), cx.held_by())))
                 }
                 (BudgetState::Over | BudgetState::Evicting, BudgetState::Within | BudgetState::Near) => {
                     Some((Reason::WithinBudget, format!("back under the limit: {}; {}", cx.used_of(), cx.held_by())))
@@ -307,7 +328,7 @@ impl Enforcer {
         // GPU, only while still above its request (without one, its limit): a pod back within it is not
         // evicted, unless the request is already out.
         if mem.pressure.is_some()
-            && total <= budget.guaranteed_bytes()
+            && total <= cx.pressure_guarantee()
             && !matches!(mem.eviction, Eviction::InFlight { .. })
         {
             mem.pressure = None;
@@ -315,8 +336,8 @@ impl Enforcer {
         let due = state == BudgetState::Evicting || mem.pressure.is_some();
         let evictable = due
             && (thresholds.may_evict || mem.pressure.is_some())
-            && budget.action == BudgetAction::Evict
-            && view.never_evicted().is_none()
+            && (budget.action == BudgetAction::Evict || (mem.pressure.is_some() && cx.pressure_evicts()))
+            && view.never_evicted(&self.settings.critical_namespaces).is_none()
             && !view.terminating
             && view.node.as_deref() == Some(self.settings.node.as_str());
         let mut applied = false;
@@ -330,11 +351,12 @@ impl Enforcer {
                 mem.write_in_flight = true;
                 applied = true;
                 let note = format!(
-                    "{} for {}s; evicting with {}; {}",
+                    "{} for {}s; evicting with {}; {}{}",
                     cx.used_of(),
                     seconds(mem.tracker.over_for()),
                     cx.grace_text(),
-                    cx.held_by()
+                    cx.held_by(),
+                    self.not_exempt(view)
                 );
                 // Not subject to the cooldown: one per eviction, and evictions are rare.
                 mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
@@ -425,16 +447,30 @@ impl Enforcer {
         self.pods.insert(view.uid.clone(), mem);
     }
 
+    /// For a critical-priority pod outside the namespaces the administrator lists: `; ` and why it is
+    /// enforced all the same (#33). Empty otherwise.
+    pub(in crate::decide) fn not_exempt(&self, view: &PodView) -> String {
+        let critical = &self.settings.critical_namespaces;
+        if view.critical && !critical.exempts(&view.namespace) {
+            format!("; {}", critical.not_exempt_note())
+        } else {
+            String::new()
+        }
+    }
+
     /// The grace period of an eviction: the budget's, or for pressure the agent's capped by the budget's.
     pub(in crate::decide) fn grace(&self, mem: &PodMemory, cx: &Context<'_>) -> Option<i64> {
         match mem.pressure {
-            Some(_) => Some(
-                cx.budget
-                    .eviction_grace_period_seconds
-                    .map_or(self.settings.pressure_grace_seconds, |cap| cap.min(self.settings.pressure_grace_seconds)),
-            ),
+            Some(_) => Some(self.pressure_grace(Some(cx.budget))),
             None => cx.grace_seconds(),
         }
+    }
+
+    /// The grace period of a pressure eviction (or delete): the agent's, capped by the budget's
+    /// `evictionGracePeriodSeconds`.
+    pub(in crate::decide) fn pressure_grace(&self, budget: Option<&Budget>) -> i64 {
+        let own = self.settings.pressure_grace_seconds;
+        budget.and_then(|b| b.eviction_grace_period_seconds).map_or(own, |cap| cap.min(own))
     }
 
     pub(in crate::decide) fn desired(&self, mem: &PodMemory, cx: &Context<'_>) -> PodRecord {
@@ -500,6 +536,8 @@ impl Enforcer {
                             if let Some(gpu) = self.gpus.get_mut(g) {
                                 gpu.retry_at = now.mono_ms + backoff;
                             }
+                            let first = mem.pressure_refused.filter(|(on, _)| *on == g).map_or(refused_since, |r| r.1);
+                            mem.pressure_refused = Some((g, first));
                             mem.eviction = Eviction::Idle;
                             mem.eviction_requested_at = None;
                         }

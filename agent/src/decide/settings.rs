@@ -39,6 +39,14 @@ pub struct Settings {
     pub record_wait_ms: u64,
     /// How often the agent samples: relaxed, and fast while something is close to a threshold ([`cadence`]).
     pub cadence: cadence::Cadence,
+    /// The namespaces whose critical-priority pods are never evicted (#33; `--critical-namespaces`).
+    pub critical_namespaces: gpubudget_common::CriticalNamespaces,
+    /// A pressure eviction refused (a PodDisruptionBudget) for this long deletes the pod with its grace, as
+    /// the kubelet's node-pressure eviction does, for pods without a budget and budgets without their own
+    /// `blockedEvictionTimeoutSeconds` (#33; `--pressure-blocked-timeout`).
+    pub pressure_blocked_timeout_ms: u64,
+    /// Who writes namespaced budgets, so what they may guarantee under pressure (#33; `--namespaced-budgets`).
+    pub namespaced_budgets: pressure::NamespacedBudgets,
 }
 
 impl Settings {
@@ -60,6 +68,9 @@ impl Settings {
             record_wait_attempts: 3,
             record_wait_ms: 30_000,
             cadence: cadence::Cadence::DEFAULT,
+            critical_namespaces: gpubudget_common::CriticalNamespaces::default(),
+            pressure_blocked_timeout_ms: 60_000,
+            namespaced_budgets: pressure::NamespacedBudgets::Trusted,
         }
     }
 }

@@ -76,6 +76,32 @@ impl Unbudgeted {
     }
 }
 
+/// Who writes namespaced budgets (`GpuMemoryBudget`), and so what one may give its pods under GPU memory
+/// pressure (#33; `--namespaced-budgets`, the chart's `budgets.tenantsWrite`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum NamespacedBudgets {
+    /// Administrators only (the chart aggregates no write on them into any role): a namespaced budget's
+    /// request (else its limit) is a guarantee under pressure, and its `action: Warn` keeps its pods from
+    /// pressure eviction.
+    #[default]
+    Trusted,
+    /// Tenants may write them: a tenant-written budget buys nothing under pressure. A pod's guarantee is
+    /// what the rules applied give where a cluster budget selects it (those rules are no looser than any
+    /// cluster budget's), and nothing where none does; `action: Warn` keeps a pod from pressure eviction
+    /// only where a cluster budget selects it.
+    ClusterBound,
+}
+
+impl NamespacedBudgets {
+    /// The policy's name, as the flag spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Trusted => "Trusted",
+            Self::ClusterBound => "ClusterBound",
+        }
+    }
+}
+
 /// How the signal is computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PressureSettings {

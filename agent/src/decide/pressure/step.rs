@@ -97,6 +97,11 @@ impl Enforcer {
                 }
                 Change::Ended => {
                     gpu.told_overcommitted = false;
+                    for m in self.pods.values_mut() {
+                        if m.pressure_refused.is_some_and(|(on, _)| on == g) {
+                            m.pressure_refused = None;
+                        }
+                    }
                     let note = format!(
                         "GPU {}: {} free of {}, above the thresholds for {}s",
                         info.label,
@@ -138,9 +143,13 @@ impl Enforcer {
                     continue;
                 }
                 let budget = table.budget(i);
+                // Only a tenant-written budget selects it (`--namespaced-budgets ClusterBound`): guaranteed
+                // nothing, and its `Warn` does not keep it (#33).
+                let tenant_only = self.tenant_only(table, i);
                 // A pod no budget selects is evictable only as the node policy says (`--unbudgeted-pods`).
-                let evictable = budget.map_or(unbudgeted == Unbudgeted::Ranked, |b| b.action == BudgetAction::Evict)
-                    && view.never_evicted().is_none()
+                let evictable = budget
+                    .map_or(unbudgeted == Unbudgeted::Ranked, |b| b.action == BudgetAction::Evict || tenant_only)
+                    && view.never_evicted(&self.settings.critical_namespaces).is_none()
                     && !view.terminating
                     && view.node.as_deref() == Some(self.settings.node.as_str())
                     // Not one whose eviction by its budget is under way or refused (that one retries on its own).
@@ -150,7 +159,7 @@ impl Enforcer {
                     key: format!("{}/{}", view.namespace, view.name),
                     usage: usage.get(i).unwrap_or(&empty).total,
                     limit: budget.map(|b| b.limit_bytes),
-                    request: budget.and_then(|b| b.request_bytes),
+                    request: if tenant_only { Some(0) } else { budget.and_then(|b| b.request_bytes) },
                     on_gpu: bytes,
                     evictable,
                 });
@@ -160,6 +169,42 @@ impl Enforcer {
                     let i = on_this_gpu[c];
                     let (view, budget) = (&table.pods[i], table.budget(i));
                     let Some(mut mem) = self.pods.remove(&view.uid) else { continue };
+                    // Refused (a PodDisruptionBudget) for the bound: deleted with its grace, as the kubelet's
+                    // node-pressure eviction does; the budget's own blockedEvictionTimeoutSeconds, else the
+                    // node's --pressure-blocked-timeout (#33).
+                    let (timeout_ms, whose) = match budget.and_then(|b| b.blocked_eviction_timeout_seconds) {
+                        Some(own) => (own.saturating_mul(1000), "the budget's blockedEvictionTimeoutSeconds"),
+                        None => (self.settings.pressure_blocked_timeout_ms, "the node's pressure blocked timeout"),
+                    };
+                    if let Some((_, since)) = mem
+                        .pressure_refused
+                        .filter(|(on, since)| *on == g && now.mono_ms.saturating_sub(*since) >= timeout_ms)
+                    {
+                        let grace = self.pressure_grace(budget);
+                        let pod_usage = usage.get(i).unwrap_or(&empty);
+                        let note = format!(
+                            "evictions for GPU memory pressure on GPU {} refused for {}s ({whose}: {}s): deleting \
+                             the pod with {grace}s grace, as the kubelet's node-pressure eviction does; using {}; \
+                             held by {}",
+                            info.label,
+                            seconds(now.mono_ms.saturating_sub(since)),
+                            seconds(timeout_ms),
+                            HumanBytes(pod_usage.total),
+                            holders_summary(&pod_usage.holders, &snapshot.gpus)
+                        );
+                        mem.pressure = Some(g);
+                        mem.last_usage = pod_usage.total;
+                        if budget.is_some() {
+                            let at = now.wall.round(jiff::Unit::Second).unwrap_or(now.wall).to_string();
+                            mem.eviction_requested_at = Some(at);
+                        }
+                        mem.last_event_ms[Reason::Deleting.slot()] = Some(now.mono_ms);
+                        out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::Deleting, note: bounded(note) });
+                        out.push(Action::Delete { pod: mem.pod.clone(), grace_seconds: Some(grace) });
+                        mem.eviction = Eviction::InFlight { attempts: 0, refused_since: Some(since) };
+                        self.pods.insert(view.uid.clone(), mem);
+                        continue;
+                    }
                     let Some(budget) = budget else {
                         // No budget selects it (and the policy is `Ranked`): no record to write (no budget counts
                         // the eviction), so the request goes out at once, through the same eviction path.
@@ -187,7 +232,14 @@ impl Enforcer {
                         self.pods.insert(view.uid.clone(), mem);
                         continue;
                     };
-                    let cx = Context { view, budget, usage: usage.get(i).unwrap_or(&empty), gpus: &snapshot.gpus };
+                    let tenant_only = self.tenant_only(table, i);
+                    let cx = Context {
+                        view,
+                        budget,
+                        tenant_only,
+                        usage: usage.get(i).unwrap_or(&empty),
+                        gpus: &snapshot.gpus,
+                    };
                     mem.pressure = Some(g);
                     let at = now.wall.round(jiff::Unit::Second).unwrap_or(now.wall).to_string();
                     mem.eviction_requested_at = Some(at);
@@ -197,6 +249,14 @@ impl Enforcer {
                     mem.write_in_flight = true;
                     // With a request, the pod is ranked by its usage above it (the kubelet's rule for RAM).
                     let (used, most) = match cx.above_request() {
+                        _ if cx.tenant_only => (
+                            format!(
+                                "{}; only a namespaced budget selects this pod, and tenants may write those \
+                                 (namespacedBudgets=ClusterBound): under pressure it is guaranteed nothing",
+                                cx.used_of()
+                            ),
+                            "most above its guarantee",
+                        ),
                         Some(above) => (format!("{}, {above}", cx.used_of()), "most above its request"),
                         None => (cx.used_of(), "most over its budget"),
                     };

@@ -233,6 +233,8 @@ fn warn_critical_terminating_and_foreign_pods_are_never_evicted() {
     for (view, b) in cases {
         let name = format!("{view:?}");
         let mut h = Harness::new(view, &[b]);
+        // Critical priority exempts in the namespaces the administrator lists (#33): here, the pod's.
+        h.enforcer.settings.critical_namespaces = "kube-system,team-a".parse().expect("valid");
         let out = h.run(0, 60_000, 20 * GI);
         assert_eq!(evicts(&out), 0, "{name}");
         assert!(!notes(&out).iter().any(|n| n.contains("evicting with")), "{name}");
@@ -251,9 +253,31 @@ fn warn_critical_terminating_and_foreign_pods_are_never_evicted() {
     let mut h = Harness::new(pod("", ""), &[budget(", action: Warn")]);
     assert!(notes(&h.tick(0, 9 * GI))[0].contains("action is Warn: the pod is not evicted"));
     let mut h = Harness::new(pod("", ", priorityClassName: system-cluster-critical"), &[budget("")]);
+    h.enforcer.settings.critical_namespaces = "team-a".parse().expect("valid");
     assert!(notes(&h.tick(0, 9 * GI))[0].contains("critical and is never evicted"));
     let mut h = Harness::new(pod(", annotations: {kubernetes.io/config.mirror: abc}", ""), &[budget("")]);
     assert!(notes(&h.tick(0, 9 * GI))[0].contains("static pod (evicting its mirror would delete only the mirror)"));
+}
+
+/// #33: critical priority in a namespace the administrator does not list (a tenant's, by default every
+/// namespace but kube-system) exempts nothing: the pod is evicted over its budget like any other, and the
+/// events say why.
+#[test]
+fn a_tenants_critical_pod_is_enforced_like_any_other_and_told_why() {
+    for spec in [
+        ", priorityClassName: system-node-critical",
+        ", priorityClassName: system-cluster-critical",
+        ", priority: 2000000001",
+    ] {
+        let mut h = Harness::new(pod("", spec), &[budget(", overLimitSeconds: 1")]);
+        assert_eq!(h.enforcer.settings.critical_namespaces, gpubudget_common::CriticalNamespaces::default());
+        let out = h.run(0, 3_000, 20 * GI);
+        assert_eq!(evicts(&out), 1, "{spec}: {:?}", kinds(&out));
+        let over = notes(&out).into_iter().find(|n| n.contains("evicting if it stays over")).expect("over event");
+        assert!(over.contains("critical priority exempts only pods of the namespaces the administrator lists (criticalNamespaces: kube-system)"), "{over}");
+        let evicting = notes(&out).into_iter().find(|n| n.contains("evicting with")).expect("evicting event");
+        assert!(evicting.contains("so it is enforced like any other"), "{evicting}");
+    }
 }
 
 #[test]

@@ -177,6 +177,8 @@ fn within_budget_warn_critical_static_and_under_never_unbudgeted_pods_are_never_
     ];
     let mut node = Node::new(views);
     node.enforcer.settings.unbudgeted_pods = Unbudgeted::Never;
+    // Critical priority exempts in the namespaces the administrator lists (#33): here, the pod's.
+    node.enforcer.settings.critical_namespaces = "team-a".parse().expect("valid");
     let bytes = [39 * GI, 10 * GI, 10 * GI, 10 * GI, 9 * GI];
     let all: Vec<Action> = (0..20).flat_map(|k| node.tick(k * 250, &bytes, 0)).collect();
     assert!(evicted(&all).is_empty(), "{all:#?}");
@@ -420,4 +422,116 @@ proptest! {
             }
         }
     }
+}
+
+/// Ticks every 250 ms from `from_ms` to `to_ms`, evictions refused; the time of each action.
+fn refused_run(node: &mut Node, from_ms: u64, to_ms: u64, bytes: &[u64]) -> Vec<(u64, Action)> {
+    (from_ms..=to_ms)
+        .step_by(250)
+        .flat_map(|ms| node.tick_with(ms, bytes, 0, true).into_iter().map(move |a| (ms, a)))
+        .collect()
+}
+
+fn deletes(actions: &[(u64, Action)]) -> Vec<(u64, String, Option<i64>)> {
+    actions
+        .iter()
+        .filter_map(|(ms, a)| match a {
+            Action::Delete { pod, grace_seconds } => Some((*ms, pod.name.to_string(), *grace_seconds)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// #33: a PodDisruptionBudget (`maxUnavailable: 0`) refusing every pressure eviction of a pod no budget
+/// selects holds pressure relief back for the node's bound (60 s by default) only: then the pod is deleted
+/// with the pressure grace, once, and the event says why. The neighbour within its budget is never touched.
+#[test]
+fn a_pressure_eviction_refused_for_the_node_bound_ends_in_a_delete() {
+    let mut node = Node::new(vec![view("neighbour", "n", "", ""), view("nobudget", "none", "", "")]);
+    assert_eq!(node.enforcer.settings.pressure_blocked_timeout_ms, 60_000, "the default");
+    let all = refused_run(&mut node, 0, 90_000, &[30 * GI, 47 * GI]);
+    let gone = deletes(&all);
+    assert_eq!(gone.len(), 1, "{gone:?}");
+    let (ms, name, grace) = &gone[0];
+    assert_eq!((name.as_str(), *grace), ("nobudget", Some(5)));
+    assert!((60_000..=70_000).contains(ms), "deleted at {ms} ms, the first refusal at 0");
+    assert!(all.iter().all(|(_, a)| !matches!(a, Action::Evict { pod, .. } if &*pod.name == "neighbour")));
+    let note = all
+        .iter()
+        .find_map(|(_, a)| match a {
+            Action::Event { reason: Reason::Deleting, note, .. } => Some(note.clone()),
+            _ => None,
+        })
+        .expect("told");
+    assert!(note.contains("(the node's pressure blocked timeout: 60s): deleting the pod with 5s grace"), "{note}");
+    // Refused evictions before it: several, every one told.
+    assert!(evicted(&all.iter().map(|(_, a)| a.clone()).collect::<Vec<_>>()).len() >= 3);
+}
+
+/// #33: a budgeted pod above its guarantee whose pressure evictions are refused is deleted after its budget's
+/// own blockedEvictionTimeoutSeconds when it sets one, else after the node's bound; the record says Evicting
+/// with the time asked, so the budget counts it.
+#[test]
+fn a_budgeted_pods_refused_pressure_eviction_ends_after_its_own_timeout_or_the_nodes() {
+    for (own, after) in [(None, 60_000), (Some(10), 10_000)] {
+        let mut b = budgets();
+        b[0].spec.blocked_eviction_timeout_seconds = own;
+        let mut node = Node::with_budgets(vec![view("grower", "grower", "", ""), view("neighbour", "n", "", "")], &b);
+        // grower 38Gi of its 8Gi; the neighbour 39Gi of its 40Gi: 3Gi free.
+        let all = refused_run(&mut node, 0, 90_000, &[38 * GI, 39 * GI]);
+        let gone = deletes(&all);
+        assert_eq!(gone.len(), 1, "{own:?}: {gone:?}");
+        assert_eq!(gone[0].1, "grower");
+        assert!((after..=after + 10_000).contains(&gone[0].0), "{own:?}: deleted at {} ms", gone[0].0);
+        let recorded = all.iter().rev().find_map(|(_, a)| match a {
+            Action::Apply { pod, record, .. } if &*pod.name == "grower" => Some(record.clone()),
+            _ => None,
+        });
+        let recorded = recorded.expect("a record");
+        assert_eq!(recorded.state, BudgetState::Evicting);
+        assert!(recorded.eviction_requested_at.is_some());
+    }
+}
+
+/// #33: where tenants may write namespaced budgets (`--namespaced-budgets ClusterBound`), a tenant who writes
+/// `action: Warn` and `limit: 1Ti` for its own pod buys nothing under pressure: guaranteed nothing, it goes
+/// before the neighbour an administrator's cluster budget protects. Where only administrators write them
+/// (`Trusted`, the default), the same budget is honoured: nothing may be evicted, and the Node is told.
+#[test]
+fn a_tenant_written_budget_buys_no_immunity_under_pressure() {
+    let tenant: GpuMemoryBudget = serde_yaml::from_str(
+        "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: mine, namespace: team-a}\n\
+         spec: {selector: {matchLabels: {app: greedy}}, limit: 1Ti, action: Warn}",
+    )
+    .expect("budget");
+    let admin: gpubudget_common::ClusterGpuMemoryBudget = serde_yaml::from_str(
+        "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {name: admin}\n\
+         spec: {namespaceSelector: {}, selector: {matchLabels: {app: n}}, limit: 40Gi}",
+    )
+    .expect("cluster budget");
+    let table = || {
+        PodTable::from_index(
+            vec![view("greedy", "greedy", "", ""), view("neighbour", "n", "", "")],
+            &crate::attribute::budgets::BudgetIndex::of([&tenant]),
+            &crate::attribute::budgets::ClusterIndex::of([&admin], []),
+            Some(NODE),
+        )
+    };
+    // greedy 47Gi under its tenant's 1Ti Warn budget; the neighbour 30Gi of its administrator's 40Gi: 3Gi free.
+    let bytes = [47 * GI, 30 * GI];
+    let mut trusted = Node::new(vec![]);
+    trusted.table = table();
+    let all: Vec<Action> = (0..8).flat_map(|k| trusted.tick(k * 250, &bytes, 0)).collect();
+    assert!(evicted(&all).is_empty(), "{all:#?}");
+    assert_eq!(node_events(&all), [NodeReason::Pressure, NodeReason::Overcommitted]);
+    let mut bound = Node::new(vec![]);
+    bound.enforcer.settings.namespaced_budgets = crate::decide::pressure::NamespacedBudgets::ClusterBound;
+    bound.table = table();
+    let all: Vec<Action> = (0..8).flat_map(|k| bound.tick(k * 250, &bytes, 0)).collect();
+    assert_eq!(evicted(&all), [("greedy".to_owned(), Some(5))]);
+    let note = note_of(&all, Reason::Evicting).expect("told");
+    assert!(note.contains("namespacedBudgets=ClusterBound"), "{note}");
+    // The neighbour, within its administrator's budget, is never chosen, whatever the pressure.
+    let later: Vec<Action> = (8..40).flat_map(|k| bound.tick(k * 250, &[0, 39 * GI], 38 * GI)).collect();
+    assert!(evicted(&later).is_empty(), "{later:#?}");
 }
