@@ -336,8 +336,14 @@ impl GpuMemoryBudget {
     }
 }
 
-/// The most namespaces listed in a quota's `status.namespaces`.
-pub const QUOTA_NAMESPACES_MAX: usize = 100;
+/// The namespaces listed with their top pods in a quota's `status.namespaces`; after them, only namespaces
+/// with something to remember (over or near, time banked, an eviction under way), without their pods.
+pub const QUOTA_NAMESPACES_DETAILED: usize = 100;
+/// The most namespaces a quota's `status.namespaces` holds (#33: every namespace over or near keeps its
+/// period, in turn, up to this many and [`QUOTA_STATUS_BYTES_MAX`]).
+pub const QUOTA_NAMESPACES_MAX: usize = 5_000;
+/// The most bytes (JSON) `status.namespaces` takes, well under the API server's 1.5 MiB per object.
+pub const QUOTA_STATUS_BYTES_MAX: usize = 1 << 20;
 /// The most pods listed per namespace in a quota's `status.namespaces[].topPods`.
 pub const QUOTA_TOP_PODS_MAX: usize = 5;
 
@@ -448,11 +454,17 @@ pub struct ClusterGpuMemoryQuotaStatus {
     /// The most recent eviction this quota caused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_eviction: Option<EvictionRecord>,
-    /// Per namespace, the total, the limit, the state and the top holders: namespaces over the limit or
-    /// with time banked first, then by total, highest first (at most 100).
+    /// Per namespace, the total, the limit, the state and the top holders: namespaces with an eviction under
+    /// way first, then those over or near the limit or with time banked, then by total, highest first. The
+    /// first 100 with their top pods; after them only namespaces with something to remember, without pods
+    /// (at most 5000, and 1 MiB).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    #[schemars(length(max = 100))]
+    #[schemars(length(max = 5000))]
     pub namespaces: Vec<NamespaceTotal>,
+    /// Namespaces with something to remember that did not fit in `namespaces` (past 5000 or 1 MiB): the
+    /// leader keeps their periods in memory only, and a new leader starts them afresh.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespaces_not_stored: Option<i64>,
     /// `Ready`: the spec is valid and enforced, or why not.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,

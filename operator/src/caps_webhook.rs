@@ -111,18 +111,39 @@ pub fn router(ctx: Arc<Context>) -> axum::Router {
     axum::Router::new().route(PATH, axum::routing::post(mutate)).with_state(ctx)
 }
 
-/// `POST /mutate-pod-caps`.
+/// How long a request waits for the budget caches to have listed before it is answered 503.
+pub const SYNC_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Whether the caches the decision reads (namespaced and cluster budgets, namespaces' labels) have listed,
+/// waiting [`SYNC_WAIT`] at most: the same event that makes the replica ready (#33).
+async fn caches_synced(ctx: &Context) -> bool {
+    let mut synced = ctx.synced_watch();
+    matches!(tokio::time::timeout(SYNC_WAIT, synced.wait_for(|s| *s)).await, Ok(Ok(_)))
+}
+
+/// `POST /mutate-pod-caps`. Never decided from caches that have not listed (an empty cache would admit every
+/// pod uncapped as if no budget asked for caps): until they have, `503 Service Unavailable`, which the API
+/// server treats as it treats an unreachable webhook (the chart's `failurePolicy`), as the replica's
+/// readiness already keeps the Service from sending it requests.
 pub async fn mutate(
     State(ctx): State<Arc<Context>>,
     Json(review): Json<AdmissionReview<DynamicObject>>,
-) -> Json<AdmissionReview<DynamicObject>> {
+) -> Result<Json<AdmissionReview<DynamicObject>>, (axum::http::StatusCode, &'static str)> {
+    if !caches_synced(&ctx).await {
+        ctx.metrics().caps_admitted("failed");
+        tracing::warn!("caps webhook: the budget caches have not listed yet; answering 503");
+        return Err((
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            "the gpubudget operator's budget caches have not listed yet",
+        ));
+    }
     let request: AdmissionRequest<DynamicObject> = match review.try_into() {
         Ok(request) => request,
         Err(error) => {
             tracing::warn!(%error, "caps webhook: malformed AdmissionReview; answering nothing to patch");
             ctx.metrics().caps_admitted("failed");
             // Without a request UID the API server cannot match the answer; `failurePolicy: Ignore` admits.
-            return Json(AdmissionResponse::invalid(error.to_string()).into_review());
+            return Ok(Json(AdmissionResponse::invalid(error.to_string()).into_review()));
         }
     };
     let namespace = request.namespace.clone().unwrap_or_default();
@@ -140,7 +161,7 @@ pub async fn mutate(
         Verdict::Failed(error) => tracing::warn!(%namespace, %pod, %error, "caps webhook: pod admitted unchanged"),
         Verdict::NoCaps | Verdict::NotPodCreate => {}
     }
-    Json(response.into_review())
+    Ok(Json(response.into_review()))
 }
 
 /// Publishes a `CapsSet` event on the budget, in the background (admission does not wait for it). On the

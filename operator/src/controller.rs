@@ -78,6 +78,8 @@ pub struct Settings {
     pub max_backoff: Duration,
     /// This replica, for events (`reportingInstance`).
     pub instance: Option<String>,
+    /// The namespaces whose critical-priority pods are never evicted for a namespace total (#33).
+    pub critical_namespaces: gpubudget_common::CriticalNamespaces,
 }
 
 impl Default for Settings {
@@ -87,6 +89,7 @@ impl Default for Settings {
             pod_field_selector: Some(ACTIVE_PODS.to_owned()),
             concurrency: 16,
             resync: Duration::from_secs(600),
+            critical_namespaces: gpubudget_common::CriticalNamespaces::default(),
             min_backoff: Duration::from_millis(250),
             max_backoff: Duration::from_secs(300),
             instance: None,
@@ -593,7 +596,7 @@ async fn watch_pods(
                     Affected::new()
                 }
                 Event::InitApply(meta) | Event::Apply(meta) => {
-                    meta.info().map(|info| index.apply_pod(info)).unwrap_or_default()
+                    meta.info(&ctx.settings.critical_namespaces).map(|info| index.apply_pod(info)).unwrap_or_default()
                 }
                 Event::Delete(meta) => ObjKey::of(&meta.metadata).map(|k| index.delete_pod(&k)).unwrap_or_default(),
                 Event::InitDone => {

@@ -247,12 +247,17 @@ pub struct PodMeta {
 }
 
 impl PodMeta {
-    /// What the operator keeps of this pod; `None` without a name or namespace.
-    pub fn info(&self) -> Option<PodInfo> {
+    /// What the operator keeps of this pod; `None` without a name or namespace. Critical priority exempts it
+    /// only in the namespaces `critical` lists (#33).
+    pub fn info(&self, critical: &gpubudget_common::CriticalNamespaces) -> Option<PodInfo> {
         PodInfo::from_meta(&self.metadata).map(|info| PodInfo {
             gpu: self.gpu.as_slice().into(),
             started_ms: self.started_ms.or(info.started_ms),
-            exempt: if self.critical { Some(Exempt::Critical) } else { info.exempt },
+            exempt: if self.critical && critical.exempts(&info.namespace) {
+                Some(Exempt::Critical)
+            } else {
+                info.exempt
+            },
             grace_seconds: self.grace_seconds,
             ..info
         })
@@ -475,6 +480,7 @@ impl<'de> serde::Deserialize<'de> for ContractAnnotations {
 mod tests {
     use super::*;
     use gpubudget_common::BudgetState;
+    use gpubudget_common::CriticalNamespaces;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
 
     #[test]
@@ -590,7 +596,7 @@ mod tests {
             "status": {"phase": "Running", "containerStatuses": [{"name": "main", "ready": true}]},
         });
         let meta: PodMeta = serde_json::from_value(wire).expect("parses");
-        let info = meta.info().expect("named");
+        let info = meta.info(&CriticalNamespaces::default()).expect("named");
         let gpu: Vec<(&str, u32)> = info.gpu.iter().map(|g| (g.name.as_str(), g.devices)).collect();
         assert_eq!(gpu, [("warm", 1), ("main", 2)], "init containers first; the CPU-only container dropped");
         assert_eq!(info.gpu[0].mps_limit, Some(caps::EnvValue::FromSource));
@@ -609,14 +615,24 @@ mod tests {
             "spec": {"priorityClassName": "system-node-critical", "terminationGracePeriodSeconds": 90, "containers": []},
             "status": {"startTime": "2026-11-25T00:00:02Z"},
         });
-        let info = serde_json::from_value::<PodMeta>(wire).expect("parses").info().expect("named");
+        let meta = serde_json::from_value::<PodMeta>(wire).expect("parses");
+        let listed: CriticalNamespaces = "kube-system,ns".parse().expect("valid");
+        let info = meta.info(&listed).expect("named");
         assert_eq!(info.started_ms, Some(1_795_564_802_000));
         assert_eq!((info.exempt, info.grace_seconds), (Some(Exempt::Critical), Some(90)));
+        // #33: critical priority in a namespace the administrator does not list exempts nothing (the mirror
+        // annotation still does).
+        let info = meta.info(&CriticalNamespaces::default()).expect("named");
+        assert_eq!(info.exempt, Some(Exempt::Static));
+        let mut plain = meta.clone();
+        plain.metadata.annotations = None;
+        assert_eq!(plain.info(&CriticalNamespaces::default()).expect("named").exempt, None);
+        assert_eq!(plain.info(&listed).expect("named").exempt, Some(Exempt::Critical));
         let wire = serde_json::json!({
             "metadata": {"name": "p", "namespace": "ns", "creationTimestamp": "2026-11-25T00:00:00Z",
                          "annotations": {"kubernetes.io/config.mirror": "abc"}},
         });
-        let info = serde_json::from_value::<PodMeta>(wire).expect("parses").info().expect("named");
+        let info = serde_json::from_value::<PodMeta>(wire).expect("parses").info(&listed).expect("named");
         assert_eq!((info.started_ms, info.exempt), (Some(1_795_564_800_000), Some(Exempt::Static)));
     }
 

@@ -51,6 +51,10 @@ pub struct RunArgs {
     /// Log format.
     #[arg(long, env = "GPUBUDGET_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// The namespaces whose critical-priority pods (system-node-critical, system-cluster-critical) are never
+    /// evicted for a namespace total, comma-separated; empty: none. Elsewhere critical priority exempts nothing.
+    #[arg(long, env = "GPUBUDGET_CRITICAL_NAMESPACES", default_value = "kube-system")]
+    pub critical_namespaces: gpubudget_common::CriticalNamespaces,
     /// Budgets reconciled (and their statuses written) at once. The API server's write rate bounds how fast
     /// every status is written after a start (docs/performance.md, "Scale table").
     #[arg(long, env = "GPUBUDGET_STATUS_CONCURRENCY", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=256))]
@@ -111,7 +115,12 @@ async fn serve(args: RunArgs) -> anyhow::Result<i32> {
             leader::run(client.clone(), election, leader_tx.clone(), health.clone(), shutdown.clone()),
         ));
     }
-    let settings = Settings { instance: Some(identity), concurrency: args.status_concurrency, ..Settings::default() };
+    let settings = Settings {
+        instance: Some(identity),
+        concurrency: args.status_concurrency,
+        critical_namespaces: args.critical_namespaces.clone(),
+        ..Settings::default()
+    };
     let ctx = Arc::new(Context::new(client.clone(), metrics, leader_rx, settings));
     if let Some(addr) = args.webhook_addr {
         let app = eviction_check::router(PodLookup::new(client.clone())).merge(caps_webhook::router(ctx.clone()));

@@ -194,6 +194,31 @@ async fn the_webhook_caps_from_the_controllers_cache_and_reports_it() {
     server.await.expect("joins").expect("serves cleanly");
 }
 
+/// #33: the caps webhook never decides from caches that have not listed. While the API is slow to list, a
+/// request waits a bounded time and is answered 503 (the chart's failurePolicy then applies, as for an
+/// unreachable replica) and the replica is not ready; once the caches have listed, it caps.
+#[tokio::test(start_paused = true)]
+async fn the_caps_webhook_answers_only_from_synced_caches() {
+    use axum::extract::State;
+    let fake = FakeApi::new();
+    budget(&fake, "team-a", "llm", "8Gi", "Enabled");
+    fake.set_latency(Duration::from_secs(120));
+    let op = Operator::start(&fake, true);
+    let review = || serde_json::from_value(create_review("team-a")).expect("a review");
+    let early = caps_webhook::mutate(State(op.ctx.clone()), axum::Json(review())).await;
+    assert_eq!(early.err().map(|e| e.0), Some(axum::http::StatusCode::SERVICE_UNAVAILABLE));
+    assert!(!op.health.is_ready(), "readiness agrees: not ready");
+    fake.set_latency(Duration::ZERO);
+    assert!(
+        fake.wait_until(Duration::from_secs(300), |_| *op.ctx.synced_watch().borrow()).await,
+        "the caches list once the API answers"
+    );
+    let answer = caps_webhook::mutate(State(op.ctx.clone()), axum::Json(review())).await.expect("answered");
+    let answer = serde_json::to_value(answer.0).expect("json");
+    assert_eq!(answer["response"]["patchType"], "JSONPatch", "{answer}");
+    op.stop().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_leader_without_election_keeps_running_and_labelling() {
     // Without election the leadership sender may be dropped at once (it cannot change): the labeller must not

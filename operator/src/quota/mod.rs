@@ -25,8 +25,8 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use gpubudget_common::crd::{
-    ClusterGpuMemoryQuotaStatus, EvictionRecord, NamespaceTotal, PendingEviction, QUOTA_NAMESPACES_MAX,
-    QUOTA_TOP_PODS_MAX, TopPod,
+    ClusterGpuMemoryQuotaStatus, EvictionRecord, NamespaceTotal, PendingEviction, QUOTA_NAMESPACES_DETAILED,
+    QUOTA_NAMESPACES_MAX, QUOTA_STATUS_BYTES_MAX, QUOTA_TOP_PODS_MAX, TopPod,
 };
 use gpubudget_common::eviction::eviction_body;
 use gpubudget_common::quantity::HumanBytes;
@@ -251,20 +251,21 @@ pub fn compute(
                 .collect(),
         };
         // A namespace with nothing held and nothing to remember is left out.
-        let remembers = entry.over_millis > 0 || entry.pending_eviction.is_some() || entry.state != BudgetState::Within;
-        if entry.total_bytes > 0 || remembers {
+        if entry.total_bytes > 0 || remembers(&entry) {
             entries.push(entry);
         }
     }
     out.status.namespaces_selected = i64::try_from(entries.iter().filter(|e| e.total_bytes > 0).count()).unwrap_or(0);
     out.status.namespaces_over = i64::try_from(entries.iter().filter(|e| e.state.is_over()).count()).unwrap_or(0);
-    // What must be remembered first (over, time banked, an eviction under way), then the largest totals.
+    // An eviction under way first, then what must be remembered (over or near, time banked), then the largest
+    // totals.
     entries.sort_by(|a, b| {
-        let urgent = |e: &NamespaceTotal| e.pending_eviction.is_some() || e.over_millis > 0 || e.state.is_over();
-        urgent(b).cmp(&urgent(a)).then(b.total_bytes.cmp(&a.total_bytes)).then_with(|| a.namespace.cmp(&b.namespace))
+        let rank = |e: &NamespaceTotal| (e.pending_eviction.is_some(), remembers(e));
+        rank(b).cmp(&rank(a)).then(b.total_bytes.cmp(&a.total_bytes)).then_with(|| a.namespace.cmp(&b.namespace))
     });
-    entries.truncate(QUOTA_NAMESPACES_MAX);
-    out.status.namespaces = entries;
+    let (stored, not_stored) = stored_entries(entries);
+    out.status.namespaces = stored;
+    out.status.namespaces_not_stored = (not_stored > 0).then(|| i64::try_from(not_stored).unwrap_or(i64::MAX));
     out.status.conditions = vec![ready(
         previous,
         "True",
@@ -276,6 +277,36 @@ pub fn compute(
         now,
     )];
     out
+}
+
+/// Whether a namespace's entry holds something a later pass (or a new leader) needs: over or near the
+/// limit, time banked, an eviction under way.
+fn remembers(entry: &NamespaceTotal) -> bool {
+    entry.over_millis > 0 || entry.pending_eviction.is_some() || entry.state != BudgetState::Within
+}
+
+/// What of the sorted entries the status keeps (#33): the first [`QUOTA_NAMESPACES_DETAILED`] whole; after
+/// them, every entry with something to remember, without its pods, up to [`QUOTA_NAMESPACES_MAX`] entries
+/// and [`QUOTA_STATUS_BYTES_MAX`] bytes; and how many entries with something to remember did not fit. Linear
+/// in the entries.
+fn stored_entries(entries: Vec<NamespaceTotal>) -> (Vec<NamespaceTotal>, usize) {
+    let (mut stored, mut bytes, mut not_stored) = (Vec::new(), 0usize, 0usize);
+    for (i, mut entry) in entries.into_iter().enumerate() {
+        if i >= QUOTA_NAMESPACES_DETAILED {
+            if !remembers(&entry) {
+                continue;
+            }
+            entry.top_pods.clear();
+        }
+        let size = serde_json::to_vec(&entry).map_or(usize::MAX, |v| v.len() + 1);
+        if stored.len() >= QUOTA_NAMESPACES_MAX || bytes.saturating_add(size) > QUOTA_STATUS_BYTES_MAX {
+            not_stored += usize::from(remembers(&entry));
+            continue;
+        }
+        bytes += size;
+        stored.push(entry);
+    }
+    (stored, not_stored)
 }
 
 /// Whether two statuses say the same, the last sample's time aside (it changes every pass; writing only
@@ -560,7 +591,7 @@ mod tests {
             (0..150).map(|i| (format!("ns-{i:03}"), vec![pod("p", 0, GI + i)])).collect();
         pods.insert("zz-over".into(), (0..6).map(|i| pod(&format!("p{i}"), i, 2 * GI)).collect());
         let first = compute(&q, &pods, &ClusterGpuMemoryQuotaStatus::default(), 1_000_000);
-        assert_eq!(first.status.namespaces.len(), QUOTA_NAMESPACES_MAX);
+        assert_eq!(first.status.namespaces.len(), QUOTA_NAMESPACES_DETAILED);
         assert_eq!(
             (first.status.namespaces_selected, first.status.namespaces_over),
             (151, 1),
@@ -584,6 +615,70 @@ mod tests {
         assert_eq!((pending.pod.as_str(), pending.requested_at.as_str()), ("p5", "1970-01-01T00:17:10Z"));
         assert_eq!(remembered(&third.status.namespaces[0]).pending.map(|p| p.requested_at_ms), Some(1_030_000));
         assert!(same_but_for_sample_times(&third.status, &compute(&q, &pods, &third.status, 1_031_000).status));
+    }
+
+    /// #33: with 1 000 namespaces over at once (and 500 near), every one keeps its banked time across passes
+    /// and is evicted in turn when due, a near one's event is sent once, and the status stays well under the
+    /// API server's object size limit.
+    #[test]
+    fn a_thousand_namespaces_over_at_once_each_keep_their_period_and_are_evicted() {
+        let q = quota(serde_json::json!({"limit": "10Gi", "overLimitSeconds": 30, "warnAtPercent": 90}));
+        let mut pods: BTreeMap<String, Vec<QuotaPod>> = (0..1_000)
+            .map(|i| (format!("over-{i:04}"), (0..6).map(|p| pod(&format!("p{p}"), p, 2 * GI)).collect()))
+            .collect();
+        pods.extend((0..500).map(|i| (format!("near-{i:03}"), vec![pod("p", 0, 9_500 << 20)])));
+        pods.extend((0..2_000).map(|i| (format!("calm-{i:04}"), vec![pod("p", 0, GI)])));
+        let mut status = ClusterGpuMemoryQuotaStatus::default();
+        let mut near_notices = 0;
+        let mut evicting = BTreeMap::new();
+        for pass in 0..=6u64 {
+            let out = compute(&q, &pods, &status, 1_000_000 + pass * 5_000);
+            near_notices += out.notices.iter().filter(|(ns, _)| ns.starts_with("near-")).count();
+            for a in &out.actions {
+                *evicting.entry(a.namespace.clone()).or_insert(0) += 1;
+            }
+            let bytes = serde_json::to_vec(&out.status).expect("json").len();
+            assert!(bytes < 3 * (1 << 19), "pass {pass}: {bytes} bytes");
+            assert_eq!(out.status.namespaces_not_stored, None);
+            assert_eq!(out.status.namespaces.len(), 1_500, "every namespace with something to remember");
+            status = out.status;
+        }
+        let banked: Vec<i64> =
+            status.namespaces.iter().filter(|n| n.namespace.starts_with("over-")).map(|n| n.over_millis).collect();
+        assert_eq!(banked.len(), 1_000);
+        assert_eq!(near_notices, 500, "each near namespace told once, not every pass");
+        assert_eq!(evicting.len(), 1_000, "every namespace over evicted in turn");
+        assert!(evicting.values().all(|n| *n == 1), "once each while the first is pending");
+        assert!(
+            status.namespaces.iter().filter(|n| n.namespace.starts_with("over-")).all(|n| n.pending_eviction.is_some())
+        );
+    }
+
+    /// #33: past the byte bound, entries with something to remember are counted as not stored, never dropped
+    /// silently.
+    #[test]
+    fn what_does_not_fit_is_counted_never_dropped_silently() {
+        let long = |i: usize| format!("{}-{i:05}", "n".repeat(50));
+        let entries: Vec<NamespaceTotal> = (0..QUOTA_NAMESPACES_MAX + 10)
+            .map(|i| NamespaceTotal {
+                namespace: long(i),
+                state: BudgetState::Evicting,
+                over_millis: 1,
+                pending_eviction: Some(PendingEviction {
+                    pod: long(i),
+                    uid: "0123456789abcdef0123456789abcdef0123".into(),
+                    node: Some(long(i)),
+                    requested_at: "2026-11-26T00:00:00Z".into(),
+                    usage_bytes: 1,
+                    accepted: false,
+                }),
+                ..NamespaceTotal::default()
+            })
+            .collect();
+        let (stored, not_stored) = stored_entries(entries);
+        assert!(stored.len() < QUOTA_NAMESPACES_MAX && not_stored > 10, "{} stored", stored.len());
+        assert_eq!(stored.len() + not_stored, QUOTA_NAMESPACES_MAX + 10);
+        assert!(serde_json::to_vec(&stored).expect("json").len() <= QUOTA_STATUS_BYTES_MAX + stored.len());
     }
 
     #[test]
