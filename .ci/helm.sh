@@ -155,10 +155,11 @@ AGENT_ENV = {"NODE_NAME", "GPUBUDGET_PROC_ROOT", "GPUBUDGET_INTERVAL", "GPUBUDGE
              "GPUBUDGET_SAMPLE_FILE", "GPUBUDGET_LOG_FORMAT", "RUST_LOG",
              "GPUBUDGET_PRESSURE_HARD", "GPUBUDGET_PRESSURE_SOFT", "GPUBUDGET_PRESSURE_SOFT_GRACE",
              "GPUBUDGET_PRESSURE_TRANSITION", "GPUBUDGET_PRESSURE_GRACE_SECONDS", "GPUBUDGET_UNBUDGETED_PODS",
+             "GPUBUDGET_PRESSURE_BLOCKED_TIMEOUT", "GPUBUDGET_NAMESPACED_BUDGETS", "GPUBUDGET_CRITICAL_NAMESPACES",
              "GPUBUDGET_USAGE_WRITE_INTERVAL", "GPUBUDGET_USAGE_WRITE_CHANGE_PERCENT",
              "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
 OPERATOR_ENV = {"POD_NAME", "POD_NAMESPACE", "GPUBUDGET_ADMIN_ADDR", "GPUBUDGET_LEADER_ELECTION",
-                "GPUBUDGET_LEASE_NAME", "GPUBUDGET_WEBHOOK_ADDR", "GPUBUDGET_WEBHOOK_CERT_DIR",
+                "GPUBUDGET_LEASE_NAME", "GPUBUDGET_CRITICAL_NAMESPACES", "GPUBUDGET_WEBHOOK_ADDR", "GPUBUDGET_WEBHOOK_CERT_DIR",
                 "GPUBUDGET_LOG_FORMAT", "RUST_LOG"}
 EXTRA = {"EXAMPLE"}  # extraEnv in ci/all-features-values.yaml
 METRICS = {"gpubudget_pod_gpu_memory_bytes", "gpubudget_pod_budget_bytes", "gpubudget_pod_state",
@@ -196,6 +197,14 @@ for name in ("default", "all-features", "no-node-restriction", "no-webhooks"):
     check(set(aenv) - EXTRA <= AGENT_ENV, f"{name}: agent env not in the contract: {set(aenv) - EXTRA - AGENT_ENV}")
     check(set(oenv) - EXTRA <= OPERATOR_ENV, f"{name}: operator env not in the contract: {set(oenv) - EXTRA - OPERATOR_ENV}")
     check(aenv["NODE_NAME"].get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName", f"{name}: NODE_NAME from spec.nodeName")
+    # #33: tenants who may write budgets (rbac.budgetsEdit) make the agents treat them as tenant-written; both
+    # binaries read the same critical namespaces.
+    edit = any(d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-budgets-edit") for d in docs)
+    want = "ClusterBound" if edit else "Trusted"
+    check(aenv["GPUBUDGET_NAMESPACED_BUDGETS"]["value"] == want, f"{name}: GPUBUDGET_NAMESPACED_BUDGETS is {want} (budgets-edit role: {edit})")
+    check(aenv["GPUBUDGET_CRITICAL_NAMESPACES"]["value"] == oenv["GPUBUDGET_CRITICAL_NAMESPACES"]["value"], f"{name}: one list of critical namespaces")
+    if name == "all-features":
+        check(edit, "all-features: the budgets-edit role is rendered")
     check(oenv["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", f"{name}: POD_NAME")
     check(oenv["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace", f"{name}: POD_NAMESPACE")
     check(aenv["NVIDIA_VISIBLE_DEVICES"]["value"] == "all" and aenv["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "utility", f"{name}: NVIDIA env")
@@ -331,6 +340,8 @@ def granted(docs, lease):
             continue
         if d["metadata"].get("labels", {}).get("rbac.authorization.k8s.io/aggregate-to-view") == "true":
             component = "view"
+        elif d["metadata"].get("labels", {}).get("rbac.authorization.k8s.io/aggregate-to-edit") == "true":
+            component = "edit"
         else:
             component = "agent" if "-agent" in d["metadata"]["name"] else "operator"
         for rule in d["rules"]:
