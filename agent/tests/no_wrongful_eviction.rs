@@ -8,7 +8,8 @@
 //! annotations on themselves. An independent oracle, written from the promises of issue 7 and not from
 //! the code, checks every `Evict`:
 //!
-//! - the pod is bound to this node, not critical, not terminating, and its budget (the smallest limit
+//! - the pod is bound to this node, not critical in a namespace the administrator lists (#33: half the traces
+//!   list the pods' namespace), not terminating, and its budget (the smallest limit
 //!   among those selecting it, computed by the oracle) says `action: Evict`;
 //! - the promise of `common::state` (#11: dips no longer reset the timer): the sample the eviction follows
 //!   was over the limit in force, and for some earlier sample `s` of the running agent, the time over the
@@ -195,6 +196,18 @@ struct World {
     /// The last table built, and what it was built from (rebuilt only when that changes, as the agent
     /// does).
     cache: Option<(Vec<PodView>, Vec<BudgetModel>, Arc<PodTable>)>,
+    /// Whether the administrator lists the pods' namespace (team-a) as critical (#33): only then does
+    /// critical priority exempt them.
+    critical_listed: bool,
+}
+
+/// The agent's settings: team-a among the critical namespaces or not.
+fn settings(critical_listed: bool) -> Settings {
+    let mut settings = Settings::new(NODE);
+    if critical_listed {
+        settings.critical_namespaces = "kube-system,team-a".parse().expect("valid");
+    }
+    settings
 }
 
 fn fail(world: &World, why: String) -> TestCaseError {
@@ -206,11 +219,13 @@ impl World {
     fn new(seed: u64) -> Self {
         let mut rng = Rng(seed);
         let budgets = (0..1 + rng.below(3)).map(|i| BudgetModel::random(&mut rng, format!("b{i}"))).collect();
+        let critical_listed = rng.chance(50);
         let mut world = Self {
             rng,
             budgets,
             pods: Vec::new(),
-            enforcer: Enforcer::new(Settings::new(NODE)),
+            enforcer: Enforcer::new(settings(critical_listed)),
+            critical_listed,
             seen: HashMap::new(),
             pending: Vec::new(),
             in_flight: HashMap::new(),
@@ -334,7 +349,7 @@ impl World {
                 if self.pods.is_empty() {
                     self.add_pod();
                 }
-                self.enforcer = Enforcer::new(Settings::new(NODE));
+                self.enforcer = Enforcer::new(settings(self.critical_listed));
                 self.seen.clear();
                 self.in_flight.clear();
                 self.mono = self.rng.below(1000);
@@ -482,7 +497,9 @@ impl World {
             let verdict = match budget {
                 None => Err("no budget selects it".to_owned()),
                 Some(b) if !b.evict => Err(format!("its budget {} is action: Warn", b.name)),
-                Some(_) if pod.critical => Err("it is critical".to_owned()),
+                Some(_) if pod.critical && self.critical_listed => {
+                    Err("it is critical in a listed namespace".to_owned())
+                }
                 Some(_) if pod.terminating => Err("it is terminating".to_owned()),
                 Some(_) if pod.node.as_deref() != Some(NODE) => Err(format!("it is on node {:?}", pod.node)),
                 Some(b) if !over => Err(format!("usage {} is not over {}", pod.usage, b.limit)),

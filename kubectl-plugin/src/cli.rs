@@ -65,4 +65,9 @@ pub struct TopArgs {
 pub struct WhyArgs {
     /// The pod's name (`pod/NAME` works too); it may be gone.
     pub pod: String,
+    /// The namespaces whose critical-priority pods gpubudget never evicts: the chart's `criticalNamespaces`
+    /// (comma-separated; the agents' `GPUBUDGET_CRITICAL_NAMESPACES`). Elsewhere critical priority exempts
+    /// nothing.
+    #[arg(long, env = "GPUBUDGET_CRITICAL_NAMESPACES", default_value = "kube-system")]
+    pub critical_namespaces: gpubudget_common::CriticalNamespaces,
 }

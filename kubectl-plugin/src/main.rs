@@ -119,6 +119,7 @@ async fn run(cli: Cli) -> Result<String, Error> {
                 events: &events,
                 now,
                 warnings,
+                critical_namespaces: &args.critical_namespaces,
             })
             .map_err(|why::NotFound| Error::PodNotFound { namespace: namespace.clone(), name: name.to_owned() })?;
             Ok(match cli.output {

@@ -8,7 +8,8 @@ use gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX;
 use gpubudget_common::pod_record::PodRecord;
 use gpubudget_common::quantity::HumanBytes;
 use gpubudget_common::{
-    Budget, BudgetAction, BudgetState, ClusterGpuMemoryBudget, GpuMemoryBudget, is_critical, resolve,
+    Budget, BudgetAction, BudgetState, ClusterGpuMemoryBudget, CriticalNamespaces, GpuMemoryBudget, is_critical,
+    resolve,
 };
 use jiff::{SignedDuration, Timestamp};
 use k8s_openapi::api::core::v1::{Event, Pod};
@@ -46,6 +47,8 @@ pub struct WhyInput<'a> {
     pub now: Timestamp,
     /// What the caller could not read.
     pub warnings: Vec<String>,
+    /// The namespaces whose critical-priority pods are never evicted (`--critical-namespaces`, #33).
+    pub critical_namespaces: &'a CriticalNamespaces,
 }
 
 /// Neither the pod, nor an event about it, nor a budget's last eviction of it: nothing to answer from.
@@ -65,14 +68,21 @@ fn until(now: Timestamp, at: Timestamp) -> String {
     if s > 0 { format!("in {}", human_duration(s)) } else { format!("{} ago", human_duration(-s)) }
 }
 
-fn never_evicted(pod: &Pod) -> Option<String> {
+/// Why the pod is never evicted, if it is; a critical-priority pod outside `critical` adds a warning saying it
+/// is enforced all the same (#33).
+fn never_evicted(pod: &Pod, critical: &CriticalNamespaces, warnings: &mut Vec<String>) -> Option<String> {
     let spec = pod.spec.as_ref();
     let class = spec.and_then(|s| s.priority_class_name.as_deref());
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
     if is_critical(class, spec.and_then(|s| s.priority)) {
-        return Some(format!(
-            "the pod is critical (priority class {}) and is never evicted",
-            class.unwrap_or("of system priority")
-        ));
+        if critical.exempts(namespace) {
+            return Some(format!(
+                "the pod is critical (priority class {}) in {namespace}, a namespace of criticalNamespaces \
+                 ({critical}, as --critical-namespaces says), and is never evicted",
+                class.unwrap_or("of system priority")
+            ));
+        }
+        warnings.push(critical.not_exempt_note().replacen("the pod", "this pod", 1));
     }
     pod.metadata.annotations.as_ref().is_some_and(|a| a.contains_key(MIRROR_ANNOTATION)).then(|| {
         "the pod is a static pod (evicting its mirror would delete only the mirror) and is never evicted".into()
@@ -114,8 +124,19 @@ fn budget_info(resource: Option<&GpuMemoryBudget>, name: &str, stored: Option<&s
 
 /// Answers `why` from what was read.
 pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
-    let WhyInput { namespace, name, pod, budgets, specs, cluster_budgets, namespace_labels, events, now, mut warnings } =
-        input;
+    let WhyInput {
+        namespace,
+        name,
+        pod,
+        budgets,
+        specs,
+        cluster_budgets,
+        namespace_labels,
+        events,
+        now,
+        mut warnings,
+        critical_namespaces,
+    } = input;
     let stored = |n: &str| specs.get(&(namespace.to_owned(), n.to_owned()));
     let uid = pod.and_then(|p| p.metadata.uid.clone());
     let rows = events::rows(events, uid.as_deref());
@@ -309,7 +330,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
     let budget = budget_name.as_deref().map(info);
     let limit = applying.map(|b| b.limit_bytes);
     let over_since = record.as_ref().filter(|r| r.state.is_over()).and_then(|_| events::over_since(&rows));
-    let never = never_evicted(pod);
+    let never = never_evicted(pod, critical_namespaces, &mut warnings);
     let deletion = pod.metadata.deletion_timestamp.as_ref().map(|t| t.0);
     let grace =
         applying.map(|b| b.eviction_grace_seconds(pod.spec.as_ref().and_then(|s| s.termination_grace_period_seconds)));

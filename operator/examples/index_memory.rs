@@ -72,7 +72,10 @@ fn main() -> anyhow::Result<()> {
                 "status": {"phase": "Running", "startTime": "2026-11-25T10:00:01Z"},
             });
             let meta: PodMeta = serde_json::from_value(pod)?;
-            index.apply_pod(meta.info().ok_or_else(|| anyhow::anyhow!("pod without a name"))?);
+            index.apply_pod(
+                meta.info(&gpubudget_common::CriticalNamespaces::default())
+                    .ok_or_else(|| anyhow::anyhow!("pod without a name"))?,
+            );
         }
     }
     let elapsed = started.elapsed();

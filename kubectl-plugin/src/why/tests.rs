@@ -61,8 +61,13 @@ fn input<'a>(pod: Option<&'a Pod>, budgets: Option<&'a [GpuMemoryBudget]>, event
         events,
         now: now(),
         warnings: Vec::new(),
+        critical_namespaces: &TEAM_A_CRITICAL,
     }
 }
+
+/// The fixtures' namespace listed as critical, as tests before #33 assumed.
+static TEAM_A_CRITICAL: std::sync::LazyLock<gpubudget_common::CriticalNamespaces> =
+    std::sync::LazyLock::new(|| "kube-system,team-a".parse().expect("valid"));
 
 fn overlapping() -> Vec<GpuMemoryBudget> {
     vec![
@@ -139,6 +144,18 @@ fn warn_budgets_critical_pods_and_within_are_never_evicted() {
     let r = why(input(Some(&critical), Some(&budgets), &[])).unwrap();
     assert_eq!(r.next.action, "Nothing");
     assert!(r.pod.never_evicted.as_deref().is_some_and(|n| n.contains("critical")), "{:?}", r.pod);
+    // #33: outside the namespaces the administrator lists, critical priority exempts nothing, and why says so.
+    let default = gpubudget_common::CriticalNamespaces::default();
+    let r = why(WhyInput { critical_namespaces: &default, ..input(Some(&critical), Some(&budgets), &[]) }).unwrap();
+    assert_eq!(r.pod.never_evicted, None);
+    assert_ne!(r.next.action, "Nothing", "{:?}", r.next);
+    assert!(
+        r.warnings
+            .iter()
+            .any(|w| w.contains("this pod has critical priority") && w.contains("criticalNamespaces: kube-system")),
+        "{:?}",
+        r.warnings
+    );
     let within = pod(Some(("Within", 1 << 30, "llm-inference")), json!({}), json!({}));
     let r = why(input(Some(&within), Some(&budgets), &[])).unwrap();
     assert_eq!(r.next.action, "Nothing");
