@@ -169,13 +169,15 @@ for pod in critical "$RELEASE-sys" labelled neighbour filler; do
 done
 # sample POD=BYTES...: the GPU's processes, written atomically as NVML would report them (80Gi GPU).
 sample() {
-  local procs="" kv
+  local procs="" kv used=0
   for kv in "$@"; do
     procs+="${procs:+, }{\"pid\": ${PID_OF[${kv%%=*}]}, \"used_bytes\": ${kv#*=}}"
+    used=$((used + ${kv#*=}))
   done
+  # memory_used_bytes: the device's figure, from which free memory (the pressure signal) is read.
   cat > "$WORK/sample.tmp" <<EOF
 {"version": 1, "gpus": [{"index": 0, "uuid": "GPU-e2e00000-0000-0000-0000-000000000033", "name": "replayed e2e GPU",
- "memory_total_bytes": 85899345920, "processes": [$procs]}]}
+ "memory_total_bytes": 85899345920, "memory_used_bytes": $used, "processes": [$procs]}]}
 EOF
   mv "$WORK/sample.tmp" "$WORK/sample.json"
 }
