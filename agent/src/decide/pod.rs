@@ -141,13 +141,24 @@ impl Context<'_> {
 
     /// The grace period of an eviction (or delete) of this pod: [`Budget::eviction_grace_seconds`].
     pub(in crate::decide) fn grace_seconds(&self) -> Option<i64> {
-        Some(self.budget.eviction_grace_seconds(self.view.termination_grace_seconds))
+        Some(self.eviction_grace())
+    }
+
+    /// [`Budget::eviction_grace_seconds`]; a budget only a tenant wrote
+    /// ([`NamespacedBudgets::ClusterBound`](super::pressure::NamespacedBudgets)) gets at most the 30 s cap: its
+    /// author cannot have its pod hold the memory for a day while it terminates (#33).
+    fn eviction_grace(&self) -> i64 {
+        let grace = self.budget.eviction_grace_seconds(self.view.termination_grace_seconds);
+        if self.tenant_only { grace.min(gpubudget_common::budget::DEFAULT_EVICTION_GRACE_CAP_SECONDS) } else { grace }
     }
 
     fn grace_text(&self) -> String {
-        let grace = self.budget.eviction_grace_seconds(self.view.termination_grace_seconds);
+        let grace = self.eviction_grace();
         let own = self.view.termination_grace_seconds.unwrap_or(30);
         match self.budget.eviction_grace_period_seconds {
+            Some(asked) if self.tenant_only && asked > grace => {
+                format!("{grace}s grace (the budget asks for {asked}s; capped for a budget only a tenant wrote)")
+            }
             Some(_) => format!("{grace}s grace"),
             None if grace == own => format!("the pod's {grace}s grace"),
             None => format!("{grace}s grace (the pod asks for {own}s; capped when the budget sets none)"),

@@ -535,3 +535,29 @@ fn a_tenant_written_budget_buys_no_immunity_under_pressure() {
     let later: Vec<Action> = (8..40).flat_map(|k| bound.tick(k * 250, &[0, 39 * GI], 38 * GI)).collect();
     assert!(evicted(&later).is_empty(), "{later:#?}");
 }
+
+/// #33: a budget only a tenant wrote (`ClusterBound`) cannot give its own pod a day of grace to hold the memory
+/// while it terminates: its eviction gets 30 s at most, and the event says so. An administrator's keeps its own.
+#[test]
+fn a_tenant_written_budget_cannot_buy_a_long_grace() {
+    let mut b = budgets();
+    b[0].spec.eviction_grace_period_seconds = Some(86_400);
+    b[0].spec.over_limit_seconds = 0;
+    for (policy, want) in [
+        (crate::decide::pressure::NamespacedBudgets::ClusterBound, 30),
+        (crate::decide::pressure::NamespacedBudgets::Trusted, 86_400),
+    ] {
+        let mut node = Node::with_budgets(vec![view("grower", "grower", "", "")], &b);
+        node.enforcer.settings.namespaced_budgets = policy;
+        // 9Gi of its 8Gi, the GPU far from pressure.
+        let all: Vec<Action> = (0..4).flat_map(|k| node.tick(k * 250, &[9 * GI], 0)).collect();
+        assert_eq!(evicted(&all), [("grower".to_owned(), Some(want))], "{policy:?}");
+        if want == 30 {
+            let note = note_of(&all, Reason::Evicting).expect("told");
+            assert!(
+                note.contains("30s grace (the budget asks for 86400s; capped for a budget only a tenant wrote)"),
+                "{note}"
+            );
+        }
+    }
+}
