@@ -238,7 +238,7 @@ mod tests {
         assert_eq!(mps_size("4G"), Some(4 << 30));
         assert_eq!(mps_size("512MB"), Some(512 << 20));
         assert_eq!(mps_size("6000M"), Some(6000 << 20));
-        assert_eq!(mps_size("1024"), Some(1024));
+        assert_eq!(mps_size("1024"), None, "bytes: the driver ignores them");
         assert_eq!(mps_size("lots"), None);
         assert_eq!(mps_meaning("GPU-1234=2G").0, Some(2 << 30));
         assert_eq!(mps_meaning("=2G").0, None);

@@ -65,7 +65,7 @@ fn a_pod_created_under_a_caps_budget_gets_the_variables_and_the_record() {
     let Verdict::Capped(record) = &verdict else { panic!("{verdict:?}") };
     assert_eq!(record.containers[0].env[MPS_LIMIT], Outcome::Kept, "the user's smaller value is kept");
     let pod = patched(&object, &response);
-    assert_eq!(env(&pod), [(MPS_LIMIT.into(), "0=2G".into()), (MEMORY_LIMIT.into(), "8192".into())]);
+    assert_eq!(env(&pod), [(MPS_LIMIT.into(), "0=2048M".into()), (MEMORY_LIMIT.into(), "8192".into())]);
     let annotation = pod["metadata"]["annotations"][ANNOTATION].as_str().expect("annotation");
     assert_eq!(&serde_json::from_str::<Record>(annotation).expect("record"), record);
     assert_eq!(verdict.label(), "capped");
