@@ -120,18 +120,24 @@ async fn status_counts_caps_from_the_environment_never_from_the_annotation() {
 }
 
 async fn post(addr: std::net::SocketAddr, body: &Value) -> Value {
-    let body = body.to_string();
+    let out = post_raw(addr, &body.to_string()).await;
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    serde_json::from_str(out.split("\r\n\r\n").nth(1).expect("a body")).expect("json")
+}
+
+/// The whole HTTP answer to a POST of `body`.
+async fn post_raw(addr: std::net::SocketAddr, body: &str) -> String {
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connects");
     let request = format!(
         "POST {} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         caps_webhook::PATH,
         body.len()
     );
-    stream.write_all(request.as_bytes()).await.expect("writes");
+    // A body the server refuses to read may close the connection before all of it is written.
+    let _ = stream.write_all(request.as_bytes()).await;
     let mut out = String::new();
-    stream.read_to_string(&mut out).await.expect("reads");
-    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
-    serde_json::from_str(out.split("\r\n\r\n").nth(1).expect("a body")).expect("json")
+    let _ = stream.read_to_string(&mut out).await;
+    out
 }
 
 fn create_review(ns: &str) -> Value {
@@ -192,6 +198,47 @@ async fn the_webhook_caps_from_the_controllers_cache_and_reports_it() {
     .await;
     op.stop().await;
     server.await.expect("joins").expect("serves cleanly");
+}
+
+/// #32 item 2: a tenant cannot stall the webhook. A 1.5 MB value is decided off the async workers and
+/// replaced; a body past the limit is refused unread (413); with no decision slot free the answer is 503 at
+/// once (the chart's failurePolicy Ignore admits the pod, counted uncapped), counted `saturated`.
+#[tokio::test]
+async fn the_webhook_is_bounded_and_answers_when_saturated() {
+    let fake = FakeApi::new();
+    budget(&fake, "team-a", "llm", "8Gi", "Enabled");
+    let op = Operator::start(&fake, true);
+    until(&fake, "the caches", |_| *op.ctx.synced_watch().borrow()).await;
+    let serve = |app: axum::Router| async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+        let addr = listener.local_addr().expect("addr");
+        (addr, tokio::spawn(eviction_check::serve_on(listener, None, app, op.shutdown.clone())))
+    };
+    let (addr, server) = serve(caps_webhook::router(op.ctx.clone())).await;
+    let mut review = create_review("team-a");
+    let huge: String = (0..200_000).map(|i| format!("{}=1024M,", i % 7)).collect();
+    review["request"]["object"]["spec"]["containers"][0]["env"] = json!([{"name": MPS_LIMIT, "value": huge}]);
+    let answer = post(addr, &review).await;
+    let bytes: Vec<u8> = serde_json::from_value(answer["response"]["patch"].clone()).expect("patch bytes");
+    let patch: Value = serde_json::from_slice(&bytes).expect("a JSON patch");
+    assert_eq!(patch[0]["value"], json!({"name": MPS_LIMIT, "value": "0=8192M,1=8192M"}));
+    let too_big = format!("{{\"pad\": \"{}\"}}", "x".repeat(caps_webhook::MAX_BODY));
+    let out = post_raw(addr, &too_big).await;
+    assert!(out.starts_with("HTTP/1.1 413"), "{}", &out[..out.len().min(200)]);
+
+    let (busy, busy_server) = serve(caps_webhook::router_with(op.ctx.clone(), 0, Duration::from_millis(20))).await;
+    let out = post_raw(busy, &create_review("team-a").to_string()).await;
+    assert!(out.starts_with("HTTP/1.1 503") && out.contains("saturated"), "{out}");
+    let saturated = op
+        .ctx
+        .metrics()
+        .caps_admissions
+        .get_or_create(&gpubudget_operator::metrics::ResultLabels { result: "saturated".into() })
+        .get();
+    assert_eq!(saturated, 1);
+    op.stop().await;
+    server.await.expect("joins").expect("serves cleanly");
+    busy_server.await.expect("joins").expect("serves cleanly");
 }
 
 #[tokio::test(start_paused = true)]
