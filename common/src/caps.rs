@@ -413,8 +413,8 @@ pub enum Ignored {
     Unseen {
         /// The entry.
         entry: u32,
-        /// The ordinal it names.
-        ordinal: u64,
+        /// The ordinal it names (`u32::MAX` for a larger one).
+        ordinal: u32,
         /// Devices the container sees.
         devices: u32,
     },
@@ -502,7 +502,7 @@ pub fn read_mps(value: &str, devices: u32) -> Result<MpsValue, Ignored> {
         if !canonical || !device.bytes().all(|b| b.is_ascii_digit()) {
             return Err(Ignored::Malformed(number));
         }
-        let ordinal: u64 = device.parse().unwrap_or(u64::MAX);
+        let ordinal: u32 = device.parse().unwrap_or(u32::MAX);
         let slot = usize::try_from(ordinal).ok().and_then(|o| out.per_device.get_mut(o));
         let Some(slot) = slot else { return Err(Ignored::Unseen { entry: number, ordinal, devices }) };
         *slot = Some(match *slot {
