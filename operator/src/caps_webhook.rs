@@ -19,7 +19,7 @@
 //!   ephemeral container is capped there as at creation ([`caps::admit_ephemeral`]); the record is not
 //!   touched (the API server keeps only the ephemeral containers of such an update).
 //! - A tenant cannot stall it (#32 item 2). The body is read only once a slot is free, up to
-//!   [`MAX_BODY`]; the CPU work (parsing the review, deciding, encoding the patch) runs on tokio's blocking
+//!   [`MAX_BODY`] and within [`BODY_WAIT`]; the CPU work (parsing the review, deciding, encoding the patch) runs on tokio's blocking
 //!   pool, at most [`SLOTS`] at a time, never on the async workers that serve the eviction check, the Lease
 //!   and the controllers. A request that finds no free slot within [`SLOT_WAIT`] is answered 503 at once:
 //!   the chart's `failurePolicy: Ignore` admits the pod unchanged, and the pod is counted uncapped
@@ -57,6 +57,9 @@ pub const MAX_BODY: usize = 8 << 20;
 pub const SLOTS: usize = 2;
 /// How long a request waits for a slot before it is answered 503 (the chart's `timeoutSeconds` is 2).
 pub const SLOT_WAIT: Duration = Duration::from_millis(500);
+/// How long the body may take to arrive once a slot is held (the API server sends it at once; a client
+/// trickling it must not hold a slot): then 408.
+pub const BODY_WAIT: Duration = Duration::from_secs(1);
 /// What an admission did, for the metric's `result` label.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {
@@ -187,13 +190,19 @@ async fn mutate(State(state): State<Arc<Admitter>>, request: Request) -> Respons
             return (StatusCode::SERVICE_UNAVAILABLE, "the caps webhook is saturated: try again").into_response();
         }
     };
-    let body = match axum::body::to_bytes(request.into_body(), MAX_BODY).await {
-        Ok(body) => body,
-        Err(error) => {
+    // A slot is held while the body arrives: a client trickling it would hold the slot, so it gets BODY_WAIT.
+    let body = match tokio::time::timeout(BODY_WAIT, axum::body::to_bytes(request.into_body(), MAX_BODY)).await {
+        Ok(Ok(body)) => body,
+        Ok(Err(error)) => {
             ctx.metrics().caps_admitted("failed");
             tracing::warn!(%error, "caps webhook: the request body cannot be read (over {MAX_BODY} bytes?)");
             return (StatusCode::PAYLOAD_TOO_LARGE, format!("the request body cannot be read: {error}"))
                 .into_response();
+        }
+        Err(_) => {
+            ctx.metrics().caps_admitted("failed");
+            tracing::warn!("caps webhook: the request body did not arrive within {BODY_WAIT:?}");
+            return (StatusCode::REQUEST_TIMEOUT, "the request body did not arrive in time").into_response();
         }
     };
     let decided = {

@@ -201,8 +201,8 @@ async fn the_webhook_caps_from_the_controllers_cache_and_reports_it() {
 }
 
 /// #32 item 2: a tenant cannot stall the webhook. A 1.5 MB value is decided off the async workers and
-/// replaced; a body past the limit is refused unread (413); with no decision slot free the answer is 503 at
-/// once (the chart's failurePolicy Ignore admits the pod, counted uncapped), counted `saturated`.
+/// replaced; a body past the limit is refused unread (413), one that does not arrive in time too (408); with
+/// no decision slot free the answer is 503 at once (the chart's failurePolicy Ignore admits the pod, counted uncapped), counted `saturated`.
 #[tokio::test]
 async fn the_webhook_is_bounded_and_answers_when_saturated() {
     let fake = FakeApi::new();
@@ -225,6 +225,17 @@ async fn the_webhook_is_bounded_and_answers_when_saturated() {
     let too_big = format!("{{\"pad\": \"{}\"}}", "x".repeat(caps_webhook::MAX_BODY));
     let out = post_raw(addr, &too_big).await;
     assert!(out.starts_with("HTTP/1.1 413"), "{}", &out[..out.len().min(200)]);
+
+    // A client trickling its body does not hold a slot: 408 after BODY_WAIT.
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connects");
+    let head = format!(
+        "POST {} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{\"apiV",
+        caps_webhook::PATH
+    );
+    stream.write_all(head.as_bytes()).await.expect("writes");
+    let mut out = String::new();
+    let read = tokio::time::timeout(caps_webhook::BODY_WAIT * 5, stream.read_to_string(&mut out)).await;
+    assert!(read.is_ok() && out.starts_with("HTTP/1.1 408"), "{out}");
 
     let (busy, busy_server) = serve(caps_webhook::router_with(op.ctx.clone(), 0, Duration::from_millis(20))).await;
     let out = post_raw(busy, &create_review("team-a").to_string()).await;
