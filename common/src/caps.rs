@@ -382,8 +382,8 @@ pub fn gpu_containers(pod: &Pod) -> Vec<Found<'_>> {
 // ---- the MPS variable, as the driver reads it ------------------------------------------------------------
 
 /// Why the driver ignores a whole `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` value (the process then runs
-/// uncapped). Measured on the H100, driver 580, with an MPS daemon (../shared/FIELD_NOTES.md); where the
-/// driver's reading was not measured, this module assumes the worst (ignored), so a value is never counted
+/// uncapped). Measured on an H100, driver 580.159.04, with an MPS daemon (2026-11-26; docs/operator.md); where
+/// the driver's reading was not measured, this module assumes the worst (ignored), so a value is never counted
 /// capped unless its every part was seen to be honoured. Entries are numbered from 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
 pub enum Ignored {

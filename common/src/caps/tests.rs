@@ -124,8 +124,8 @@ fn caps_are_whole_mib_rounded_down_and_need_the_opt_in() {
     assert_eq!(Caps::of(&budget("1000Ki", None, true)), None, "under 1 MiB cannot be written");
 }
 
-/// The measured table (H100, driver 580, an MPS daemon, a client asking 6 GiB under a ~3 GiB cap;
-/// ../shared/FIELD_NOTES.md): what the driver honours and what makes it ignore the whole value.
+/// The measured table (an H100, driver 580.159.04, an MPS daemon, a client asking 6 GiB in 1 GiB steps under a
+/// ~3 GiB cap, 2026-11-26): what the driver honours and what makes it ignore the whole value.
 pub(super) const HONOURED: &[&str] = &[
     "0=3072M",
     "0=3072m",
