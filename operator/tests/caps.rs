@@ -252,6 +252,53 @@ async fn the_webhook_is_bounded_and_answers_when_saturated() {
     busy_server.await.expect("joins").expect("serves cleanly");
 }
 
+/// #32 item 2: the decision runs off the async workers. On a runtime with a single worker thread, while a
+/// 6 MB review is being decided (well over 100 ms in a debug build), the same server answers another request
+/// (here the 503 of a full slot) before the big one is answered: a decision on the worker would block it.
+#[tokio::test(flavor = "current_thread")]
+async fn a_big_decision_does_not_block_the_async_worker() {
+    let fake = FakeApi::new();
+    budget(&fake, "team-a", "llm", "8Gi", "Enabled");
+    let op = Operator::start(&fake, true);
+    until(&fake, "the caches", |_| *op.ctx.synced_watch().borrow()).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let addr = listener.local_addr().expect("addr");
+    let app = caps_webhook::router_with(op.ctx.clone(), 1, Duration::ZERO);
+    let server = tokio::spawn(eviction_check::serve_on(listener, None, app, op.shutdown.clone()));
+
+    let mut review = create_review("team-a");
+    let pad = "x".repeat(1_500_000);
+    review["request"]["object"]["spec"]["containers"] = (0..4)
+        .map(|i| {
+            json!({"name": format!("c{i}"), "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                        "env": [{"name": "PAD", "value": pad}]})
+        })
+        .collect();
+    let body = review.to_string();
+    assert!(body.len() > 6_000_000 && body.len() < caps_webhook::MAX_BODY);
+    let mut big = tokio::net::TcpStream::connect(addr).await.expect("connects");
+    let head = format!(
+        "POST {} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        caps_webhook::PATH,
+        body.len()
+    );
+    big.write_all(head.as_bytes()).await.expect("writes");
+    big.write_all(body.as_bytes()).await.expect("writes");
+    let big = tokio::spawn(async move {
+        let mut out = String::new();
+        big.read_to_string(&mut out).await.expect("reads");
+        out
+    });
+    // The big one holds the only slot while it is decided: this one is answered 503 meanwhile.
+    let small = post_raw(addr, &create_review("team-a").to_string()).await;
+    assert!(small.starts_with("HTTP/1.1 503"), "{small}");
+    assert!(!big.is_finished(), "the small request was answered while the big one was being decided");
+    let big = big.await.expect("joins");
+    assert!(big.starts_with("HTTP/1.1 200"), "{}", &big[..big.len().min(200)]);
+    op.stop().await;
+    server.await.expect("joins").expect("serves cleanly");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_leader_without_election_keeps_running_and_labelling() {
     // Without election the leadership sender may be dropped at once (it cannot change): the labeller must not
