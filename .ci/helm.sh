@@ -277,11 +277,13 @@ for name in ("default", "all-features", "no-node-restriction", "no-webhooks"):
         check({b["spec"]["policyName"] for b in bindings} == {p["metadata"]["name"] for p in policies}, f"{name}: bindings name the policies")
     else:
         check(not policies and not bindings, f"{name}: no node restriction objects")
-    # Caps set at admission: pod CREATE only, scoped by the operator's namespace label, never in the way.
+    # Caps set at admission: pod CREATE and ephemeral containers added, scoped by the operator's namespace label,
+    # never in the way.
     if mutating:
         wh = mutating[0]["webhooks"][0]
         served(wh, "/mutate-pod-caps")
-        check(wh["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}], f"{name}: caps webhook rules")
+        check(wh["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"], "scope": "Namespaced"}, {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["pods/ephemeralcontainers"], "scope": "Namespaced"}], f"{name}: caps webhook rules (pod CREATE, ephemeral containers added)")
+        check(all(k in wh["matchConditions"][0]["expression"] for k in ("nvidia.com/mig-", "NVIDIA_VISIBLE_DEVICES", "ephemeralContainers", "claims")), f"{name}: caps webhook sees every way to a GPU")
         check(wh["namespaceSelector"] == {"matchLabels": {"gpubudget.io/admission-caps": "enabled"}}, f"{name}: caps webhook scoped by the operator's label")
         check(wh["failurePolicy"] == "Ignore" and wh["sideEffects"] == "NoneOnDryRun" and wh["reinvocationPolicy"] == "Never", f"{name}: caps webhook failure policy Ignore, side effects, no reinvocation")
         check(len(caps_policies) == 1 and len(caps_bindings) == 1 and caps_bindings[0]["spec"]["policyName"] == caps_policies[0]["metadata"]["name"], f"{name}: the caps record policy and its binding")

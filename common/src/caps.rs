@@ -1,25 +1,34 @@
-//! Caps set at admission: which containers of a pod use GPUs, which driver variables a budget gives
-//! them, how those merge with what the pod's author wrote, and whether a running pod's (immutable)
-//! environment holds it to its budget. Pure: the operator's webhook, its status and `kubectl gpubudget
-//! why` share it.
+//! Caps set at admission: which containers of a pod use GPUs and how many devices each sees, which driver
+//! variables a budget gives them, how those merge with what the pod's author wrote, and whether a running
+//! pod's (immutable) environment holds it to its budget. Pure: the operator's webhook, its status and
+//! `kubectl gpubudget why` share it.
 //!
 //! The variables (measured on the H100, driver 580, and read from NVIDIA's docs; docs/operator.md):
 //!
 //! - `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`: enforced by an MPS daemon **per client process**, per device, as
 //!   comma-separated `<device>=<amount>` entries (`0=8192M,1=8192M`), `<device>` the ordinal among the
-//!   devices the process sees or a GPU UUID. A bare amount without `<device>=` is silently ignored by the
-//!   driver, so this module always writes one entry per ordinal.
+//!   devices the process sees or a GPU UUID. The driver's reading is unforgiving and silent ([`read_mps`]):
+//!   one entry it cannot read, an amount in `K`, in bytes or of 0, or an entry for an ordinal the process
+//!   does not see, and it ignores **the whole variable** (the process runs uncapped). So this module writes
+//!   only the canonical form `<i>=<MiB>M` for exactly the ordinals `0..n` a container sees, and only when
+//!   it knows `n` ([`Devices`]).
 //! - `NVIDIA_GPU_MEMORY_LIMIT` / `NVIDIA_GPU_MEMORY_REQUEST`: MiB, read by the container toolkit's CDI hook
-//!   (driver R615 and later) and applied to the container's cgroup as hard and soft limits.
+//!   (driver R615 and later) and applied to the container's cgroup as hard and soft limits. Written as plain
+//!   positive decimal integers.
 //!
 //! Amounts are whole MiB, rounded down (`floor(bytes / 1 MiB)`), so a cap is never above the budget. Each
 //! GPU container gets the pod's whole limit: the MPS cap is per process, so a pod with several GPU
 //! containers (or processes) can still hold more than its budget together; the agent's eviction stays
 //! the backstop for that.
+//!
+//! Bounded and linear: a variable's value is read in one pass, and a value longer than [`MAX_ENV_VALUE`]
+//! (which Linux refuses at exec anyway) is never read: it is replaced, or for `NVIDIA_VISIBLE_DEVICES`
+//! makes the device count unknown.
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 
-use k8s_openapi::api::core::v1::{Container, EnvVar, Pod};
+use k8s_openapi::api::core::v1::{Container, EnvVar, EphemeralContainer, Pod, ResourceRequirements};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -31,13 +40,24 @@ pub const MPS_LIMIT: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
 pub const MEMORY_LIMIT: &str = "NVIDIA_GPU_MEMORY_LIMIT";
 /// The container toolkit's soft limit (MiB).
 pub const MEMORY_REQUEST: &str = "NVIDIA_GPU_MEMORY_REQUEST";
-/// The extended resources that make a container a GPU container; the count is how many devices it sees.
+/// The container runtime's list of devices to expose (`all`, indices, `GPU-`/`MIG-` UUIDs; `none`, `void`
+/// or empty: none).
+pub const VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
+/// The variables this module reads of a container's `env`.
+pub const VARIABLES: [&str; 4] = [MPS_LIMIT, MEMORY_LIMIT, MEMORY_REQUEST, VISIBLE_DEVICES];
+/// The extended resources that give a container whole or shared GPUs; the count is how many devices it sees.
 pub const GPU_RESOURCES: [&str; 2] = ["nvidia.com/gpu", "nvidia.com/gpu.shared"];
+/// The prefix of the MIG extended resources (`nvidia.com/mig-1g.10gb`): each counts as one device seen.
+pub const MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
 /// The pod annotation the webhook writes: what it did, as JSON ([`Record`]). A report only: status counts
 /// come from the environment, which nobody can change after creation.
 pub const ANNOTATION: &str = "gpubudget.io/caps";
-/// Devices written into the MPS variable at most (a larger count is treated as this many).
+/// Devices written into the MPS variable at most; a container seeing more has an unknown count.
 pub const MAX_DEVICES: u32 = 64;
+/// The longest variable value read, in bytes: Linux refuses one environment string over 128 KiB at exec
+/// (`MAX_ARG_STRLEN`, measured: "Argument list too long"), so no container that starts needs more. Longer
+/// values are never parsed.
+pub const MAX_ENV_VALUE: usize = 128 * 1024;
 
 const MIB: u64 = 1 << 20;
 
@@ -52,7 +72,7 @@ pub struct Caps {
 
 impl Caps {
     /// The caps of a budget with caps enabled; `None` when it has them disabled or its limit is under
-    /// 1 MiB (a cap of 0 cannot be written: the toolkit would read it as no limit).
+    /// 1 MiB (a cap of 0 cannot be written: the driver ignores it, the toolkit reads it as no limit).
     pub fn of(budget: &Budget) -> Option<Self> {
         if !budget.admission_caps {
             return None;
@@ -76,30 +96,189 @@ pub enum EnvValue {
     FromSource,
 }
 
-/// What the caps module needs of one container.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-pub struct GpuContainer {
-    /// The container's name.
-    pub name: String,
-    /// Devices it sees (the sum of its [`GPU_RESOURCES`] limits, at most [`MAX_DEVICES`]).
-    pub devices: u32,
-    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, if set in `env`.
-    pub mps_limit: Option<EnvValue>,
-    /// `NVIDIA_GPU_MEMORY_LIMIT`, if set in `env`.
-    pub memory_limit: Option<EnvValue>,
-    /// `NVIDIA_GPU_MEMORY_REQUEST`, if set in `env`.
-    pub memory_request: Option<EnvValue>,
+impl EnvValue {
+    /// The literal text, if any.
+    pub fn literal(&self) -> Option<&str> {
+        match self {
+            Self::Literal(text) => Some(text),
+            Self::FromSource => None,
+        }
+    }
 }
 
-/// How many devices a container sees from its resource limits: the sum of its positive whole
-/// [`GPU_RESOURCES`] counts, at most [`MAX_DEVICES`]; 0 for a container that is not a GPU container.
-pub fn device_count<'a>(limits: impl IntoIterator<Item = (&'a str, &'a str)>) -> u32 {
-    let total: u64 = limits
+// ---- which containers use GPUs, and how many devices they see ---------------------------------------------
+
+/// Why the number of devices a GPU container sees is not known from its pod. Without it no MPS value can be
+/// written safely (an entry for an ordinal the process does not see voids the whole value), so such a
+/// container gets no MPS cap and is counted uncapped, with this as the reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum Unknown {
+    /// `NVIDIA_VISIBLE_DEVICES=all`.
+    #[error("NVIDIA_VISIBLE_DEVICES=all: the container may see every GPU of its node, how many is not in the pod")]
+    All,
+    /// `NVIDIA_VISIBLE_DEVICES` from `valueFrom`.
+    #[error("NVIDIA_VISIBLE_DEVICES is set through valueFrom: which devices the container sees is not in the pod")]
+    VisibleFromSource,
+    /// A value that is not a list of indices or UUIDs (or is longer than [`MAX_ENV_VALUE`]).
+    #[error("NVIDIA_VISIBLE_DEVICES is not a list of device indices or GPU-/MIG- UUIDs")]
+    VisibleUnreadable,
+    /// Indices and UUIDs mixed, or a device listed twice: the runtime may show fewer devices than listed.
+    #[error(
+        "NVIDIA_VISIBLE_DEVICES mixes indices and UUIDs or repeats a device: how many the container sees is not certain"
+    )]
+    VisibleMixed,
+    /// `NVIDIA_VISIBLE_DEVICES` lists another number of devices than its GPU limits ask for.
+    #[error(
+        "NVIDIA_VISIBLE_DEVICES lists {listed} device(s) where its limits ask for {limits}: which the container \
+         sees depends on the runtime"
+    )]
+    Disagree {
+        /// Devices the limits ask for.
+        limits: u32,
+        /// Devices the variable lists.
+        listed: u32,
+    },
+    /// A DRA claim (`resources.claims`): its devices are allocated at scheduling.
+    #[error("a DRA resource claim (resources.claims): its devices are allocated at scheduling, not written in the pod")]
+    Claim,
+    /// More than [`MAX_DEVICES`].
+    #[error("more than 64 devices")]
+    TooMany,
+}
+
+/// How many devices a GPU container sees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Devices {
+    /// Exactly this many (at least 1): ordinals `0..n`.
+    Known(u32),
+    /// Not known from the pod.
+    Unknown(Unknown),
+}
+
+impl Default for Devices {
+    fn default() -> Self {
+        Self::Known(1)
+    }
+}
+
+impl Devices {
+    /// The count, when known.
+    pub fn known(self) -> Option<u32> {
+        match self {
+            Self::Known(n) => Some(n),
+            Self::Unknown(_) => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Devices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Known(n) => write!(f, "{n} device(s)"),
+            Self::Unknown(_) => f.write_str("an unknown number of devices"),
+        }
+    }
+}
+
+/// What `NVIDIA_VISIBLE_DEVICES` asks the runtime for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Visible {
+    /// `none`, `void` or empty: no device.
+    Nothing,
+    /// This many distinct devices.
+    Listed(u32),
+    /// Some devices, how many is unknown.
+    Unknown(Unknown),
+}
+
+fn visible(value: &EnvValue) -> Visible {
+    let text = match value {
+        EnvValue::FromSource => return Visible::Unknown(Unknown::VisibleFromSource),
+        EnvValue::Literal(text) if text.len() > MAX_ENV_VALUE => return Visible::Unknown(Unknown::VisibleUnreadable),
+        EnvValue::Literal(text) => text.as_str(),
+    };
+    match text {
+        "" | "none" | "void" => return Visible::Nothing,
+        "all" => return Visible::Unknown(Unknown::All),
+        _ => {}
+    }
+    let (mut indices, mut uuids) = (Vec::new(), Vec::new());
+    for entry in text.split(',') {
+        if !entry.is_empty() && entry.bytes().all(|b| b.is_ascii_digit()) {
+            indices.push(entry);
+        } else if valid_uuid(entry) {
+            uuids.push(entry);
+        } else {
+            return Visible::Unknown(Unknown::VisibleUnreadable);
+        }
+        if indices.len() + uuids.len() > MAX_DEVICES as usize {
+            return Visible::Unknown(Unknown::TooMany);
+        }
+    }
+    if !indices.is_empty() && !uuids.is_empty() {
+        return Visible::Unknown(Unknown::VisibleMixed);
+    }
+    let mut all: Vec<&str> = indices.into_iter().chain(uuids).collect();
+    let listed = all.len();
+    all.sort_unstable();
+    all.dedup();
+    if all.len() != listed {
+        return Visible::Unknown(Unknown::VisibleMixed);
+    }
+    Visible::Listed(u32::try_from(listed).unwrap_or(MAX_DEVICES))
+}
+
+/// A `GPU-<uuid>` or `MIG-<...>` device name.
+fn valid_uuid(name: &str) -> bool {
+    name.len() > 4
+        && (name.starts_with("GPU-") || name.starts_with("MIG-"))
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'/')
+}
+
+/// Whether an extended resource gives a container GPU devices: [`GPU_RESOURCES`] or a MIG profile.
+pub fn is_gpu_resource(name: &str) -> bool {
+    GPU_RESOURCES.contains(&name) || name.strip_prefix(MIG_RESOURCE_PREFIX).is_some_and(|p| !p.is_empty())
+}
+
+/// How many devices a container's resource limits give it: the sum of its positive whole GPU and MIG counts
+/// ([`is_gpu_resource`]), saturating.
+pub fn limit_devices<'a>(limits: impl IntoIterator<Item = (&'a str, &'a str)>) -> u64 {
+    limits
         .into_iter()
-        .filter(|(name, _)| GPU_RESOURCES.contains(name))
+        .filter(|(name, _)| is_gpu_resource(name))
         .filter_map(|(_, count)| count.trim().parse::<u64>().ok())
-        .fold(0, u64::saturating_add);
-    u32::try_from(total.min(u64::from(MAX_DEVICES))).unwrap_or(MAX_DEVICES)
+        .fold(0, u64::saturating_add)
+}
+
+/// How many devices a container sees, from every way it can get a GPU: its GPU and MIG limits (`limits`,
+/// [`limit_devices`]), its `NVIDIA_VISIBLE_DEVICES` (`visible_devices`) and whether it has DRA claims.
+/// `None`: not a GPU container.
+///
+/// - A DRA claim makes the count unknown (gpubudget cannot tell a GPU claim from another without the claim).
+/// - `NVIDIA_VISIBLE_DEVICES` with a limit: known only when it lists as many devices as the limits ask for
+///   (or says `none`/`void`/empty: the device plugin's own list then decides); otherwise which list the
+///   runtime uses decides, so unknown. `all` is always unknown (a container with 1 GPU limit and `all` may
+///   see every GPU: it must not be capped on device 0 only).
+/// - `NVIDIA_VISIBLE_DEVICES` alone: its list's length (`all`: unknown).
+pub fn devices(limits: u64, visible_devices: Option<&EnvValue>, claims: bool) -> Option<Devices> {
+    let visible = visible_devices.map_or(Visible::Nothing, visible);
+    if claims {
+        return Some(Devices::Unknown(Unknown::Claim));
+    }
+    let count = |n: u64| match u32::try_from(n) {
+        Ok(n) if n <= MAX_DEVICES => Devices::Known(n),
+        _ => Devices::Unknown(Unknown::TooMany),
+    };
+    match (limits, visible) {
+        (0, Visible::Nothing) => None,
+        (0, Visible::Listed(n)) => Some(count(u64::from(n))),
+        (_, Visible::Unknown(why)) => Some(Devices::Unknown(why)),
+        (n, Visible::Nothing) => Some(count(n)),
+        (n, Visible::Listed(listed)) if n == u64::from(listed) => Some(count(n)),
+        (n, Visible::Listed(listed)) => {
+            Some(Devices::Unknown(Unknown::Disagree { limits: u32::try_from(n).unwrap_or(u32::MAX), listed }))
+        }
+    }
 }
 
 /// The winning value of `name` in an `env` list (the last entry of that name, as the kubelet reads it).
@@ -110,146 +289,307 @@ pub fn env_value(env: &[EnvVar], name: &str) -> Option<EnvValue> {
     })
 }
 
+/// What the caps module needs of one container.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct GpuContainer {
+    /// The container's name.
+    pub name: String,
+    /// Devices it sees.
+    pub devices: Devices,
+    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, if set in `env`.
+    pub mps_limit: Option<EnvValue>,
+    /// `NVIDIA_GPU_MEMORY_LIMIT`, if set in `env`.
+    pub memory_limit: Option<EnvValue>,
+    /// `NVIDIA_GPU_MEMORY_REQUEST`, if set in `env`.
+    pub memory_request: Option<EnvValue>,
+}
+
 impl GpuContainer {
-    /// The container as the caps module sees it; `None` when it is not a GPU container.
-    pub fn of(container: &Container) -> Option<Self> {
-        let limits = container.resources.as_ref().and_then(|r| r.limits.as_ref());
-        let devices = device_count(limits.iter().flat_map(|l| l.iter()).map(|(k, v)| (k.as_str(), v.0.as_str())));
-        if devices == 0 {
-            return None;
-        }
-        let env = container.env.as_deref().unwrap_or_default();
+    /// A container from its parts; `None` when it is not a GPU container ([`devices`]).
+    pub fn from_parts(name: &str, resources: Option<&ResourceRequirements>, env: &[EnvVar]) -> Option<Self> {
+        let limits = resources.and_then(|r| r.limits.as_ref());
+        let limits = limit_devices(limits.iter().flat_map(|l| l.iter()).map(|(k, v)| (k.as_str(), v.0.as_str())));
+        let claims = resources.and_then(|r| r.claims.as_ref()).is_some_and(|c| !c.is_empty());
+        let devices = devices(limits, env_value(env, VISIBLE_DEVICES).as_ref(), claims)?;
         Some(Self {
-            name: container.name.clone(),
+            name: name.to_owned(),
             devices,
             mps_limit: env_value(env, MPS_LIMIT),
             memory_limit: env_value(env, MEMORY_LIMIT),
             memory_request: env_value(env, MEMORY_REQUEST),
         })
     }
+
+    /// The container as the caps module sees it; `None` when it is not a GPU container.
+    pub fn of(container: &Container) -> Option<Self> {
+        Self::from_parts(&container.name, container.resources.as_ref(), container.env.as_deref().unwrap_or_default())
+    }
+
+    /// An ephemeral container (`kubectl debug`) as the caps module sees it.
+    pub fn of_ephemeral(container: &EphemeralContainer) -> Option<Self> {
+        Self::from_parts(&container.name, container.resources.as_ref(), container.env.as_deref().unwrap_or_default())
+    }
 }
 
-/// The GPU containers of a pod (init containers first, as they run), with their JSON pointer.
-pub fn gpu_containers(pod: &Pod) -> Vec<(String, &Container, GpuContainer)> {
+/// Which list of the pod spec a container is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// `spec.initContainers`.
+    Init,
+    /// `spec.containers`.
+    Main,
+    /// `spec.ephemeralContainers` (added through the `pods/ephemeralcontainers` subresource).
+    Ephemeral,
+}
+
+/// A GPU container of a pod, with where it is and its `env`.
+#[derive(Debug, Clone)]
+pub struct Found<'a> {
+    /// Its JSON pointer (`/spec/containers/0`).
+    pub path: String,
+    /// Its list.
+    pub kind: Kind,
+    /// Its `env`.
+    pub env: &'a [EnvVar],
+    /// What the caps module reads of it.
+    pub gpu: GpuContainer,
+}
+
+/// The GPU containers of a pod: init containers first (as they run), then the containers, then the
+/// ephemeral ones.
+pub fn gpu_containers(pod: &Pod) -> Vec<Found<'_>> {
     let Some(spec) = pod.spec.as_ref() else { return Vec::new() };
-    let init = spec.init_containers.iter().flatten().enumerate().map(|(i, c)| (format!("/spec/initContainers/{i}"), c));
-    let main = spec.containers.iter().enumerate().map(|(i, c)| (format!("/spec/containers/{i}"), c));
-    init.chain(main).filter_map(|(path, c)| GpuContainer::of(c).map(|g| (path, c, g))).collect()
-}
-
-// ---- the MPS variable ------------------------------------------------------------------------------------
-
-/// One `<device>=<amount>` entry of the MPS variable, as written.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct MpsEntry {
-    device: String,
-    /// The amount in MiB, read the largest way its unit can be read (binary), so a kept value is never
-    /// above the cap whichever way the driver reads it; `None`: not an amount.
-    mib: Option<u64>,
-    text: String,
-}
-
-/// An amount as the MPS variable writes it (`4G`, `6000M`, `512MB`, `1T`; a bare number is bytes), in bytes,
-/// its unit read as binary (the larger reading, so a value compared with a cap is never underestimated).
-pub fn mps_amount_bytes(text: &str) -> Option<u64> {
-    let text = text.trim();
-    let end = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
-    let (number, unit) = text.split_at(end);
-    let number: u64 = number.parse().ok()?;
-    let bytes_per: u64 = match unit.to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "K" | "KB" | "KI" | "KIB" => 1 << 10,
-        "M" | "MB" | "MI" | "MIB" => 1 << 20,
-        "G" | "GB" | "GI" | "GIB" => 1 << 30,
-        "T" | "TB" | "TI" | "TIB" => 1 << 40,
-        _ => return None,
-    };
-    number.checked_mul(bytes_per)
-}
-
-/// [`mps_amount_bytes`] in MiB, rounded up.
-fn mps_amount_mib(text: &str) -> Option<u64> {
-    Some(mps_amount_bytes(text)?.div_ceil(MIB))
-}
-
-fn valid_device(device: &str) -> bool {
-    !device.is_empty()
-        && (device.bytes().all(|b| b.is_ascii_digit())
-            || ((device.starts_with("GPU-") || device.starts_with("MIG-"))
-                && device.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'/')))
-}
-
-/// The entries of an MPS variable; entries that are not `<device>=<amount>` come back with no device.
-fn mps_entries(value: &str) -> Vec<MpsEntry> {
-    value
-        .split(',')
-        .map(str::trim)
-        .filter(|e| !e.is_empty())
-        .map(|entry| match entry.split_once('=') {
-            Some((device, amount)) if valid_device(device.trim()) => {
-                MpsEntry { device: device.trim().to_owned(), mib: mps_amount_mib(amount), text: entry.to_owned() }
-            }
-            _ => MpsEntry { device: String::new(), mib: None, text: entry.to_owned() },
-        })
+    let init = spec.init_containers.iter().flatten().enumerate().map(|(i, c)| {
+        (format!("/spec/initContainers/{i}"), Kind::Init, c.env.as_deref().unwrap_or_default(), GpuContainer::of(c))
+    });
+    let main = spec.containers.iter().enumerate().map(|(i, c)| {
+        (format!("/spec/containers/{i}"), Kind::Main, c.env.as_deref().unwrap_or_default(), GpuContainer::of(c))
+    });
+    let ephemeral = spec.ephemeral_containers.iter().flatten().enumerate().map(|(i, c)| {
+        (
+            format!("/spec/ephemeralContainers/{i}"),
+            Kind::Ephemeral,
+            c.env.as_deref().unwrap_or_default(),
+            GpuContainer::of_ephemeral(c),
+        )
+    });
+    init.chain(main)
+        .chain(ephemeral)
+        .filter_map(|(path, kind, env, gpu)| gpu.map(|gpu| Found { path, kind, env, gpu }))
         .collect()
 }
 
-/// Per device, the largest amount the entries give it (`None` if one of them is not an amount).
-fn per_device(entries: &[MpsEntry]) -> BTreeMap<&str, Option<u64>> {
-    let mut out: BTreeMap<&str, Option<u64>> = BTreeMap::new();
-    for e in entries.iter().filter(|e| !e.device.is_empty()) {
-        let slot = out.entry(e.device.as_str()).or_insert(Some(0));
-        *slot = match (*slot, e.mib) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            _ => None,
-        };
-    }
-    out
+// ---- the MPS variable, as the driver reads it ------------------------------------------------------------
+
+/// Why the driver ignores a whole `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` value (the process then runs
+/// uncapped). Measured on an H100, driver 580.159.04, with an MPS daemon (2026-11-26; docs/operator.md); where
+/// the driver's reading was not measured, this module assumes the worst (ignored), so a value is never counted
+/// capped unless its every part was seen to be honoured. Entries are numbered from 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum Ignored {
+    /// The empty value.
+    #[error("it is empty")]
+    Empty,
+    /// Longer than [`MAX_ENV_VALUE`] (not read; Linux refuses it at exec).
+    #[error("it is longer than 128 KiB (not read; Linux refuses such an environment string at exec)")]
+    TooLong,
+    /// An entry that is not `<device>=<amount>` (a bare amount, a space before it, junk, an empty entry
+    /// other than one trailing comma).
+    #[error("entry {0} is not DEVICE=AMOUNT (such as 0=4096M)")]
+    Malformed(u32),
+    /// An amount in a unit the driver was not seen to read: `K`, `T`, bytes (no unit), `GiB`...
+    #[error(
+        "entry {0} has an amount in a unit the driver ignores (it reads M, m, MB, MiB, Mi, G, g, GB, Gi; not K or bytes)"
+    )]
+    Unit(u32),
+    /// An amount of 0.
+    #[error("entry {0} has an amount of 0")]
+    Zero(u32),
+    /// An amount too large to be a number of bytes.
+    #[error("entry {0} has an amount too large to read")]
+    Overflow(u32),
+    /// An entry for an ordinal the process does not see.
+    #[error("entry {entry} names device {ordinal}, which a container seeing {devices} device(s) does not see")]
+    Unseen {
+        /// The entry.
+        entry: u32,
+        /// The ordinal it names (`u32::MAX` for a larger one).
+        ordinal: u32,
+        /// Devices the container sees.
+        devices: u32,
+    },
 }
 
-/// The MPS variable for a container seeing `devices` devices, capped at `cap_mib` each, keeping what the
-/// user wrote where it is at most the cap.
-///
-/// Every ordinal `0..devices` gets the user's entry if every entry for it is an amount at most the cap
-/// (the smallest of them, as written), else `<i>=<cap>M`. Entries naming a GPU UUID (or an ordinal the
-/// container does not see) are kept only under the same condition. Anything else is dropped.
-pub fn merge_mps(user: Option<&str>, devices: u32, cap_mib: u64) -> String {
-    let entries = user.map(mps_entries).unwrap_or_default();
-    let worst = per_device(&entries);
-    let fits = |device: &str| worst.get(device).is_some_and(|m| m.is_some_and(|m| m <= cap_mib));
-    let smallest =
-        |device: &str| entries.iter().filter(|e| e.device == device).min_by_key(|e| e.mib).map(|e| e.text.clone());
-    let mut out = Vec::new();
-    for i in 0..devices {
-        let device = i.to_string();
-        out.push(match smallest(&device).filter(|_| fits(&device)) {
-            Some(text) => text,
-            None => format!("{i}={cap_mib}M"),
-        });
+/// An amount as the driver may read it, in MiB: the smaller and the larger reading (`MB`/`GB` may be
+/// decimal or binary; `M`, `Mi`, `MiB`, `G`, `Gi` are binary). The high one is at least 1; the low one
+/// may be 0 (`1MB` may be under 1 MiB).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Amount {
+    /// The smallest reading, rounded down.
+    pub low_mib: u64,
+    /// The largest reading.
+    pub high_mib: u64,
+}
+
+/// One amount (`4096M`, `4G`, `03072MiB`), as the driver reads it; `entry` numbers errors.
+fn read_amount(text: &str, entry: u32) -> Result<Amount, Ignored> {
+    let end = text.bytes().position(|b| !b.is_ascii_digit()).unwrap_or(text.len());
+    let (digits, unit) = text.split_at(end);
+    if digits.is_empty() {
+        return Err(Ignored::Malformed(entry));
     }
-    let mut seen: Vec<&str> = Vec::new();
-    for e in &entries {
-        let ordinal_in_range = e.device.parse::<u32>().is_ok_and(|i| i < devices);
-        if e.device.is_empty() || ordinal_in_range || seen.contains(&e.device.as_str()) {
+    // Leading zeros are read (measured); strip them so a long run of them is not an overflow.
+    let significant = digits.trim_start_matches('0');
+    let n: u64 = if significant.is_empty() { 0 } else { significant.parse().map_err(|_| Ignored::Overflow(entry))? };
+    // (decimal bytes per unit, binary MiB per unit)
+    let (decimal, binary_mib): (Option<u64>, u64) = match unit {
+        "M" | "m" | "Mi" | "MiB" => (None, 1),
+        "MB" => (Some(1_000_000), 1),
+        "G" | "g" | "Gi" => (None, 1024),
+        "GB" => (Some(1_000_000_000), 1024),
+        _ => return Err(Ignored::Unit(entry)),
+    };
+    if n == 0 {
+        return Err(Ignored::Zero(entry));
+    }
+    let high_mib = n.checked_mul(binary_mib).ok_or(Ignored::Overflow(entry))?;
+    let low_mib = match decimal {
+        Some(bytes) => u64::try_from(u128::from(n) * u128::from(bytes) / u128::from(MIB)).unwrap_or(u64::MAX),
+        None => high_mib,
+    };
+    Ok(Amount { low_mib, high_mib })
+}
+
+/// A `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` value the driver honours, for a container seeing some devices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MpsValue {
+    /// Per ordinal `0..n`, the cap the driver applies (the smaller of duplicates), if an entry names it.
+    pub per_device: Vec<Option<Amount>>,
+    /// Some entry names a device by UUID: honoured when it is the process's own, but which GPU the process
+    /// gets is not in the pod, so such a value is never counted as a cap.
+    pub names_uuid: bool,
+}
+
+/// How the driver reads an MPS value in a process seeing `devices` devices; `Err`: it ignores the whole
+/// value. One pass over the text, O(length); never reads past [`MAX_ENV_VALUE`].
+///
+/// Honoured (measured): `<i>=<n><unit>` entries with `unit` one of `M m MB MiB Mi G g Gi GB`, spaces around
+/// `=`, leading zeros, a trailing comma, duplicates (the smaller wins), a GPU UUID as the device. Ignored
+/// (the whole value): a space before an entry, a bare amount, `K`, bytes, 0, any ordinal the process does
+/// not see, any entry it cannot parse.
+pub fn read_mps(value: &str, devices: u32) -> Result<MpsValue, Ignored> {
+    if value.len() > MAX_ENV_VALUE {
+        return Err(Ignored::TooLong);
+    }
+    if value.is_empty() {
+        return Err(Ignored::Empty);
+    }
+    let slots = usize::try_from(devices.min(MAX_DEVICES)).unwrap_or(0);
+    let mut out = MpsValue { per_device: vec![None; slots], names_uuid: false };
+    // A trailing comma is read; any other empty entry is not.
+    let body = value.strip_suffix(',').unwrap_or(value);
+    for (i, entry) in body.split(',').enumerate() {
+        let number = u32::try_from(i + 1).unwrap_or(u32::MAX);
+        let (device, amount) = entry.split_once('=').ok_or(Ignored::Malformed(number))?;
+        let device = device.trim_end_matches(' ');
+        let amount = amount.trim_start_matches(' ');
+        let amount = read_amount(amount, number)?;
+        if valid_uuid(device) {
+            out.names_uuid = true;
             continue;
         }
-        seen.push(&e.device);
-        if let Some(text) = smallest(&e.device).filter(|_| fits(&e.device)) {
-            out.push(text);
+        let canonical = device == "0" || (device.starts_with(|c: char| c.is_ascii_digit() && c != '0'));
+        if !canonical || !device.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(Ignored::Malformed(number));
         }
+        let ordinal: u32 = device.parse().unwrap_or(u32::MAX);
+        let slot = usize::try_from(ordinal).ok().and_then(|o| out.per_device.get_mut(o));
+        let Some(slot) = slot else { return Err(Ignored::Unseen { entry: number, ordinal, devices }) };
+        *slot = Some(match *slot {
+            Some(seen) => {
+                Amount { low_mib: seen.low_mib.min(amount.low_mib), high_mib: seen.high_mib.min(amount.high_mib) }
+            }
+            None => amount,
+        });
     }
-    out.join(",")
+    Ok(out)
 }
 
-/// The MiB variable's value: the user's if it is a whole number of MiB at most `cap_mib`, else the cap.
-/// Returns the value and whether the user's was kept.
-fn merge_mib(user: Option<&EnvValue>, cap_mib: u64) -> (String, bool) {
-    match user {
-        Some(EnvValue::Literal(text)) if text.trim().parse::<u64>().is_ok_and(|v| v > 0 && v <= cap_mib) => {
-            (text.clone(), true)
+/// An amount as MPS writes it (`4G`, `6000M`, `512MB`), in bytes, read the largest way (binary); `None`
+/// for an amount the driver ignores (`K`, bytes, 0, another unit).
+pub fn mps_amount_bytes(text: &str) -> Option<u64> {
+    read_amount(text.trim(), 1).ok()?.high_mib.checked_mul(MIB)
+}
+
+/// The canonical MPS value for a container seeing `devices` devices under a cap of `cap_mib`:
+/// `<i>=<MiB>M` for each `i` in `0..devices`, each the smaller of the cap and the user's entry for `i`
+/// (only where the driver would honour the user's value, read the smallest way, at least 1 MiB). Nothing
+/// of the user's text is kept: no UUID entry, no other spelling. Linear in the user's value.
+pub fn merge_mps(user: Option<&str>, devices: u32, cap_mib: u64) -> String {
+    merge_mps_outcome(user.map(|u| EnvValue::Literal(u.to_owned())).as_ref(), devices, cap_mib).0
+}
+
+fn merge_mps_outcome(user: Option<&EnvValue>, devices: u32, cap_mib: u64) -> (String, Outcome) {
+    let read = user.and_then(EnvValue::literal).map(|text| read_mps(text, devices));
+    let per_device = match &read {
+        Some(Ok(value)) => value.per_device.clone(),
+        _ => Vec::new(),
+    };
+    let mut out = String::with_capacity(usize::try_from(devices).unwrap_or(0) * 12);
+    let mut lowered = false;
+    for i in 0..devices.min(MAX_DEVICES) {
+        let user_mib = per_device.get(usize::try_from(i).unwrap_or(usize::MAX)).copied().flatten();
+        lowered |= user_mib.is_none_or(|a| a.low_mib > cap_mib);
+        let mib = user_mib.map_or(cap_mib, |a| a.low_mib.clamp(1, cap_mib));
+        if i > 0 {
+            out.push(',');
         }
-        _ => (cap_mib.to_string(), false),
+        let _ = write!(out, "{i}={mib}M");
     }
+    let outcome = match (user, &read) {
+        (None, _) => Outcome::Set,
+        (Some(EnvValue::Literal(text)), _) if *text == out => Outcome::Kept,
+        (Some(_), Some(Ok(_))) if !lowered => Outcome::Kept,
+        (Some(_), Some(Ok(_))) => Outcome::Lowered,
+        (Some(_), _) => Outcome::Replaced,
+    };
+    (out, outcome)
+}
+
+// ---- the MiB variables ------------------------------------------------------------------------------------
+
+/// A MiB variable's value read strictly: ASCII digits only, positive, as the canonical form writes it
+/// (leading zeros allowed). `None` for anything else (`+1`, ` 1`, `8 GiB`, `0`, too long).
+pub fn strict_mib(text: &str) -> Option<u64> {
+    if text.is_empty() || text.len() > 40 || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.trim_start_matches('0').parse::<u64>().ok().filter(|v| *v > 0)
+}
+
+/// A MiB variable's value read the most lenient way a reader might (`+1`, ` 1 `), to know whether it may
+/// be above a cap.
+fn lenient_mib(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let text = text.strip_prefix('+').unwrap_or(text);
+    if text.len() > 40 {
+        return None;
+    }
+    text.parse::<u64>().ok()
+}
+
+/// The canonical value of a MiB variable under `cap_mib`: the smaller of the cap and the user's strictly
+/// read value, as a plain decimal.
+fn merge_mib(user: Option<&EnvValue>, cap_mib: u64) -> (String, Outcome) {
+    let read = user.and_then(EnvValue::literal).and_then(strict_mib);
+    let out = read.map_or(cap_mib, |v| v.min(cap_mib)).to_string();
+    let outcome = match (user, read) {
+        (None, _) => Outcome::Set,
+        (Some(_), Some(v)) if v <= cap_mib => Outcome::Kept,
+        (Some(_), Some(_)) => Outcome::Lowered,
+        (Some(_), None) => Outcome::Replaced,
+    };
+    (out, outcome)
 }
 
 // ---- admission -------------------------------------------------------------------------------------------
@@ -260,12 +600,15 @@ fn merge_mib(user: Option<&EnvValue>, cap_mib: u64) -> (String, bool) {
 pub enum Outcome {
     /// Absent: set.
     Set,
-    /// The user's value was at most the cap: kept as written.
+    /// The user's value was honoured and at most the cap: its caps kept (written in the canonical form).
     Kept,
-    /// The user's value was above the cap: lowered.
+    /// The user's value was above the cap (or left a device uncapped): lowered.
     Lowered,
-    /// The user's value was not a value the driver reads (or came from `valueFrom`): replaced.
+    /// The user's value was not one the driver reads (or came from `valueFrom`): replaced.
     Replaced,
+    /// The user's MPS value was removed: the device count is unknown, so no value can be known to be read
+    /// (an entry for an ordinal the container does not see voids the whole value).
+    Removed,
 }
 
 /// What the webhook did to one GPU container.
@@ -274,10 +617,13 @@ pub enum Outcome {
 pub struct ContainerRecord {
     /// The container's name.
     pub name: String,
-    /// Devices it sees.
+    /// Devices it sees (0: unknown, see `uncapped`).
     pub devices: u32,
     /// Per variable, what was done.
     pub env: BTreeMap<String, Outcome>,
+    /// Why it got no MPS cap (its device count is unknown), when it did not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uncapped: Option<String>,
 }
 
 /// The `gpubudget.io/caps` annotation: what the webhook did at creation.
@@ -296,14 +642,18 @@ pub struct Record {
 }
 
 impl Record {
-    /// One line for events and logs: `budget llm: 8192 MiB per device; main set, side kept 1 of 2`.
+    /// One line for events and logs: `budget llm: limit 8192 MiB per GPU container; main (1 device(s), 1 of
+    /// 2 variables set)`.
     pub fn summary(&self) -> String {
         let containers: Vec<String> = self
             .containers
             .iter()
             .map(|c| {
                 let changed = c.env.values().filter(|o| **o != Outcome::Kept).count();
-                format!("{} ({} device(s), {changed} of {} variables set)", c.name, c.devices, c.env.len())
+                match &c.uncapped {
+                    None => format!("{} ({} device(s), {changed} of {} variables set)", c.name, c.devices, c.env.len()),
+                    Some(why) => format!("{} (no MPS cap: {why})", c.name),
+                }
             })
             .collect();
         let request = self.request_mib.map(|r| format!(", request {r} MiB")).unwrap_or_default();
@@ -330,15 +680,23 @@ fn escape(key: &str) -> String {
     key.replace('~', "~0").replace('/', "~1")
 }
 
-/// The env ops for one container at `path`: replace the winning entry of each variable, or append.
-fn env_ops(path: &str, container: &Container, values: &[(&str, String)], ops: &mut Vec<Value>) {
-    let env = container.env.as_deref().unwrap_or_default();
+/// The env ops for one container at `path`: set each variable (replace its winning entry, or append), or,
+/// for `None`, remove every entry of that name (last, from the end, so earlier indices stay valid).
+fn env_ops(path: &str, env: &[EnvVar], values: &[(&str, Option<String>)], ops: &mut Vec<Value>) {
     if env.is_empty() {
-        let list: Vec<Value> = values.iter().map(|(n, v)| json!({"name": n, "value": v})).collect();
-        ops.push(json!({"op": "add", "path": format!("{path}/env"), "value": list}));
+        let list: Vec<Value> =
+            values.iter().filter_map(|(n, v)| v.as_ref().map(|v| json!({"name": n, "value": v}))).collect();
+        if !list.is_empty() {
+            ops.push(json!({"op": "add", "path": format!("{path}/env"), "value": list}));
+        }
         return;
     }
+    let mut removed = Vec::new();
     for (name, value) in values {
+        let Some(value) = value else {
+            removed.extend(env.iter().enumerate().filter(|(_, e)| e.name == *name).map(|(i, _)| i));
+            continue;
+        };
         let entry = json!({"name": name, "value": value});
         match env.iter().rposition(|e| e.name == *name) {
             Some(i) if env[i].value.as_deref() == Some(value.as_str()) && env[i].value_from.is_none() => {}
@@ -346,21 +704,48 @@ fn env_ops(path: &str, container: &Container, values: &[(&str, String)], ops: &m
             None => ops.push(json!({"op": "add", "path": format!("{path}/env/-"), "value": entry})),
         }
     }
+    removed.sort_unstable_by(|a, b| b.cmp(a));
+    ops.extend(removed.into_iter().map(|i| json!({"op": "remove", "path": format!("{path}/env/{i}")})));
 }
 
-fn outcome(user: Option<&EnvValue>, kept: bool, parses: impl Fn(&str) -> bool) -> Outcome {
-    match user {
-        None => Outcome::Set,
-        Some(_) if kept => Outcome::Kept,
-        Some(EnvValue::Literal(text)) if parses(text) => Outcome::Lowered,
-        Some(_) => Outcome::Replaced,
+/// Sets one GPU container's variables: the canonical MPS value when its device count is known (else none:
+/// the user's is removed and the container recorded uncapped), the MiB variables always (they do not
+/// depend on the device count).
+fn cap_container(found: &Found<'_>, caps: Caps, ops: &mut Vec<Value>) -> ContainerRecord {
+    let gpu = &found.gpu;
+    let mut env = BTreeMap::new();
+    let mut values: Vec<(&str, Option<String>)> = Vec::new();
+    let mut uncapped = None;
+    match gpu.devices {
+        Devices::Known(n) => {
+            let (mps, outcome) = merge_mps_outcome(gpu.mps_limit.as_ref(), n, caps.limit_mib);
+            env.insert(MPS_LIMIT.to_owned(), outcome);
+            values.push((MPS_LIMIT, Some(mps)));
+        }
+        Devices::Unknown(why) => {
+            if gpu.mps_limit.is_some() {
+                env.insert(MPS_LIMIT.to_owned(), Outcome::Removed);
+                values.push((MPS_LIMIT, None));
+            }
+            uncapped = Some(why.to_string());
+        }
     }
+    let (limit, outcome) = merge_mib(gpu.memory_limit.as_ref(), caps.limit_mib);
+    env.insert(MEMORY_LIMIT.to_owned(), outcome);
+    values.push((MEMORY_LIMIT, Some(limit)));
+    if let Some(request_mib) = caps.request_mib.filter(|r| *r > 0) {
+        let (request, outcome) = merge_mib(gpu.memory_request.as_ref(), request_mib);
+        env.insert(MEMORY_REQUEST.to_owned(), outcome);
+        values.push((MEMORY_REQUEST, Some(request)));
+    }
+    env_ops(&found.path, found.env, &values, ops);
+    ContainerRecord { name: gpu.name.clone(), devices: gpu.devices.known().unwrap_or(0), env, uncapped }
 }
 
 /// What admission does to a pod being created, given the budget that applies to it (after
-/// [`crate::resolve`]) if any: with caps enabled, each GPU container's variables are set or merged and the
-/// annotation records it; otherwise only an annotation the author wrote is removed. Nothing else in the
-/// pod is touched.
+/// [`crate::resolve`]) if any: with caps enabled, each GPU container's variables are set in canonical form
+/// and the annotation records it; otherwise only an annotation the author wrote is removed. Nothing else in
+/// the pod is touched.
 pub fn admit(pod: &Pod, budget: Option<&Budget>) -> Admission {
     let annotations = pod.metadata.annotations.as_ref();
     let forged = annotations.is_some_and(|a| a.contains_key(ANNOTATION));
@@ -370,38 +755,7 @@ pub fn admit(pod: &Pod, budget: Option<&Budget>) -> Admission {
         return Admission { patch, record: None };
     };
     let mut ops = Vec::new();
-    let mut containers = Vec::new();
-    for (path, container, gpu) in gpu_containers(pod) {
-        let mut env = BTreeMap::new();
-        let mut values = Vec::new();
-        let user_mps = match &gpu.mps_limit {
-            Some(EnvValue::Literal(text)) => Some(text.as_str()),
-            _ => None,
-        };
-        let mps = merge_mps(user_mps, gpu.devices, caps.limit_mib);
-        let mps_outcome = match &gpu.mps_limit {
-            None => Outcome::Set,
-            Some(EnvValue::FromSource) => Outcome::Replaced,
-            Some(EnvValue::Literal(text)) if *text == mps => Outcome::Kept,
-            Some(EnvValue::Literal(text)) => {
-                let any_amount = mps_entries(text).iter().any(|e| !e.device.is_empty() && e.mib.is_some());
-                if any_amount { Outcome::Lowered } else { Outcome::Replaced }
-            }
-        };
-        env.insert(MPS_LIMIT.to_owned(), mps_outcome);
-        values.push((MPS_LIMIT, mps));
-        let whole = |t: &str| t.trim().parse::<u64>().is_ok();
-        let (limit, kept) = merge_mib(gpu.memory_limit.as_ref(), caps.limit_mib);
-        env.insert(MEMORY_LIMIT.to_owned(), outcome(gpu.memory_limit.as_ref(), kept, whole));
-        values.push((MEMORY_LIMIT, limit));
-        if let Some(request_mib) = caps.request_mib.filter(|r| *r > 0) {
-            let (request, kept) = merge_mib(gpu.memory_request.as_ref(), request_mib);
-            env.insert(MEMORY_REQUEST.to_owned(), outcome(gpu.memory_request.as_ref(), kept, whole));
-            values.push((MEMORY_REQUEST, request));
-        }
-        env_ops(&path, container, &values, &mut ops);
-        containers.push(ContainerRecord { name: gpu.name, devices: gpu.devices, env });
-    }
+    let containers = gpu_containers(pod).iter().map(|found| cap_container(found, caps, &mut ops)).collect();
     let record =
         Record { budget: budget.record_name(), limit_mib: caps.limit_mib, request_mib: caps.request_mib, containers };
     let text = serde_json::to_string(&record).unwrap_or_default();
@@ -413,12 +767,150 @@ pub fn admit(pod: &Pod, budget: Option<&Budget>) -> Admission {
     Admission { patch: ops, record: Some(record) }
 }
 
+/// What admission does to ephemeral containers being added (`pods/ephemeralcontainers`, `kubectl debug`):
+/// `pod` is the pod with them, `old` the pod before. Each new GPU ephemeral container (one whose name `old`
+/// does not have) gets its variables as at creation; existing containers and the annotation are left alone
+/// (the API server refuses changes to them there). The record lists the new GPU ephemeral containers.
+pub fn admit_ephemeral(pod: &Pod, old: &Pod, budget: Option<&Budget>) -> Admission {
+    let Some((budget, caps)) = budget.and_then(|b| Caps::of(b).map(|c| (b, c))) else {
+        return Admission { patch: Vec::new(), record: None };
+    };
+    let existing: Vec<&str> =
+        old.spec.iter().flat_map(|s| s.ephemeral_containers.iter().flatten()).map(|c| c.name.as_str()).collect();
+    let mut ops = Vec::new();
+    let containers = gpu_containers(pod)
+        .iter()
+        .filter(|f| f.kind == Kind::Ephemeral && !existing.contains(&f.gpu.name.as_str()))
+        .map(|found| cap_container(found, caps, &mut ops))
+        .collect();
+    let record =
+        Record { budget: budget.record_name(), limit_mib: caps.limit_mib, request_mib: caps.request_mib, containers };
+    Admission { patch: ops, record: Some(record) }
+}
+
 // ---- running pods ----------------------------------------------------------------------------------------
 
 /// The record the webhook wrote on a pod (`gpubudget.io/caps`), if it parses. A report of what was done at
-/// creation, not proof that the pod is capped: [`assess`] reads the environment for that.
+/// creation, not proof that the pod is capped: [`PodCaps`] reads the environment for that.
 pub fn record_of(pod: &Pod) -> Option<Record> {
     serde_json::from_str(pod.metadata.annotations.as_ref()?.get(ANNOTATION)?).ok()
+}
+
+/// Why a GPU container's environment does not hold it to any MPS cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+pub enum Uncapped {
+    /// Its device count is not known from the pod.
+    #[error("{0}")]
+    Devices(Unknown),
+    /// No MPS variable.
+    #[error("no CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")]
+    NoMps,
+    /// The MPS variable comes from `valueFrom`.
+    #[error("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT is set through valueFrom: its value is not in the pod")]
+    MpsFromSource,
+    /// The driver ignores the whole MPS value.
+    #[error("the driver ignores its CUDA_MPS_PINNED_DEVICE_MEM_LIMIT: {0}")]
+    Ignored(Ignored),
+    /// A device it sees has no entry.
+    #[error("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT has no entry for device {0}")]
+    Missing(u32),
+    /// An entry names a device by UUID.
+    #[error(
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT names a device by UUID: whether the container sees it is not in the \
+         pod (an entry for a device it does not see voids the value)"
+    )]
+    NamesUuid,
+}
+
+/// Whether one GPU container's environment holds it to an MPS cap, as the driver reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Held {
+    /// Every device it sees is capped; the largest cap (or `NVIDIA_GPU_MEMORY_LIMIT`, if larger), MiB.
+    Capped {
+        /// The largest cap, read the largest way.
+        max_mib: u64,
+    },
+    /// Not capped, and why.
+    Uncapped(Uncapped),
+}
+
+/// How the driver holds one GPU container, from its environment.
+pub fn held(c: &GpuContainer) -> Held {
+    let devices = match c.devices {
+        Devices::Known(n) => n,
+        Devices::Unknown(why) => return Held::Uncapped(Uncapped::Devices(why)),
+    };
+    let text = match &c.mps_limit {
+        None => return Held::Uncapped(Uncapped::NoMps),
+        Some(EnvValue::FromSource) => return Held::Uncapped(Uncapped::MpsFromSource),
+        Some(EnvValue::Literal(text)) => text,
+    };
+    let value = match read_mps(text, devices) {
+        Ok(value) => value,
+        Err(why) => return Held::Uncapped(Uncapped::Ignored(why)),
+    };
+    if value.names_uuid {
+        return Held::Uncapped(Uncapped::NamesUuid);
+    }
+    let mut max_mib = 0;
+    for (i, slot) in value.per_device.iter().enumerate() {
+        match slot {
+            Some(amount) => max_mib = max_mib.max(amount.high_mib),
+            None => return Held::Uncapped(Uncapped::Missing(u32::try_from(i).unwrap_or(u32::MAX))),
+        }
+    }
+    let toolkit = c.memory_limit.as_ref().and_then(EnvValue::literal).and_then(lenient_mib).unwrap_or(0);
+    Held::Capped { max_mib: max_mib.max(toolkit) }
+}
+
+/// What the operator keeps of a pod to count its caps: a few bytes, whatever its environment holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum PodCaps {
+    /// No GPU container.
+    #[default]
+    NoGpu,
+    /// Every GPU container is capped on every device it sees; the largest cap, MiB.
+    Capped {
+        /// The largest cap of any container and device.
+        max_mib: u64,
+    },
+    /// Some GPU container is not (the first, in pod order), and why.
+    Uncapped(Uncapped),
+}
+
+impl PodCaps {
+    /// The pod's caps from its GPU containers.
+    pub fn of<'a>(containers: impl IntoIterator<Item = &'a GpuContainer>) -> Self {
+        let mut out = Self::NoGpu;
+        for c in containers {
+            match (held(c), out) {
+                (Held::Uncapped(why), _) => return Self::Uncapped(why),
+                (Held::Capped { max_mib }, Self::Capped { max_mib: seen }) => {
+                    out = Self::Capped { max_mib: max_mib.max(seen) };
+                }
+                (Held::Capped { max_mib }, _) => out = Self::Capped { max_mib },
+            }
+        }
+        out
+    }
+
+    /// Why it is uncapped, when it is.
+    pub fn reason(self) -> Option<Uncapped> {
+        match self {
+            Self::Uncapped(why) => Some(why),
+            Self::NoGpu | Self::Capped { .. } => None,
+        }
+    }
+
+    /// How the pod stands against a budget's caps.
+    pub fn assess(self, caps: Caps) -> Assessment {
+        match self {
+            Self::NoGpu => Assessment::NoGpu,
+            Self::Uncapped(_) => Assessment::Uncapped,
+            Self::Capped { max_mib } if max_mib > caps.limit_mib => Assessment::AboveLimit,
+            Self::Capped { .. } => Assessment::Capped,
+        }
+    }
 }
 
 /// Whether a running pod's environment holds it to its budget's caps.
@@ -428,45 +920,18 @@ pub enum Assessment {
     NoGpu,
     /// Every GPU container is capped at most at the budget, on every device it sees.
     Capped,
-    /// Some GPU container has no MPS cap at all (created before caps were enabled, while the webhook was
-    /// down, or outside its scope).
+    /// Some GPU container has no MPS cap the driver honours on every device it sees ([`Uncapped`] says
+    /// why: created while the webhook was down or outside its scope, a value the driver ignores, a device
+    /// count not in the pod).
     Uncapped,
     /// Capped, but some cap is above the budget's limit now (the limit was lowered after the pod was
     /// created: its environment is fixed; eviction holds it to the new limit).
     AboveLimit,
 }
 
-/// How a running pod's GPU containers stand against the caps.
+/// How a running pod's GPU containers stand against the caps ([`PodCaps::of`], then [`PodCaps::assess`]).
 pub fn assess(containers: &[GpuContainer], caps: Caps) -> Assessment {
-    if containers.is_empty() {
-        return Assessment::NoGpu;
-    }
-    let mut worst = Assessment::Capped;
-    for c in containers {
-        let entries = match &c.mps_limit {
-            Some(EnvValue::Literal(text)) => mps_entries(text),
-            _ => Vec::new(),
-        };
-        let devices = per_device(&entries);
-        let mut capped = 0;
-        let mut above = false;
-        for i in 0..c.devices {
-            if let Some(Some(mib)) = devices.get(i.to_string().as_str()) {
-                capped += 1;
-                above |= *mib > caps.limit_mib;
-            }
-        }
-        // UUID entries can name the device too; count them only against the cap.
-        above |= devices.iter().any(|(d, m)| d.parse::<u32>().is_err() && m.is_some_and(|m| m > caps.limit_mib));
-        let limit_above = matches!(&c.memory_limit, Some(EnvValue::Literal(t)) if t.trim().parse::<u64>().is_ok_and(|v| v > caps.limit_mib));
-        if capped < c.devices {
-            return Assessment::Uncapped;
-        }
-        if above || limit_above {
-            worst = Assessment::AboveLimit;
-        }
-    }
-    worst
+    PodCaps::of(containers).assess(caps)
 }
 
 #[cfg(test)]

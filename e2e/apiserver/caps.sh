@@ -10,7 +10,7 @@
 # - the operator labels the namespace of a budget with `admissionCaps: Enabled` (and only it);
 # - a GPU pod a tenant creates there gets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT (one entry per device),
 #   NVIDIA_GPU_MEMORY_LIMIT and NVIDIA_GPU_MEMORY_REQUEST, and the gpubudget.io/caps record;
-# - a user's smaller values are kept as written;
+# - a user's smaller values are kept (in canonical form: 0=2G is written 0=2048M, #32);
 # - a GPU pod in a namespace without such a budget gets nothing and never reaches the webhook (the operator's
 #   gpubudget_operator_caps_admissions_total does not move);
 # - the tenant (`edit` in its namespace, by token) cannot forge the record: one written at creation is replaced
@@ -155,10 +155,10 @@ say "a user's smaller values are kept"
 gpu_pod smaller '[{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=2G,1=20G"},
                   {"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "1000"}]' | tenant create -f - >/dev/null
 env_of "$NS_A" smaller | sed 's/^/    env: /'
-[ "$(env_of "$NS_A" smaller)" = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2G,1=8192M
+[ "$(env_of "$NS_A" smaller)" = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M,1=8192M
 NVIDIA_GPU_MEMORY_LIMIT=1000
 NVIDIA_GPU_MEMORY_REQUEST=6144" ] || die "unexpected env on $NS_A/smaller"
-info "ok: 0=2G and 1000 kept, 1=20G lowered"
+info "ok: 0=2G kept as 0=2048M, 1000 kept, 1=20G lowered"
 
 say "a GPU pod in $NS_B (no budget) gets nothing and never reaches the webhook"
 before=$(admissions)

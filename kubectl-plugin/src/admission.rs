@@ -2,16 +2,19 @@
 //!
 //! gpubudget's caps webhook sets them for budgets with `admissionCaps: Enabled` (docs/operator.md) and records
 //! it in `gpubudget.io/caps`; the pod's owner or another webhook may set them too. This reads what the spec
-//! holds, and says what each variable caps and where it does not. Which containers are GPU containers and how
-//! an MPS amount reads come from `gpubudget_common::caps`, as the webhook and the operator read them.
-//! - `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`0=4G,1=2G` or `<GPU UUID>=4G`): the driver caps each MPS client
-//!   *process* on that device, only with an MPS control daemon; a value without a device (`4G`) is ignored.
+//! holds, and says what each variable caps and where it does not, by the driver's own reading rules. Which
+//! containers are GPU containers, how many devices each sees, how the driver reads an MPS value and whether a
+//! container is capped all come from `gpubudget_common::caps`, as the webhook and the operator's status read
+//! them (a pod `why` calls uncapped is one the status counts in `podsUncapped`).
+//! - `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`0=4096M,1=4096M`): the driver caps each MPS client *process* on
+//!   each device, only with an MPS control daemon; one entry it cannot read, an amount in `K` or bytes, 0, or
+//!   an entry for a device the process does not see, and it ignores the whole value.
 //! - `NVIDIA_GPU_MEMORY_LIMIT` / `NVIDIA_GPU_MEMORY_REQUEST` (MiB): nvidia-container-toolkit's CDI hook
 //!   applies them to the container's cgroup as hard / soft limits, on driver R615 or newer only.
 
-use gpubudget_common::caps;
+use gpubudget_common::caps::{self, Devices, GpuContainer, Held};
 use gpubudget_common::quantity::HumanBytes;
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::{EnvVar, Pod};
 use serde::Serialize;
 
 /// The MPS per-client pinned memory limit.
@@ -25,8 +28,12 @@ pub const NVIDIA_REQUEST: &str = caps::MEMORY_REQUEST;
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Admission {
-    /// Containers whose limits ask for `nvidia.com/gpu` or `nvidia.com/gpu.shared` (init containers first).
+    /// Containers that use a GPU: a GPU or MIG limit, a DRA claim or `NVIDIA_VISIBLE_DEVICES` (init
+    /// containers first, ephemeral ones last).
     pub gpu_containers: Vec<String>,
+    /// Per GPU container, whether the driver holds it to an MPS cap, as the operator's status counts it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub verdicts: Vec<Verdict>,
     /// What gpubudget's caps webhook did at creation (its `gpubudget.io/caps` record), when it did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub set_by_gpubudget: Option<String>,
@@ -36,13 +43,31 @@ pub struct Admission {
     pub summary: String,
 }
 
+/// Whether one GPU container is capped.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Verdict {
+    pub container: String,
+    /// `2 device(s)`, or `an unknown number of devices`.
+    pub devices: String,
+    /// Every device it sees has an MPS cap the driver honours.
+    pub capped: bool,
+    /// The largest such cap (bytes), when capped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_bytes: Option<u64>,
+    /// Why not, when not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
 /// One cap variable in one container.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Cap {
     pub container: String,
     pub variable: String,
-    /// The value as written; `valueFrom` when it comes from a ConfigMap, Secret or field.
+    /// The value as written (at most 80 characters, then `...`); `valueFrom` when it comes from a ConfigMap,
+    /// Secret or field.
     pub value: String,
     /// The bytes it caps, when it caps (per process for MPS, per container for the toolkit's).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -51,44 +76,61 @@ pub struct Cap {
     pub meaning: String,
 }
 
-fn is_gpu_container(c: &Container) -> bool {
-    caps::GpuContainer::of(c).is_some()
-}
-
-/// A size as MPS writes it (binary units), as the webhook reads it.
-fn mps_size(text: &str) -> Option<u64> {
-    caps::mps_amount_bytes(text)
-}
-
-fn mps_meaning(value: &str) -> (Option<u64>, String) {
-    let mut capped = Vec::new();
-    let mut ignored = Vec::new();
-    for part in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        match part.split_once('=').and_then(|(dev, size)| Some((dev, mps_size(size)?))) {
-            Some((dev, bytes)) if !dev.is_empty() => capped.push((dev.to_owned(), bytes)),
-            _ => ignored.push(part.to_owned()),
-        }
-    }
-    let mut text = match capped.as_slice() {
-        [] => "caps nothing".to_owned(),
-        list => format!(
-            "the driver caps each MPS client process at {} (only while an MPS control daemon serves the GPU; \
-             per process, not per pod)",
-            list.iter().map(|(d, b)| format!("{} on device {d}", HumanBytes(*b))).collect::<Vec<_>>().join(", ")
-        ),
+/// What an MPS value does in a container seeing `devices` (`None`: not a GPU container, count unknown).
+fn mps_meaning(value: &str, devices: Option<Devices>) -> (Option<u64>, String) {
+    let (n, unknown) = match devices {
+        Some(Devices::Known(n)) => (n, None),
+        Some(Devices::Unknown(why)) => (caps::MAX_DEVICES, Some(why.to_string())),
+        None => (caps::MAX_DEVICES, Some("it asks for no GPU".to_owned())),
     };
-    if !ignored.is_empty() {
-        text.push_str(&format!(
-            "; ignored by the driver: {} (write DEVICE=SIZE, such as 0=4G or GPU-<uuid>=4G)",
-            ignored.join(", ")
-        ));
+    let read = match caps::read_mps(value, n) {
+        Ok(read) => read,
+        Err(why) => {
+            return (
+                None,
+                format!(
+                    "the driver ignores the whole value ({why}): the container's processes run uncapped (write \
+                     DEVICE=SIZE for each device it sees, such as 0=4096M)"
+                ),
+            );
+        }
+    };
+    let entries: Vec<(usize, u64)> = read
+        .per_device
+        .iter()
+        .enumerate()
+        .filter_map(|(i, a)| a.map(|a| (i, a.high_mib.saturating_mul(1 << 20))))
+        .collect();
+    let max = entries.iter().map(|(_, b)| *b).max();
+    let listed =
+        entries.iter().map(|(i, b)| format!("{} on device {i}", HumanBytes(*b))).collect::<Vec<_>>().join(", ");
+    let mut text = if listed.is_empty() {
+        "caps no device by ordinal".to_owned()
+    } else {
+        format!(
+            "the driver caps each MPS client process at {listed} (only while an MPS control daemon serves the GPU; \
+             per process, not per pod)"
+        )
+    };
+    if read.names_uuid {
+        text.push_str(
+            "; an entry names a GPU by UUID: the driver ignores the whole value if the container does not see it",
+        );
     }
-    (capped.iter().map(|(_, b)| *b).max(), text)
+    if let Some(why) = unknown {
+        text.push_str(&format!(
+            "; how many devices the container sees is not in the pod ({why}): an entry for a device it does not see \
+             makes the driver ignore the whole value"
+        ));
+    } else if let Some(missing) = read.per_device.iter().position(Option::is_none) {
+        text.push_str(&format!("; device {missing} has no entry: uncapped"));
+    }
+    (max, text)
 }
 
 fn toolkit_meaning(variable: &str, value: &str) -> (Option<u64>, String) {
     let kind = if variable == NVIDIA_LIMIT { "hard limit" } else { "soft limit" };
-    match value.trim().parse::<u64>().ok().and_then(|mib| mib.checked_mul(1 << 20)) {
+    match caps::strict_mib(value).and_then(|mib| mib.checked_mul(1 << 20)) {
         Some(bytes) => (
             Some(bytes),
             format!(
@@ -97,7 +139,15 @@ fn toolkit_meaning(variable: &str, value: &str) -> (Option<u64>, String) {
                 HumanBytes(bytes)
             ),
         ),
-        None => (None, format!("{value:?} is not a number of MiB: the toolkit applies nothing")),
+        None => (None, format!("{:?} is not a plain number of MiB: the toolkit may apply nothing", short(value))),
+    }
+}
+
+/// At most 80 characters of a value (a tenant may write a megabyte).
+fn short(value: &str) -> String {
+    match value.char_indices().nth(80) {
+        Some((end, _)) => format!("{}...", &value[..end]),
+        None => value.to_owned(),
     }
 }
 
@@ -116,23 +166,46 @@ fn uncapped(gpu_containers: &[String]) -> String {
     format!("none set at admission: {who}; only the budget's eviction bounds this pod's GPU memory")
 }
 
+fn verdict(gpu: &GpuContainer) -> Verdict {
+    let (capped, max_bytes, reason) = match caps::held(gpu) {
+        Held::Capped { max_mib } => (true, Some(max_mib.saturating_mul(1 << 20)), None),
+        Held::Uncapped(why) => (false, None, Some(why.to_string())),
+    };
+    Verdict { container: gpu.name.clone(), devices: gpu.devices.to_string(), capped, max_bytes, reason }
+}
+
 /// The caps the pod spec sets, for [`crate::why`].
 pub fn admission(pod: &Pod) -> Admission {
-    let containers: Vec<&Container> =
-        pod.spec.iter().flat_map(|s| s.init_containers.iter().flatten().chain(s.containers.iter())).collect();
-    let gpu: Vec<&Container> = containers.iter().copied().filter(|c| is_gpu_container(c)).collect();
-    // Without a GPU resource (time-slicing by a device plugin under another name, say), every container.
-    let looked_at = if gpu.is_empty() { &containers } else { &gpu };
+    let spec = pod.spec.as_ref();
+    fn env(e: &Option<Vec<EnvVar>>) -> &[EnvVar] {
+        e.as_deref().unwrap_or_default()
+    }
+    let mut all: Vec<(&str, &[EnvVar])> = Vec::new();
+    if let Some(s) = spec {
+        all.extend(s.init_containers.iter().flatten().map(|c| (c.name.as_str(), env(&c.env))));
+        all.extend(s.containers.iter().map(|c| (c.name.as_str(), env(&c.env))));
+        all.extend(s.ephemeral_containers.iter().flatten().map(|c| (c.name.as_str(), env(&c.env))));
+    }
+    let found = caps::gpu_containers(pod);
+    let gpu_containers: Vec<String> = found.iter().map(|f| f.gpu.name.clone()).collect();
+    let devices_of = |name: &str| found.iter().find(|f| f.gpu.name == name).map(|f| f.gpu.devices);
+    // Without a GPU container (time-slicing by a device plugin under another name, say), every container.
+    let looked_at: Vec<(&str, &[EnvVar])> =
+        if found.is_empty() { all } else { found.iter().map(|f| (f.gpu.name.as_str(), f.env)).collect() };
     let mut caps = Vec::new();
-    for c in looked_at {
-        for env in c.env.iter().flatten() {
+    for (name, env) in looked_at {
+        for env in env {
             if ![MPS_LIMIT, NVIDIA_LIMIT, NVIDIA_REQUEST].contains(&env.name.as_str()) {
                 continue;
             }
             let (value, (bytes, meaning)) = match (&env.value, &env.value_from) {
                 (Some(v), _) => {
-                    let m = if env.name == MPS_LIMIT { mps_meaning(v) } else { toolkit_meaning(&env.name, v) };
-                    (v.clone(), m)
+                    let m = if env.name == MPS_LIMIT {
+                        mps_meaning(v, devices_of(name))
+                    } else {
+                        toolkit_meaning(&env.name, v)
+                    };
+                    (short(v), m)
                 }
                 (None, Some(_)) => (
                     "valueFrom".to_owned(),
@@ -143,24 +216,48 @@ pub fn admission(pod: &Pod) -> Admission {
                 ),
                 (None, None) => (String::new(), (None, "empty: caps nothing".to_owned())),
             };
-            caps.push(Cap { container: c.name.clone(), variable: env.name.clone(), value, bytes, meaning });
+            caps.push(Cap { container: name.to_owned(), variable: env.name.clone(), value, bytes, meaning });
         }
     }
-    let gpu_containers: Vec<String> = gpu.iter().map(|c| c.name.clone()).collect();
+    let verdicts: Vec<Verdict> = found.iter().map(|f| verdict(&f.gpu)).collect();
     let set_by_gpubudget = caps::record_of(pod).map(|r| format!("cap set at admission by gpubudget: {}", r.summary()));
+    let held = verdicts
+        .iter()
+        .map(|v| match (&v.reason, v.max_bytes) {
+            (Some(why), _) => format!("{} ({}) is UNCAPPED: {why}", v.container, v.devices),
+            (None, max) => format!(
+                "{} ({}) is capped by MPS at most {} per process and device",
+                v.container,
+                v.devices,
+                HumanBytes(max.unwrap_or_default())
+            ),
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
     let summary = if caps.is_empty() {
-        uncapped(&gpu_containers)
+        let none = uncapped(&gpu_containers);
+        // A device count the pod does not say is a reason of its own (a DRA claim, NVIDIA_VISIBLE_DEVICES=all).
+        let unknown: Vec<String> = found
+            .iter()
+            .filter_map(|f| match f.gpu.devices {
+                Devices::Unknown(why) => Some(format!("{}: {why}", f.gpu.name)),
+                Devices::Known(_) => None,
+            })
+            .collect();
+        if unknown.is_empty() { none } else { format!("{none} ({})", unknown.join("; ")) }
     } else {
-        caps.iter()
+        let details = caps
+            .iter()
             .map(|c| format!("{} {}={}: {}", c.container, c.variable, c.value, c.meaning))
             .collect::<Vec<_>>()
-            .join("; ")
+            .join("; ");
+        if held.is_empty() { details } else { format!("{held}. {details}") }
     };
     let summary = match &set_by_gpubudget {
         Some(set) => format!("{set}; {summary}"),
         None => summary,
     };
-    Admission { gpu_containers, caps, set_by_gpubudget, summary }
+    Admission { gpu_containers, verdicts, caps, set_by_gpubudget, summary }
 }
 
 #[cfg(test)]
@@ -224,23 +321,86 @@ mod tests {
              \x20   - {name: OTHER, value: \"1\"}\n\
              \x20 - name: helper\n    image: y\n    env: [{name: NVIDIA_GPU_MEMORY_LIMIT, value: \"1\"}]\n"));
         let found: Vec<(&str, Option<u64>)> = a.caps.iter().map(|c| (c.variable.as_str(), c.bytes)).collect();
-        assert_eq!(found, [(MPS_LIMIT, Some(4 << 30)), (NVIDIA_LIMIT, Some(8 << 30)), (NVIDIA_REQUEST, None)]);
+        assert_eq!(found, [(MPS_LIMIT, None), (NVIDIA_LIMIT, Some(8 << 30)), (NVIDIA_REQUEST, None)]);
+        // A bare amount beside an entry: the driver ignores the whole value (measured, #32).
         assert!(
-            a.caps[0].meaning.contains("4Gi on device 0") && a.caps[0].meaning.contains("ignored by the driver: 4G")
+            a.caps[0].meaning.starts_with("the driver ignores the whole value (entry 2 is not DEVICE=AMOUNT"),
+            "{}",
+            a.caps[0].meaning
         );
         assert!(a.caps[1].meaning.starts_with("a hard limit of 8Gi"), "{}", a.caps[1].meaning);
-        assert!(a.caps[2].meaning.contains("not a number of MiB"));
-        assert!(a.summary.starts_with("server CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4G,4G: "), "{}", a.summary);
+        assert!(a.caps[2].meaning.contains("not a plain number of MiB"));
+        assert!(
+            a.summary.starts_with(
+                "server (1 device(s)) is UNCAPPED: the driver ignores its CUDA_MPS_PINNED_DEVICE_MEM_LIMIT: entry 2 \
+                 is not DEVICE=AMOUNT (such as 0=4096M). server CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=4G,4G: "
+            ),
+            "{}",
+            a.summary
+        );
     }
 
     #[test]
     fn mps_sizes() {
+        let mps_size = caps::mps_amount_bytes;
         assert_eq!(mps_size("4G"), Some(4 << 30));
         assert_eq!(mps_size("512MB"), Some(512 << 20));
         assert_eq!(mps_size("6000M"), Some(6000 << 20));
-        assert_eq!(mps_size("1024"), Some(1024));
+        assert_eq!(mps_size("1024"), None, "bytes: the driver ignores them");
         assert_eq!(mps_size("lots"), None);
-        assert_eq!(mps_meaning("GPU-1234=2G").0, Some(2 << 30));
-        assert_eq!(mps_meaning("=2G").0, None);
+        let one = Some(Devices::Known(1));
+        let (bytes, meaning) = mps_meaning("GPU-1234=2G", one);
+        assert!(bytes.is_none() && meaning.contains("names a GPU by UUID"), "{meaning}");
+        assert_eq!(mps_meaning("=2G", one).0, None);
+        assert_eq!(mps_meaning("0=2G,1=2G", Some(Devices::Known(2))).0, Some(2 << 30));
+    }
+
+    /// #32: `why` says what the status counts: the driver's reading, and every way to a GPU.
+    #[test]
+    fn says_uncapped_where_the_driver_ignores_the_value_or_the_devices_are_unknown() {
+        let a =
+            admission(&pod("  - name: main\n    image: x\n    resources: {limits: {nvidia.com/gpu: 1}}\n    env:\n\
+             \x20   - {name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: \"0=1000M,7=1M\"}\n"));
+        assert!(
+            a.summary.starts_with(
+                "main (1 device(s)) is UNCAPPED: the driver ignores its CUDA_MPS_PINNED_DEVICE_MEM_LIMIT: entry 2 \
+                 names device 7, which a container seeing 1 device(s) does not see"
+            ),
+            "{}",
+            a.summary
+        );
+        assert!(!a.verdicts[0].capped);
+        let a =
+            admission(&pod("  - name: main\n    image: x\n    resources: {limits: {nvidia.com/gpu: 1}}\n    env:\n\
+             \x20   - {name: NVIDIA_VISIBLE_DEVICES, value: all}\n\
+             \x20   - {name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: \"0=1000M\"}\n"));
+        assert!(
+            a.summary.starts_with("main (an unknown number of devices) is UNCAPPED: NVIDIA_VISIBLE_DEVICES=all"),
+            "{}",
+            a.summary
+        );
+        assert!(
+            a.caps[0].meaning.contains("how many devices the container sees is not in the pod"),
+            "{}",
+            a.caps[0].meaning
+        );
+        let a = admission(&pod("  - {name: main, image: x, resources: {claims: [{name: gpu}]}}\n"));
+        assert_eq!(a.gpu_containers, ["main"]);
+        assert!(a.summary.ends_with("(main: a DRA resource claim (resources.claims): its devices are allocated at scheduling, not written in the pod)"), "{}", a.summary);
+        let mut p =
+            pod("  - name: main\n    image: x\n    resources: {limits: {nvidia.com/mig-1g.10gb: 1}}\n    env:\n\
+             \x20   - {name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: \"0=1024M\"}\n");
+        p.spec.as_mut().unwrap().ephemeral_containers =
+            Some(serde_yaml::from_str("[{name: debug, env: [{name: NVIDIA_VISIBLE_DEVICES, value: '0'}]}]").unwrap());
+        let a = admission(&p);
+        assert_eq!(a.gpu_containers, ["main", "debug"]);
+        assert!(
+            a.summary.starts_with(
+                "main (1 device(s)) is capped by MPS at most 1Gi per process and device; debug (1 device(s)) is \
+                 UNCAPPED: no CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+            ),
+            "{}",
+            a.summary
+        );
     }
 }

@@ -235,6 +235,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
             over_for_seconds: None,
             admission: crate::admission::Admission {
                 gpu_containers: Vec::new(),
+                verdicts: Vec::new(),
                 set_by_gpubudget: None,
                 caps: Vec::new(),
                 summary: "unknown: the pod spec is gone".to_owned(),

@@ -26,7 +26,6 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use gpubudget_common::caps::GpuContainer;
 use gpubudget_common::{Budget, ClusterGpuMemoryBudget, GpuMemoryBudget, PodLabels, SpecError};
 
 use crate::intern::Pool;
@@ -123,8 +122,6 @@ pub struct Index {
     pod_relists: u32,
     /// One copy of each distinct label set the pods carry.
     label_sets: Pool<BTreeMap<String, String>>,
-    /// One copy of each distinct list of GPU containers.
-    gpu_sets: Pool<[GpuContainer]>,
     /// One copy of each namespace, node and recorded budget name the pods carry.
     names: Pool<str>,
     /// One copy of each list of selecting budgets the pods carry.
@@ -498,7 +495,6 @@ impl Index {
     /// The pod with what other pods carry alike replaced by the copies kept for all of them.
     fn share(&mut self, info: &mut PodInfo) {
         self.label_sets.share(&mut info.labels);
-        self.gpu_sets.share(&mut info.gpu);
         self.names.share(&mut info.namespace);
         if let Some(record) = &mut info.record {
             self.names.share(&mut record.budget);
@@ -741,7 +737,7 @@ mod tests {
             labels: Arc::new(labels.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()),
             record: None,
             terminating: false,
-            gpu: Arc::default(),
+            caps: gpubudget_common::caps::PodCaps::NoGpu,
             started_ms: None,
             exempt: None,
             grace_seconds: None,
@@ -916,8 +912,7 @@ mod tests {
     #[test]
     fn what_pods_carry_alike_is_kept_once() {
         let mut index = fixture();
-        let gpu = |devices| -> Arc<[GpuContainer]> { Arc::from([GpuContainer { devices, ..GpuContainer::default() }]) };
-        let recorded = |ns: &str, name: &str, devices| PodInfo {
+        let recorded = |ns: &str, name: &str, max_mib| PodInfo {
             record: Some(PodRecord {
                 state: BudgetState::Within,
                 usage_bytes: 1 << 30,
@@ -925,7 +920,7 @@ mod tests {
                 node: "gpu-node-7".into(),
                 eviction_requested_at: None,
             }),
-            gpu: gpu(devices),
+            caps: gpubudget_common::caps::PodCaps::Capped { max_mib },
             ..pod(ns, name, &[("app", "llm")])
         };
         index.apply_pod(recorded("a", "p1", 1));
@@ -936,8 +931,7 @@ mod tests {
         let (r1, r2) = (p1.record.as_ref().unwrap(), p2.record.as_ref().unwrap());
         assert!(Arc::ptr_eq(&p1.namespace, &p2.namespace));
         assert!(Arc::ptr_eq(&r1.node, &r2.node) && Arc::ptr_eq(&r1.budget, &r2.budget));
-        assert!(Arc::ptr_eq(&p1.gpu, &p2.gpu) && !Arc::ptr_eq(&p1.gpu, &p3.gpu));
-        assert_eq!(p3.gpu, gpu(2), "different containers are kept apart");
+        assert_eq!(p3.caps, gpubudget_common::caps::PodCaps::Capped { max_mib: 2 }, "each pod's own caps verdict");
         let (key, kept) = index.namespaces["a"].pods.get_key_value("p1").unwrap();
         assert!(Arc::ptr_eq(key, &kept.info.name), "the map's key is the entry's name");
         let budgets = |name: &str| index.namespaces["a"].pods[name].budgets.clone();

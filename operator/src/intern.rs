@@ -1,5 +1,5 @@
-//! One shared copy of a value many pods carry alike: a Deployment's replicas share their labels, their GPU
-//! containers, their namespace's name; every pod on a node names the same node, every pod of a budget the
+//! One shared copy of a value many pods carry alike: a Deployment's replicas share their labels and their
+//! namespace's name; every pod on a node names the same node, every pod of a budget the
 //! same budget. At 150 000 pods a copy each is most of what the operator holds (docs/performance.md).
 
 use std::collections::HashSet;

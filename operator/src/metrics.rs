@@ -56,7 +56,7 @@ pub struct Metrics {
 /// The `result` label of the caps webhook's answers.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ResultLabels {
-    /// `capped`, `uncapped`, `skipped` or `failed` ([`crate::caps_webhook::Verdict::label`]).
+    /// `capped`, `uncapped`, `skipped`, `failed` or `saturated` ([`crate::caps_webhook::Verdict::label`]).
     pub result: String,
 }
 
@@ -103,7 +103,7 @@ impl Metrics {
         r.register("leader", "1 while this replica writes status (leader, or election off)", m.leader.clone());
         r.register(
             "caps_admissions",
-            "Pod admissions the caps webhook answered, by result (capped, uncapped, skipped, failed)",
+            "Pod admissions the caps webhook answered, by result (capped, uncapped, skipped, failed, saturated)",
             m.caps_admissions.clone(),
         );
         r.register(

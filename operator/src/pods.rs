@@ -1,19 +1,20 @@
-//! What the operator keeps of a pod: its name, UID, labels, the agent's record and its GPU containers'
-//! cap variables, nothing else.
+//! What the operator keeps of a pod: its name, UID, labels, the agent's record and whether its GPU
+//! containers' environment caps it (a verdict of a few bytes, not the variables), nothing else.
 //!
 //! The operator watches pods and keeps what the status needs. Everything else a pod carries (managed
 //! fields, other annotations, owner references, the rest of the spec, the status) is skipped by the parser
 //! as each event arrives, which is what keeps the operator small with 10 000 pods (docs/performance.md).
 //! The spec is read (not a metadata-only watch) for one reason: whether a pod is capped is read from its
 //! GPU containers' environment, which is fixed at creation and cannot be forged afterwards (common's
-//! `caps`).
+//! `caps`). The variables are read as each event arrives and reduced to [`PodCaps`] at once: a pod whose
+//! author wrote a megabyte into one of them costs the operator no more than any other.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
-use gpubudget_common::caps::{self, GpuContainer};
+use gpubudget_common::caps::{self, GpuContainer, PodCaps};
 use gpubudget_common::pod_record::{self, PodRecord};
 use gpubudget_common::quota::Exempt;
 use k8s_openapi::api::core::v1::Pod;
@@ -134,9 +135,9 @@ pub struct PodInfo {
     /// The pod is being deleted (`metadata.deletionTimestamp`), as an evicted pod is once the Eviction API
     /// accepted the request; a pod deleted from the cache is remembered with this set.
     pub terminating: bool,
-    /// Its GPU containers with their cap variables (fixed at creation); empty without GPU containers. Shared:
-    /// a workload's replicas carry the same.
-    pub gpu: Arc<[GpuContainer]>,
+    /// Whether its GPU containers' environment (fixed at creation) caps it, and at most how much, or why
+    /// not ([`PodCaps::of`]).
+    pub caps: PodCaps,
     /// When it started (ms since the epoch): `status.startTime`, else `metadata.creationTimestamp`. A
     /// namespace total evicts the most recent start first.
     pub started_ms: Option<u64>,
@@ -165,7 +166,7 @@ impl PodInfo {
             labels: Arc::new(meta.labels.clone().unwrap_or_default()),
             record: meta.annotations.as_ref().and_then(PodRecord::from_annotations),
             terminating: meta.deletion_timestamp.is_some(),
-            gpu: Arc::default(),
+            caps: PodCaps::NoGpu,
             started_ms: meta.creation_timestamp.as_ref().map(epoch_ms),
             exempt: meta
                 .annotations
@@ -228,16 +229,17 @@ pub fn strip(meta: &mut ObjectMeta) {
 }
 
 /// A pod as the operator reads it from a list or watch, lean from the start: only the name, namespace,
-/// UID, resourceVersion, labels, the `gpubudget.io/` annotations and, of each container, its GPU limits
-/// and the three cap variables are kept. Managed fields, owner references, other annotations
-/// (`last-applied-configuration` is often kilobytes), the rest of the spec and the status are skipped by
-/// the parser; containers that ask for no GPU are dropped as soon as they are read.
+/// UID, resourceVersion, labels, the `gpubudget.io/` annotations and the caps verdict of its containers
+/// (init, regular and ephemeral: read from their GPU limits, DRA claims and the four variables, then
+/// dropped). Managed fields, owner references, other annotations (`last-applied-configuration` is often
+/// kilobytes), the rest of the spec and the status are skipped by the parser; containers that use no GPU
+/// are dropped as soon as they are read.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PodMeta {
     /// What was kept of `metadata`.
     pub metadata: ObjectMeta,
-    /// The GPU containers (init containers first), with their cap variables.
-    pub gpu: Vec<GpuContainer>,
+    /// Whether its GPU containers' environment caps it ([`PodCaps::of`]).
+    pub caps: PodCaps,
     /// `status.startTime`, ms since the epoch.
     pub started_ms: Option<u64>,
     /// `spec.priorityClassName` and `spec.priority` say the pod is critical ([`gpubudget_common::is_critical`]).
@@ -251,7 +253,7 @@ impl PodMeta {
     /// only in the namespaces `critical` lists (#33).
     pub fn info(&self, critical: &gpubudget_common::CriticalNamespaces) -> Option<PodInfo> {
         PodInfo::from_meta(&self.metadata).map(|info| PodInfo {
-            gpu: self.gpu.as_slice().into(),
+            caps: self.caps,
             started_ms: self.started_ms.or(info.started_ms),
             exempt: if self.critical && critical.exempts(&info.namespace) {
                 Some(Exempt::Critical)
@@ -314,6 +316,7 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
         struct LeanSpec {
             init_containers: Option<Vec<LeanContainer>>,
             containers: Option<Vec<LeanContainer>>,
+            ephemeral_containers: Option<Vec<LeanContainer>>,
             priority_class_name: Option<String>,
             priority: Option<i32>,
             termination_grace_period_seconds: Option<i64>,
@@ -343,7 +346,15 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
         let critical = gpubudget_common::is_critical(spec.priority_class_name.as_deref(), spec.priority);
         let grace_seconds = spec.termination_grace_period_seconds;
         let started_ms = wire.status.and_then(|s| s.start_time).as_ref().map(epoch_ms);
-        let gpu = spec.init_containers.into_iter().chain(spec.containers).flatten().filter_map(|c| c.0).collect();
+        let gpu: Vec<GpuContainer> = spec
+            .init_containers
+            .into_iter()
+            .chain(spec.containers)
+            .chain(spec.ephemeral_containers)
+            .flatten()
+            .filter_map(|c| c.0)
+            .collect();
+        let caps = PodCaps::of(&gpu);
         let m = wire.metadata;
         let annotations = Some(m.annotations.0).filter(|a| !a.is_empty());
         Ok(Self {
@@ -358,7 +369,7 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
                 annotations,
                 ..ObjectMeta::default()
             },
-            gpu,
+            caps,
             started_ms,
             critical,
             grace_seconds,
@@ -366,13 +377,14 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
     }
 }
 
-/// A container, kept only if it asks for a GPU: its name, device count and cap variables.
+/// A container, kept only if it uses a GPU ([`caps::devices`]): its name, device count and cap variables.
 fn gpu_container<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<GpuContainer>, D::Error> {
     #[derive(serde::Deserialize, Default)]
     struct Resources {
         // Quantities are strings from the API server; a number (as a hand-written object may hold) is read
         // too rather than failing the whole pod event.
         limits: Option<BTreeMap<String, serde_json::Value>>,
+        claims: Option<Vec<IgnoredAny>>,
     }
     #[derive(serde::Deserialize)]
     struct Env {
@@ -389,24 +401,26 @@ fn gpu_container<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Gp
         env: Option<Vec<Env>>,
     }
     let c = <Lean as serde::Deserialize>::deserialize(deserializer)?;
-    let limits = c.resources.and_then(|r| r.limits).unwrap_or_default();
+    let resources = c.resources.unwrap_or_default();
+    let limits = resources.limits.unwrap_or_default();
     let limits: Vec<(&str, String)> =
         limits.iter().map(|(k, v)| (k.as_str(), v.as_str().map_or_else(|| v.to_string(), str::to_owned))).collect();
-    let devices = caps::device_count(limits.iter().map(|(k, v)| (*k, v.as_str())));
-    if devices == 0 {
-        return Ok(None);
-    }
+    let claims = resources.claims.is_some_and(|c| !c.is_empty());
     let env: Vec<k8s_openapi::api::core::v1::EnvVar> = c
         .env
         .unwrap_or_default()
         .into_iter()
-        .filter(|e| [caps::MPS_LIMIT, caps::MEMORY_LIMIT, caps::MEMORY_REQUEST].contains(&e.name.as_str()))
+        .filter(|e| caps::VARIABLES.contains(&e.name.as_str()))
         .map(|e| k8s_openapi::api::core::v1::EnvVar {
             name: e.name,
             value: e.value,
             value_from: e.value_from.map(|_| Default::default()),
         })
         .collect();
+    let limits = caps::limit_devices(limits.iter().map(|(k, v)| (*k, v.as_str())));
+    let Some(devices) = caps::devices(limits, caps::env_value(&env, caps::VISIBLE_DEVICES).as_ref(), claims) else {
+        return Ok(None);
+    };
     Ok(Some(GpuContainer {
         name: c.name,
         devices,
@@ -575,34 +589,54 @@ mod tests {
     }
 
     #[test]
-    fn pod_meta_keeps_the_gpu_containers_cap_variables_only() {
-        let wire = serde_json::json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
-            "spec": {
-                "initContainers": [{"name": "warm", "resources": {"limits": {"nvidia.com/gpu.shared": 1}},
-                                    "env": [{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
-                                             "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]}],
-                "containers": [
-                    {"name": "main", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "2", "cpu": "1"}},
-                     "env": [{"name": "OTHER", "value": "1"}, {"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "8192"},
-                             {"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=1G"},
-                             {"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=2G,1=2G"}],
-                     "volumeMounts": [{"name": "v", "mountPath": "/v"}]},
-                    {"name": "web", "image": "y", "env": [{"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "1"}]},
-                ],
-                "volumes": [{"name": "v", "emptyDir": {}}],
-            },
-            "status": {"phase": "Running", "containerStatuses": [{"name": "main", "ready": true}]},
-        });
-        let meta: PodMeta = serde_json::from_value(wire).expect("parses");
-        let info = meta.info(&CriticalNamespaces::default()).expect("named");
-        let gpu: Vec<(&str, u32)> = info.gpu.iter().map(|g| (g.name.as_str(), g.devices)).collect();
-        assert_eq!(gpu, [("warm", 1), ("main", 2)], "init containers first; the CPU-only container dropped");
-        assert_eq!(info.gpu[0].mps_limit, Some(caps::EnvValue::FromSource));
-        assert_eq!(info.gpu[1].mps_limit, Some(caps::EnvValue::Literal("0=2G,1=2G".into())), "the last entry wins");
-        assert_eq!(info.gpu[1].memory_limit, Some(caps::EnvValue::Literal("8192".into())));
-        assert_eq!(info.gpu[1].memory_request, None);
+    fn pod_meta_keeps_the_caps_verdict_only() {
+        let wire = |main_env: serde_json::Value| {
+            serde_json::json!({
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+                "spec": {
+                    "initContainers": [{"name": "warm", "resources": {"limits": {"nvidia.com/gpu.shared": 1}},
+                                        "env": [{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=1G"}]}],
+                    "containers": [
+                        {"name": "main", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "2", "cpu": "1"}},
+                         "env": main_env, "volumeMounts": [{"name": "v", "mountPath": "/v"}]},
+                        {"name": "web", "image": "y", "env": [{"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "1"}]},
+                    ],
+                    "volumes": [{"name": "v", "emptyDir": {}}],
+                },
+                "status": {"phase": "Running", "containerStatuses": [{"name": "main", "ready": true}]},
+            })
+        };
+        let caps_of =
+            |v: serde_json::Value| serde_json::from_value::<PodMeta>(v).expect("parses").info(&CriticalNamespaces::default()).expect("named").caps;
+        let capped = wire(serde_json::json!([
+            {"name": "OTHER", "value": "1"}, {"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "8192"},
+            {"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=1G"},
+            {"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=2G,1=2G"},
+        ]));
+        assert_eq!(
+            caps_of(capped.clone()),
+            PodCaps::Capped { max_mib: 8192 },
+            "the last entry wins; the CPU-only container dropped"
+        );
+        // A value the driver ignores, and every other way to a GPU.
+        let mut ignored = capped.clone();
+        ignored["spec"]["containers"][0]["env"][3]["value"] = "0=2G,1=2G,2=1M".into();
+        assert!(matches!(caps_of(ignored), PodCaps::Uncapped(caps::Uncapped::Ignored(caps::Ignored::Unseen { .. }))));
+        let mut debug = capped.clone();
+        debug["spec"]["ephemeralContainers"] =
+            serde_json::json!([{"name": "debug", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]);
+        assert_eq!(caps_of(debug), PodCaps::Uncapped(caps::Uncapped::Devices(caps::Unknown::All)));
+        let mut dra = capped.clone();
+        dra["spec"]["containers"][1]["resources"] = serde_json::json!({"claims": [{"name": "gpu"}]});
+        assert_eq!(caps_of(dra), PodCaps::Uncapped(caps::Uncapped::Devices(caps::Unknown::Claim)));
+        let mut mig = capped;
+        mig["spec"]["containers"][1]["resources"] = serde_json::json!({"limits": {"nvidia.com/mig-1g.10gb": "1"}});
+        assert_eq!(caps_of(mig), PodCaps::Uncapped(caps::Uncapped::NoMps));
+        let from = wire(serde_json::json!([{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                                             "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]));
+        assert_eq!(caps_of(from), PodCaps::Uncapped(caps::Uncapped::MpsFromSource));
+        assert!(std::mem::size_of::<PodCaps>() <= 24, "a verdict, not the variables");
     }
 
     /// What namespace totals read: the start (status.startTime, else creation), critical priority, a static

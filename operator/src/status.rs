@@ -7,9 +7,9 @@
 //!   relative to that budget's limit). `podsAboveRequest` (only when the budget sets a request) counts
 //!   those whose recorded usage is above the request: the candidates for eviction under GPU memory pressure.
 //! - With `admissionCaps: Enabled`, `podsCapped`, `podsUncapped` and `podsCappedAboveLimit` count those
-//!   pods by their GPU containers' environment (`caps::assess`; fixed at creation, never the annotation,
-//!   which a pod's author could have written while the webhook was down). Pods without a GPU container
-//!   count in none of them.
+//!   pods by their GPU containers' environment as the driver reads it (`caps::PodCaps`; fixed at creation,
+//!   never the annotation, which a pod's author could have written while the webhook was down). Pods
+//!   without a GPU container count in none of them.
 //! - `evictions` counts each pod once, by UID: a pod whose record names this budget and carries
 //!   `gpubudget.io/eviction-requested-at`. The UIDs already counted are kept in `status.countedEvictions`
 //!   (the newest [`COUNTED_EVICTIONS_MAX`]), so a restart or a re-list does not count a pod twice.
@@ -29,7 +29,7 @@ use std::hash::{BuildHasher, RandomState};
 use std::str::FromStr;
 use std::sync::LazyLock;
 
-use gpubudget_common::caps::{self, Assessment, Caps};
+use gpubudget_common::caps::{Assessment, Caps};
 use gpubudget_common::crd::{COUNTED_EVICTIONS_MAX, EvictionRecord, GpuMemoryBudgetStatus, TOP_PODS_MAX, TopPod};
 use gpubudget_common::pod_record::PodRecord;
 use gpubudget_common::quantity::HumanBytes;
@@ -187,7 +187,7 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
         }
         status.matched_pods += 1;
         if let Some(caps) = pod_caps {
-            *assessed.entry(caps::assess(&pod.gpu, caps)).or_default() += 1;
+            *assessed.entry(pod.caps.assess(caps)).or_default() += 1;
         }
         let Some(record) = &pod.record else { continue };
         if budget.is_record_name(&record.budget) {
@@ -473,7 +473,6 @@ mod tests {
     static NO_NS: BTreeMap<String, String> = BTreeMap::new();
     use super::*;
     use gpubudget_common::pod_record::PodRecord;
-    use std::sync::Arc;
 
     fn resource(name: &str, limit: &str, selector: &str) -> GpuMemoryBudget {
         let mut r: GpuMemoryBudget = serde_yaml::from_str(&format!(
@@ -503,7 +502,7 @@ mod tests {
                 eviction_requested_at: None,
             }),
             terminating: false,
-            gpu: Arc::default(),
+            caps: gpubudget_common::caps::PodCaps::NoGpu,
             started_ms: None,
             exempt: None,
             grace_seconds: None,
@@ -531,14 +530,14 @@ mod tests {
     const GI: u64 = 1 << 30;
 
     fn with_env(name: &str, mps: Option<&str>) -> PodInfo {
-        use gpubudget_common::caps::{EnvValue, GpuContainer};
+        use gpubudget_common::caps::{Devices, EnvValue, GpuContainer, PodCaps};
         let gpu = GpuContainer {
             name: "main".into(),
-            devices: 1,
+            devices: Devices::Known(1),
             mps_limit: mps.map(|m| EnvValue::Literal(m.into())),
             ..GpuContainer::default()
         };
-        PodInfo { gpu: Arc::from([gpu]), ..pod(name, "llm", None) }
+        PodInfo { caps: PodCaps::of([&gpu]), ..pod(name, "llm", None) }
     }
 
     #[test]

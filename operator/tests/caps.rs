@@ -120,18 +120,24 @@ async fn status_counts_caps_from_the_environment_never_from_the_annotation() {
 }
 
 async fn post(addr: std::net::SocketAddr, body: &Value) -> Value {
-    let body = body.to_string();
+    let out = post_raw(addr, &body.to_string()).await;
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    serde_json::from_str(out.split("\r\n\r\n").nth(1).expect("a body")).expect("json")
+}
+
+/// The whole HTTP answer to a POST of `body`.
+async fn post_raw(addr: std::net::SocketAddr, body: &str) -> String {
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connects");
     let request = format!(
         "POST {} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         caps_webhook::PATH,
         body.len()
     );
-    stream.write_all(request.as_bytes()).await.expect("writes");
+    // A body the server refuses to read may close the connection before all of it is written.
+    let _ = stream.write_all(request.as_bytes()).await;
     let mut out = String::new();
-    stream.read_to_string(&mut out).await.expect("reads");
-    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
-    serde_json::from_str(out.split("\r\n\r\n").nth(1).expect("a body")).expect("json")
+    let _ = stream.read_to_string(&mut out).await;
+    out
 }
 
 fn create_review(ns: &str) -> Value {
@@ -199,24 +205,134 @@ async fn the_webhook_caps_from_the_controllers_cache_and_reports_it() {
 /// unreachable replica) and the replica is not ready; once the caches have listed, it caps.
 #[tokio::test(start_paused = true)]
 async fn the_caps_webhook_answers_only_from_synced_caches() {
-    use axum::extract::State;
+    use tower::ServiceExt;
     let fake = FakeApi::new();
     budget(&fake, "team-a", "llm", "8Gi", "Enabled");
     fake.set_latency(Duration::from_secs(120));
     let op = Operator::start(&fake, true);
-    let review = || serde_json::from_value(create_review("team-a")).expect("a review");
-    let early = caps_webhook::mutate(State(op.ctx.clone()), axum::Json(review())).await;
-    assert_eq!(early.err().map(|e| e.0), Some(axum::http::StatusCode::SERVICE_UNAVAILABLE));
+    let call = || async {
+        let request = axum::http::Request::post(caps_webhook::PATH)
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(create_review("team-a").to_string()))
+            .expect("a request");
+        let response = caps_webhook::router(op.ctx.clone()).oneshot(request).await.expect("answered");
+        let status = response.status();
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX).await.expect("a body");
+        (status, String::from_utf8_lossy(&body).into_owned())
+    };
+    let (status, body) = call().await;
+    assert_eq!(status, axum::http::StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(body.contains("caches have not listed"), "{body}");
     assert!(!op.health.is_ready(), "readiness agrees: not ready");
     fake.set_latency(Duration::ZERO);
     assert!(
         fake.wait_until(Duration::from_secs(300), |_| *op.ctx.synced_watch().borrow()).await,
         "the caches list once the API answers"
     );
-    let answer = caps_webhook::mutate(State(op.ctx.clone()), axum::Json(review())).await.expect("answered");
-    let answer = serde_json::to_value(answer.0).expect("json");
+    let (status, body) = call().await;
+    assert_eq!(status, axum::http::StatusCode::OK, "{body}");
+    let answer: Value = serde_json::from_str(&body).expect("json");
     assert_eq!(answer["response"]["patchType"], "JSONPatch", "{answer}");
     op.stop().await;
+}
+
+/// #32 item 2: a tenant cannot stall the webhook. A 1.5 MB value is decided off the async workers and
+/// replaced; a body past the limit is refused unread (413), one that does not arrive in time too (408); with
+/// no decision slot free the answer is 503 at once (the chart's failurePolicy Ignore admits the pod, counted uncapped), counted `saturated`.
+#[tokio::test]
+async fn the_webhook_is_bounded_and_answers_when_saturated() {
+    let fake = FakeApi::new();
+    budget(&fake, "team-a", "llm", "8Gi", "Enabled");
+    let op = Operator::start(&fake, true);
+    until(&fake, "the caches", |_| *op.ctx.synced_watch().borrow()).await;
+    let serve = |app: axum::Router| async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+        let addr = listener.local_addr().expect("addr");
+        (addr, tokio::spawn(eviction_check::serve_on(listener, None, app, op.shutdown.clone())))
+    };
+    let (addr, server) = serve(caps_webhook::router(op.ctx.clone())).await;
+    let mut review = create_review("team-a");
+    let huge: String = (0..200_000).map(|i| format!("{}=1024M,", i % 7)).collect();
+    review["request"]["object"]["spec"]["containers"][0]["env"] = json!([{"name": MPS_LIMIT, "value": huge}]);
+    let answer = post(addr, &review).await;
+    let bytes: Vec<u8> = serde_json::from_value(answer["response"]["patch"].clone()).expect("patch bytes");
+    let patch: Value = serde_json::from_slice(&bytes).expect("a JSON patch");
+    assert_eq!(patch[0]["value"], json!({"name": MPS_LIMIT, "value": "0=8192M,1=8192M"}));
+    let too_big = format!("{{\"pad\": \"{}\"}}", "x".repeat(caps_webhook::MAX_BODY));
+    let out = post_raw(addr, &too_big).await;
+    assert!(out.starts_with("HTTP/1.1 413"), "{}", &out[..out.len().min(200)]);
+
+    // A client trickling its body does not hold a slot: 408 after BODY_WAIT.
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connects");
+    let head = format!(
+        "POST {} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{\"apiV",
+        caps_webhook::PATH
+    );
+    stream.write_all(head.as_bytes()).await.expect("writes");
+    let mut out = String::new();
+    let read = tokio::time::timeout(caps_webhook::BODY_WAIT * 5, stream.read_to_string(&mut out)).await;
+    assert!(read.is_ok() && out.starts_with("HTTP/1.1 408"), "{out}");
+
+    let (busy, busy_server) = serve(caps_webhook::router_with(op.ctx.clone(), 0, Duration::from_millis(20))).await;
+    let out = post_raw(busy, &create_review("team-a").to_string()).await;
+    assert!(out.starts_with("HTTP/1.1 503") && out.contains("saturated"), "{out}");
+    let saturated = op
+        .ctx
+        .metrics()
+        .caps_admissions
+        .get_or_create(&gpubudget_operator::metrics::ResultLabels { result: "saturated".into() })
+        .get();
+    assert_eq!(saturated, 1);
+    op.stop().await;
+    server.await.expect("joins").expect("serves cleanly");
+    busy_server.await.expect("joins").expect("serves cleanly");
+}
+
+/// #32 item 2: the decision runs off the async workers. On a runtime with a single worker thread, while a
+/// 6 MB review is being decided (well over 100 ms in a debug build), the same server answers another request
+/// (here the 503 of a full slot) before the big one is answered: a decision on the worker would block it.
+#[tokio::test(flavor = "current_thread")]
+async fn a_big_decision_does_not_block_the_async_worker() {
+    let fake = FakeApi::new();
+    budget(&fake, "team-a", "llm", "8Gi", "Enabled");
+    let op = Operator::start(&fake, true);
+    until(&fake, "the caches", |_| *op.ctx.synced_watch().borrow()).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let addr = listener.local_addr().expect("addr");
+    let app = caps_webhook::router_with(op.ctx.clone(), 1, Duration::ZERO);
+    let server = tokio::spawn(eviction_check::serve_on(listener, None, app, op.shutdown.clone()));
+
+    let mut review = create_review("team-a");
+    let pad = "x".repeat(1_500_000);
+    review["request"]["object"]["spec"]["containers"] = (0..4)
+        .map(|i| {
+            json!({"name": format!("c{i}"), "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                        "env": [{"name": "PAD", "value": pad}]})
+        })
+        .collect();
+    let body = review.to_string();
+    assert!(body.len() > 6_000_000 && body.len() < caps_webhook::MAX_BODY);
+    let mut big = tokio::net::TcpStream::connect(addr).await.expect("connects");
+    let head = format!(
+        "POST {} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        caps_webhook::PATH,
+        body.len()
+    );
+    big.write_all(head.as_bytes()).await.expect("writes");
+    big.write_all(body.as_bytes()).await.expect("writes");
+    let big = tokio::spawn(async move {
+        let mut out = String::new();
+        big.read_to_string(&mut out).await.expect("reads");
+        out
+    });
+    // The big one holds the only slot while it is decided: this one is answered 503 meanwhile.
+    let small = post_raw(addr, &create_review("team-a").to_string()).await;
+    assert!(small.starts_with("HTTP/1.1 503"), "{small}");
+    assert!(!big.is_finished(), "the small request was answered while the big one was being decided");
+    let big = big.await.expect("joins");
+    assert!(big.starts_with("HTTP/1.1 200"), "{}", &big[..big.len().min(200)]);
+    op.stop().await;
+    server.await.expect("joins").expect("serves cleanly");
 }
 
 #[tokio::test(start_paused = true)]

@@ -3,7 +3,6 @@
 //! records"), through the real index and status computation.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 use gpubudget_common::pod_record::PodRecord;
 use gpubudget_common::{BudgetState, GpuMemoryBudget};
@@ -34,7 +33,7 @@ fn forged(namespace: &str, name: &str, terminating: bool) -> PodInfo {
             eviction_requested_at: Some("2026-11-21T18:00:00Z".into()),
         }),
         terminating,
-        gpu: Arc::default(),
+        caps: gpubudget_common::caps::PodCaps::NoGpu,
         started_ms: None,
         exempt: None,
         grace_seconds: None,

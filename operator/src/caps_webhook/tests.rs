@@ -65,7 +65,7 @@ fn a_pod_created_under_a_caps_budget_gets_the_variables_and_the_record() {
     let Verdict::Capped(record) = &verdict else { panic!("{verdict:?}") };
     assert_eq!(record.containers[0].env[MPS_LIMIT], Outcome::Kept, "the user's smaller value is kept");
     let pod = patched(&object, &response);
-    assert_eq!(env(&pod), [(MPS_LIMIT.into(), "0=2G".into()), (MEMORY_LIMIT.into(), "8192".into())]);
+    assert_eq!(env(&pod), [(MPS_LIMIT.into(), "0=2048M".into()), (MEMORY_LIMIT.into(), "8192".into())]);
     let annotation = pod["metadata"]["annotations"][ANNOTATION].as_str().expect("annotation");
     assert_eq!(&serde_json::from_str::<Record>(annotation).expect("record"), record);
     assert_eq!(verdict.label(), "capped");
@@ -156,4 +156,63 @@ fn a_cluster_budget_with_caps_caps_the_pods_it_applies_to() {
     let (_, verdict) = decide(&review("CREATE", "pods", None, object), &both, &tenants);
     let Verdict::Capped(record) = &verdict else { panic!("{verdict:?}") };
     assert_eq!((record.budget.as_str(), record.limit_mib), ("ClusterGpuMemoryBudget/tenants", 16384));
+}
+
+fn ephemeral_review(old: Value, new: Value) -> AdmissionRequest<DynamicObject> {
+    let review = json!({
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": "req-2", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "subResource": "ephemeralcontainers", "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "name": "trainer-x", "namespace": "team-a", "operation": "UPDATE",
+            "userInfo": {"username": "alice"}, "object": new, "oldObject": old, "dryRun": false,
+        }
+    });
+    let review: AdmissionReview<DynamicObject> = serde_json::from_value(review).expect("review fixture");
+    review.try_into().expect("request")
+}
+
+/// #32 item 3: `kubectl debug` adds ephemeral containers through `pods/ephemeralcontainers`; a new one that
+/// gets a GPU through `NVIDIA_VISIBLE_DEVICES` is capped there; one without a GPU is left alone.
+#[test]
+fn ephemeral_gpu_containers_are_capped_when_they_are_added() {
+    let old = gpu_pod(json!({"app": "llm"}), json!({}), json!([]));
+    let mut new = old.clone();
+    new["spec"]["ephemeralContainers"] = json!([
+        {"name": "debug", "image": "cuda", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "0"}]},
+    ]);
+    let budgets = [budget("llm", "8Gi", "{}", true)];
+    let (response, verdict) = decide(&ephemeral_review(old.clone(), new.clone()), &budgets, &BTreeMap::new());
+    let Verdict::Capped(record) = &verdict else { panic!("{verdict:?}") };
+    assert_eq!(record.containers[0].name, "debug");
+    let pod = patched(&new, &response);
+    let env: Vec<(&str, &str)> = pod["spec"]["ephemeralContainers"][0]["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .map(|e| (e["name"].as_str().unwrap_or_default(), e["value"].as_str().unwrap_or_default()))
+        .collect();
+    assert_eq!(env, [("NVIDIA_VISIBLE_DEVICES", "0"), (MPS_LIMIT, "0=8192M"), (MEMORY_LIMIT, "8192")]);
+    assert_eq!(pod["metadata"], new["metadata"], "the record is not touched at the subresource");
+    // A shell without a GPU: nothing to do.
+    let mut shell = old.clone();
+    shell["spec"]["ephemeralContainers"] = json!([{"name": "sh", "image": "busybox"}]);
+    let (response, verdict) = decide(&ephemeral_review(old, shell), &budgets, &BTreeMap::new());
+    assert_eq!((verdict, response.patch.is_none()), (Verdict::NotPodCreate, true));
+}
+
+/// #32 item 2: a 1.5 MB value (the API server accepts 3 MB bodies) is replaced unread; the decision stays
+/// linear (its time is in `cargo bench -p gpubudget-operator --bench caps`).
+#[test]
+fn a_huge_value_is_replaced_by_the_canonical_one() {
+    let huge: String = (0..200_000).map(|i| format!("{}=1024M,", i % 7)).collect();
+    assert!(huge.len() > 1_500_000);
+    let object = gpu_pod(json!({}), json!({}), json!([{"name": MPS_LIMIT, "value": huge}]));
+    let budgets = [budget("llm", "8Gi", "{}", true)];
+    let (response, verdict) = decide(&review("CREATE", "pods", None, object.clone()), &budgets, &BTreeMap::new());
+    let Verdict::Capped(record) = &verdict else { panic!("{verdict:?}") };
+    assert_eq!(record.containers[0].env[MPS_LIMIT], Outcome::Replaced);
+    assert!(response.patch.as_ref().is_some_and(|p| p.len() < 2_000), "the patch does not carry the value back");
+    assert_eq!(env(&patched(&object, &response))[0], (MPS_LIMIT.into(), "0=8192M".into()));
 }
