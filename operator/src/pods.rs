@@ -607,8 +607,13 @@ mod tests {
                 "status": {"phase": "Running", "containerStatuses": [{"name": "main", "ready": true}]},
             })
         };
-        let caps_of =
-            |v: serde_json::Value| serde_json::from_value::<PodMeta>(v).expect("parses").info(&CriticalNamespaces::default()).expect("named").caps;
+        let caps_of = |v: serde_json::Value| {
+            serde_json::from_value::<PodMeta>(v)
+                .expect("parses")
+                .info(&CriticalNamespaces::default())
+                .expect("named")
+                .caps
+        };
         let capped = wire(serde_json::json!([
             {"name": "OTHER", "value": "1"}, {"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "8192"},
             {"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=1G"},
