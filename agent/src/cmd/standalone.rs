@@ -150,7 +150,9 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
         "ts": ts, "ts_unix": ts_unix, "kind": "start", "node": &node,
         "interval_ms": args.sample.interval.as_millis() as u64,
         "interval_near_ms": engine.enforcer.settings().cadence.fast_ms,
-        "pods": table.pods.len(), "budgets": table.budgets.len(),
+        "pods": table.pods.len(),
+        // The budgets read, not the tightened rules resolution adds for pods (#33).
+        "budgets": table.budgets.iter().filter(|b| b.tightened_by.is_none()).count(),
         "source": args.sample_file.as_ref().map_or_else(|| "nvml".to_owned(), |p| format!("file:{}", p.display())),
     }))?;
 
