@@ -135,6 +135,8 @@ struct Overlap {
     winners: BTreeMap<String, usize>,
     /// A cluster budget is among them (the rule the message states is then the cluster one).
     cluster: bool,
+    /// Where this budget applies with its rules tightened by other cluster budgets (#33): by which.
+    tightened_by: Option<String>,
 }
 
 /// Whether two compiled budgets are the same object.
@@ -170,6 +172,11 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
                     let winner = resolution.budget;
                     overlap.cluster |= winner.is_cluster() || resolution.also_matched.iter().any(|b| b.is_cluster());
                     *overlap.winners.entry(seen_from(budget, winner)).or_default() += 1;
+                    if same_budget(winner, budget)
+                        && let Some(by) = resolution.applied().tightened_by.as_ref()
+                    {
+                        overlap.tightened_by.get_or_insert_with(|| by.clone());
+                    }
                     for other in std::iter::once(winner).chain(resolution.also_matched.iter().copied()) {
                         if !same_budget(other, budget) {
                             overlap.others.insert(seen_from(budget, other), other.limit_text.clone());
@@ -336,9 +343,16 @@ fn overlapping(budget: &Budget, overlap: &Overlap) -> Draft {
         "True",
         "SelectorsOverlap",
         format!(
-            "{pods} {plural} this budget selects {verb} also selected by {}; {rule}: {}",
+            "{pods} {plural} this budget selects {verb} also selected by {}; {rule}: {}{tightened}",
             names.join(", "),
             winners.join(", "),
+            tightened = match &overlap.tightened_by {
+                Some(by) => format!(
+                    "; no rule applied is looser than any cluster budget that selects a pod, so where this budget \
+                     applies its rules are tightened by {by}"
+                ),
+                None => String::new(),
+            },
             rule = if overlap.cluster {
                 "the smallest limit applies (equal limits: the cluster budget, then the name that sorts first), and \
                  a namespaced budget only if it is no looser in any field than the cluster budget"
@@ -889,5 +903,40 @@ mod tests {
         let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
         assert!(c.message.contains("also selected by ClusterGpuMemoryBudget/tenants (16Gi)"), "{}", c.message);
         assert!(c.message.contains("no looser in any field than the cluster budget"), "{}", c.message);
+    }
+
+    /// #33: a smaller-limit cluster budget that a pod label brings in applies with its rules tightened by the
+    /// other cluster budgets selecting the pod, and its Overlapping condition says by which.
+    #[test]
+    fn a_tightened_cluster_budget_says_so() {
+        let cgmb = |name: &str, rest: &str| -> ClusterGpuMemoryBudget {
+            serde_yaml::from_str(&format!(
+                "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {{name: {name}}}\n\
+                 spec: {{namespaceSelector: {{}}, {rest}}}\n"
+            ))
+            .expect("fixture")
+        };
+        let lax = cgmb("lax", "selector: {matchLabels: {app: web}}, limit: 6Gi, action: Warn");
+        let admin = cgmb("admin", "selector: {}, limit: 8Gi");
+        let (l, a) = (Budget::compile_cluster(&lax).expect("valid"), Budget::compile_cluster(&admin).expect("valid"));
+        let labels = BTreeMap::new();
+        let pods = [pod("p1", "web", Some((BudgetState::Over, 7 * GI, "ClusterGpuMemoryBudget/lax")))];
+        let selected = vec![Selected { pod: &pods[0], namespace_labels: &labels, selected_by: vec![&l, &a] }];
+        let s = compute_cluster(
+            &lax,
+            &Inputs { spec: Some(Ok(&l)), selected: selected.clone(), recorded: vec![&pods[0]] },
+            None,
+            t(0),
+        );
+        assert_eq!(s.matched_pods, 1);
+        let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
+        assert!(
+            c.message.ends_with("its rules are tightened by ClusterGpuMemoryBudget/admin (action)"),
+            "{}",
+            c.message
+        );
+        let s = compute_cluster(&admin, &Inputs { spec: Some(Ok(&a)), selected, recorded: vec![] }, None, t(0));
+        let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
+        assert!(!c.message.contains("tightened"), "only where the tightened budget applies: {}", c.message);
     }
 }
