@@ -539,19 +539,22 @@ pub fn resolve<'a>(budgets: impl IntoIterator<Item = &'a Budget>, pod: &PodLabel
         let budget = matched.remove(0);
         return Some(Resolution { budget, also_matched: matched, tightened: None, cluster_selected: false });
     };
-    let mut floor = matched[first_cluster].clone();
+    // The floor is copied only when another cluster budget tightens it: resolution runs for every pod on every
+    // table build and status pass, and most pods meet one cluster budget or several that agree.
+    let mut floor = std::borrow::Cow::Borrowed(matched[first_cluster]);
     let mut by = Vec::new();
     for other in matched.iter().filter(|b| b.is_cluster()).skip(1) {
-        let fields = floor.tighten(other);
-        if !fields.is_empty() {
-            by.push(format!("ClusterGpuMemoryBudget/{} ({})", other.name, fields.join(", ")));
+        if floor.no_looser_than(other) && floor.warn_at_percent <= other.warn_at_percent {
+            continue;
         }
+        let fields = floor.to_mut().tighten(other);
+        by.push(format!("ClusterGpuMemoryBudget/{} ({})", other.name, fields.join(", ")));
     }
     let namespaced = matched[..first_cluster].iter().position(|b| b.no_looser_than(&floor));
-    let (winner, tightened) = match namespaced {
-        Some(n) => (n, None),
-        None if by.is_empty() => (first_cluster, None),
-        None => {
+    let (winner, tightened) = match (namespaced, floor) {
+        (Some(n), _) => (n, None),
+        (None, std::borrow::Cow::Borrowed(_)) => (first_cluster, None),
+        (None, std::borrow::Cow::Owned(mut floor)) => {
             floor.tightened_by = Some(by.join("; "));
             (first_cluster, Some(floor))
         }

@@ -226,6 +226,7 @@ impl PodTable {
         let mut run: (Option<&str>, std::ops::Range<usize>) = (None, 0..0);
         let mut budget_of = Vec::with_capacity(pods.len());
         let mut cluster_selected = Vec::with_capacity(pods.len());
+        let mut tightened_index: FastMap<(Option<usize>, String), usize> = FastMap::default();
         for p in &pods {
             if run.0 != Some(&*p.namespace) {
                 let start = budgets.len();
@@ -238,13 +239,18 @@ impl PodTable {
                 let named = candidates.clone().find(|i| std::ptr::eq(&*budgets[*i], r.budget));
                 (named, r.tightened, r.cluster_selected)
             });
-            // Rules a cluster budget tightened (#33) are the pod's own entry, after the run.
+            // Rules a cluster budget tightened (#33) get an entry of their own, after the run, shared by every
+            // pod they apply to (the same named budget tightened by the same cluster budgets).
             let applies = match resolved {
                 None => None,
                 Some((named, None, cluster)) => named.map(|i| (i, cluster)),
-                Some((_, Some(tightened), cluster)) => {
-                    budgets.push(Arc::new(tightened));
-                    Some((budgets.len() - 1, cluster))
+                Some((named, Some(tightened), cluster)) => {
+                    let key = (named, tightened.tightened_by.clone().unwrap_or_default());
+                    let i = *tightened_index.entry(key).or_insert_with(|| {
+                        budgets.push(Arc::new(tightened));
+                        budgets.len() - 1
+                    });
+                    Some((i, cluster))
                 }
             };
             budget_of.push(applies.map(|(i, _)| i));
@@ -402,6 +408,39 @@ status:
         assert!(!with("not json"), "an unreadable record expects nothing");
         let none = pod("metadata: {name: a, namespace: n, uid: u}\nspec: {containers: []}");
         assert!(!PodView::from_pod(&none).expect("view").caps_expected);
+    }
+
+    /// #33: pods labelled into a cluster budget that another cluster budget tightens share one entry of the
+    /// tightened rules; the budget they are named by keeps its own.
+    #[test]
+    fn tightened_rules_are_one_entry_shared_by_their_pods() {
+        let cgmb = |name: &str, rest: &str| -> gpubudget_common::ClusterGpuMemoryBudget {
+            serde_yaml::from_str(&format!(
+                "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {{name: {name}}}\n\
+                 spec: {{namespaceSelector: {{}}, {rest}}}"
+            ))
+            .expect("fixture")
+        };
+        let lax = cgmb("lax", "selector: {matchLabels: {tier: batch}}, limit: 6Gi, action: Warn");
+        let admin = cgmb("admin", "selector: {}, limit: 8Gi");
+        let view = |ns: &str, name: &str, labels: &str| {
+            PodView::from_pod(&pod(&format!(
+                "metadata: {{name: {name}, namespace: {ns}, uid: u-{ns}-{name}, labels: {labels}}}\nspec: {{nodeName: n1}}"
+            )))
+            .expect("view")
+        };
+        let pods = [view("a", "p1", "{tier: batch}"), view("b", "p2", "{tier: batch}"), view("a", "p3", "{}")];
+        let table =
+            PodTable::from_index(pods, &BudgetIndex::default(), &ClusterIndex::of([&lax, &admin], []), Some("n1"));
+        let (p1, p2, p3) = (table.find_name("a", "p1"), table.find_name("b", "p2"), table.find_name("a", "p3"));
+        let (p1, p2, p3) = (p1.expect("p1"), p2.expect("p2"), p3.expect("p3"));
+        assert_eq!(table.budget_of[p1], table.budget_of[p2], "one shared entry");
+        let tightened = table.budget(p1).expect("applies");
+        assert_eq!((tightened.name.as_str(), tightened.action), ("lax", gpubudget_common::BudgetAction::Evict));
+        assert!(tightened.tightened_by.is_some());
+        assert_eq!(table.budget(p3).map(|b| (b.name.as_str(), b.tightened_by.is_none())), Some(("admin", true)));
+        assert_eq!(table.budgets.iter().filter(|b| b.tightened_by.is_some()).count(), 1);
+        assert!(table.cluster_selects(p1) && table.cluster_selects(p3));
     }
 
     #[test]

@@ -211,7 +211,7 @@ impl Enforcer {
                         let pod_usage = usage.get(i).unwrap_or(&empty);
                         mem.pressure = Some(g);
                         mem.last_usage = pod_usage.total;
-                        let grace = self.settings.pressure_grace_seconds;
+                        let grace = self.pressure_grace(None);
                         let note = format!(
                             "no budget selects this pod; node policy unbudgetedPods={}: a pod without a budget is \
                              guaranteed nothing, so all its {} count as above its guarantee; GPU {} is under memory \
