@@ -123,13 +123,29 @@ webhook_cert() {
     -extfile "$1/ext" -out "$1/tls.crt" 2>/dev/null
 }
 
+# fake_container_id NAMESPACE POD: the 64 hex digits the test's pods report as their container "main"'s ID, derived from
+# NAMESPACE/POD (fake_process names the same one in the process's cgroup).
+fake_container_id() { printf '%s' "$1/$2" | sha256sum | cut -c1-64; }
+
+# pod_running NAMESPACE POD [START_TIME]: the kubelet's part for a pod the test created: status Running and Ready,
+# its container "main" running with fake_container_id's ID, and status.startTime when START_TIME (RFC 3339) is given.
+pod_running() {
+  local started=""
+  [ -z "${3:-}" ] || started="\"startTime\":\"$3\","
+  kubectl patch pod "$2" -n "$1" --subresource=status --type=merge -p "{\"status\":{\"phase\":\"Running\", $started
+    \"conditions\":[{\"type\":\"Ready\",\"status\":\"True\"}],
+    \"containerStatuses\":[{\"name\":\"main\",\"containerID\":\"containerd://$(fake_container_id "$1" "$2")\",
+    \"image\":\"registry.k8s.io/pause:3.10\",\"imageID\":\"x\",\"ready\":true,\"restartCount\":0,\"started\":true,
+    \"state\":{\"running\":{}}}]}}" >/dev/null
+}
+
 # fake_process PROC_ROOT PID NAMESPACE POD: a process of the pod's container "main" in a fixture /proc, with the
 # kubelet's cgroup (systemd driver, containerd, burstable QoS), as on a real node. The container ID is 64 hex
 # digits derived from NAMESPACE/POD (the test's pods report the same one).
 fake_process() {
   local dir=$1/$2 uid cid
   uid=$(uid "$3" "$4" | tr - _)
-  cid=$(printf '%s' "$3/$4" | sha256sum | cut -c1-64)
+  cid=$(fake_container_id "$3" "$4")
   mkdir -p "$dir"
   printf '%s (python3) S 1 %s %s 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 12 0 %s 1000000 500 18446744073709551615 1 1 0 0 0 0 0 16781312 17642 0 0 0 17 3 0 0 0 0 0\n' \
     "$2" "$2" "$2" "$((100000 + $2))" > "$dir/stat"

@@ -134,7 +134,6 @@ EOF
     -p '{"status":{"conditions":[{"type":"Ready","status":"True","reason":"KubeletReady","message":"played by the e2e test"}]}}' >/dev/null
 done
 make_pod() { # NAME NODE LABEL(k=v): a running pod with one container "main", as the kubelet reports it
-  local cid
   kubectl create -f - >/dev/null <<EOF
 apiVersion: v1
 kind: Pod
@@ -144,11 +143,7 @@ spec:
   terminationGracePeriodSeconds: 60
   containers: [{name: main, image: registry.k8s.io/pause:3.10}]
 EOF
-  cid=$(printf '%s' "$NS_A/$1" | sha256sum | cut -c1-64)
-  kubectl patch pod "$1" -n "$NS_A" --subresource=status --type=merge -p "{\"status\":{\"phase\":\"Running\",
-    \"conditions\":[{\"type\":\"Ready\",\"status\":\"True\"}],
-    \"containerStatuses\":[{\"name\":\"main\",\"containerID\":\"containerd://$cid\",\"image\":\"registry.k8s.io/pause:3.10\",
-    \"imageID\":\"x\",\"ready\":true,\"restartCount\":0,\"started\":true,\"state\":{\"running\":{}}}]}}" >/dev/null
+  pod_running "$NS_A" "$1"
 }
 process() { fake_process "$WORK/proc" "$1" "$NS_A" "$2"; } # PID POD
 make_pod first "$NODE" app=llm        # llm-inference (Evict, 8Gi, 10 s, grace 30 s): evicted before the upgrade

@@ -115,7 +115,6 @@ say "pods (API objects; the test is their kubelet): six in $NS_Q on two nodes, t
 T0=$(date -u +%s)
 # make_pod NAMESPACE NAME NODE START_OFFSET_S: a running pod whose status.startTime is T0 - 600 + offset.
 make_pod() {
-  local cid started
   kubectl create -f - >/dev/null <<EOF
 apiVersion: v1
 kind: Pod
@@ -125,12 +124,7 @@ spec:
   terminationGracePeriodSeconds: 60
   containers: [{name: main, image: registry.k8s.io/pause:3.10}]
 EOF
-  cid=$(printf '%s' "$1/$2" | sha256sum | cut -c1-64)
-  started=$(date -u -d "@$((T0 - 600 + $4))" +%Y-%m-%dT%H:%M:%SZ)
-  kubectl patch pod "$2" -n "$1" --subresource=status --type=merge -p "{\"status\":{\"phase\":\"Running\",
-    \"startTime\":\"$started\", \"conditions\":[{\"type\":\"Ready\",\"status\":\"True\"}],
-    \"containerStatuses\":[{\"name\":\"main\",\"containerID\":\"containerd://$cid\",\"image\":\"registry.k8s.io/pause:3.10\",
-    \"imageID\":\"x\",\"ready\":true,\"restartCount\":0,\"started\":true,\"state\":{\"running\":{}}}]}}" >/dev/null
+  pod_running "$1" "$2" "$(date -u -d "@$((T0 - 600 + $4))" +%Y-%m-%dT%H:%M:%SZ)"
 }
 # Created q-1 … q-6 in that order, but q-4 (on the second node) started last: the start time decides.
 N1=${NODES[0]} N2=${NODES[1]}

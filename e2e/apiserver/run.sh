@@ -134,7 +134,7 @@ NEXT_PID=4100
 # make_pod NAMESPACE NAME NODE LABELS(k=v,...): a running pod with one container "main", as the kubelet reports
 # it; prints nothing. Its container ID is 64 hex digits derived from the name.
 make_pod() {
-  local labels="" kv cid
+  local labels="" kv
   IFS=, read -ra kvs <<<"$4"
   for kv in "${kvs[@]}"; do [ -n "$kv" ] && labels+="    ${kv%%=*}: \"${kv#*=}\""$'\n'; done
   kubectl create -f - >/dev/null <<EOF
@@ -150,11 +150,7 @@ ${labels}spec:
   terminationGracePeriodSeconds: 60
   containers: [{name: main, image: registry.k8s.io/pause:3.10}]
 EOF
-  cid=$(printf '%s' "$1/$2" | sha256sum | cut -c1-64)
-  kubectl patch pod "$2" -n "$1" --subresource=status --type=merge -p "{\"status\":{\"phase\":\"Running\",
-    \"conditions\":[{\"type\":\"Ready\",\"status\":\"True\"}],
-    \"containerStatuses\":[{\"name\":\"main\",\"containerID\":\"containerd://$cid\",\"image\":\"registry.k8s.io/pause:3.10\",
-    \"imageID\":\"x\",\"ready\":true,\"restartCount\":0,\"started\":true,\"state\":{\"running\":{}}}]}}" >/dev/null
+  pod_running "$1" "$2"
 }
 # process PID NAMESPACE POD: a process of the pod's container in the fixture /proc, with the kubelet's cgroup
 # (systemd driver, containerd, burstable QoS), as on a real node.

@@ -134,7 +134,6 @@ EOF
 
 # make_pod NAMESPACE NAME LABELS [SPEC]: a running pod on the node (the test is its kubelet).
 make_pod() {
-  local cid
   kubectl create -f - >/dev/null <<EOF
 apiVersion: v1
 kind: Pod
@@ -145,11 +144,7 @@ spec:
   containers: [{name: main, image: registry.k8s.io/pause:3.10}]
   ${4:-}
 EOF
-  cid=$(printf '%s' "$1/$2" | sha256sum | cut -c1-64)
-  kubectl patch pod "$2" -n "$1" --subresource=status --type=merge -p "{\"status\":{\"phase\":\"Running\",
-    \"conditions\":[{\"type\":\"Ready\",\"status\":\"True\"}],
-    \"containerStatuses\":[{\"name\":\"main\",\"containerID\":\"containerd://$cid\",\"image\":\"registry.k8s.io/pause:3.10\",
-    \"imageID\":\"x\",\"ready\":true,\"restartCount\":0,\"started\":true,\"state\":{\"running\":{}}}]}}" >/dev/null
+  pod_running "$1" "$2"
 }
 make_pod "$NS_A" critical "app: critical" "priorityClassName: system-node-critical"
 make_pod kube-system "$RELEASE-sys" "app: sys" "priorityClassName: system-node-critical"
