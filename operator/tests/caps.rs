@@ -153,16 +153,24 @@ fn create_review(ns: &str) -> Value {
     })
 }
 
+/// `app` served on 127.0.0.1 (plain HTTP) until the operator's shutdown: its address and the server's task.
+async fn serve(
+    op: &Operator,
+    app: axum::Router,
+) -> (std::net::SocketAddr, tokio::task::JoinHandle<anyhow::Result<()>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let addr = listener.local_addr().expect("addr");
+    (addr, tokio::spawn(eviction_check::serve_on(listener, None, app, op.shutdown.clone())))
+}
+
 #[tokio::test]
 async fn the_webhook_caps_from_the_controllers_cache_and_reports_it() {
     let fake = FakeApi::new();
     budget(&fake, "team-a", "llm", "8Gi", "Enabled");
     let op = Operator::start(&fake, true);
     until(&fake, "the caches", |_| *op.ctx.synced_watch().borrow()).await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
-    let addr = listener.local_addr().expect("addr");
     let app = eviction_check::router(PodLookup::new(fake.client())).merge(caps_webhook::router(op.ctx.clone()));
-    let server = tokio::spawn(eviction_check::serve_on(listener, None, app, op.shutdown.clone()));
+    let (addr, server) = serve(&op, app).await;
 
     let answer = post(addr, &create_review("team-a")).await;
     assert_eq!(
@@ -245,12 +253,7 @@ async fn the_webhook_is_bounded_and_answers_when_saturated() {
     budget(&fake, "team-a", "llm", "8Gi", "Enabled");
     let op = Operator::start(&fake, true);
     until(&fake, "the caches", |_| *op.ctx.synced_watch().borrow()).await;
-    let serve = |app: axum::Router| async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
-        let addr = listener.local_addr().expect("addr");
-        (addr, tokio::spawn(eviction_check::serve_on(listener, None, app, op.shutdown.clone())))
-    };
-    let (addr, server) = serve(caps_webhook::router(op.ctx.clone())).await;
+    let (addr, server) = serve(&op, caps_webhook::router(op.ctx.clone())).await;
     let mut review = create_review("team-a");
     let huge: String = (0..200_000).map(|i| format!("{}=1024M,", i % 7)).collect();
     review["request"]["object"]["spec"]["containers"][0]["env"] = json!([{"name": MPS_LIMIT, "value": huge}]);
@@ -273,7 +276,7 @@ async fn the_webhook_is_bounded_and_answers_when_saturated() {
     let read = tokio::time::timeout(caps_webhook::BODY_WAIT * 5, stream.read_to_string(&mut out)).await;
     assert!(read.is_ok() && out.starts_with("HTTP/1.1 408"), "{out}");
 
-    let (busy, busy_server) = serve(caps_webhook::router_with(op.ctx.clone(), 0, Duration::from_millis(20))).await;
+    let (busy, busy_server) = serve(&op, caps_webhook::router_with(op.ctx.clone(), 0, Duration::from_millis(20))).await;
     let out = post_raw(busy, &create_review("team-a").to_string()).await;
     assert!(out.starts_with("HTTP/1.1 503") && out.contains("saturated"), "{out}");
     let saturated = op
@@ -297,10 +300,7 @@ async fn a_big_decision_does_not_block_the_async_worker() {
     budget(&fake, "team-a", "llm", "8Gi", "Enabled");
     let op = Operator::start(&fake, true);
     until(&fake, "the caches", |_| *op.ctx.synced_watch().borrow()).await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("binds");
-    let addr = listener.local_addr().expect("addr");
-    let app = caps_webhook::router_with(op.ctx.clone(), 1, Duration::ZERO);
-    let server = tokio::spawn(eviction_check::serve_on(listener, None, app, op.shutdown.clone()));
+    let (addr, server) = serve(&op, caps_webhook::router_with(op.ctx.clone(), 1, Duration::ZERO)).await;
 
     let mut review = create_review("team-a");
     let pad = "x".repeat(1_500_000);
