@@ -269,7 +269,7 @@ for name in ("default", "all-features", "no-node-restriction", "no-webhooks"):
         served(wh, "/validate-eviction")
         check(wh["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods/eviction"], "scope": "Namespaced"}], f"{name}: webhook rules")
         check(wh["matchConditions"][0]["expression"] == f"request.userInfo.username == '{agent_user}'", f"{name}: webhook only for the agent")
-        check(len(policies) == 3 and len(bindings) == 3, f"{name}: three policies and bindings (pods, events, records)")
+        check(len(policies) == 4 and len(bindings) == 4, f"{name}: four policies and bindings (pods, events, usage, records)")
         for p in policies:
             who = "!=" if p["metadata"]["name"].endswith("-records") else "=="
             check(p["spec"]["matchConditions"][0]["expression"] == f"request.userInfo.username {who} '{agent_user}'", f"{name}: policy {p['metadata']['name']} matches the right identities")

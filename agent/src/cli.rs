@@ -253,27 +253,30 @@ impl AccountingArgs {
     }
 }
 
-/// How often a pod's record is rewritten for usage alone (docs/agent.md, "Write load"): the knob that bounds
-/// what a node sends the API server when usage keeps moving. State changes are written at once whatever these say.
+/// How often the node's `GpuNodeUsage` is rewritten (docs/agent.md, "Write load"): the knob that bounds what a
+/// node sends the API server when usage keeps moving. A pod's record is written for its state, budget and
+/// eviction only (at once, whatever these say), never for usage alone (#34).
 #[derive(Debug, Clone, Args)]
 pub struct RecordArgs {
-    /// A pod's record is rewritten for usage alone at most this often (one write per pod per interval: 110
-    /// pods at the default are at most 220 writes a minute).
+    /// The node's usage object is written at most this often, whatever the pod count (10s to 1h: at most six
+    /// writes a minute).
     #[arg(long, env = "GPUBUDGET_USAGE_WRITE_INTERVAL", default_value = "30s", value_parser = parse_usage_write_interval)]
     pub usage_write_interval: Duration,
-    /// … and only when usage moved by at least this percentage of the value last written (1 to 100).
+    /// … and only when a pod came or went, or a pod's usage moved by at least this percentage of the value last
+    /// written (1 to 100).
     #[arg(long, env = "GPUBUDGET_USAGE_WRITE_CHANGE_PERCENT", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=100))]
     pub usage_write_change_percent: u64,
 }
 
-/// A usage write interval: a duration of 5 s to 1 h (under 5 s the write load is the tick's; over an hour a
-/// record stops being a reading).
+/// A usage write interval: a duration of 10 s to 1 h (at most six writes a minute per node; over an hour the
+/// object stops being a reading).
 fn parse_usage_write_interval(text: &str) -> Result<Duration, String> {
     let d = parse_duration(text)?;
-    if (Duration::from_secs(5)..=Duration::from_secs(3600)).contains(&d) {
+    let min = gpubudget_common::node_usage::WRITE_INTERVAL_MIN_SECONDS;
+    if (Duration::from_secs(min)..=Duration::from_secs(3600)).contains(&d) {
         Ok(d)
     } else {
-        Err(format!("{text}: the usage write interval must be between 5s and 3600s"))
+        Err(format!("{text}: the usage write interval must be between {min}s and 3600s"))
     }
 }
 
@@ -578,7 +581,7 @@ mod tests {
             assert!(error.contains(bad[0]), "{error}");
         }
         assert!(
-            run(&["--usage-write-interval", "1s"]).expect_err("refused").to_string().contains("between 5s and 3600s")
+            run(&["--usage-write-interval", "1s"]).expect_err("refused").to_string().contains("between 10s and 3600s")
         );
     }
 

@@ -103,6 +103,7 @@ fn touch_agent(metrics: &AgentMetrics) {
         driver_limits_available,
         pod_driver_hard,
         pod_driver_soft,
+        spec_reads,
     } = metrics;
     let s = |v: &str| v.to_owned();
     let pod = || PodLabels { namespace: s("team-a"), pod: s("llm-0") };
@@ -118,6 +119,7 @@ fn touch_agent(metrics: &AgentMetrics) {
     let Counters { evictions, api_writes, evictions_without_record } = act;
     _ = evictions.get_or_create(&ResultLabels { result: s("accepted") });
     _ = api_writes.get_or_create(&WriteLabels { kind: s("apply"), result: s("ok") });
+    _ = spec_reads.get_or_create(&WriteLabels { kind: s("get"), result: s("ok") });
     evictions_without_record.get();
     _ = nvml_errors.get_or_create(&CallLabels { call: s("init") });
     for family in [

@@ -252,6 +252,19 @@ MANAGERS=$(kubectl get pod llm-evict -n "$NS_A" --show-managed-fields -o json | 
 [[ "$MANAGERS" == *"gpubudget-agent/$NODE"* ]] || die "no field manager gpubudget-agent/$NODE on llm-evict: $MANAGERS"
 info "field managers of llm-evict: $MANAGERS"
 
+say "usage: one GpuNodeUsage per node (#34), named after it, owned by its Node, the pods' bytes in it"
+# usage_of POD: the bytes the GpuNodeUsage of NODE gives for the pod (empty when not listed).
+usage_of() {
+  kubectl get gpunodeusage "$NODE" -o json 2>/dev/null | jq -r --arg p "$1" '.spec.pods[] | select(.name == $p) | .usageBytes'
+}
+wait_for "GpuNodeUsage $NODE lists llm-evict at 6Gi" bash -c "[ \"\$(kubectl get gpunodeusage $NODE -o json | jq -r '.spec.pods[] | select(.name == \"llm-evict\") | .usageBytes')\" = $((6 * GI)) ]"
+OWNER=$(kubectl get gpunodeusage "$NODE" -o jsonpath='{.metadata.ownerReferences[0].kind}/{.metadata.ownerReferences[0].name}/{.metadata.ownerReferences[0].uid}')
+[ "$OWNER" = "Node/$NODE/$(kubectl get node "$NODE" -o jsonpath='{.metadata.uid}')" ] || die "GpuNodeUsage $NODE's owner: $OWNER"
+[ -z "$(usage_of remote-a)" ] || die "the GpuNodeUsage of $NODE lists remote-a (node $NODE2)"
+USAGE_MANAGERS=$(kubectl get gpunodeusage "$NODE" --show-managed-fields -o json | jq -r '[.metadata.managedFields[].manager] | join(",")')
+[ "$USAGE_MANAGERS" = "gpubudget-agent/$NODE" ] || die "field managers of GpuNodeUsage $NODE: $USAGE_MANAGERS"
+kubectl get gpunodeusages | sed 's/^/    /'
+
 say "Near: llm-evict 7.5Gi of 8Gi, trainer 35Gi of 40Gi (Warn, 80 %)"
 write_sample $((6 * GI)) $((3 * GI / 2)) $((35 * GI)) $((1 * GI))
 wait_for "GpuMemoryNearBudget on llm-evict" has_event "$NS_A" llm-evict GpuMemoryNearBudget
@@ -408,6 +421,25 @@ refused "only the agent may set, change or remove them" "the tenant (edit in $NS
 refused "only the agent may set, change or remove them" "the tenant creating a pod with a record" \
   kubectl --kubeconfig "$TENANT_KC" run forged -n "$NS_A" --image=registry.k8s.io/pause:3.10 \
   --annotations=gpubudget.io/eviction-requested-at=2026-01-01T00:00:00Z
+# The usage object (#34): each agent writes only the one named after its node, naming its node, owned by it.
+usage_body() { # NAME NODE_NAME
+  printf '{"apiVersion":"gpubudget.io/v1alpha1","kind":"GpuNodeUsage","metadata":{"name":"%s"},"spec":{"nodeName":"%s","observedAt":"%s","podCount":0,"total":"0","pods":[]}}' \
+    "$1" "$2" "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+}
+apply_usage() { # KUBECONFIG NAME NODE_NAME
+  usage_body "$2" "$3" | kubectl --kubeconfig "$1" apply --server-side --field-manager "e2e-$(basename "$1")" -f -
+}
+refused "spec.nodeName must be $NODE2" "the agent of $NODE2 writing its own object naming $NODE" \
+  apply_usage "$AGENT2_KC" "$NODE2" "$NODE"
+apply_usage "$AGENT2_KC" "$NODE2" "$NODE2" >/dev/null || die "the agent of $NODE2 could not write its own GpuNodeUsage"
+info "allowed: the agent of $NODE2 writes GpuNodeUsage $NODE2"
+refused "may write only the GpuNodeUsage $NODE2, not $NODE" "the agent of $NODE2 writing GpuNodeUsage $NODE" \
+  apply_usage "$AGENT2_KC" "$NODE" "$NODE"
+refused "carries no node" "the agent's identity with an unbound token writing GpuNodeUsage $NODE" \
+  apply_usage "$UNBOUND_KC" "$NODE" "$NODE"
+refused "forbidden" "the tenant (edit in $NS_A) writing GpuNodeUsage $NODE" apply_usage "$TENANT_KC" "$NODE" "$NODE"
+refused "forbidden" "the tenant (edit in $NS_A) reading the nodes' usage" kubectl --kubeconfig "$TENANT_KC" get gpunodeusages
+kubectl delete gpunodeusage "$NODE2" >/dev/null
 annotate "$TENANT_KC" "$NS_A" trainer team.example/owner=me >/dev/null \
   || die "the tenant could not set its own annotation on its pod"
 info "allowed: the tenant's own annotations on its pods"

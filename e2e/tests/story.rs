@@ -422,3 +422,42 @@ async fn a_pod_created_over_a_zero_period_budget_is_evicted_and_a_refusal_is_tol
     stack.event("team-a", "held", "DeletingForGpuMemory", Duration::from_secs(10)).await;
     stack.stop().await;
 }
+
+/// #34: usage moving within a state rewrites the node's `GpuNodeUsage` (at most once per 30 s), never the pod;
+/// the budget's status follows the node's object.
+#[tokio::test(start_paused = true)]
+async fn usage_moving_within_a_state_writes_the_nodes_usage_object_not_the_pod() {
+    use gpubudget_testkit::Verb;
+    let stack = Stack::new(kubelet_like_api());
+    let fake = &stack.fake;
+    put_example(fake, "llm-inference.yaml", "team-a", |_| {});
+    let uid = put_pod(fake, "team-a", "llm-0", json!({"app": "llm"}), LLM_CID);
+    stack.process(4242, &uid, LLM_CID);
+    stack.set_usage(&[(4242, 2 * GI)]);
+    let stack = stack.started().await;
+    let status = stack.status_until("team-a", "llm-inference", "topPods at 2Gi", |s| {
+        s.top_pods.first().is_some_and(|p| p.usage == "2Gi")
+    });
+    status.await;
+    let (pod_writes, usage_writes) =
+        (stack.fake.count(Verb::Patch, "pods"), stack.fake.count(Verb::Patch, "gpunodeusages"));
+    // Five minutes of usage moving between 2 and 6 GiB (all Within 8Gi at 90 %) every 10 s.
+    let start = Instant::now();
+    for step in 0..30u64 {
+        stack.set_usage(&[(4242, (2 + step % 5) * GI)]);
+        pass_time(Duration::from_secs(10)).await;
+    }
+    let elapsed = start.elapsed().as_secs();
+    assert_eq!(stack.fake.count(Verb::Patch, "pods"), pod_writes, "no pod write for usage alone");
+    let written = stack.fake.count(Verb::Patch, "gpunodeusages") - usage_writes;
+    assert!((1..=(elapsed / 30 + 1) as usize).contains(&written), "{written} usage writes in {elapsed} s");
+    stack.set_usage(&[(4242, 6 * GI)]);
+    stack
+        .status_until("team-a", "llm-inference", "topPods at 6Gi", |s| {
+            s.top_pods.first().is_some_and(|p| p.usage == "6Gi")
+        })
+        .await;
+    let object = stack.fake.get("gpunodeusages", "", NODE).expect("the node's usage object");
+    assert_eq!(object["spec"]["pods"][0]["usageBytes"], json!(6 * GI));
+    assert_eq!(stack.annotations("team-a", "llm-0")["gpubudget.io/state"], "Within");
+}

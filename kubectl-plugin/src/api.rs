@@ -1,15 +1,15 @@
 //! Everything the plugin reads from the API server: the only I/O besides printing.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
-use gpubudget_common::{ClusterGpuMemoryBudget, GpuMemoryBudget};
+use gpubudget_common::{ClusterGpuMemoryBudget, GpuMemoryBudget, GpuNodeUsage};
 use k8s_openapi::api::core::v1::{Event, Namespace, Pod};
 use kube::api::{Api, ApiResource, DynamicObject, ListParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 
 use crate::cli::Connection;
-use crate::error::{BUDGETS, CLUSTER_BUDGETS, Error};
+use crate::error::{BUDGETS, CLUSTER_BUDGETS, Error, NODE_USAGES};
 
 /// A client for the connection flags, and the namespace they pick.
 pub async fn connect(flags: &Connection) -> Result<(Client, String), Error> {
@@ -100,6 +100,26 @@ pub async fn cluster_budgets(client: &Client) -> Result<Vec<ClusterGpuMemoryBudg
         Ok(list) => Ok(list.items),
         Err(kube::Error::Api(status)) if status.code == 404 => Ok(Vec::new()),
         Err(e) => Err(Error::from_kube(e, "list", CLUSTER_BUDGETS, None)),
+    }
+}
+
+/// What the nodes' `GpuNodeUsage` say each pod holds, by pod UID (#34): `node`'s only, or every node's. None
+/// when their CRD is not installed (a 404; agents before #34 kept usage in the pods' records).
+pub async fn measured(client: &Client, node: Option<&str>) -> Result<HashMap<String, u64>, Error> {
+    let api: Api<GpuNodeUsage> = Api::all(client.clone());
+    let objects = match node {
+        Some(node) => api.get_opt(node).await.map(|o| o.into_iter().collect::<Vec<_>>()),
+        None => api.list(&ListParams::default()).await.map(|l| l.items),
+    };
+    let verb = if node.is_some() { "get" } else { "list" };
+    match objects {
+        Ok(objects) => Ok(objects
+            .into_iter()
+            .flat_map(|o| o.spec.pods)
+            .map(|p| (p.uid, u64::try_from(p.usage_bytes).unwrap_or(0)))
+            .collect()),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(HashMap::new()),
+        Err(e) => Err(Error::from_kube(e, verb, NODE_USAGES, None)),
     }
 }
 

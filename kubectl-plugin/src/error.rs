@@ -4,6 +4,8 @@
 pub const BUDGETS: &str = "gpumemorybudgets.gpubudget.io";
 /// The cluster budgets' resource, as errors name it.
 pub const CLUSTER_BUDGETS: &str = "clustergpumemorybudgets.gpubudget.io";
+/// The nodes' usage objects (#34), as RBAC names them.
+pub const NODE_USAGES: &str = "gpunodeusages.gpubudget.io";
 
 /// Where a request went: `in namespace team-a`, or `at the cluster scope` (`-A`).
 pub fn scope(namespace: Option<&str>) -> String {

@@ -52,7 +52,13 @@ async fn run(cli: Cli) -> Result<String, Error> {
                 "LIMIT and % of pods under a ClusterGpuMemoryBudget are left out",
             )?
             .unwrap_or_default();
-            let mut rows = top::rows(&pods, &top::limits(&budgets.items, &cluster));
+            let measured = optional(
+                api::measured(&client, None).await,
+                &mut warnings,
+                "USAGE is each pod's record's, written at its last state change (its budget's status has the latest)",
+            )?
+            .unwrap_or_default();
+            let mut rows = top::rows(&pods, &top::limits(&budgets.items, &cluster), &measured);
             top::sort(&mut rows, args.sort_by);
             let report = TopReport { api_version: API_VERSION, kind: "GpuMemoryTop", pods: rows, warnings };
             Ok(match cli.output {
@@ -107,8 +113,20 @@ async fn run(cli: Cli) -> Result<String, Error> {
                 )?,
                 false => None,
             };
+            let node = pod.as_ref().and_then(|p| p.spec.as_ref()?.node_name.clone());
+            let measured = match node {
+                Some(node) => optional(
+                    api::measured(&client, Some(&node)).await,
+                    &mut warnings,
+                    "the usage shown is the pod's record's, written at its last state change (its budget's status \
+                     has the latest)",
+                )?,
+                None => None,
+            };
+            let uid = pod.as_ref().and_then(|p| p.metadata.uid.clone()).unwrap_or_default();
             let now = jiff::Timestamp::now();
             let report = why::why(why::WhyInput {
+                measured: measured.and_then(|m| m.get(&uid).copied()),
                 namespace: &namespace,
                 name,
                 pod: pod.as_ref(),

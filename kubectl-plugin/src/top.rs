@@ -1,4 +1,5 @@
-//! `top`: GPU memory by pod across nodes, from the records the agents write on pods.
+//! `top`: GPU memory by pod across nodes: the pods the agents keep a record on, with what the nodes'
+//! `GpuNodeUsage` say they hold (#34).
 
 use std::collections::HashMap;
 
@@ -36,8 +37,10 @@ pub fn limits(budgets: &[GpuMemoryBudget], cluster: &[ClusterGpuMemoryBudget]) -
     namespaced.chain(cluster).map(|b| ((b.namespace.clone(), b.record_name()), b.limit_bytes)).collect()
 }
 
-/// One row per pod that carries an agent's record; the limit from `limits` when the budget is known.
-pub fn rows(pods: &[Pod], limits: &HashMap<(String, String), u64>) -> Vec<TopRow> {
+/// One row per pod that carries an agent's record; the limit from `limits` when the budget is known; the
+/// usage from `measured` (the nodes' `GpuNodeUsage`, by pod UID) where it lists the pod, else the record's
+/// (written at the pod's last state change).
+pub fn rows(pods: &[Pod], limits: &HashMap<(String, String), u64>, measured: &HashMap<String, u64>) -> Vec<TopRow> {
     pods.iter()
         .filter_map(|pod| {
             let meta = &pod.metadata;
@@ -46,16 +49,17 @@ pub fn rows(pods: &[Pod], limits: &HashMap<(String, String), u64>) -> Vec<TopRow
             let scope =
                 if record.budget.starts_with(CLUSTER_BUDGET_PREFIX) { String::new() } else { namespace.clone() };
             let limit_bytes = limits.get(&(scope, record.budget.to_string())).copied();
+            let usage = meta.uid.as_ref().and_then(|uid| measured.get(uid)).copied().unwrap_or(record.usage_bytes);
             Some(TopRow {
                 name: meta.name.clone().unwrap_or_default(),
                 node: Some(record.node.to_string())
                     .filter(|n| !n.is_empty())
                     .or_else(|| pod.spec.as_ref().and_then(|s| s.node_name.clone())),
                 state: record.state,
-                usage_bytes: record.usage_bytes,
-                usage: HumanBytes(record.usage_bytes).to_string(),
+                usage_bytes: usage,
+                usage: HumanBytes(usage).to_string(),
                 limit: limit_bytes.map(|l| HumanBytes(l).to_string()),
-                percent: limit_bytes.and_then(|l| percent(record.usage_bytes, l)),
+                percent: limit_bytes.and_then(|l| percent(usage, l)),
                 limit_bytes,
                 budget: record.budget.to_string(),
                 eviction_requested_at: record.eviction_requested_at,
@@ -131,7 +135,7 @@ mod tests {
         ];
         let budgets =
             [budget("team-a", "llm", "8Gi"), budget("team-a", "audit", "40Gi"), budget("team-b", "llm", "8Gi")];
-        rows(&pods, &limits(&budgets, &[]))
+        rows(&pods, &limits(&budgets, &[]), &HashMap::new())
     }
 
     #[test]
@@ -172,7 +176,7 @@ mod tests {
             let pods: Vec<Pod> = usages.iter().enumerate()
                 .map(|(i, u)| pod("n", &format!("p{i}"), Some(("Within", *u, "b", "n1"))))
                 .collect();
-            let mut rows = rows(&pods, &HashMap::new());
+            let mut rows = rows(&pods, &HashMap::new(), &HashMap::new());
             sort(&mut rows, SortBy::Usage);
             prop_assert_eq!(rows.len(), usages.len());
             prop_assert!(rows.windows(2).all(|w| w[0].usage_bytes >= w[1].usage_bytes));
@@ -191,7 +195,7 @@ mod tests {
             pod("team-b", "q", Some(("Within", 4 << 30, "ClusterGpuMemoryBudget/tenants", "n1"))),
             pod("team-b", "tenants", Some(("Within", 1 << 30, "tenants", "n1"))),
         ];
-        let rows = rows(&pods, &limits(&[], std::slice::from_ref(&tenants)));
+        let rows = rows(&pods, &limits(&[], std::slice::from_ref(&tenants)), &HashMap::new());
         assert_eq!((rows[0].limit.as_deref(), rows[0].percent), (Some("16Gi"), Some(25.0)));
         assert_eq!(rows[1].limit, None, "a namespaced budget of that name does not exist");
     }

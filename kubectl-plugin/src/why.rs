@@ -49,6 +49,9 @@ pub struct WhyInput<'a> {
     pub warnings: Vec<String>,
     /// The namespaces whose critical-priority pods are never evicted (`--critical-namespaces`, #33).
     pub critical_namespaces: &'a CriticalNamespaces,
+    /// What the pod's node's `GpuNodeUsage` says it holds (#34); `None`: the record's usage is shown (that of
+    /// its last state change).
+    pub measured: Option<u64>,
 }
 
 /// Neither the pod, nor an event about it, nor a budget's last eviction of it: nothing to answer from.
@@ -136,6 +139,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
         now,
         mut warnings,
         critical_namespaces,
+        measured,
     } = input;
     let stored = |n: &str| specs.get(&(namespace.to_owned(), n.to_owned()));
     let uid = pod.and_then(|p| p.metadata.uid.clone());
@@ -364,13 +368,13 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
         budget,
         why,
         matched,
-        record: record.as_ref().map(|r| RecordInfo {
+        record: record.as_ref().map(|r| (r, measured.unwrap_or(r.usage_bytes))).map(|(r, usage)| RecordInfo {
             state: r.state,
-            usage_bytes: r.usage_bytes,
-            usage: HumanBytes(r.usage_bytes).to_string(),
+            usage_bytes: usage,
+            usage: HumanBytes(usage).to_string(),
             budget: r.budget.to_string(),
             node: r.node.to_string(),
-            percent: limit.and_then(|l| percent(r.usage_bytes, l)),
+            percent: limit.and_then(|l| percent(usage, l)),
             eviction_requested_at: r.eviction_requested_at.clone(),
         }),
         over_since: over_since.map(round),

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use futures::channel::mpsc::{UnboundedSender, unbounded};
 use futures::{StreamExt, TryStreamExt};
 use gpubudget_common::crd::GpuMemoryBudgetStatus;
-use gpubudget_common::{Budget, ClusterGpuMemoryBudget, GpuMemoryBudget, SpecError};
+use gpubudget_common::{Budget, ClusterGpuMemoryBudget, GpuMemoryBudget, GpuNodeUsage, SpecError};
 use gpubudget_daemon::Health;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
@@ -618,6 +618,50 @@ async fn watch_pods(
     }
 }
 
+/// Feeds the nodes' `GpuNodeUsage` into the index (#34); sends the budgets whose pods' usage moved. Until it
+/// has listed (or while its CRD is not installed), statuses read the usage in the pods' records.
+async fn watch_node_usage(ctx: Arc<Context>, triggers: Triggers, shutdown: CancellationToken) {
+    let api: Api<GpuNodeUsage> = Api::all(ctx.client.clone());
+    let mut stream = std::pin::pin!(watcher::watcher(api, watcher::Config::default().page_size(100)).default_backoff());
+    loop {
+        let next = tokio::select! {
+            () = shutdown.cancelled() => return,
+            next = stream.next() => next,
+        };
+        let event = match next {
+            Some(Ok(event)) => event,
+            Some(Err(error)) => {
+                tracing::warn!(%error, "node usage watch failed; retrying with backoff");
+                continue;
+            }
+            None => return,
+        };
+        let affected = match event {
+            // Not rewritten for half an hour: its agent is gone or rolled back; the records are newer.
+            Event::InitApply(usage) | Event::Apply(usage)
+                if !gpubudget_common::node_usage::fresh(
+                    &usage.spec.observed_at,
+                    k8s_openapi::jiff::Timestamp::now(),
+                ) =>
+            {
+                tracing::debug!(node = usage.metadata.name.as_deref(), observed_at = %usage.spec.observed_at,
+                    "node usage not read: not rewritten for 30 min");
+                Affected::new()
+            }
+            Event::InitApply(usage) | Event::Apply(usage) => {
+                let mut index = ctx.index.write().unwrap_or_else(PoisonError::into_inner);
+                // The node is the object's name: the one an agent's credential lets it write.
+                index.apply_node_usage(usage.metadata.name.as_deref().unwrap_or_default(), &usage.spec.pods)
+            }
+            // A node's object goes with its Node, and the node's pods with it: nothing to forget here.
+            Event::Init | Event::InitDone | Event::Delete(_) => Affected::new(),
+        };
+        if *ctx.synced.borrow() {
+            triggers.send_all(affected, None);
+        }
+    }
+}
+
 /// Feeds the namespaces' labels (metadata only) into the index; sends the budgets a relabel affects.
 async fn watch_namespaces(ctx: Arc<Context>, triggers: Triggers, health: Health, shutdown: CancellationToken) {
     let mut stream = std::pin::pin!(crate::namespaces::events(ctx.client.clone()));
@@ -865,6 +909,7 @@ pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken)
         }
     };
 
+    let node_usage = watch_node_usage(ctx.clone(), triggers.clone(), shutdown.clone());
     let namespaces = watch_namespaces(ctx.clone(), triggers, health, shutdown.clone());
     let labeller = Labeller {
         client: ctx.client(),
@@ -881,6 +926,7 @@ pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken)
         () = controllers => {},
         () = labels => {},
         () = namespaces => {},
+        () = node_usage => {},
     }
     Ok(())
 }

@@ -30,7 +30,7 @@ use gpubudget_common::{Budget, ClusterGpuMemoryBudget, GpuMemoryBudget, PodLabel
 
 use crate::intern::Pool;
 use crate::namespaces::{NamespaceLabels, Relabel};
-use crate::pods::{ObjKey, PodInfo};
+use crate::pods::{ObjKey, PodInfo, Uid};
 use crate::status::{Inputs, Selected};
 
 /// How many deleted, evicted pods are remembered per budget (fewer than `status.countedEvictions` holds, so
@@ -56,6 +56,17 @@ struct PodEntry {
     budgets: Names,
     /// The pod re-list that last listed it ([`Index::begin_pod_resync`]).
     listed_in: u32,
+    /// What its node's `GpuNodeUsage` last said it holds (#34), and the usage its record carried as written
+    /// then: the measured figure replaces the record's until the agent writes the record with another usage
+    /// (a state change, whose usage is then the newer).
+    measured: Option<Measured>,
+}
+
+/// A pod's usage from its node's object, and its record's own figure at the time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Measured {
+    bytes: u64,
+    recorded: u64,
 }
 
 impl PodEntry {
@@ -441,6 +452,16 @@ impl Index {
             // The map's key and the entry share the name.
             info.name = name.clone();
         }
+        // The node's figure is kept while the record names the same node (the one whose object measured it) and
+        // carries the usage it carried then: a record written since (a state change) has the newer figure.
+        let measured = ns.pods.get(&*info.name).and_then(|entry| {
+            let m = entry.measured?;
+            let (Some(old), Some(new)) = (&entry.info.record, &info.record) else { return None };
+            (entry.info.uid == info.uid && old.node == new.node && new.usage_bytes == m.recorded).then_some(m)
+        });
+        if let (Some(m), Some(record)) = (measured, info.record.as_mut()) {
+            record.usage_bytes = m.bytes;
+        }
         let (labels_same, old_record_budget) = match ns.pods.get_mut(&*info.name) {
             Some(entry) if entry.info == info => {
                 entry.listed_in = listed_in;
@@ -467,6 +488,7 @@ impl Index {
             if let Some(entry) = ns.pods.get_mut(key.name.as_str()) {
                 entry.info = info;
                 entry.listed_in = listed_in;
+                entry.measured = measured;
             }
             affected.extend(self.resolved(&key));
             return affected;
@@ -488,7 +510,7 @@ impl Index {
                 self.selected_pods += 1;
             }
         }
-        ns.pods.insert(info.name.clone(), Box::new(PodEntry { info, budgets: new_budgets, listed_in }));
+        ns.pods.insert(info.name.clone(), Box::new(PodEntry { info, budgets: new_budgets, listed_in, measured }));
         affected
     }
 
@@ -500,6 +522,38 @@ impl Index {
             self.names.share(&mut record.budget);
             self.names.share(&mut record.node);
         }
+    }
+
+    /// `node`'s `GpuNodeUsage` was written (or listed): each listed pod of the index with that UID and a record
+    /// written by that node's agent holds what it says (an agent cannot speak for another node's pods: its
+    /// record writes are held to its node, its usage object is not read for any other); the budgets whose
+    /// status reads a pod's usage (the one that applies, the recorded one) are affected where it moved. A pod
+    /// without such a record yet keeps the usage its record carries (that of its last write).
+    pub fn apply_node_usage(&mut self, node: &str, pods: &[gpubudget_common::NodePodUsage]) -> Affected {
+        let mut affected = Affected::new();
+        for pod in pods {
+            let bytes = u64::try_from(pod.usage_bytes).unwrap_or(0);
+            let Some(entry) =
+                self.namespaces.get_mut(pod.namespace.as_str()).and_then(|ns| ns.pods.get_mut(pod.name.as_str()))
+            else {
+                continue;
+            };
+            if entry.info.uid != Uid::from(pod.uid.as_str()) {
+                continue;
+            }
+            let Some(record) = entry.info.record.as_mut().filter(|r| &*r.node == node) else { continue };
+            // The record's own figure: the one it carried when measured before, else the one it carries.
+            let recorded = entry.measured.map_or(record.usage_bytes, |m| m.recorded);
+            entry.measured = Some(Measured { bytes, recorded });
+            if record.usage_bytes == bytes {
+                continue;
+            }
+            record.usage_bytes = bytes;
+            affected.extend(entry.info.recorded_budget());
+            let key = ObjKey::new(&pod.namespace, &pod.name);
+            affected.extend(self.resolved(&key));
+        }
+        affected
     }
 
     /// A pod was deleted (or stopped matching the watch).
@@ -778,6 +832,55 @@ mod tests {
         assert!(index.pods_selected_by(&ObjKey::new("a", "llm")).is_empty());
         assert_eq!(index.pods_selected_by(&ObjKey::new("a", "web")), ["p1"]);
         assert_eq!(index.resolved(&ObjKey::new("a", "p1")), Some(ObjKey::new("a", "web")));
+    }
+
+    /// #34: usage comes from the node's `GpuNodeUsage` for pods whose record that node's agent wrote; a record
+    /// rewritten since with another usage is the newer figure; a pod update that leaves the record keeps it.
+    #[test]
+    fn node_usage_replaces_the_records_figure_until_the_record_is_rewritten() {
+        use gpubudget_common::NodePodUsage;
+        let mut index = fixture();
+        let mut p = pod("a", "p1", &[("app", "llm")]);
+        p.record = Some(PodRecord {
+            state: BudgetState::Within,
+            usage_bytes: 2 << 30,
+            budget: "llm".into(),
+            node: "n1".into(),
+            eviction_requested_at: None,
+        });
+        index.apply_pod(p.clone());
+        let usage = |bytes: u64, uid: &str| NodePodUsage {
+            namespace: "a".into(),
+            name: "p1".into(),
+            uid: uid.into(),
+            usage_bytes: i64::try_from(bytes).expect("bytes"),
+        };
+        let held = |index: &Index| {
+            index
+                .inputs(&ObjKey::new("a", "llm"))
+                .selected
+                .iter()
+                .find_map(|s| s.pod.record.as_ref())
+                .map(|r| r.usage_bytes)
+        };
+        assert_eq!(index.apply_node_usage("n2", &[usage(5 << 30, "uid-p1")]), Affected::new(), "another node's");
+        assert_eq!(index.apply_node_usage("n1", &[usage(5 << 30, "uid-other")]), Affected::new(), "another pod's");
+        assert_eq!(held(&index), Some(2 << 30));
+        assert_eq!(index.apply_node_usage("n1", &[usage(5 << 30, "uid-p1")]), keys(&["llm"]));
+        assert_eq!(held(&index), Some(5 << 30));
+        assert!(index.apply_node_usage("n1", &[usage(5 << 30, "uid-p1")]).is_empty(), "unchanged");
+        // The pod changes otherwise (its record as written, 2Gi): the node's figure stays.
+        p.terminating = true;
+        index.apply_pod(p.clone());
+        assert_eq!(held(&index), Some(5 << 30));
+        // The agent rewrites the record (Over, 9Gi): that is the newer figure.
+        if let Some(r) = p.record.as_mut() {
+            (r.state, r.usage_bytes) = (BudgetState::Over, 9 << 30);
+        }
+        assert_eq!(index.apply_pod(p.clone()), keys(&["llm"]));
+        assert_eq!(held(&index), Some(9 << 30));
+        assert_eq!(index.apply_node_usage("n1", &[usage(10 << 30, "uid-p1")]), keys(&["llm"]));
+        assert_eq!(held(&index), Some(10 << 30));
     }
 
     #[test]

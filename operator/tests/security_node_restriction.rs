@@ -34,10 +34,10 @@ fn render(template: &str) -> Vec<serde_yaml::Value> {
         .collect()
 }
 
-/// The chart's node-restriction policies (pods and events).
+/// The chart's node-restriction policies (pods, events and the nodes' usage objects).
 fn policies() -> Vec<serde_yaml::Value> {
     let docs = render(include_str!("../../charts/gpubudget/templates/node-restriction/policy.yaml"));
-    assert_eq!(docs.len(), 2, "the pods and events policies");
+    assert_eq!(docs.len(), 3, "the pods, events and usage policies");
     docs
 }
 
@@ -352,4 +352,60 @@ fn the_agents_records_policy_leaves_the_caps_record_to_admission() {
     assert_eq!(admit(&p, request(tenant, None, "CREATE"), capped.clone(), Json::Null), Verdict::Allowed);
     let both = with_annotation(capped, "gpubudget.io/state", "Within");
     assert!(matches!(admit(&p, request(tenant, None, "CREATE"), both, Json::Null), Verdict::Denied(_)));
+}
+
+fn usage_request(node: Option<&str>, operation: &str, name: &str) -> Json {
+    let mut r = request(AGENT, node, operation);
+    r["name"] = json!(name);
+    r["namespace"] = json!("");
+    r
+}
+
+fn usage(name: &str, node_name: &str, owner: Option<&str>) -> Json {
+    let mut o = json!({
+        "apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuNodeUsage",
+        "metadata": {"name": name},
+        "spec": {"nodeName": node_name, "observedAt": "2026-11-26T23:00:00Z", "podCount": 0, "total": "0", "pods": []}
+    });
+    if let Some(owner) = owner {
+        o["metadata"]["ownerReferences"] = json!([{"apiVersion": "v1", "kind": "Node", "name": owner, "uid": "n"}]);
+    }
+    o
+}
+
+/// #34: an agent writes the usage object of its own node only, naming its node, owned by its Node.
+#[test]
+fn the_agent_writes_only_its_own_nodes_usage_object() {
+    let p = policy("gpunodeusages");
+    let own = usage(NODE, NODE, Some(NODE));
+    assert_eq!(admit(&p, usage_request(Some(NODE), "CREATE", NODE), own.clone(), Json::Null), Verdict::Allowed);
+    assert_eq!(admit(&p, usage_request(Some(NODE), "UPDATE", NODE), own.clone(), own.clone()), Verdict::Allowed);
+    let unowned = usage(NODE, NODE, None);
+    assert_eq!(admit(&p, usage_request(Some(NODE), "CREATE", NODE), unowned, Json::Null), Verdict::Allowed);
+    assert_eq!(admit(&p, usage_request(Some(NODE), "DELETE", NODE), Json::Null, own.clone()), Verdict::Allowed);
+    let other = "gpu-node-2";
+    for (what, req, object, needle) in [
+        (
+            "another node's object",
+            usage_request(Some(NODE), "UPDATE", other),
+            usage(other, other, None),
+            "may write only",
+        ),
+        (
+            "its object naming another node",
+            usage_request(Some(NODE), "UPDATE", NODE),
+            usage(NODE, other, None),
+            "spec.nodeName",
+        ),
+        ("another node as owner", usage_request(Some(NODE), "UPDATE", NODE), usage(NODE, NODE, Some(other)), "owner"),
+        ("deleting another node's", usage_request(Some(NODE), "DELETE", other), Json::Null, "may write only"),
+        ("no node in the token", usage_request(None, "CREATE", NODE), usage(NODE, NODE, None), "carries no node"),
+    ] {
+        let verdict = admit(&p, req, object, own.clone());
+        assert!(matches!(&verdict, Verdict::Denied(m) if m.contains(needle)), "{what}: {verdict:?}");
+    }
+    // Not the agent: RBAC decides (only the agent and administrators may write them).
+    let mut admin = usage_request(None, "UPDATE", other);
+    admin["userInfo"]["username"] = json!("alice");
+    assert_eq!(admit(&p, admin, usage(other, NODE, None), Json::Null), Verdict::NotMatched);
 }

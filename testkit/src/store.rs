@@ -133,10 +133,13 @@ impl WatchSpec {
     }
 
     fn line(&self, kind: &str, object: &Value) -> Bytes {
+        // An ERROR carries a Status, in every form of watch (a metadata-only watch included), as the API
+        // server sends it.
         let object = match &self.table {
-            Some(printer) if kind != "ERROR" => printer.table([object], meta_str(object, "resourceVersion")),
-            _ if self.meta_only => partial(object),
-            _ => object.clone(),
+            _ if kind == "ERROR" => object.clone(),
+            Some(printer) => printer.table([object], meta_str(object, "resourceVersion")),
+            None if self.meta_only => partial(object),
+            None => object.clone(),
         };
         let mut line = serde_json::to_vec(&json!({"type": kind, "object": object})).unwrap_or_default();
         line.push(b'\n');

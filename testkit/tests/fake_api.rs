@@ -218,6 +218,33 @@ async fn watcher_sees_changes_and_recovers_from_disconnects_and_expiry() {
     assert_eq!(fake.count(Verb::List, "pods"), 2);
 }
 
+/// A metadata-only watch resumed from a compacted resourceVersion gets the 410 `Expired` Status, not a
+/// metadata form of it, and the watcher re-lists (the agent's budget watch is metadata-only, #34).
+#[tokio::test]
+async fn a_metadata_watch_from_an_expired_version_gets_the_status_and_relists() {
+    let fake = FakeApi::new();
+    fake.apply_yaml("apiVersion: v1\nkind: Pod\nmetadata: {name: p}\n").unwrap();
+    let pods: Api<PartialObjectMeta<Pod>> = Api::default_namespaced(fake.client());
+    let mut events = watcher(pods, watcher::Config::default()).boxed();
+    let mut next = async || tokio::time::timeout(Duration::from_secs(5), events.try_next()).await.expect("in time");
+    while !matches!(next().await, Ok(Some(watcher::Event::InitDone))) {}
+    fake.disconnect_watches();
+    fake.apply_yaml("apiVersion: v1\nkind: Pod\nmetadata: {name: q}\n").unwrap();
+    fake.compact_history();
+    let mut seen = Vec::new();
+    while !seen.iter().any(|e: &String| e == "InitDone") {
+        assert!(seen.len() < 20, "no relist: {seen:?}");
+        match next().await {
+            Ok(Some(watcher::Event::InitApply(p))) => seen.push(p.name_any()),
+            Ok(Some(watcher::Event::InitDone)) => seen.push("InitDone".into()),
+            Ok(_) => {}
+            Err(e) => seen.push(format!("error: {e}")),
+        }
+    }
+    assert!(seen[0].contains("410") || seen[0].contains("too old"), "{seen:?}");
+    assert_eq!(&seen[1..], ["p", "q", "InitDone"]);
+}
+
 #[tokio::test]
 async fn raw_watch_filters_replays_and_times_out() {
     let fake = FakeApi::new();

@@ -1,8 +1,9 @@
 //! Stage 4: carrying decisions out. [`kube`] against the API server (records by server-side apply,
-//! events, evictions); [`log`] as JSON lines (the `standalone` subcommand).
+//! events, evictions); [`usage`] the node's `GpuNodeUsage`; [`log`] as JSON lines (the `standalone` subcommand).
 
 pub mod kube;
 pub mod log;
+pub mod usage;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -18,7 +19,7 @@ pub struct ResultLabels {
 /// `{kind, result}` of an API write.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WriteLabels {
-    /// `apply`, `clear`, `event`, `evict`, `delete`.
+    /// `apply`, `clear`, `event`, `evict`, `delete`, `usage` (the node's `GpuNodeUsage`).
     pub kind: String,
     /// `ok`, `blocked`, `error`.
     pub result: String,

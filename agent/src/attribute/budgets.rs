@@ -49,6 +49,11 @@ impl BudgetIndex {
     /// Forgets `budget`; whether it was kept.
     pub fn remove(&mut self, budget: &GpuMemoryBudget) -> bool {
         let (namespace, name) = key(budget);
+        self.remove_named(namespace, name)
+    }
+
+    /// Forgets the budget `namespace/name`; whether it was kept.
+    pub fn remove_named(&mut self, namespace: &str, name: &str) -> bool {
         let Some(names) = self.namespaces.get_mut(namespace) else { return false };
         let removed = names.remove(name).is_some();
         if names.is_empty() {
@@ -128,6 +133,11 @@ impl BudgetCache {
         let changed =
             self.index.apply(event, |index, b, delete| if delete { index.remove(b) } else { index.insert(b) });
         Change::of(changed, event, |b| key(b).0)
+    }
+
+    /// Forgets the budget `namespace/name`, deleted (a metadata watch's deletion: [`super::spec_watch`]).
+    pub fn forget(&mut self, namespace: &str, name: &str) -> Change {
+        if self.index.live.remove_named(namespace, name) { Change::In(namespace.to_owned()) } else { Change::Nothing }
     }
 
     /// The first list has been applied.
@@ -247,6 +257,12 @@ impl ClusterCache {
             if delete { budgets.remove(&b.key()).is_some() } else { ClusterIndex::insert(budgets, b) }
         });
         self.refresh(changed)
+    }
+
+    /// Forgets the cluster budget `name`, deleted; whether the pod table must be rebuilt.
+    pub fn forget_budget(&mut self, name: &str) -> bool {
+        let removed = self.budgets.live.remove(name).is_some();
+        self.refresh(removed)
     }
 
     /// Applies a Namespace watch event (its labels only are kept). A namespace's labels are read for the pods

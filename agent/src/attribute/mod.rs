@@ -3,6 +3,7 @@
 //! - [`cgroup`]: the pure parser of `/proc/<pid>/cgroup` (PID → container → pod UID);
 //! - [`procfs`]: reads and caches it per PID (the only reader of the host's `/proc` here);
 //! - [`budgets`]: the cluster's budgets, compiled as the watch delivers them, per namespace;
+//! - [`spec_watch`]: budgets' specs without their status: a metadata watch, a read when `generation` moves;
 //! - [`pods`]: the node's pods with their budgets, indexed for the join (rebuilt on cache changes);
 //! - [`join`]: each sampled process to its owner;
 //! - [`usage`]: the pure per-pod sum;
@@ -14,6 +15,7 @@ pub mod driver_limits;
 pub mod join;
 pub mod pods;
 pub mod procfs;
+pub mod spec_watch;
 pub mod usage;
 
 pub use cgroup::{ContainerRef, container_cgroup_v2, normalize_uid, parse_cgroup_file, parse_cgroup_path};

@@ -25,11 +25,14 @@ use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
+use crate::act::WriteLabels;
 use crate::act::kube::KubeExecutor;
+use crate::act::usage::UsageWriter;
 use crate::attribute::ProcAttributor;
 use crate::attribute::budgets::{BudgetCache, Change, ClusterCache};
 use crate::attribute::driver_limits::DriverReader;
 use crate::attribute::pods::{PodTable, PodView, slim_pod};
+use crate::attribute::spec_watch::{self, Source, SpecEvent};
 use crate::cli::RunArgs;
 use crate::decide::{Settings, driver_limits};
 use crate::pipeline::Engine;
@@ -38,6 +41,8 @@ use crate::sample::file::RecordedSampler;
 use crate::sample::nvml::NvmlSampler;
 use crate::sample::{SamplerFactory, SamplerSlot};
 use gpubudget_nvml_limits::DriverLimits;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 
 /// Readiness checks.
 pub const CHECKS: [&str; 3] = ["gpu", "pods", "budgets"];
@@ -103,7 +108,13 @@ impl Caches {
     /// Starts the watches: the pods of `node` (into a reflector, each pod cut down by [`slim_pod`] as it
     /// arrives), every budget (compiled into a [`BudgetCache`]), and the cluster budgets with the namespaces'
     /// labels they select by (a [`ClusterCache`]).
-    pub fn start(client: Client, node: &str, health: Health, shutdown: CancellationToken) -> Self {
+    pub fn start(
+        client: Client,
+        node: &str,
+        health: Health,
+        spec_reads: Family<WriteLabels, Counter>,
+        shutdown: CancellationToken,
+    ) -> Self {
         let changes = Arc::new(AtomicU64::new(0));
         let pods_ready = Arc::new(AtomicBool::new(false));
         let (pods, mut writer) = reflector::store::<Pod>();
@@ -142,13 +153,23 @@ impl Caches {
         {
             let (changes, cache, announce) = (changes.clone(), cluster.clone(), announce.clone());
             let (absent_changes, absent_cache, absent_announce) = (changes.clone(), cluster.clone(), announce.clone());
-            spawn_watch_or(
-                Api::<ClusterGpuMemoryBudget>::all(client.clone()),
-                watcher::Config::default().page_size(LIST_PAGE_SIZE),
+            let all = Api::<ClusterGpuMemoryBudget>::all(client.clone());
+            let scoped = {
+                let all = all.clone();
+                Box::new(move |_: &str| all.clone())
+            };
+            spec_watch::spawn(
+                Source { all, scoped },
+                LIST_PAGE_SIZE,
                 "clusterbudgets",
                 shutdown.clone(),
+                counted(&spec_reads),
                 move |event| {
-                    if lock(&cache).apply_budget(&event) {
+                    let changed = match event {
+                        SpecEvent::Event(event) => lock(&cache).apply_budget(&event),
+                        SpecEvent::Deleted((_, name)) => lock(&cache).forget_budget(&name),
+                    };
+                    if changed {
                         changes.fetch_add(1, Ordering::AcqRel);
                     }
                     announce();
@@ -185,19 +206,29 @@ impl Caches {
         }
         {
             let (changes, cache, pods) = (changes.clone(), budgets.clone(), pods.clone());
-            spawn_watch(
-                Api::<GpuMemoryBudget>::all(client),
-                watcher::Config::default().page_size(LIST_PAGE_SIZE),
+            let scoped = {
+                let client = client.clone();
+                Box::new(move |namespace: &str| Api::<GpuMemoryBudget>::namespaced(client.clone(), namespace))
+            };
+            spec_watch::spawn(
+                Source { all: Api::<GpuMemoryBudget>::all(client), scoped },
+                LIST_PAGE_SIZE,
                 "budgets",
                 shutdown,
+                counted(&spec_reads),
                 move |event| {
                     let mut cache = lock(&cache);
-                    if rebuilds(&pods, &cache.apply(&event)) {
+                    let change = match event {
+                        SpecEvent::Event(event) => cache.apply(&event),
+                        SpecEvent::Deleted((namespace, name)) => cache.forget(&namespace, &name),
+                    };
+                    if rebuilds(&pods, &change) {
                         changes.fetch_add(1, Ordering::AcqRel);
                     }
                     drop(cache);
                     announce();
                 },
+                |_| {},
             );
         }
         Self { pods, budgets, cluster, changes, pods_ready }
@@ -254,6 +285,15 @@ fn is_not_found(error: &watcher::Error) -> bool {
     }
 }
 
+/// Counts a budget spec read in `gpubudget_budget_spec_reads_total{kind,result}`.
+fn counted(reads: &Family<WriteLabels, Counter>) -> impl Fn(&'static str, bool) + Send + 'static {
+    let reads = reads.clone();
+    move |kind, ok| {
+        let result = if ok { "ok" } else { "error" };
+        reads.get_or_create(&WriteLabels { kind: kind.to_owned(), result: result.to_owned() }).inc();
+    }
+}
+
 /// A cache's lock, even if a watch task panicked holding it (the cache is whole between events).
 fn lock<T>(cache: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     cache.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -272,7 +312,7 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
     let node = args.node_name.clone();
     // The driver's per-cgroup limits, once per start (not when replaying a sample file: no driver then).
     let detected = args.sample_file.is_none().then(DriverLimits::open);
-    let caches = Caches::start(client.clone(), &node, health.clone(), shutdown.clone());
+    let caches = Caches::start(client.clone(), &node, health.clone(), metrics.spec_reads.clone(), shutdown.clone());
     let mut engine = Engine::new(
         SamplerSlot::new(sampler_factory(args.sample_file.as_deref())),
         ProcAttributor::new(&args.sample.proc_root),
@@ -287,7 +327,18 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
         },
         metrics.clone(),
     );
-    let (mut executor, mut feedback) = KubeExecutor::new(client, &node, metrics.act.clone());
+    let (mut executor, mut feedback) = KubeExecutor::new(client.clone(), &node, metrics.act.clone());
+    let mut usage_writer = {
+        let mut settings = Settings::new(&node);
+        args.records.apply(&mut settings);
+        UsageWriter::new(
+            client,
+            &node,
+            metrics.act.clone(),
+            settings.usage_min_interval_ms,
+            settings.usage_change_percent,
+        )
+    };
     if let Some(detected) = detected {
         metrics.driver_limits_available.set(i64::from(detected.is_ok()));
         match detected {
@@ -334,6 +385,9 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
                     }
                 }
                 engine.tick(&table, synced);
+                if synced {
+                    usage_writer.tick(engine.now(), &table, &engine.usage.pods);
+                }
                 health.set("gpu", engine.enforcing());
                 executor.dispatch(engine.take_actions());
                 next.as_mut().reset(started + engine.next_sample());

@@ -9,9 +9,8 @@
 //!   pod's `gpubudget.io/state`), so a restart does not repeat them;
 //! - **records** (annotations, server-side apply): at once on `Evicting`, a change of budget or eviction time,
 //!   a move among Within/Near/Over at most [`Settings::state_min_interval_ms`] after the pod's last write;
-//!   usage alone only when it moved by ≥ [`Settings::usage_change_percent`] and the last write is
-//!   [`Settings::usage_min_interval_ms`] old; nothing in steady state; one write in flight per pod;
-//!   failed writes retried with backoff;
+//!   never for usage alone (#34: usage goes to the node's `GpuNodeUsage`, `crate::act::usage`); nothing in
+//!   steady state; one write in flight per pod; failed writes retried with backoff;
 //! - **eviction**: when the state machine says `Evicting` (it never does for `action: Warn` or critical
 //!   pods), for a pod of this node that is not terminating: one apply carrying state `Evicting` and
 //!   `eviction-requested-at`, then the `EvictingForGpuMemory` event, then the eviction request, in that

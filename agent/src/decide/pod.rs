@@ -91,11 +91,6 @@ pub(in crate::decide) struct PodMemory {
     pub(in crate::decide) driver_pending: Option<DriverLimitsRecord>,
 }
 
-fn percent_changed(old: u64, new: u64, percent: u64) -> bool {
-    let diff = u128::from(old.abs_diff(new));
-    diff * 100 >= u128::from(old) * u128::from(percent) && diff > 0
-}
-
 pub(in crate::decide) struct Context<'a> {
     pub(in crate::decide) view: &'a PodView,
     pub(in crate::decide) budget: &'a Budget,
@@ -441,8 +436,6 @@ impl Enforcer {
                         || !budget.is_record_name(&w.budget)
                         || *w.node != *self.settings.node
                         || w.eviction_requested_at != mem.eviction_requested_at
-                        || (percent_changed(w.usage_bytes, total, self.settings.usage_change_percent)
-                            && since_write >= self.settings.usage_min_interval_ms)
                 }
             };
             // What the driver caps the pod at: rewritten when it changed, at most as often as usage.

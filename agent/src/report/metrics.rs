@@ -14,7 +14,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::FastMap;
-use crate::act::Counters;
+use crate::act::{Counters, WriteLabels};
 use crate::attribute::Usage;
 use crate::attribute::pods::PodTable;
 use crate::sample::{GpuHealth, Snapshot};
@@ -120,6 +120,8 @@ pub struct Metrics {
     pub pod_driver_hard: Family<PodLabels, Gauge>,
     /// `gpubudget_pod_driver_soft_limit_bytes`.
     pub pod_driver_soft: Family<PodLabels, Gauge>,
+    /// `gpubudget_budget_spec_reads_total`.
+    pub spec_reads: Family<WriteLabels, Counter>,
 }
 
 impl Metrics {
@@ -147,7 +149,13 @@ impl Metrics {
             driver_limits_available: Gauge::default(),
             pod_driver_hard: Family::default(),
             pod_driver_soft: Family::default(),
+            spec_reads: Family::default(),
         };
+        registry.register(
+            "gpubudget_budget_spec_reads",
+            "Reads of budgets' objects (kind get, or list for a page of a full list), by result: the agent watches budgets' metadata only and reads a budget when its spec's generation moves, never for a status write",
+            m.spec_reads.clone(),
+        );
         registry.register(
             "gpubudget_pod_driver_hard_limit_bytes",
             "The NVIDIA driver's hard GPU memory limits on a pod's container cgroups, summed over its (container, GPU) pairs, when every pair has one (driver R615 or newer; bytes)",
@@ -195,7 +203,7 @@ impl Metrics {
         );
         registry.register(
             "gpubudget_api_writes",
-            "Writes to the API server, by kind (apply, clear, event, evict) and result",
+            "Writes to the API server, by kind (apply, clear, event, evict, delete, usage) and result",
             m.act.api_writes.clone(),
         );
         registry.register(

@@ -62,6 +62,7 @@ fn input<'a>(pod: Option<&'a Pod>, budgets: Option<&'a [GpuMemoryBudget]>, event
         now: now(),
         warnings: Vec::new(),
         critical_namespaces: &TEAM_A_CRITICAL,
+        measured: None,
     }
 }
 

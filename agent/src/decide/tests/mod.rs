@@ -189,32 +189,31 @@ fn grace_defaults_to_the_pods_own_capped_at_30s() {
 }
 
 #[test]
-fn steady_state_writes_nothing_and_usage_respects_the_write_budget() {
+fn usage_alone_never_rewrites_the_record() {
+    // #34: a pod's record moves with its state, budget or eviction; usage goes to the node's GpuNodeUsage.
     let mut h = Harness::new(pod("", ""), &[budget("")]);
-    assert_eq!(writes(&h.tick(0, 4 * GI)), 1);
-    // ±4 % wiggle for ten minutes: no write at all.
-    let wiggle: Vec<Action> =
-        (1..2400u64).flat_map(|i| h.tick(i * 250, if i % 2 == 0 { 4 * GI } else { 4 * GI + 4 * GI / 100 })).collect();
-    assert!(wiggle.is_empty(), "{:?}", kinds(&wiggle));
-    // +10 %: written, but not more than once per 30 s.
-    let t0 = 2400 * 250;
-    let grew = h.run(t0, t0 + 29_750, 4 * GI + 4 * GI / 10);
-    assert_eq!(writes(&grew), 1, "changed by ≥5 % and 30 s since the last write");
-    let more = h.run(t0 + 30_000, t0 + 59_750, 5 * GI);
-    assert_eq!(writes(&more), 1);
-    let Some(Action::Apply { record, .. }) = more.first() else { panic!("{:?}", kinds(&more)) };
-    assert_eq!(record.usage_bytes, 5 * GI);
+    let first = h.tick(0, 4 * GI);
+    assert_eq!(writes(&first), 1);
+    let Some(Action::Apply { record, .. }) = first.first() else { panic!("{:?}", kinds(&first)) };
+    assert_eq!((record.state, record.usage_bytes), (BudgetState::Within, 4 * GI), "the usage of the write");
+    // Usage moving by 10–50 % for ten minutes, within the limit: no write at all.
+    let moving: Vec<Action> = (1..2400u64).flat_map(|i| h.tick(i * 250, 4 * GI + (i % 5) * GI / 2)).collect();
+    assert!(moving.is_empty(), "{:?}", kinds(&moving));
+    // Near the limit (90 % of 8 GiB): the state moved, so the record is written, once.
+    let near = h.run(2400 * 250, 2400 * 250 + 60_000, 7 * GI + GI / 2);
+    assert_eq!(writes(&near), 1, "{:?}", kinds(&near));
 }
 
 #[test]
-fn usage_changes_wait_for_the_interval_after_a_state_change() {
+fn a_state_change_right_after_a_write_waits_for_the_spacing() {
     let mut h = Harness::new(pod("", ""), &[budget(", action: Warn")]);
-    h.tick(0, GI);
-    assert_eq!(writes(&h.tick(250, 2 * GI)), 0, "100 % more, but the last write was 250 ms ago");
-    assert_eq!(writes(&h.tick(30_000, 2 * GI)), 1);
-    assert_eq!(writes(&h.tick(30_250, 9 * GI)), 0, "a state change 250 ms after the last write waits");
-    assert_eq!(writes(&h.run(30_500, 34_750, 9 * GI)), 0);
-    assert_eq!(writes(&h.tick(35_000, 9 * GI)), 1, "… 5 s after it");
+    assert_eq!(writes(&h.tick(0, GI)), 1);
+    assert_eq!(writes(&h.tick(250, 2 * GI)), 0, "usage alone: never");
+    assert_eq!(writes(&h.tick(30_000, 2 * GI)), 0, "usage alone, 30 s later: never");
+    assert_eq!(writes(&h.tick(30_250, 7 * GI + GI / 2)), 1, "Near: the last write was 30 s ago");
+    assert_eq!(writes(&h.tick(30_500, 9 * GI)), 0, "Over 250 ms after the last write waits");
+    assert_eq!(writes(&h.run(30_750, 35_000, 9 * GI)), 0);
+    assert_eq!(writes(&h.tick(35_250, 9 * GI)), 1, "… 5 s after it");
 }
 
 #[test]
