@@ -117,8 +117,8 @@ yq -y --arg url "https://$WEBHOOK/validate-eviction" --arg ca "$CA_BUNDLE" '
   | if .kind == "ValidatingWebhookConfiguration"
     then .webhooks |= map(.clientConfig = {url: $url, caBundle: $ca}) else . end' "$WORK/chart.yaml" > "$WORK/applied.yaml"
 kubectl apply -f "$WORK/applied.yaml" | sed 's/^/    /'
-[ "$(yq -r 'select(.kind == "ValidatingAdmissionPolicy") | .metadata.name' "$WORK/applied.yaml" | grep -c .)" = 4 ] \
-  || die "expected the chart's four admission policies (node restriction of pods and events, records, caps record)"
+[ "$(yq -r 'select(.kind == "ValidatingAdmissionPolicy") | .metadata.name' "$WORK/applied.yaml" | grep -c .)" = 5 ] \
+  || die "expected the chart's five admission policies (node restriction of pods, events and usage objects, records, caps record)"
 
 say "nodes, pods (API objects; the test is their kubelet), identities"
 for n in "$NODE" "$NODE2"; do
@@ -427,7 +427,7 @@ usage_body() { # NAME NODE_NAME
     "$1" "$2" "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 }
 apply_usage() { # KUBECONFIG NAME NODE_NAME
-  usage_body "$2" "$3" | kubectl --kubeconfig "$1" apply --server-side --field-manager "e2e-$(basename "$1")" -f -
+  usage_body "$2" "$3" | kubectl --kubeconfig "$1" apply --server-side --force-conflicts --field-manager "e2e-$(basename "$1")" -f -
 }
 refused "spec.nodeName must be $NODE2" "the agent of $NODE2 writing its own object naming $NODE" \
   apply_usage "$AGENT2_KC" "$NODE2" "$NODE"
@@ -439,7 +439,12 @@ refused "carries no node" "the agent's identity with an unbound token writing Gp
   apply_usage "$UNBOUND_KC" "$NODE" "$NODE"
 refused "forbidden" "the tenant (edit in $NS_A) writing GpuNodeUsage $NODE" apply_usage "$TENANT_KC" "$NODE" "$NODE"
 refused "forbidden" "the tenant (edit in $NS_A) reading the nodes' usage" kubectl --kubeconfig "$TENANT_KC" get gpunodeusages
-kubectl delete gpunodeusage "$NODE2" >/dev/null
+# Owned by its Node (the agent's own writes name it as owner): deleted with the Node, at the end of the run.
+usage_body "$NODE2" "$NODE2" \
+  | jq --arg uid "$(kubectl get node "$NODE2" -o jsonpath='{.metadata.uid}')" --arg n "$NODE2" \
+    '.metadata.ownerReferences = [{"apiVersion": "v1", "kind": "Node", "name": $n, "uid": $uid}]' \
+  | kubectl --kubeconfig "$AGENT2_KC" apply --server-side --force-conflicts --field-manager e2e-agent2 -f - >/dev/null \
+  || die "the agent of $NODE2 could not name its Node as its usage object's owner"
 annotate "$TENANT_KC" "$NS_A" trainer team.example/owner=me >/dev/null \
   || die "the tenant could not set its own annotation on its pod"
 info "allowed: the tenant's own annotations on its pods"
@@ -615,6 +620,12 @@ curl -fsS "http://$SURVIVOR_ADMIN/metrics" | grep -q '^gpubudget_operator_leader
 rm -rf "$WORK/proc/4109"
 kubectl delete pod ha-b -n "$NS_B" --grace-period=0 --force >/dev/null 2>&1
 
+say "a Node deleted: the garbage collector deletes its GpuNodeUsage with it"
+kubectl get gpunodeusage "$NODE2" >/dev/null || die "no GpuNodeUsage $NODE2 to collect"
+kubectl delete pod remote-a -n "$NS_A" --grace-period=0 --force >/dev/null 2>&1 || true
+kubectl delete node "$NODE2" >/dev/null
+wait_for "GpuNodeUsage $NODE2 deleted with Node $NODE2" bash -c "! kubectl get gpunodeusage $NODE2 >/dev/null 2>&1"
+
 FAILED=0
-say "PASS: records, events, Evict with the budget's grace, Warn, overlaps, node restriction both ways, operator down and back, agent restart mid-grace, pressure eviction, a PodDisruptionBudget escalated, a GPU lost and back, two operator replicas with the leader crashed ($((SECONDS - START)) s)"
+say "PASS: records, events, Evict with the budget's grace, Warn, overlaps, node restriction both ways, usage objects (own node only, collected with the Node), operator down and back, agent restart mid-grace, pressure eviction, a PodDisruptionBudget escalated, a GPU lost and back, two operator replicas with the leader crashed ($((SECONDS - START)) s)"
 

@@ -121,6 +121,21 @@ mod tests {
         .unwrap()
     }
 
+    /// #34: the nodes' `GpuNodeUsage` (by pod UID) gives the usage where it lists the pod; else the record's.
+    #[test]
+    fn usage_comes_from_the_nodes_objects_where_they_list_the_pod() {
+        let mut listed = pod("team-a", "llm-0", Some(("Within", 2 << 30, "llm", "n1")));
+        listed.metadata.uid = Some("u-llm".into());
+        let mut unlisted = pod("team-a", "llm-1", Some(("Within", 3 << 30, "llm", "n1")));
+        unlisted.metadata.uid = Some("u-other".into());
+        let measured = HashMap::from([("u-llm".to_owned(), 6u64 << 30)]);
+        let rows = rows(&[listed, unlisted], &limits(&[budget("team-a", "llm", "8Gi")], &[]), &measured);
+        let got: Vec<(&str, u64, Option<f64>)> =
+            rows.iter().map(|r| (r.name.as_str(), r.usage_bytes, r.percent)).collect();
+        assert_eq!(got, [("llm-0", 6 << 30, Some(75.0)), ("llm-1", 3 << 30, Some(37.5))]);
+        assert_eq!(rows[0].usage, "6Gi");
+    }
+
     fn names(rows: &[TopRow]) -> Vec<&str> {
         rows.iter().map(|r| r.name.as_str()).collect()
     }

@@ -618,24 +618,34 @@ async fn watch_pods(
     }
 }
 
+/// The next event of a watch, its failures logged and skipped (the stream retries with backoff); `None` once
+/// `shutdown` fires or the stream ends.
+async fn next_event<K, S>(
+    stream: &mut std::pin::Pin<&mut S>,
+    shutdown: &CancellationToken,
+    what: &str,
+) -> Option<Event<K>>
+where
+    S: futures::Stream<Item = Result<Event<K>, watcher::Error>>,
+{
+    loop {
+        let next = tokio::select! {
+            () = shutdown.cancelled() => return None,
+            next = stream.next() => next,
+        };
+        match next? {
+            Ok(event) => return Some(event),
+            Err(error) => tracing::warn!(%error, watch = what, "watch failed; retrying with backoff"),
+        }
+    }
+}
+
 /// Feeds the nodes' `GpuNodeUsage` into the index (#34); sends the budgets whose pods' usage moved. Until it
 /// has listed (or while its CRD is not installed), statuses read the usage in the pods' records.
 async fn watch_node_usage(ctx: Arc<Context>, triggers: Triggers, shutdown: CancellationToken) {
     let api: Api<GpuNodeUsage> = Api::all(ctx.client.clone());
     let mut stream = std::pin::pin!(watcher::watcher(api, watcher::Config::default().page_size(100)).default_backoff());
-    loop {
-        let next = tokio::select! {
-            () = shutdown.cancelled() => return,
-            next = stream.next() => next,
-        };
-        let event = match next {
-            Some(Ok(event)) => event,
-            Some(Err(error)) => {
-                tracing::warn!(%error, "node usage watch failed; retrying with backoff");
-                continue;
-            }
-            None => return,
-        };
+    while let Some(event) = next_event(&mut stream, &shutdown, "node usage").await {
         let affected = match event {
             // Not rewritten for half an hour: its agent is gone or rolled back; the records are newer.
             Event::InitApply(usage) | Event::Apply(usage)
@@ -665,19 +675,7 @@ async fn watch_node_usage(ctx: Arc<Context>, triggers: Triggers, shutdown: Cance
 /// Feeds the namespaces' labels (metadata only) into the index; sends the budgets a relabel affects.
 async fn watch_namespaces(ctx: Arc<Context>, triggers: Triggers, health: Health, shutdown: CancellationToken) {
     let mut stream = std::pin::pin!(crate::namespaces::events(ctx.client.clone()));
-    loop {
-        let next = tokio::select! {
-            () = shutdown.cancelled() => return,
-            next = stream.next() => next,
-        };
-        let event = match next {
-            Some(Ok(event)) => event,
-            Some(Err(error)) => {
-                tracing::warn!(%error, "namespace watch failed; retrying with backoff");
-                continue;
-            }
-            None => return,
-        };
+    while let Some(event) = next_event(&mut stream, &shutdown, "namespace").await {
         let listed = matches!(event, Event::InitDone);
         let affected = {
             let mut index = ctx.index.write().unwrap_or_else(PoisonError::into_inner);

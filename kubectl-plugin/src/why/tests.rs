@@ -302,3 +302,15 @@ fn a_cluster_budget_is_shown_and_applies_as_resolved() {
     assert_eq!(r.matched.iter().map(|m| m.name.as_str()).collect::<Vec<_>>(), ["team-default"]);
     assert!(r.warnings.iter().any(|w| w.contains("now resolve to team-default")), "{:?}", r.warnings);
 }
+
+/// #34: the pod's node's `GpuNodeUsage` gives the usage `why` shows; without it, the record's.
+#[test]
+fn the_usage_shown_is_the_nodes_object_where_it_could_be_read() {
+    let budgets = overlapping();
+    let p = pod(Some(("Within", 2 << 30, "llm-inference")), json!({}), json!({}));
+    let r = why(input(Some(&p), Some(&budgets), &[])).unwrap();
+    assert_eq!(r.record.as_ref().map(|x| (x.usage_bytes, x.percent)), Some((2 << 30, Some(25.0))));
+    let r = why(WhyInput { measured: Some(6 << 30), ..input(Some(&p), Some(&budgets), &[]) }).unwrap();
+    let record = r.record.expect("record");
+    assert_eq!((record.usage_bytes, record.usage.as_str(), record.percent), (6 << 30, "6Gi", Some(75.0)));
+}
