@@ -287,10 +287,45 @@ def cmd_status_ceiling(prefix, namespaces, per_ns, mode, threads):
           f"rate={len(jobs) / elapsed:.0f}/s")
 
 
+def cmd_node_usage(prefix, namespaces, nodes):
+    """One GpuNodeUsage per node (#34), as the agents write them (server-side apply under the node's field
+    manager): every pod of the node with its UID and a usage of its record's plus 1 GiB, so that statuses read
+    from these objects show it."""
+    namespaces, nodes = int(namespaces), int(nodes)
+    by_node = {}
+    lock = threading.Lock()
+
+    def listed(n):
+        def job():
+            for p in request("GET", f"/api/v1/namespaces/{ns(prefix, n)}/pods")["items"]:
+                m = p["metadata"]
+                usage = int(m.get("annotations", {}).get("gpubudget.io/usage-bytes", "0")) + GI
+                entry = {"namespace": m["namespace"], "name": m["name"], "uid": m["uid"], "usageBytes": usage}
+                with lock:
+                    by_node.setdefault(p["spec"]["nodeName"], []).append(entry)
+        return job
+    parallel(listed(n) for n in range(namespaces))
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+    def write(node, pods):
+        def job():
+            pods.sort(key=lambda e: (-e["usageBytes"], e["namespace"], e["name"]))
+            body = {"apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuNodeUsage", "metadata": {"name": node},
+                    "spec": {"nodeName": node, "observedAt": now, "podCount": len(pods),
+                             "total": f"{sum(e['usageBytes'] for e in pods) // GI}Gi", "pods": pods}}
+            request("PATCH", f"/apis/gpubudget.io/v1alpha1/gpunodeusages/{node}"
+                    f"?fieldManager=gpubudget-agent/{node}&force=true", body, "application/apply-patch+yaml")
+        return job
+    t0 = time.monotonic()
+    parallel(write(node, pods) for node, pods in by_node.items())
+    print(f"{len(by_node)} GpuNodeUsage objects ({sum(len(p) for p in by_node.values())} pods) written in "
+          f"{time.monotonic() - t0:.1f} s")
+
+
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     {"budgets": cmd_budgets, "pods": cmd_pods, "record-latency": cmd_record_latency, "stream": cmd_stream,
-     "edit-all": cmd_edit_all, "status-ceiling": cmd_status_ceiling}[cmd](*args)
+     "edit-all": cmd_edit_all, "status-ceiling": cmd_status_ceiling, "node-usage": cmd_node_usage}[cmd](*args)
 
 
 if __name__ == "__main__":

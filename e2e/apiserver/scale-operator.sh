@@ -18,7 +18,8 @@
 # rewritten by load.py (server-side apply as the operator does, then JSON merge patch; 16 at a time, as the
 # operator's reconciles): the API server's own rate for these writes, to compare the operator's with.
 # GPUBUDGET_E2E_NODES (default 50): the nodes the pods are bound to and their records name (created as Node
-# objects). GPUBUDGET_E2E_REUSE=PREFIX runs the
+# objects). GPUBUDGET_E2E_NODE_USAGE=1 (#34): one GpuNodeUsage per node listing its pods (each at its record's
+# usage plus 1 GiB), written before the operator starts, so that it watches and applies them too. GPUBUDGET_E2E_REUSE=PREFIX runs the
 # operator again over the objects an earlier run kept (GPUBUDGET_E2E_KEEP=1 prints its PREFIX), their statuses
 # removed first, so every budget is written again (at 150 000 pods, creating them takes longer than the run).
 # Environment: GPUBUDGET_E2E_BIN (default target/release), HELM, GPUBUDGET_E2E_KEEP=1.
@@ -48,6 +49,7 @@ cleanup() {
   if [ "${GPUBUDGET_E2E_KEEP:-0}" != 1 ]; then
     kubectl delete clusterrolebinding,clusterrole -l "app.kubernetes.io/instance=$RELEASE" --ignore-not-found >/dev/null 2>&1 || true
     kubectl delete nodes -l "e2e.gpubudget.io/run=$P" --wait=false >/dev/null 2>&1 || true
+    kubectl get gpunodeusages -o name 2>/dev/null | grep -F "/$P-node-" | xargs -r kubectl delete --wait=false >/dev/null 2>&1 || true
     for n in $(seq 0 $((NAMESPACES - 1))); do kubectl delete namespace "$P-$n" --wait=false >/dev/null 2>&1 || true; done
     kubectl delete namespace "$P" --wait=false >/dev/null 2>&1 || true
     rm -rf "$WORK"
@@ -84,6 +86,9 @@ else
   [ "${GPUBUDGET_E2E_KEEP:-0}" != 1 ] || info "kept: rerun with GPUBUDGET_E2E_REUSE=$P"
 fi
 BUDGETS=$((NAMESPACES * BUDGETS_PER_NS))
+if [ "${GPUBUDGET_E2E_NODE_USAGE:-0}" = 1 ]; then
+  info "$(python3 "$HERE/load.py" node-usage "$P" "$NAMESPACES" "$NODES")"
+fi
 
 say "the operator starts"
 token_kubeconfig "$WORK/operator.kubeconfig" scale-operator "$(kubectl create token "$RELEASE-operator" -n "$P" --duration=1h)"

@@ -13,8 +13,14 @@ pod_metric() {
     | grep -F "container=\"$2\"" | awk '{print $2}'
 }
 pod_metric_is() { [ "$(pod_metric "$1" "$2")" = "$3" ]; }
-wait_for "multi recorded 5Gi under multi-audit (forker's shell and two children 1Gi each, solo 2Gi)" \
-  annotation_is "$NS_C" multi usage-bytes 5368709120
+# node_usage POD: what the GpuNodeUsage of the pod's node says it holds (#34: usage is there, not in the record).
+node_usage() {
+  kubectl get gpunodeusage "$(kubectl get pod "$1" -n "$NS_C" -o jsonpath='{.spec.nodeName}')" -o json \
+    | jq -r --arg ns "$NS_C" --arg p "$1" '.spec.pods[] | select(.namespace == $ns and .name == $p) | .usageBytes'
+}
+node_usage_is() { [ "$(node_usage "$1")" = "$2" ]; }
+wait_for "multi measured 5Gi (forker's shell and two children 1Gi each, solo 2Gi) in its node's GpuNodeUsage" \
+  node_usage_is multi 5368709120
 annotation_is "$NS_C" multi budget multi-audit || die "multi's record names budget $(annotation "$NS_C" multi budget)"
 wait_for "agent metric: multi/forker 3Gi (three processes, one cgroup)" pod_metric_is multi forker 3221225472
 wait_for "agent metric: multi/solo 2Gi" pod_metric_is multi solo 2147483648
@@ -31,7 +37,7 @@ wait_for "the restarted solo has a process in its new cgroup" pid_count_is "$NS_
 [ "$(container_id "$NS_C" multi solo)" != "$OLD_SOLO_ID" ] || die "solo kept its container id after the restart"
 SOLO_BYTES=4Gi
 write_sample 4 9Gi 45Gi
-wait_for "multi recorded 7Gi (the restarted solo's new PID charged 4Gi)" annotation_is "$NS_C" multi usage-bytes 7516192768
+wait_for "multi measured 7Gi (the restarted solo's new PID charged 4Gi) in its node's GpuNodeUsage" node_usage_is multi 7516192768
 wait_for "agent metric: multi/solo 4Gi (the new container, same name)" pod_metric_is multi solo 4294967296
 pod_metric_is multi forker 3221225472 || die "forker's usage changed: $(pod_metric multi forker)"
 info "multi: forker $(pod_metric multi forker), solo $(pod_metric multi solo) (new PID $(host_pids "$NS_C" multi solo), was $OLD_SOLO)"
