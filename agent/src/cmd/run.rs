@@ -328,9 +328,9 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
         metrics.clone(),
     );
     let (mut executor, mut feedback) = KubeExecutor::new(client.clone(), &node, metrics.act.clone());
+    // The interval and percentage the engine was given (`RecordArgs::apply`): one source for both.
     let mut usage_writer = {
-        let mut settings = Settings::new(&node);
-        args.records.apply(&mut settings);
+        let settings = engine.enforcer.settings();
         UsageWriter::new(
             client,
             &node,
