@@ -109,6 +109,8 @@ impl Engine {
             if self.driver.is_some() {
                 self.enforcer.driver_limits(table, &self.driver_views, &mut self.actions);
             }
+            let uncapped = self.enforcer.caps_not_in_force();
+            self.metrics.caps_not_in_force.set(i64::try_from(uncapped).unwrap_or(i64::MAX));
         }
         let enforcer = &self.enforcer;
         self.series.update(

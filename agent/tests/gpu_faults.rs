@@ -396,3 +396,46 @@ mod pipeline {
         assert!(engine.enforcing(), "ready again once a GPU is back");
     }
 }
+
+/// #32: which processes are MPS clients is read when a process appears (never guessed from an older list), and
+/// carried between lists; a GPU that answers no MPS list says nothing either way.
+#[test]
+fn a_process_that_appears_is_checked_against_the_mps_list_at_once() {
+    let nvml = FakeNvml::new(vec![FakeGpu::new("GPU-aaaa", 80 * GI).with(ProcessList::Compute, 473, Some(GI)).with(
+        ProcessList::Mps,
+        473,
+        Some(GI),
+    )]);
+    let t0 = Instant::now();
+    let mut s = sampler(&nvml, t0);
+    let mut out = Snapshot::default();
+    let clients = |out: &Snapshot| -> Vec<(u32, Option<bool>)> {
+        out.processes.iter().map(|p| (p.pid.expect("pid"), p.mps_client)).collect()
+    };
+    s.sample_at(t0, &mut out).expect("sample");
+    assert_eq!(clients(&out), [(473, Some(true))]);
+    // A process that went around the server appears on the compute list only; the next sample reads the MPS
+    // list with it.
+    nvml.with(|w| w.gpus[0].processes.push((ProcessList::Compute, Listed { pid: 480, bytes: Some(2 * GI) })));
+    s.sample_at(t0 + Duration::from_millis(250), &mut out).expect("sample");
+    assert_eq!(clients(&out), [(473, Some(true)), (480, Some(false))]);
+    // A new client is not taken for one that went around it.
+    nvml.with(|w| {
+        w.gpus[0].processes.push((ProcessList::Compute, Listed { pid: 481, bytes: Some(GI) }));
+        w.gpus[0].processes.push((ProcessList::Mps, Listed { pid: 481, bytes: Some(GI) }));
+    });
+    s.sample_at(t0 + Duration::from_millis(500), &mut out).expect("sample");
+    assert_eq!(clients(&out), [(473, Some(true)), (480, Some(false)), (481, Some(true))]);
+    // Figures move, no process comes or goes: whatever lists are read, each keeps what it is.
+    nvml.with(|w| w.gpus[0].processes.iter_mut().for_each(|(_, l)| l.bytes = l.bytes.map(|b| b + GI)));
+    s.sample_at(t0 + Duration::from_millis(750), &mut out).expect("sample");
+    assert_eq!(clients(&out), [(473, Some(true)), (480, Some(false)), (481, Some(true))]);
+    // Without the MPS query, nothing is known.
+    nvml.with(|w| {
+        w.gpus[0].no_mps = true;
+        w.gpus[0].processes.retain(|(l, _)| *l == ProcessList::Compute);
+        w.gpus[0].processes.push((ProcessList::Compute, Listed { pid: 482, bytes: Some(GI) }));
+    });
+    s.sample_at(t0 + Duration::from_secs(4), &mut out).expect("sample");
+    assert!(out.processes.iter().all(|p| p.mps_client.is_none()), "{:?}", clients(&out));
+}

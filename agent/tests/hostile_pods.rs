@@ -44,6 +44,7 @@ fn pod(uid: &str, name: &str, cid: &str, labels: &[(&str, &str)]) -> PodView {
         record: None,
         has_annotations: false,
         caps_expected: false,
+        mps_cap_mib: None,
     }
 }
 
@@ -57,7 +58,13 @@ fn snapshot(processes: &[(u32, u64)]) -> Snapshot {
         gpus: vec![GpuInfo { label: "0".into(), ..GpuInfo::default() }],
         processes: processes
             .iter()
-            .map(|&(pid, bytes)| ProcessSample { gpu: 0, pid: Some(pid), bytes: Some(bytes), direct: None })
+            .map(|&(pid, bytes)| ProcessSample {
+                gpu: 0,
+                pid: Some(pid),
+                bytes: Some(bytes),
+                direct: None,
+                mps_client: None,
+            })
             .collect(),
     }
 }
@@ -177,6 +184,7 @@ fn a_forged_record_neither_evicts_early_nor_prevents_eviction() {
         budget: "b".into(),
         node: NODE.into(),
         eviction_requested_at: Some("2020-01-01T00:00:00Z".into()),
+        cap_not_in_force: None,
     };
     let mut a = pod(UID_A, "a", CID_A, &[]);
     a.record = Some(forged.clone());

@@ -143,6 +143,7 @@ impl PodModel {
             record: self.record.clone(),
             has_annotations: self.record.is_some(),
             caps_expected: false,
+            mps_cap_mib: None,
         }
     }
 }
@@ -323,6 +324,7 @@ impl World {
                     budget: "b0".into(),
                     node: NODE.into(),
                     eviction_requested_at: Some("2020-01-01T00:00:00Z".into()),
+                    cap_not_in_force: None,
                 });
                 self.log.push(format!("forge record on {}", pod.uid));
             }
@@ -487,7 +489,13 @@ impl World {
             let pod = self.pods.iter().find(|p| p.uid == view.uid).expect("table pods come from the world");
             usage.push(PodUsage {
                 total: pod.usage,
-                holders: vec![Holder { container: Some(Arc::from("main")), pid: Some(7), gpu: 0, bytes: pod.usage }],
+                holders: vec![Holder {
+                    container: Some(Arc::from("main")),
+                    pid: Some(7),
+                    gpu: 0,
+                    bytes: pod.usage,
+                    mps_client: None,
+                }],
                 unknown: 0,
             });
             let seen = self.seen.entry(pod.uid.clone()).or_default();

@@ -80,6 +80,7 @@ fn view(spec: &Spec, labels: &[(&str, &str)], critical: bool) -> PodView {
         record: None,
         has_annotations: false,
         caps_expected: false,
+        mps_cap_mib: None,
     }
 }
 
@@ -146,7 +147,7 @@ impl Node {
             .iter()
             .zip(bytes)
             .filter(|(_, b)| *b > 0)
-            .map(|(s, b)| ProcessSample { gpu: 0, pid: Some(s.pid), bytes: Some(b), direct: None })
+            .map(|(s, b)| ProcessSample { gpu: 0, pid: Some(s.pid), bytes: Some(b), direct: None, mps_client: None })
             .collect();
         let snapshot = Snapshot {
             gpus: vec![GpuInfo { label: "0".into(), uuid: "GPU-0".into(), total_bytes: TOTAL, ..GpuInfo::default() }],

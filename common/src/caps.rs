@@ -894,6 +894,19 @@ impl PodCaps {
         out
     }
 
+    /// The pod's caps from its spec: every GPU container, init and ephemeral ones included ([`gpu_containers`]).
+    pub fn of_pod(pod: &Pod) -> Self {
+        Self::of(gpu_containers(pod).iter().map(|f| &f.gpu))
+    }
+
+    /// The largest cap, MiB, when every GPU container is capped.
+    pub fn capped_mib(self) -> Option<u64> {
+        match self {
+            Self::Capped { max_mib } => Some(max_mib),
+            Self::NoGpu | Self::Uncapped(_) => None,
+        }
+    }
+
     /// Why it is uncapped, when it is.
     pub fn reason(self) -> Option<Uncapped> {
         match self {

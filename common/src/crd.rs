@@ -252,15 +252,22 @@ pub struct GpuMemoryBudgetStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pods_above_request: Option<i64>,
     /// With `admissionCaps: Enabled`: matched pods whose every GPU container carries the driver's caps at
-    /// most at the limit, read from their environment (fixed at creation, so nobody can fake it later).
-    /// Unset otherwise.
+    /// most at the limit, read from their environment (fixed at creation, so nobody can fake it later), and
+    /// whose node's agent has not seen the cap fail (`podsCapNotInForce`). Unset otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pods_capped: Option<i64>,
     /// With `admissionCaps: Enabled`: matched pods with a GPU container that carries no MPS cap for some
-    /// device it sees (created while the webhook was down or before caps were enabled); eviction still
-    /// holds them to the limit. Unset otherwise.
+    /// device it sees (created while the webhook was down or before caps were enabled), or whose cap the
+    /// node's agent saw is not in force (`podsCapNotInForce`); eviction still holds them to the limit. Unset
+    /// otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pods_uncapped: Option<i64>,
+    /// With `admissionCaps: Enabled`: of `podsUncapped`, the pods whose environment carries a cap that their
+    /// node's agent saw is not in force: a process that is no client of the GPU's MPS server (it unset its
+    /// variable, uses another pipe directory, or no MPS server runs), or one holding more than its cap. The
+    /// pod's `gpubudget.io/cap-not-in-force` annotation says which. Unset otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pods_cap_not_in_force: Option<i64>,
     /// With `admissionCaps: Enabled`: matched pods capped above the limit (the limit was lowered after they
     /// were created; eviction holds them to the new one). Unset otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]

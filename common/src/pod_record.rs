@@ -24,6 +24,12 @@ pub const NODE: &str = "gpubudget.io/node";
 /// When the agent requested the pod's eviction (RFC 3339); present only once it has.
 pub const EVICTION_REQUESTED_AT: &str = "gpubudget.io/eviction-requested-at";
 
+/// Why the pod's MPS cap is not in force, in words, when the agent saw it is not (#32): a process of the pod that
+/// is not a client of the GPU's MPS server (it unset its variable or went around the server), or that holds more
+/// than its cap. Absent while the cap is in force or the pod has none. Part of the record: the operator counts such
+/// a pod uncapped (`podsCapNotInForce`), and only the agent may write it (the records policy).
+pub const CAP_NOT_IN_FORCE: &str = "gpubudget.io/cap-not-in-force";
+
 /// What the NVIDIA driver caps the pod at (driver R615 per-cgroup limits, read back by the agent), as JSON
 /// ([`DriverLimitsRecord`]); present only where the node's driver can tell. Informational: the operator does not
 /// read it, so it is not in [`ALL`]; the agent writes it in the same apply as the record (and an apply of none
@@ -31,7 +37,7 @@ pub const EVICTION_REQUESTED_AT: &str = "gpubudget.io/eviction-requested-at";
 pub const DRIVER_LIMITS: &str = "gpubudget.io/driver-limits";
 
 /// Every annotation key of the contract.
-pub const ALL: [&str; 5] = [STATE, USAGE_BYTES, BUDGET, NODE, EVICTION_REQUESTED_AT];
+pub const ALL: [&str; 6] = [STATE, USAGE_BYTES, BUDGET, NODE, EVICTION_REQUESTED_AT, CAP_NOT_IN_FORCE];
 
 /// The field manager an agent uses for everything it writes, one per node (as the kubelet does).
 pub fn agent_field_manager(node: &str) -> String {
@@ -52,6 +58,8 @@ pub struct PodRecord {
     pub node: Arc<str>,
     /// When eviction was requested, if it was.
     pub eviction_requested_at: Option<String>,
+    /// Why the pod's cap is not in force ([`CAP_NOT_IN_FORCE`]), when the agent saw it is not.
+    pub cap_not_in_force: Option<String>,
 }
 
 impl PodRecord {
@@ -63,6 +71,7 @@ impl PodRecord {
             budget: annotations.get(BUDGET)?.as_str().into(),
             node: annotations.get(NODE).map(|n| n.as_str().into()).unwrap_or_default(),
             eviction_requested_at: annotations.get(EVICTION_REQUESTED_AT).cloned(),
+            cap_not_in_force: annotations.get(CAP_NOT_IN_FORCE).cloned(),
         })
     }
 
@@ -76,6 +85,9 @@ impl PodRecord {
         ]);
         if let Some(at) = &self.eviction_requested_at {
             out.insert(EVICTION_REQUESTED_AT.to_owned(), at.clone());
+        }
+        if let Some(why) = &self.cap_not_in_force {
+            out.insert(CAP_NOT_IN_FORCE.to_owned(), why.clone());
         }
         out
     }
@@ -126,9 +138,11 @@ mod tests {
             budget: "llm-inference".into(),
             node: "gpu-node-1".into(),
             eviction_requested_at: Some("2026-11-21T18:00:00Z".into()),
+            cap_not_in_force: Some("pid 4242 on GPU 0 is not an MPS client".into()),
         };
         let annotations = record.to_annotations();
         assert_eq!(annotations[STATE], "Evicting");
+        assert_eq!(annotations[CAP_NOT_IN_FORCE], "pid 4242 on GPU 0 is not an MPS client");
         assert_eq!(PodRecord::from_annotations(&annotations), Some(record));
         let mut bad = annotations.clone();
         bad.insert(USAGE_BYTES.into(), "9Gi".into());

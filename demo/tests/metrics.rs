@@ -101,6 +101,7 @@ fn touch_agent(metrics: &AgentMetrics) {
         table_rebuilds,
         sample_interval,
         driver_limits_available,
+        caps_not_in_force,
         pod_driver_hard,
         pod_driver_soft,
         spec_reads,
@@ -139,6 +140,7 @@ fn touch_agent(metrics: &AgentMetrics) {
     table_rebuilds.get();
     sample_interval.get();
     driver_limits_available.get();
+    caps_not_in_force.get();
     _ = pod_driver_hard.get_or_create(&pod());
     _ = pod_driver_soft.get_or_create(&pod());
 }

@@ -161,6 +161,9 @@ pub struct RecordInfo {
     pub percent: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eviction_requested_at: Option<String>,
+    /// Why the pod's MPS cap is not in force, as its node's agent saw (`gpubudget.io/cap-not-in-force`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cap_not_in_force: Option<String>,
 }
 
 /// What happens next.

@@ -103,6 +103,7 @@ mod tests {
                 budget: budget.into(),
                 node: node.into(),
                 eviction_requested_at: None,
+                cap_not_in_force: None,
             }
             .to_annotations();
         }

@@ -376,6 +376,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
             node: r.node.to_string(),
             percent: limit.and_then(|l| percent(usage, l)),
             eviction_requested_at: r.eviction_requested_at.clone(),
+            cap_not_in_force: r.cap_not_in_force.clone(),
         }),
         over_since: over_since.map(round),
         over_for_seconds: over_since.map(|t| now.duration_since(t).as_secs().max(0)),

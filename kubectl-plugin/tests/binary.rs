@@ -28,7 +28,14 @@ fn pod(ns: &str, name: &str, uid: &str, labels: Value, record: Option<PodRecord>
 }
 
 fn record(state: BudgetState, usage: u64, budget: &str, node: &str) -> Option<PodRecord> {
-    Some(PodRecord { state, usage_bytes: usage, budget: budget.into(), node: node.into(), eviction_requested_at: None })
+    Some(PodRecord {
+        state,
+        usage_bytes: usage,
+        budget: budget.into(),
+        node: node.into(),
+        eviction_requested_at: None,
+        cap_not_in_force: None,
+    })
 }
 
 fn budget(ns: &str, name: &str, limit: &str, selector: Value, status: Value) -> Value {

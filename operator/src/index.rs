@@ -847,6 +847,7 @@ mod tests {
             budget: "llm".into(),
             node: "n1".into(),
             eviction_requested_at: None,
+            cap_not_in_force: None,
         });
         index.apply_pod(p.clone());
         let usage = |bytes: u64, uid: &str| NodePodUsage {
@@ -895,6 +896,7 @@ mod tests {
             budget: "llm".into(),
             node: "n1".into(),
             eviction_requested_at: None,
+            cap_not_in_force: None,
         });
         assert_eq!(index.apply_pod(p.clone()), keys(&["llm"]), "wide selects it too but does not apply");
         // A stale record naming another budget: that one is affected as well (it counts the evictions).
@@ -919,6 +921,7 @@ mod tests {
             budget: "llm".into(),
             node: "n1".into(),
             eviction_requested_at: Some("2027-01-15T08:00:00Z".into()),
+            cap_not_in_force: None,
         });
         index.apply_pod(p);
         index.apply_pod(pod("a", "p2", &[("app", "llm")]));
@@ -935,6 +938,7 @@ mod tests {
                 budget: "llm".into(),
                 node: "n1".into(),
                 eviction_requested_at: Some("2027-01-15T09:00:00Z".into()),
+                cap_not_in_force: None,
             });
             index.apply_pod(q);
             index.delete_pod(&ObjKey::new("a", format!("q{i}")));
@@ -1022,6 +1026,7 @@ mod tests {
                 budget: "llm".into(),
                 node: "gpu-node-7".into(),
                 eviction_requested_at: None,
+                cap_not_in_force: None,
             }),
             caps: gpubudget_common::caps::PodCaps::Capped { max_mib },
             ..pod(ns, name, &[("app", "llm")])
@@ -1118,6 +1123,7 @@ mod tests {
                 budget: format!("b{budget}").into(),
                 node: "n".into(),
                 eviction_requested_at: None,
+                cap_not_in_force: None,
             });
             p
         }
@@ -1390,6 +1396,7 @@ mod tests {
                                 budget: if cluster { "ClusterGpuMemoryBudget/c0".into() } else { "b0".into() },
                                 node: "n".into(),
                                 eviction_requested_at: None,
+                                cap_not_in_force: None,
                             });
                             world.pods.insert((ns, id), p.clone());
                             index.apply_pod(p)

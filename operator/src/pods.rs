@@ -539,6 +539,7 @@ mod tests {
                     budget: budget.into(),
                     node: "n".into(),
                     eviction_requested_at: None,
+                    cap_not_in_force: None,
                 }
                 .to_annotations(),
             );

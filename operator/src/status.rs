@@ -154,11 +154,18 @@ fn seen_from(viewer: &Budget, other: &Budget) -> String {
     }
 }
 
+/// Whether the pod's node said its cap is not in force: read from a record its own node's agent wrote (the
+/// records policy lets no one else write `gpubudget.io/` keys on pods).
+fn cap_not_in_force(pod: &PodInfo) -> bool {
+    pod.record.as_ref().is_some_and(|r| r.cap_not_in_force.is_some())
+}
+
 fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatus) -> Overlap {
     let mut overlap = Overlap::default();
     let mut top: Vec<(&PodInfo, &PodRecord)> = Vec::new();
     let mut above_request = 0;
     let mut assessed: HashMap<Assessment, i64> = HashMap::new();
+    let mut not_in_force = 0;
     for selected in &inputs.selected {
         let pod = selected.pod;
         let pod_labels = gpubudget_common::PodLabels::new(&pod.namespace, selected.namespace_labels, &pod.labels);
@@ -194,7 +201,15 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
         }
         status.matched_pods += 1;
         if let Some(caps) = pod_caps {
-            *assessed.entry(pod.caps.assess(caps)).or_default() += 1;
+            // The environment says capped; the node may have seen otherwise (#32): then it counts uncapped.
+            let assessment = match pod.caps.assess(caps) {
+                Assessment::Capped | Assessment::AboveLimit if cap_not_in_force(pod) => {
+                    not_in_force += 1;
+                    Assessment::Uncapped
+                }
+                other => other,
+            };
+            *assessed.entry(assessment).or_default() += 1;
         }
         let Some(record) = &pod.record else { continue };
         if budget.is_record_name(&record.budget) {
@@ -215,6 +230,7 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
         status.pods_capped = Some(count(Assessment::Capped));
         status.pods_uncapped = Some(count(Assessment::Uncapped));
         status.pods_capped_above_limit = Some(count(Assessment::AboveLimit));
+        status.pods_cap_not_in_force = Some(not_in_force);
     }
     top.sort_by(|a, b| {
         b.1.usage_bytes
@@ -514,6 +530,7 @@ mod tests {
                 budget: budget.into(),
                 node: "gpu-1".into(),
                 eviction_requested_at: None,
+                cap_not_in_force: None,
             }),
             terminating: false,
             caps: gpubudget_common::caps::PodCaps::NoGpu,
@@ -584,6 +601,45 @@ mod tests {
         };
         assert_eq!(count(true), (Some(2), Some(2), Some(1)));
         assert_eq!(count(false), (None, None, None));
+    }
+
+    /// #32: a pod whose environment caps it but whose node saw the cap fail counts uncapped, never capped.
+    #[test]
+    fn a_cap_the_node_saw_fail_counts_uncapped_and_not_in_force() {
+        let node_says = |mut p: PodInfo, why: Option<&str>| {
+            p.record = Some(PodRecord {
+                state: BudgetState::Within,
+                usage_bytes: GI,
+                budget: "llm".into(),
+                node: "gpu-1".into(),
+                eviction_requested_at: None,
+                cap_not_in_force: why.map(str::to_owned),
+            });
+            p
+        };
+        let pods = [
+            node_says(with_env("held", Some("0=8192M")), None),
+            node_says(with_env("went-around", Some("0=8192M")), Some("process 8 on GPU 0 is not a client")),
+            node_says(with_env("lowered-since", Some("0=16384M")), Some("process 9 holds 20Gi")),
+            // Uncapped by its environment already: counted once, as uncapped, not as "not in force".
+            node_says(with_env("no-variable", None), Some("stale words")),
+        ];
+        let mut r = resource("llm", "8Gi", "{}");
+        r.spec.admission_caps = gpubudget_common::AdmissionCaps::Enabled;
+        let b = compiled(&r);
+        let inputs = Inputs {
+            spec: None,
+            selected: pods
+                .iter()
+                .map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![&b] })
+                .collect(),
+            recorded: vec![],
+        };
+        let s = compute(&r, &inputs, None, t(0));
+        assert_eq!(
+            (s.pods_capped, s.pods_uncapped, s.pods_capped_above_limit, s.pods_cap_not_in_force),
+            (Some(1), Some(3), Some(0), Some(2))
+        );
     }
 
     #[test]

@@ -31,6 +31,7 @@ fn forged(namespace: &str, name: &str, terminating: bool) -> PodInfo {
             budget: "llm".into(),
             node: "gpu-node-1".into(),
             eviction_requested_at: Some("2026-11-21T18:00:00Z".into()),
+            cap_not_in_force: None,
         }),
         terminating,
         caps: gpubudget_common::caps::PodCaps::NoGpu,

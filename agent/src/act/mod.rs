@@ -75,6 +75,7 @@ mod tests {
             budget: "llm".into(),
             node: "n1".into(),
             eviction_requested_at: None,
+            cap_not_in_force: None,
         };
         assert_eq!(super::annotations(&record, None), record.to_annotations());
         let driver =

@@ -222,7 +222,7 @@ mod tests {
             .enumerate()
             .map(|(i, u)| GpuInfo { index: i as u32, label: i.to_string(), uuid: (*u).into(), ..GpuInfo::default() })
             .collect();
-        let process = |gpu, pid| ProcessSample { gpu, pid: Some(pid), bytes: Some(1), direct: None };
+        let process = |gpu, pid| ProcessSample { gpu, pid: Some(pid), bytes: Some(1), direct: None, mps_client: None };
         // Container a: two processes on GPU 0 (one pair), one on GPU 1; container b on GPU 0 and the broken GPU.
         let snapshot = Snapshot {
             gpus,

@@ -57,7 +57,17 @@ pub struct PodView {
     /// of this pod at creation (its `gpubudget.io/caps` record says so): then a pod the driver holds no limit
     /// for was not capped as its budget asked, and the agent says so.
     pub caps_expected: bool,
+    /// The MPS cap its GPU containers' environment holds it to, as the driver reads the variable: the largest,
+    /// MiB, when every GPU container is capped on every device it sees ([`caps::PodCaps::capped_mib`]). The
+    /// agent checks that such a cap is in force ([`crate::decide::cap_check`]).
+    pub mps_cap_mib: Option<u64>,
 }
+
+/// Where [`slim_pod`] keeps [`PodView::mps_cap_mib`] once the containers are dropped: a key of the agent's
+/// memory only, never written to the API. `slim_pod` sets or removes it on every event, so whatever a pod
+/// carries under that name is never read (and the records policy keeps anyone but the agent from writing
+/// `gpubudget.io/` keys on pods).
+const SLIM_MPS_CAP: &str = "gpubudget.io/agent-slim-mps-cap-mib";
 
 /// Strips `containerd://`, `cri-o://`, `docker://` (any scheme) and lowercases.
 pub fn strip_container_scheme(id: &str) -> String {
@@ -120,6 +130,10 @@ impl PodView {
             has_annotations: annotations.is_some_and(|a| pod_record::ALL.iter().any(|k| a.contains_key(*k))),
             caps_expected: caps::record_of(pod)
                 .is_some_and(|r| r.containers.iter().any(|c| c.env.contains_key(caps::MEMORY_LIMIT))),
+            mps_cap_mib: match spec {
+                Some(s) if !s.containers.is_empty() => caps::PodCaps::of_pod(pod).capped_mib(),
+                _ => annotations.and_then(|a| a.get(SLIM_MPS_CAP)).and_then(|v| v.parse().ok()),
+            },
         })
     }
 
@@ -139,15 +153,23 @@ impl PodView {
 /// and grace period; the status' phase and each container's name and ID. Everything else (managed fields,
 /// `kubectl.kubernetes.io/last-applied-configuration`, containers, volumes, env, conditions, container
 /// states) is dropped as the watch delivers it, so a cache of 1 000 pods costs what 1 000 `PodView`s need.
+/// Of the containers' GPU limits and cap variables only the verdict is kept ([`PodView::mps_cap_mib`]).
 pub fn slim_pod(pod: &mut Pod) {
     use k8s_openapi::api::core::v1::{ContainerStatus, PodSpec, PodStatus};
+    let mps_cap = pod.spec.as_ref().filter(|s| !s.containers.is_empty()).map(|_| caps::PodCaps::of_pod(pod));
     let meta = &mut pod.metadata;
     meta.managed_fields = None;
     meta.owner_references = None;
     meta.finalizers = None;
     meta.generate_name = None;
     if let Some(annotations) = meta.annotations.as_mut() {
-        annotations.retain(|k, _| k.starts_with("gpubudget.io/") || k == MIRROR_ANNOTATION);
+        // A pod with containers has its verdict computed afresh below; a slim pod (none) keeps its own.
+        annotations.retain(|k, _| {
+            (k.starts_with("gpubudget.io/") && (k != SLIM_MPS_CAP || mps_cap.is_none())) || k == MIRROR_ANNOTATION
+        });
+    }
+    if let Some(mib) = mps_cap.and_then(caps::PodCaps::capped_mib) {
+        meta.annotations.get_or_insert_default().insert(SLIM_MPS_CAP.to_owned(), mib.to_string());
     }
     if let Some(spec) = pod.spec.as_mut() {
         *spec = PodSpec {
@@ -408,6 +430,41 @@ status:
         assert!(!with("not json"), "an unreadable record expects nothing");
         let none = pod("metadata: {name: a, namespace: n, uid: u}\nspec: {containers: []}");
         assert!(!PodView::from_pod(&none).expect("view").caps_expected);
+    }
+
+    /// #32: the MPS cap the driver reads from the environment, kept as a verdict by the slim copy; a pod's own
+    /// annotation under the slim key is never read.
+    #[test]
+    fn the_mps_cap_is_read_from_the_environment_and_survives_the_slim_copy() {
+        let with = |env: &str, annotations: &str| {
+            let p = pod(&format!(
+                "metadata: {{name: a, namespace: n, uid: u, annotations: {{{annotations}}}}}\n\
+                 spec: {{containers: [{{name: m, image: x, resources: {{limits: {{nvidia.com/gpu: '1'}}}}, env: [{env}]}}]}}"
+            ));
+            let mut slim = p.clone();
+            slim_pod(&mut slim);
+            let (full, slim) = (PodView::from_pod(&p).expect("view"), PodView::from_pod(&slim).expect("view"));
+            assert_eq!(full.mps_cap_mib, slim.mps_cap_mib, "kept by the slim copy");
+            slim.mps_cap_mib
+        };
+        let forged = "gpubudget.io/agent-slim-mps-cap-mib: '1'";
+        assert_eq!(with("{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 0=3072M}", ""), Some(3072));
+        assert_eq!(with("{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 0=3072M}", forged), Some(3072));
+        assert_eq!(with("{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 3G}", forged), None, "ignored by the driver");
+        assert_eq!(
+            with("{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: '0=3072M,1=3072M'}", ""),
+            None,
+            "unseen ordinal"
+        );
+        assert_eq!(with("{name: OTHER, value: x}", forged), None, "no variable");
+        // A slim copy sliced again keeps its verdict.
+        let mut twice = pod(
+            "metadata: {name: a, namespace: n, uid: u}\nspec: {containers: [{name: m, image: x, resources: {limits: \
+             {nvidia.com/gpu: '1'}}, env: [{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 0=8G}]}]}",
+        );
+        slim_pod(&mut twice);
+        slim_pod(&mut twice);
+        assert_eq!(PodView::from_pod(&twice).expect("view").mps_cap_mib, Some(8192));
     }
 
     /// #33: pods labelled into a cluster budget that another cluster budget tightens share one entry of the

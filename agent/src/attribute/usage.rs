@@ -19,6 +19,8 @@ pub struct Holder {
     pub gpu: usize,
     /// Bytes.
     pub bytes: u64,
+    /// Whether the process is an MPS client ([`crate::sample::ProcessSample::mps_client`]).
+    pub mps_client: Option<bool>,
 }
 
 /// A pod's usage in one sample.
@@ -106,6 +108,7 @@ impl Usage {
                         pid: process.pid,
                         gpu: process.gpu,
                         bytes,
+                        mps_client: process.mps_client,
                     });
                 }
                 Owner::UnknownPod { .. } | Owner::NoPod => {
@@ -164,12 +167,12 @@ mod tests {
             readings: Vec::new(),
             gpus: gpus(2),
             processes: vec![
-                ProcessSample { gpu: 0, pid: Some(10), bytes: Some(100), direct: None },
-                ProcessSample { gpu: 1, pid: Some(10), bytes: Some(50), direct: None },
-                ProcessSample { gpu: 1, pid: Some(11), bytes: Some(7), direct: None },
-                ProcessSample { gpu: 0, pid: Some(12), bytes: Some(1000), direct: None },
-                ProcessSample { gpu: 1, pid: Some(13), bytes: Some(3), direct: None },
-                ProcessSample { gpu: 1, pid: Some(99), bytes: Some(5), direct: None },
+                ProcessSample { gpu: 0, pid: Some(10), bytes: Some(100), direct: None, mps_client: None },
+                ProcessSample { gpu: 1, pid: Some(10), bytes: Some(50), direct: None, mps_client: None },
+                ProcessSample { gpu: 1, pid: Some(11), bytes: Some(7), direct: None, mps_client: None },
+                ProcessSample { gpu: 0, pid: Some(12), bytes: Some(1000), direct: None, mps_client: None },
+                ProcessSample { gpu: 1, pid: Some(13), bytes: Some(3), direct: None, mps_client: None },
+                ProcessSample { gpu: 1, pid: Some(99), bytes: Some(5), direct: None, mps_client: None },
                 ProcessSample {
                     gpu: 0,
                     pid: None,
@@ -179,6 +182,7 @@ mod tests {
                         container: Some("trainer".into()),
                         container_id: None,
                     })),
+                    mps_client: None,
                 },
             ],
         };
@@ -221,6 +225,7 @@ mod tests {
                         container: None,
                         container_id: None,
                     })),
+                    mps_client: None,
                 }).collect(),
             };
             let mut usage = Usage::default();

@@ -264,7 +264,13 @@ mod tests {
             processes: processes
                 .iter()
                 .enumerate()
-                .map(|(n, &(gpu, bytes))| ProcessSample { gpu, pid: Some(n as u32 + 1), bytes, direct: None })
+                .map(|(n, &(gpu, bytes))| ProcessSample {
+                    gpu,
+                    pid: Some(n as u32 + 1),
+                    bytes,
+                    direct: None,
+                    mps_client: None,
+                })
                 .collect(),
             readings,
         }

@@ -7,7 +7,8 @@
 //! - **events** on transitions, deduplicated: a reason is not repeated for a pod within
 //!   [`Settings::event_cooldown_ms`]; the state the events speak for survives restarts (seeded from the
 //!   pod's `gpubudget.io/state`), so a restart does not repeat them;
-//! - **records** (annotations, server-side apply): at once on `Evicting`, a change of budget or eviction time,
+//! - **records** (annotations, server-side apply): at once on `Evicting`, a change of budget, eviction time or
+//!   whether the pod's cap is in force,
 //!   a move among Within/Near/Over at most [`Settings::state_min_interval_ms`] after the pod's last write;
 //!   never for usage alone (#34: usage goes to the node's `GpuNodeUsage`, `crate::act::usage`); nothing in
 //!   steady state; one write in flight per pod; failed writes retried with backoff;
@@ -31,12 +32,14 @@
 //! - [`cadence`]: how soon the next sample is taken (faster while something is close to a threshold);
 //! - [`gpus`]: each GPU's health and accounting, told on the Node;
 //! - [`driver_limits`]: the NVIDIA driver's per-cgroup limits (R615) beside the budget: agree or not, and how;
+//! - [`cap_check`]: whether a capped pod's MPS cap is in force (each process an MPS client, within its cap);
 //! - `notes`: helpers for the text of events.
 //!
 //! Nothing here knows the command line: `cli` turns flags into [`Settings`], never the reverse
 //! (`tests/layering.rs` checks it).
 
 pub mod cadence;
+pub mod cap_check;
 pub mod driver_limits;
 mod enforcer;
 pub mod gpus;

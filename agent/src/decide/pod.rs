@@ -41,6 +41,17 @@ pub(in crate::decide) fn record_state(mem: &PodMemory) -> BudgetState {
     if mem.pressure.is_some() { BudgetState::Evicting } else { mem.tracker.state }
 }
 
+/// Whether the record's word on the pod's cap is due: at once when a breach is first seen (a pod must not stay
+/// counted capped), otherwise (another breach's words, or the cap back in force) spaced like a state move, so a
+/// pod cycling uncapped processes cannot make its node write every tick.
+fn cap_due(written: &PodRecord, mem: &PodMemory, spaced: bool) -> bool {
+    let now = mem.cap_breach.as_ref().map(|(_, n)| n.as_str());
+    match (written.cap_not_in_force.as_deref(), now) {
+        (None, Some(_)) => true,
+        (w, n) => w != n && spaced,
+    }
+}
+
 /// Whether evictions were refused for the budget's `blockedEvictionTimeoutSeconds` (never when unset).
 fn blocked_too_long(budget: &Budget, refused_since: u64, now: u64) -> bool {
     budget.blocked_eviction_timeout_seconds.is_some_and(|t| now.saturating_sub(refused_since) >= t.saturating_mul(1000))
@@ -89,6 +100,9 @@ pub(in crate::decide) struct PodMemory {
     pub(in crate::decide) driver_record: Option<DriverLimitsRecord>,
     pub(in crate::decide) driver_written: Option<DriverLimitsRecord>,
     pub(in crate::decide) driver_pending: Option<DriverLimitsRecord>,
+    /// Why the pod's MPS cap is not in force, while the process that showed it lives ([`super::cap_check`]),
+    /// and the record's words for it (fixed when seen, so the record is written once per breach).
+    pub(in crate::decide) cap_breach: Option<(super::cap_check::Breach, String)>,
 }
 
 pub(in crate::decide) struct Context<'a> {
@@ -207,6 +221,7 @@ impl Enforcer {
             driver_record: None,
             driver_written: None,
             driver_pending: None,
+            cap_breach: None,
         }
     }
 
@@ -269,6 +284,7 @@ impl Enforcer {
             mem.tracker = Tracker { state: mem.tracker.state, ..Tracker::default() };
         }
         mem.policy = Some(policy);
+        self.check_cap(now, &mut mem, cx, out);
         mem.tracker = step(mem.tracker, &thresholds, now.mono_ms, total);
         let cadence = self.settings.cadence;
         if let Some(why) =
@@ -436,6 +452,7 @@ impl Enforcer {
                         || !budget.is_record_name(&w.budget)
                         || *w.node != *self.settings.node
                         || w.eviction_requested_at != mem.eviction_requested_at
+                        || cap_due(w, &mem, since_write >= self.settings.state_min_interval_ms)
                 }
             };
             // What the driver caps the pod at: rewritten when it changed, at most as often as usage.
@@ -477,6 +494,32 @@ impl Enforcer {
         budget.and_then(|b| b.eviction_grace_period_seconds).map_or(own, |cap| cap.min(own))
     }
 
+    /// Whether the pod's MPS cap is in force ([`super::cap_check`]): a breach is kept while its process lives;
+    /// a new one is told once (`GpuMemoryCapNotInForce`) and goes into the record at once.
+    fn check_cap(&self, now: Now, mem: &mut PodMemory, cx: &Context<'_>, out: &mut Vec<Action>) {
+        let Some(cap_mib) = cx.view.mps_cap_mib else {
+            mem.cap_breach = None;
+            return;
+        };
+        if mem.cap_breach.as_ref().is_some_and(|(b, _)| b.still_seen(&cx.usage.holders)) {
+            return;
+        }
+        // The driver's per-cgroup hard limits (R615) hold the pod: each pair capped, within the budget.
+        let driver_holds =
+            mem.driver.is_none() && mem.driver_record.as_ref().is_some_and(|d| d.pairs > 0 && d.capped == d.pairs);
+        mem.cap_breach = super::cap_check::check(cap_mib, &cx.usage.holders, driver_holds)
+            .map(|breach| (breach, breach.note(cap_mib, cx.gpus)));
+        if let Some((_, note)) = &mem.cap_breach {
+            let note = format!("{note} ({})", cx.used_of());
+            self.event(mem, now.mono_ms, Reason::CapNotInForce, note, out);
+        }
+    }
+
+    /// Pods whose MPS cap the agent saw is not in force.
+    pub fn caps_not_in_force(&self) -> usize {
+        self.pods.values().filter(|m| m.cap_breach.is_some()).count()
+    }
+
     pub(in crate::decide) fn desired(&self, mem: &PodMemory, cx: &Context<'_>) -> PodRecord {
         PodRecord {
             state: record_state(mem),
@@ -484,6 +527,7 @@ impl Enforcer {
             budget: cx.budget.record_name().into(),
             node: self.settings.node.as_str().into(),
             eviction_requested_at: mem.eviction_requested_at.clone(),
+            cap_not_in_force: mem.cap_breach.as_ref().map(|(_, note)| note.clone()),
         }
     }
 

@@ -54,6 +54,8 @@ pub enum Reason {
     /// The driver's per-cgroup limits disagree with the budget ([`driver_limits`](super::driver_limits)); once
     /// per pod per kind of disagreement.
     DriverLimitsDisagree,
+    /// A capped pod's MPS cap is not in force ([`cap_check`](super::cap_check)); once per offending process.
+    CapNotInForce,
 }
 
 impl Reason {
@@ -69,6 +71,7 @@ impl Reason {
             Reason::Deleting => "DeletingForGpuMemory",
             Reason::BudgetChanged => "GpuMemoryBudgetChanged",
             Reason::DriverLimitsDisagree => "GpuMemoryDriverLimitsDisagree",
+            Reason::CapNotInForce => "GpuMemoryCapNotInForce",
         }
     }
 
@@ -83,11 +86,12 @@ impl Reason {
                 | Reason::RecordNotWritten
                 | Reason::Deleting
                 | Reason::DriverLimitsDisagree
+                | Reason::CapNotInForce
         )
     }
 
     /// How many reasons there are.
-    pub(super) const COUNT: usize = 9;
+    pub(super) const COUNT: usize = 10;
 
     pub(super) fn slot(self) -> usize {
         self as usize

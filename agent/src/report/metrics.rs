@@ -116,6 +116,8 @@ pub struct Metrics {
     pub sample_interval: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// `gpubudget_driver_limits_available`.
     pub driver_limits_available: Gauge,
+    /// `gpubudget_pods_cap_not_in_force`.
+    pub caps_not_in_force: Gauge,
     /// `gpubudget_pod_driver_hard_limit_bytes`.
     pub pod_driver_hard: Family<PodLabels, Gauge>,
     /// `gpubudget_pod_driver_soft_limit_bytes`.
@@ -147,6 +149,7 @@ impl Metrics {
             table_rebuilds: Counter::default(),
             sample_interval: Gauge::default(),
             driver_limits_available: Gauge::default(),
+            caps_not_in_force: Gauge::default(),
             pod_driver_hard: Family::default(),
             pod_driver_soft: Family::default(),
             spec_reads: Family::default(),
@@ -165,6 +168,11 @@ impl Metrics {
             "gpubudget_pod_driver_soft_limit_bytes",
             "The NVIDIA driver's soft GPU memory limits on a pod's container cgroups, summed over its (container, GPU) pairs, when every pair has one (driver R615 or newer; bytes)",
             m.pod_driver_soft.clone(),
+        );
+        registry.register(
+            "gpubudget_pods_cap_not_in_force",
+            "Pods on this node whose GPU containers carry an MPS cap that the agent saw is not in force: a process that is no client of the GPU's MPS server, or one holding more than its cap (the GpuMemoryCapNotInForce event and the pod's gpubudget.io/cap-not-in-force say which)",
+            m.caps_not_in_force.clone(),
         );
         registry.register(
             "gpubudget_driver_limits_available",

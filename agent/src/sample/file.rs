@@ -20,7 +20,8 @@
 //! A process entry with a `pid` is attributed through `/proc` as usual. One that names its pod
 //! (`pod_uid`, or `namespace` + `pod`; optionally `container` by name or `container_id`) is charged to
 //! that pod directly, so a cluster without GPUs can replay usage for real pods. `used_bytes` is an
-//! integer or a Kubernetes quantity. The file is re-read when its modification time, size or inode
+//! integer or a Kubernetes quantity. `"mps_client": true|false` says whether NVML listed the process as a
+//! client of the GPU's MPS server (`capture` writes it where it read the MPS list). The file is re-read when its modification time, size or inode
 //! changes (a ConfigMap update swaps a symlink), and only then.
 
 use std::path::{Path, PathBuf};
@@ -130,6 +131,9 @@ pub struct SampleProcess {
     /// The container's ID (no runtime scheme).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub container_id: Option<String>,
+    /// Whether the process is a client of the GPU's MPS server (NVML's MPS list); absent: not known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps_client: Option<bool>,
 }
 
 fn bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
@@ -220,6 +224,7 @@ impl SampleFile {
                         pid: p.pid,
                         bytes: (!p.unavailable).then_some(p.used_bytes),
                         direct: direct.map(Arc::new),
+                        mps_client: p.mps_client,
                     });
                 }
             }
@@ -239,6 +244,7 @@ impl SampleFile {
                     pid: p.pid,
                     used_bytes: p.charged(),
                     unavailable: p.bytes.is_none(),
+                    mps_client: p.mps_client,
                     ..SampleProcess::default()
                 })
                 .collect();

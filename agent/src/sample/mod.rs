@@ -79,6 +79,11 @@ pub struct ProcessSample {
     pub bytes: Option<u64>,
     /// Set when a sample file names the pod itself.
     pub direct: Option<Arc<DirectOwner>>,
+    /// Whether the process is a client of the GPU's MPS server: `Some(true)` on NVML's MPS list, `Some(false)`
+    /// when the list was read after the process appeared and it was not on it, `None` when not known (the
+    /// unit answers no MPS list, or a sample file does not say). A process that is no client is not held by
+    /// an MPS cap, whatever its environment says (#32).
+    pub mps_client: Option<bool>,
 }
 
 impl ProcessSample {

@@ -314,3 +314,26 @@ fn the_usage_shown_is_the_nodes_object_where_it_could_be_read() {
     let record = r.record.expect("record");
     assert_eq!((record.usage_bytes, record.usage.as_str(), record.percent), (6 << 30, "6Gi", Some(75.0)));
 }
+
+/// #32: the node's word that the cap is not in force is shown, never the cap alone.
+#[test]
+fn a_cap_the_node_saw_fail_is_shown_as_not_in_force() {
+    let budgets = overlapping();
+    let env = json!({"containers": [{"name": "server", "image": "vllm", "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                     "env": [{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=8192M"}]}]});
+    let held = pod(Some(("Within", 2 << 30, "llm-inference")), json!({}), env.clone());
+    let r = why(input(Some(&held), Some(&budgets), &[])).unwrap();
+    assert_eq!(r.record.as_ref().and_then(|x| x.cap_not_in_force.clone()), None);
+    assert!(!crate::render::why_text(&r, now()).contains("Cap in force"));
+    let mut escaped = held.clone();
+    escaped.metadata.annotations.as_mut().unwrap().insert(
+        "gpubudget.io/cap-not-in-force".into(),
+        "process 8 on GPU 0 (6Gi as NVML counts it) is not a client of the GPU's MPS server".into(),
+    );
+    let r = why(input(Some(&escaped), Some(&budgets), &[])).unwrap();
+    let text = crate::render::why_text(&r, now());
+    assert!(
+        text.contains("Cap in force:") && text.contains("NO, the agent on the node saw: process 8 on GPU 0"),
+        "{text}"
+    );
+}

@@ -1,6 +1,7 @@
 use std::sync::Arc;
 
 use gpubudget_common::BudgetState;
+use gpubudget_common::pod_record::PodRecord;
 
 use super::*;
 use crate::attribute::PodUsage;
@@ -43,7 +44,13 @@ fn gpus() -> Vec<GpuInfo> {
 fn usage(bytes: u64) -> Vec<PodUsage> {
     vec![PodUsage {
         total: bytes,
-        holders: vec![Holder { container: Some(Arc::from("trainer")), pid: Some(4242), gpu: 0, bytes }],
+        holders: vec![Holder {
+            container: Some(Arc::from("trainer")),
+            pid: Some(4242),
+            gpu: 0,
+            bytes,
+            mps_client: None,
+        }],
         unknown: 0,
     }]
 }
@@ -583,7 +590,13 @@ fn forgets_pods_that_are_gone() {
 #[test]
 fn notes_stay_under_the_api_limit() {
     let holders: Vec<Holder> = (0..50)
-        .map(|i| Holder { container: Some(Arc::from("c".repeat(300))), pid: Some(i), gpu: 0, bytes: u64::from(i) })
+        .map(|i| Holder {
+            container: Some(Arc::from("c".repeat(300))),
+            pid: Some(i),
+            gpu: 0,
+            bytes: u64::from(i),
+            mps_client: None,
+        })
         .collect();
     let summary = holders_summary(&holders, &gpus());
     assert!(summary.ends_with("and 45 more"), "{summary}");
@@ -773,4 +786,69 @@ fn the_record_carries_the_drivers_limits_once_known_at_most_as_often_as_usage() 
         h.enforcer.driver_limits(&h.table, &[Some(capped)], &mut out);
         assert!(applied(&out).is_empty());
     }
+}
+
+/// #32: a capped pod whose process is no client of the MPS server is told at once (event, record, count); the
+/// breach lasts as long as that process; a pod whose processes are clients stays quiet.
+#[test]
+fn a_capped_pod_whose_process_is_no_mps_client_is_told_and_recorded_at_once() {
+    let mut view = pod("", "");
+    view.mps_cap_mib = Some(3072);
+    let capped = table(view, &[budget("")]);
+    let mut enforcer = Enforcer::new(Settings::new(NODE));
+    let usage_of = |procs: &[(u32, Option<bool>)]| {
+        let holders: Vec<Holder> = procs
+            .iter()
+            .map(|&(pid, mps_client)| Holder { container: None, pid: Some(pid), gpu: 0, bytes: GI, mps_client })
+            .collect();
+        vec![PodUsage { total: GI * holders.len() as u64, holders, unknown: 0 }]
+    };
+    let mut step = |ms: u64, procs: &[(u32, Option<bool>)]| {
+        let mut out = Vec::new();
+        enforcer.tick(at(ms), &capped, &usage_of(procs), &gpus(), &mut out);
+        let applied: Vec<PodRecord> = out
+            .iter()
+            .filter_map(|a| match a {
+                Action::Apply { record, .. } => Some(record.clone()),
+                _ => None,
+            })
+            .collect();
+        for record in &applied {
+            let uid: Arc<str> = Arc::from("uid-1");
+            enforcer.feedback(at(ms), Feedback::Written { uid, record: Some(record.clone()), ok: true }, &mut out);
+        }
+        let told: Vec<String> = out
+            .iter()
+            .filter_map(|a| match a {
+                Action::Event { reason: Reason::CapNotInForce, note, .. } => Some(note.clone()),
+                _ => None,
+            })
+            .collect();
+        (applied, told, enforcer.caps_not_in_force())
+    };
+    // A client of the MPS server: in force.
+    let (applied, told, count) = step(0, &[(7, Some(true))]);
+    assert!(told.is_empty() && count == 0);
+    assert_eq!(applied.iter().map(|r| r.cap_not_in_force.clone()).collect::<Vec<_>>(), [None]);
+    // Process 8 went around the server: told and recorded in the same tick.
+    let (applied, told, count) = step(250, &[(7, Some(true)), (8, Some(false))]);
+    assert_eq!((told.len(), count), (1, 1), "{told:?}");
+    assert!(told[0].contains("process 8 on GPU 0") && told[0].contains("budget team-a/llm"), "{}", told[0]);
+    let recorded = applied.last().and_then(|r| r.cap_not_in_force.clone()).expect("recorded at once");
+    assert!(recorded.contains("not a client of the GPU's MPS server"), "{recorded}");
+    // While it runs: nothing more, whatever else comes and goes.
+    for ms in (500..=20_000).step_by(250) {
+        let (applied, told, count) = step(ms, &[(7, Some(true)), (8, Some(false)), (9, Some(false))]);
+        assert!(applied.is_empty() && told.is_empty() && count == 1, "at {ms}: {applied:?} {told:?}");
+    }
+    // It exits: the cap is back in force, the record says so (spaced like a state move), the count drops.
+    let cleared: Vec<PodRecord> =
+        (20_250..=40_000).step_by(250).flat_map(|ms| step(ms, &[(7, Some(true))]).0).collect();
+    assert_eq!(cleared.iter().map(|r| r.cap_not_in_force.is_some()).collect::<Vec<_>>(), [false]);
+    assert_eq!(enforcer.caps_not_in_force(), 0);
+    // An uncapped pod is never told, whatever its processes are.
+    let mut plain = Enforcer::new(Settings::new(NODE));
+    let mut out = Vec::new();
+    plain.tick(at(0), &table(pod("", ""), &[budget("")]), &usage_of(&[(8, Some(false))]), &gpus(), &mut out);
+    assert!(!out.iter().any(|a| matches!(a, Action::Event { reason: Reason::CapNotInForce, .. })));
 }

@@ -67,7 +67,11 @@ impl Node {
             .iter()
             .map(|&b| PodUsage {
                 total: b,
-                holders: if b == 0 { vec![] } else { vec![Holder { container: None, pid: Some(1), gpu: 0, bytes: b }] },
+                holders: if b == 0 {
+                    vec![]
+                } else {
+                    vec![Holder { container: None, pid: Some(1), gpu: 0, bytes: b, mps_client: None }]
+                },
                 unknown: 0,
             })
             .collect();

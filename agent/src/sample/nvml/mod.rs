@@ -409,10 +409,17 @@ fn sample_unit<B: Backend>(
     }
     let mut list = Vec::with_capacity(unit.processes.len());
     merge(&mut list, gpu, backend.processes(&device, ProcessList::Compute)?.unwrap_or_default());
+    let unchanged = list.len() == unit.processes.len()
+        && list.iter().zip(&unit.processes).all(|(a, b)| a.pid == b.pid && a.bytes == b.bytes);
+    // A process the last list did not have: whether it is an MPS client is read now, never guessed, so a
+    // process that went around the MPS server is told at once (#32), and a new client is not taken for one
+    // that did.
+    let appeared = unit.mps_supported && list.iter().any(|p| !unit.processes.iter().any(|q| q.pid == p.pid));
     let others = match mode {
         RefreshMode::Always => true,
-        _ => unit.gate.read_others(decision, list == unit.processes),
+        _ => unit.gate.read_others(decision, unchanged) || appeared,
     };
+    let mut mps_listed = false;
     if others {
         stats.other_lists += 1;
         if unit.graphics_supported {
@@ -437,9 +444,20 @@ fn sample_unit<B: Backend>(
                     pids.dedup();
                     unit.mps_clients = u32::try_from(pids.len()).unwrap_or(u32::MAX);
                     merge(&mut list, gpu, clients);
+                    for p in &mut list {
+                        p.mps_client = p.pid.map(|pid| pids.binary_search(&pid).is_ok());
+                    }
+                    mps_listed = true;
                 }
                 None => unit.mps_supported = false,
             }
+        }
+    }
+    if !mps_listed && unit.mps_supported {
+        // Not read this time: each process keeps what the last MPS list said of it (a process is a client
+        // or not for its whole life: the choice is made when CUDA starts in it).
+        for p in &mut list {
+            p.mps_client = unit.processes.iter().find(|q| q.pid == p.pid).and_then(|q| q.mps_client);
         }
     }
     unit.processes = list;
@@ -454,7 +472,7 @@ fn merge(list: &mut Vec<ProcessSample>, gpu: usize, listed: Vec<Listed>) {
         if let Some(seen) = list.iter_mut().find(|s| s.pid == Some(p.pid)) {
             seen.bytes = seen.bytes.max(p.bytes);
         } else {
-            list.push(ProcessSample { gpu, pid: Some(p.pid), bytes: p.bytes, direct: None });
+            list.push(ProcessSample { gpu, pid: Some(p.pid), bytes: p.bytes, direct: None, mps_client: None });
         }
     }
 }
