@@ -75,6 +75,7 @@ declare -A SETS=(
   [all-features]="-f $CHART/ci/all-features-values.yaml"
   [no-node-restriction]="--set nodeRestriction.enabled=false --set operator.leaderElection.mode=always"
   [no-webhooks]="--set nodeRestriction.enabled=false --set admissionCaps.enabled=false"
+  [apply-driver-limits]="--set agent.applyDriverLimits=true"
 )
 
 step "helm template (${!SETS[*]}) for Kubernetes ${K8S_VERSIONS[*]}"
@@ -156,7 +157,7 @@ AGENT_ENV = {"NODE_NAME", "GPUBUDGET_PROC_ROOT", "GPUBUDGET_INTERVAL", "GPUBUDGE
              "GPUBUDGET_PRESSURE_HARD", "GPUBUDGET_PRESSURE_SOFT", "GPUBUDGET_PRESSURE_SOFT_GRACE",
              "GPUBUDGET_PRESSURE_TRANSITION", "GPUBUDGET_PRESSURE_GRACE_SECONDS", "GPUBUDGET_UNBUDGETED_PODS",
              "GPUBUDGET_PRESSURE_BLOCKED_TIMEOUT", "GPUBUDGET_NAMESPACED_BUDGETS", "GPUBUDGET_CRITICAL_NAMESPACES",
-             "GPUBUDGET_USAGE_WRITE_INTERVAL", "GPUBUDGET_USAGE_WRITE_CHANGE_PERCENT",
+             "GPUBUDGET_USAGE_WRITE_INTERVAL", "GPUBUDGET_USAGE_WRITE_CHANGE_PERCENT", "GPUBUDGET_APPLY_DRIVER_LIMITS",
              "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
 OPERATOR_ENV = {"POD_NAME", "POD_NAMESPACE", "GPUBUDGET_ADMIN_ADDR", "GPUBUDGET_LEADER_ELECTION",
                 "GPUBUDGET_LEASE_NAME", "GPUBUDGET_CRITICAL_NAMESPACES", "GPUBUDGET_WEBHOOK_ADDR", "GPUBUDGET_WEBHOOK_CERT_DIR",
@@ -213,6 +214,8 @@ for name in ("default", "all-features", "no-node-restriction", "no-webhooks"):
     check(not any("nvidia.com/gpu" in c.get("resources", {}).get(k, {}) for c in apod["containers"] for k in ("limits", "requests")), f"{name}: agent reserves no GPU")
     tight(f"{name} agent", apod, agent)
     oports = tight(f"{name} operator", opod, operator)
+    check(aenv["GPUBUDGET_APPLY_DRIVER_LIMITS"]["value"] == "false", f"{name}: the agent sets no driver limits by default")
+
     check(apod.get("priorityClassName") == "system-node-critical", f"{name}: agent priority class")
     # /proc access: exactly one of the two modes, consistent with GPUBUDGET_PROC_ROOT.
     mounts = {m["mountPath"]: m for m in agent.get("volumeMounts", [])}
@@ -316,6 +319,15 @@ for name in ("default", "all-features", "no-node-restriction", "no-webhooks"):
         check(base <= METRICS, f"{name}: dashboard uses unknown metrics {base - METRICS}")
         check(METRICS <= base, f"{name}: dashboard misses metrics {METRICS - base}")
         check(cm["metadata"]["labels"].get("grafana_dashboard") == "1", f"{name}: dashboard label")
+
+# #32: setting the driver's limits is privileged: only then does the agent run as root, and nothing else loosens.
+apod = one(load("apply-driver-limits"), "DaemonSet")["spec"]["template"]["spec"]
+agent = apod["containers"][0]
+check(env(agent)["GPUBUDGET_APPLY_DRIVER_LIMITS"]["value"] == "true", "apply-driver-limits: the flag reaches the agent")
+psc, sc = apod["securityContext"], agent["securityContext"]
+check(psc.get("runAsUser") == 0 and psc.get("runAsNonRoot") is False, "apply-driver-limits: the agent runs as root")
+check(sc.get("allowPrivilegeEscalation") is False and sc.get("capabilities", {}).get("drop") == ["ALL"]
+      and "add" not in sc.get("capabilities", {}) and "privileged" not in sc, "apply-driver-limits: no capability, no escalation")
 
 # RBAC: the rendered roles equal the table in docs/operations.md, one row per verb.
 rows = set()

@@ -330,6 +330,12 @@ pub struct RunArgs {
     /// named to the driver under it when their limits are read (driver R615 or newer).
     #[arg(long, env = "GPUBUDGET_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
     pub cgroup_root: PathBuf,
+    /// Set the driver's per-cgroup GPU memory limits (R615 or newer) from the budget where a pod's budget has
+    /// caps enabled and its container cgroup has no hard limit or a larger one (created while the webhook was
+    /// down, or before the budget): hard = the limit, soft = the request, per container and GPU, as the
+    /// webhook's `NVIDIA_GPU_MEMORY_LIMIT`/`_REQUEST` would have. Never raises a limit. Needs root.
+    #[arg(long, env = "GPUBUDGET_APPLY_DRIVER_LIMITS")]
+    pub apply_driver_limits: bool,
     #[command(flatten)]
     pub pressure: PressureArgs,
     #[command(flatten)]
@@ -348,6 +354,7 @@ impl RunArgs {
             admin_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             sample_file: Some(sample_file),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
+            apply_driver_limits: false,
             pressure: PressureArgs::default(),
             accounting: AccountingArgs::default(),
             records: RecordArgs::default(),

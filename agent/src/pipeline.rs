@@ -43,6 +43,8 @@ pub struct Engine {
     pub driver: Option<DriverReader>,
     /// Per pod of the table: what the driver caps it at (this tick's, or the last read).
     pub driver_views: Vec<Option<DriverView>>,
+    /// What `--apply-driver-limits` set this tick.
+    applied: Vec<crate::attribute::driver_limits::Applied>,
     series: SeriesTracker,
     driver_series: DriverSeries,
     started: Instant,
@@ -63,6 +65,7 @@ impl Engine {
             metrics,
             driver: None,
             driver_views: Vec::new(),
+            applied: Vec::new(),
             series: SeriesTracker::default(),
             driver_series: DriverSeries::default(),
             started: monotonic_now(),
@@ -97,6 +100,17 @@ impl Engine {
             let failures = reader.failures;
             let (snapshot, owners, attributor) = (&self.snapshot, &self.usage.owners, &self.attributor);
             reader.observe(snapshot, owners, attributor, table.pods.len(), now.mono_ms, &mut self.driver_views);
+            self.applied.clear();
+            if reader.apply && enforce {
+                let plan = |pod: usize, reading| {
+                    let caps = table.budget(pod).and_then(gpubudget_common::caps::Caps::of)?;
+                    crate::decide::driver_limits::to_apply(caps, reading)
+                };
+                reader.apply(snapshot, plan, now.mono_ms, &mut self.driver_views, &mut self.applied);
+                for a in &self.applied {
+                    self.metrics.driver_limits_applied(if a.held() { "applied" } else { "failed" });
+                }
+            }
             for _ in failures..reader.failures {
                 self.metrics.nvml_error("memory_limits");
             }
@@ -108,6 +122,7 @@ impl Engine {
             self.enforcer.watch_gpus(now, &self.snapshot, table, &self.usage, &mut self.actions);
             if self.driver.is_some() {
                 self.enforcer.driver_limits(table, &self.driver_views, &mut self.actions);
+                self.enforcer.driver_applied(now, table, &self.applied, &self.snapshot.gpus, &mut self.actions);
             }
             let uncapped = self.enforcer.caps_not_in_force();
             self.metrics.caps_not_in_force.set(i64::try_from(uncapped).unwrap_or(i64::MAX));

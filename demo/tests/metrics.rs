@@ -102,6 +102,7 @@ fn touch_agent(metrics: &AgentMetrics) {
         sample_interval,
         driver_limits_available,
         caps_not_in_force,
+        driver_applied,
         pod_driver_hard,
         pod_driver_soft,
         spec_reads,
@@ -141,6 +142,7 @@ fn touch_agent(metrics: &AgentMetrics) {
     sample_interval.get();
     driver_limits_available.get();
     caps_not_in_force.get();
+    _ = driver_applied.get_or_create(&ResultLabels { result: s("applied") });
     _ = pod_driver_hard.get_or_create(&pod());
     _ = pod_driver_soft.get_or_create(&pod());
 }

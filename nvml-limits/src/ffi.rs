@@ -1,6 +1,6 @@
-//! The only `unsafe` code in gpubudget: five NVML entry points resolved by name from `libnvidia-ml.so.1`
+//! The only `unsafe` code in gpubudget: six NVML entry points resolved by name from `libnvidia-ml.so.1`
 //! (`nvmlInit_v2`, `nvmlShutdown`, `nvmlSystemGetDriverVersion`, `nvmlDeviceGetHandleByUUID` and, where the
-//! driver has it, `nvmlDeviceGetMemoryLimits_v1`).
+//! driver has them, `nvmlDeviceGetMemoryLimits_v1` and `nvmlDeviceSetMemoryLimits_v1`).
 //!
 //! Why FFI at all: nvml-wrapper (0.13, and nvml-wrapper-sys under it) was generated from NVML headers older
 //! than driver R615 and binds neither `nvmlDeviceGetMemoryLimits_v1` nor `nvmlDeviceSetMemoryLimits_v1`. They
@@ -9,9 +9,11 @@
 //!
 //! The layout is the CUDA 13.4 `nvml.h` one (cuda-nvml-dev 13.4.92):
 //! `typedef struct { const char* nameSpace; unsigned long long softLimit, hardLimit, currentUsed; }
-//! nvmlGetMemoryLimits_v1_t;` — 32 bytes on x86-64, no version field. `nameSpace` is the cgroup's full sysfs
-//! path. Only the getter is bound: gpubudget reads the driver's limits back, it never sets them (the
-//! container toolkit's hook does, from the environment the admission webhook sets).
+//! nvmlGetMemoryLimits_v1_t;` — 32 bytes on x86-64, no version field — and the setter's
+//! `typedef struct { const char* nameSpace; unsigned long long softLimit, hardLimit; } nvmlSetMemoryLimits_v1_t;`
+//! — 24 bytes. `nameSpace` is the cgroup's full sysfs path. The setter is called only by an agent run with
+//! `--apply-driver-limits` (the container toolkit's hook sets limits otherwise, from the environment the
+//! admission webhook sets); it needs root.
 
 #![allow(unsafe_code)]
 
@@ -26,6 +28,8 @@ pub(crate) const SUCCESS: Return = 0;
 pub(crate) const FUNCTION_NOT_FOUND: Return = 13;
 /// The getter's name in the library.
 pub(crate) const GET_MEMORY_LIMITS: &str = "nvmlDeviceGetMemoryLimits_v1";
+/// The setter's name in the library.
+pub(crate) const SET_MEMORY_LIMITS: &str = "nvmlDeviceSetMemoryLimits_v1";
 
 type Device = *mut c_void;
 
@@ -38,11 +42,20 @@ pub(crate) struct GetMemoryLimits {
     pub(crate) current_used: u64,
 }
 
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct SetMemoryLimits {
+    name_space: *const c_char,
+    soft_limit: u64,
+    hard_limit: u64,
+}
+
 type InitFn = unsafe extern "C" fn() -> Return;
 type ShutdownFn = unsafe extern "C" fn() -> Return;
 type VersionFn = unsafe extern "C" fn(*mut c_char, c_uint) -> Return;
 type HandleByUuidFn = unsafe extern "C" fn(*const c_char, *mut Device) -> Return;
 type GetMemoryLimitsFn = unsafe extern "C" fn(Device, *mut GetMemoryLimits) -> Return;
+type SetMemoryLimitsFn = unsafe extern "C" fn(Device, *mut SetMemoryLimits) -> Return;
 
 /// What could not be resolved.
 #[derive(Debug)]
@@ -61,6 +74,7 @@ pub(crate) struct Nvml {
     version: VersionFn,
     handle_by_uuid: HandleByUuidFn,
     get_memory_limits: Option<GetMemoryLimitsFn>,
+    set_memory_limits: Option<SetMemoryLimitsFn>,
     // Keeps the code behind the function pointers above mapped; dropped after `Drop::drop` ran.
     _library: Library,
 }
@@ -99,17 +113,56 @@ impl Nvml {
         };
         // SAFETY: as above; absent before driver R615, which is an answer, not an error.
         let get_memory_limits = unsafe { symbol::<GetMemoryLimitsFn>(&library, GET_MEMORY_LIMITS) }.ok();
+        // SAFETY: as above.
+        let set_memory_limits = unsafe { symbol::<SetMemoryLimitsFn>(&library, SET_MEMORY_LIMITS) }.ok();
         // SAFETY: nvmlInit_v2 takes no arguments and may be called any number of times.
         let code = unsafe { init() };
         if code != SUCCESS {
             return Err(OpenError::Init(code));
         }
-        Ok(Self { shutdown, version, handle_by_uuid, get_memory_limits, _library: library })
+        Ok(Self { shutdown, version, handle_by_uuid, get_memory_limits, set_memory_limits, _library: library })
     }
 
     /// Whether the library has `nvmlDeviceGetMemoryLimits_v1` (driver R615 or newer).
     pub(crate) fn has_memory_limits(&self) -> bool {
         self.get_memory_limits.is_some()
+    }
+
+    /// Whether the library has `nvmlDeviceSetMemoryLimits_v1`.
+    pub(crate) fn has_setter(&self) -> bool {
+        self.set_memory_limits.is_some()
+    }
+
+    /// `nvmlDeviceGetHandleByUUID`.
+    fn device(&self, uuid: &CString) -> Result<Device, (&'static str, Return)> {
+        let mut device: Device = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated string and a pointer to a handle NVML fills in.
+        let code = unsafe { (self.handle_by_uuid)(uuid.as_ptr(), &mut device) };
+        if code != SUCCESS {
+            return Err(("nvmlDeviceGetHandleByUUID", code));
+        }
+        Ok(device)
+    }
+
+    /// `nvmlDeviceGetHandleByUUID` then `nvmlDeviceSetMemoryLimits_v1`: the call's name and code on failure.
+    pub(crate) fn set_memory_limits(
+        &self,
+        uuid: &CString,
+        cgroup: &CString,
+        soft: u64,
+        hard: u64,
+    ) -> Result<(), (&'static str, Return)> {
+        let device = self.device(uuid)?;
+        let Some(set_memory_limits) = self.set_memory_limits else {
+            return Err((SET_MEMORY_LIMITS, FUNCTION_NOT_FOUND));
+        };
+        let mut limits = SetMemoryLimits { name_space: cgroup.as_ptr(), soft_limit: soft, hard_limit: hard };
+        // SAFETY: `device` came from NVML; `limits` has the header's layout, and `cgroup` outlives the call.
+        let code = unsafe { set_memory_limits(device, &mut limits) };
+        if code != SUCCESS {
+            return Err((SET_MEMORY_LIMITS, code));
+        }
+        Ok(())
     }
 
     /// `nvmlSystemGetDriverVersion`.
@@ -131,12 +184,7 @@ impl Nvml {
         uuid: &CString,
         cgroup: &CString,
     ) -> Result<GetMemoryLimits, (&'static str, Return)> {
-        let mut device: Device = std::ptr::null_mut();
-        // SAFETY: a NUL-terminated string and a pointer to a handle NVML fills in.
-        let code = unsafe { (self.handle_by_uuid)(uuid.as_ptr(), &mut device) };
-        if code != SUCCESS {
-            return Err(("nvmlDeviceGetHandleByUUID", code));
-        }
+        let device = self.device(uuid)?;
         let Some(get_memory_limits) = self.get_memory_limits else {
             return Err((GET_MEMORY_LIMITS, FUNCTION_NOT_FOUND));
         };
@@ -170,5 +218,7 @@ mod tests {
         // nvml.h (CUDA 13.4): a pointer and three unsigned long long, 32 bytes on a 64-bit target.
         assert_eq!(std::mem::size_of::<super::GetMemoryLimits>(), 8 + 3 * 8);
         assert_eq!(std::mem::align_of::<super::GetMemoryLimits>(), 8);
+        // The setter's: a pointer and two unsigned long long, 24 bytes.
+        assert_eq!(std::mem::size_of::<super::SetMemoryLimits>(), 8 + 2 * 8);
     }
 }

@@ -3,9 +3,11 @@
 //! From driver R615 (CUDA 13.4, "MPS v3 memory partitioning") a cgroup v2 can carry a soft and a hard GPU
 //! memory limit per GPU, enforced by the driver; nvidia-container-toolkit's `apply-cuda-memory-limits` hook
 //! sets them from a container's `NVIDIA_GPU_MEMORY_REQUEST` / `NVIDIA_GPU_MEMORY_LIMIT`. gpubudget reads them
-//! back (`nvmlDeviceGetMemoryLimits_v1`) to show them beside the budget and to say when the two disagree. On
-//! drivers without the call, [`DriverLimits::open`] answers [`Unavailable::Symbol`] and the agent carries on
-//! with eviction alone.
+//! back (`nvmlDeviceGetMemoryLimits_v1`) to show them beside the budget and to say when the two disagree, and,
+//! where the administrator opts in (`--apply-driver-limits`), sets them (`nvmlDeviceSetMemoryLimits_v1`,
+//! [`DriverLimits::set`]) on a capped pod's container cgroup that has none or a larger one. On drivers without
+//! the calls, [`DriverLimits::open`] answers [`Unavailable::Symbol`] and the agent carries on with eviction
+//! alone.
 //!
 //! All `unsafe` lives in the one private module `ffi` (the reason is written there).
 
@@ -48,6 +50,23 @@ pub enum ReadError {
     #[error("{0} contains a NUL byte")]
     Nul(&'static str),
     /// NVML answered with an error (`nvmlReturn_t`).
+    #[error("{call} failed (nvmlReturn_t {code})")]
+    Nvml {
+        /// The entry point.
+        call: &'static str,
+        /// Its return code.
+        code: i32,
+    },
+}
+
+/// A set that failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SetError {
+    /// A GPU UUID or cgroup path with a NUL byte in it, or a soft limit above the hard one: refused before any
+    /// call.
+    #[error("{0}")]
+    Invalid(&'static str),
+    /// NVML answered with an error (`nvmlReturn_t`; 4, `NVML_ERROR_NO_PERMISSION`: the caller is not root).
     #[error("{call} failed (nvmlReturn_t {code})")]
     Nvml {
         /// The entry point.
@@ -123,6 +142,23 @@ impl DriverLimits {
     /// The driver's version.
     pub fn driver_version(&self) -> Option<String> {
         self.nvml.driver_version()
+    }
+
+    /// Whether this driver can set limits too (`nvmlDeviceSetMemoryLimits_v1`).
+    pub fn can_set(&self) -> bool {
+        self.nvml.has_setter()
+    }
+
+    /// Sets the soft and hard limits (bytes; soft 0: none) on GPU `gpu_uuid` for the cgroup at `cgroup`. Needs
+    /// root. The caller reads them back ([`Self::read`]) before it says they hold.
+    pub fn set(&self, gpu_uuid: &str, cgroup: &Path, soft: u64, hard: u64) -> Result<(), SetError> {
+        if soft > hard {
+            return Err(SetError::Invalid("a soft limit above the hard one"));
+        }
+        let uuid = CString::new(gpu_uuid).map_err(|_| SetError::Invalid("the GPU UUID contains a NUL byte"))?;
+        let path = CString::new(cgroup.as_os_str().as_encoded_bytes())
+            .map_err(|_| SetError::Invalid("the cgroup path contains a NUL byte"))?;
+        self.nvml.set_memory_limits(&uuid, &path, soft, hard).map_err(|(call, code)| SetError::Nvml { call, code })
     }
 
     /// The limits on GPU `gpu_uuid` for the cgroup at `cgroup` (its full sysfs path, such as

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use gpubudget_nvml_limits::{DriverLimits, Limits, ReadError, Reading, Unavailable};
+use gpubudget_nvml_limits::{DriverLimits, Limits, ReadError, Reading, SetError, Unavailable};
 
 const GPU: &str = "GPU-standin-0";
 const CGROUP: &str = "/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod5a1e3c9d_7b2f_4e8a_9c61_0d3f2b7a8e41.slice/cri-containerd-a3f1c2d4e5b6.scope";
@@ -146,4 +146,46 @@ fn every_init_is_shut_down_on_drop() {
     assert_eq!(inits(&first), 2);
     drop(second);
     assert_eq!(inits(&first), 1, "the second handle's nvmlShutdown ran");
+}
+
+/// `--apply-driver-limits`: what is set is read back; the driver's refusals are named; nothing invalid is sent.
+#[test]
+fn limits_set_are_read_back_and_refusals_are_named() {
+    let table = "/sys/fs/cgroup/mig NOT_SUPPORTED\n/sys/fs/cgroup/unprivileged DENY\n";
+    let (_dir, library) = standin(true, table);
+    let limits = open(&library).expect("R615-shaped stand-in");
+    assert!(limits.can_set());
+    assert_eq!(limits.read(GPU, Path::new(CGROUP)), Ok(Reading::NotSet));
+    limits.set(GPU, Path::new(CGROUP), 4 << 30, 8 << 30).expect("set");
+    assert_eq!(limits.read(GPU, Path::new(CGROUP)), Ok(Reading::Set(Limits { soft: 4 << 30, hard: 8 << 30, used: 0 })));
+    // Lowered again: the new figures are what the driver answers.
+    limits.set(GPU, Path::new(CGROUP), 0, 6 << 30).expect("set");
+    let Ok(Reading::Set(now)) = limits.read(GPU, Path::new(CGROUP)) else { panic!("set") };
+    assert_eq!((now.soft_limit(), now.hard_limit()), (None, Some(6 << 30)));
+    let nvml = |code| Err(SetError::Nvml { call: "nvmlDeviceSetMemoryLimits_v1", code });
+    assert_eq!(limits.set(GPU, Path::new("/sys/fs/cgroup/mig"), 0, 1 << 30), nvml(3), "not supported (MIG)");
+    assert_eq!(limits.set(GPU, Path::new("/sys/fs/cgroup/unprivileged"), 0, 1 << 30), nvml(4), "not root");
+    assert_eq!(
+        limits.set("GPU-elsewhere", Path::new(CGROUP), 0, 1 << 30),
+        Err(SetError::Nvml { call: "nvmlDeviceGetHandleByUUID", code: 6 })
+    );
+    assert_eq!(limits.set(GPU, Path::new(CGROUP), 2, 1), Err(SetError::Invalid("a soft limit above the hard one")));
+    assert!(matches!(limits.set(GPU, Path::new("/a\0b"), 0, 1), Err(SetError::Invalid(_))));
+}
+
+#[test]
+fn the_setters_struct_is_laid_out_as_the_c_compiler_lays_out_the_headers() {
+    // The stand-in's setter, for this path, records its own struct's offsets and size, read back by the getter.
+    let (_dir, library) = standin(true, "/sys/fs/cgroup/layout LAYOUT\n");
+    let limits = open(&library).expect("open");
+    limits.set(GPU, Path::new("/sys/fs/cgroup/layout"), 1, 2).expect("set");
+    let Ok(Reading::Set(seen)) = limits.read(GPU, Path::new("/sys/fs/cgroup/layout")) else { panic!("set") };
+    assert_eq!((seen.soft, seen.hard, seen.used), (8, 16, 24), "offsets of softLimit, hardLimit; sizeof");
+}
+
+#[test]
+fn an_r580_driver_cannot_set() {
+    // Not even opened: the getter is missing, so the agent reports the driver's limits unavailable (once).
+    let (_dir, library) = standin(false, "");
+    assert!(open(&library).is_err());
 }

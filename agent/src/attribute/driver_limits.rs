@@ -7,12 +7,17 @@
 //! starts, so they are there at once), then every [`DriverReader::REREAD_MS`]: limits change only when someone
 //! sets them by hand (`nvidia-smi memory-limits`), and the live usage comes from the sample already, so reading
 //! every pair every 250 ms tick would cost NVML calls for nothing. Pairs whose processes left are forgotten.
+//!
+//! With `--apply-driver-limits` ([`DriverReader::apply`]), a pair the plan says to cap (`decide::driver_limits::
+//! to_apply`: a pod its budget caps, whose cgroup has no hard limit there or a larger one) is set through NVML and
+//! read back at once; only the read-back figure counts. A pair whose set failed is tried again after
+//! [`DriverReader::REREAD_MS`].
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use gpubudget_nvml_limits::{DriverLimits, ReadError, Reading};
+use gpubudget_nvml_limits::{DriverLimits, ReadError, Reading, SetError};
 
 use super::Owner;
 use super::procfs::ProcAttributor;
@@ -22,11 +27,42 @@ use crate::sample::Snapshot;
 pub trait LimitsSource: Send {
     /// The limits on GPU `gpu_uuid` for the cgroup at `cgroup` (its full sysfs path).
     fn read(&self, gpu_uuid: &str, cgroup: &std::path::Path) -> Result<Reading, ReadError>;
+    /// Sets the soft and hard limits (bytes) on GPU `gpu_uuid` for the cgroup at `cgroup`.
+    fn set(&self, gpu_uuid: &str, cgroup: &std::path::Path, soft: u64, hard: u64) -> Result<(), SetError>;
 }
 
 impl LimitsSource for DriverLimits {
     fn read(&self, gpu_uuid: &str, cgroup: &std::path::Path) -> Result<Reading, ReadError> {
         DriverLimits::read(self, gpu_uuid, cgroup)
+    }
+
+    fn set(&self, gpu_uuid: &str, cgroup: &std::path::Path, soft: u64, hard: u64) -> Result<(), SetError> {
+        DriverLimits::set(self, gpu_uuid, cgroup, soft, hard)
+    }
+}
+
+/// One set the agent made on a pair ([`DriverReader::apply`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    /// The pod's index in the table.
+    pub pod: usize,
+    /// Snapshot GPU index.
+    pub gpu: usize,
+    /// The container cgroup, relative to the cgroup root.
+    pub cgroup: Arc<str>,
+    /// The hard limit before (`None`: none).
+    pub before: Option<u64>,
+    /// Soft and hard, bytes, as asked.
+    pub asked: (u64, u64),
+    /// What the driver answered when read back (`Ok`), or why the set failed (the call and `nvmlReturn_t`, or
+    /// "read back without it").
+    pub outcome: Result<Reading, String>,
+}
+
+impl Applied {
+    /// Whether the read-back hard limit is at most what was asked.
+    pub fn held(&self) -> bool {
+        matches!(&self.outcome, Ok(Reading::Set(l)) if l.hard_limit().is_some_and(|h| h <= self.asked.1))
     }
 }
 
@@ -34,6 +70,8 @@ struct Pair {
     reading: Option<Reading>,
     read_at_ms: u64,
     seen: u64,
+    /// When a set last failed here (monotonic ms): not tried again before [`DriverReader::REREAD_MS`].
+    set_failed_at: Option<u64>,
 }
 
 /// Reads and caches the driver's limits per (container cgroup, GPU).
@@ -42,8 +80,10 @@ pub struct DriverReader {
     cgroup_root: PathBuf,
     pairs: HashMap<(Arc<str>, usize), Pair>,
     generation: u64,
-    /// Failed reads so far (for `gpubudget_nvml_errors_total{call="memory_limits"}`).
+    /// Failed reads and sets so far (for `gpubudget_nvml_errors_total{call="memory_limits"}`).
     pub failures: u64,
+    /// Whether the engine sets limits too (`--apply-driver-limits`, [`Self::apply`]).
+    pub apply: bool,
     scratch: Vec<(usize, Arc<str>, usize)>,
 }
 
@@ -65,6 +105,7 @@ impl DriverReader {
             pairs: HashMap::new(),
             generation: 0,
             failures: 0,
+            apply: false,
             scratch: Vec::new(),
         }
     }
@@ -103,7 +144,7 @@ impl DriverReader {
         }
         self.scratch.sort_unstable();
         self.scratch.dedup();
-        for (pod, cgroup, gpu) in &self.scratch {
+        for (_, cgroup, gpu) in &self.scratch {
             let Some(info) = snapshot.gpus.get(*gpu) else { continue };
             let key = (cgroup.clone(), *gpu);
             let due = self.pairs.get(&key).is_none_or(|p| now_ms.saturating_sub(p.read_at_ms) >= Self::REREAD_MS);
@@ -116,15 +157,77 @@ impl DriverReader {
                         None
                     }
                 };
-                self.pairs.insert(key.clone(), Pair { reading, read_at_ms: now_ms, seen: generation });
+                let set_failed_at = self.pairs.get(&key).and_then(|p| p.set_failed_at);
+                self.pairs.insert(key.clone(), Pair { reading, read_at_ms: now_ms, seen: generation, set_failed_at });
             }
-            let Some(pair) = self.pairs.get_mut(&key) else { continue };
-            pair.seen = generation;
+            if let Some(pair) = self.pairs.get_mut(&key) {
+                pair.seen = generation;
+            }
+        }
+        self.pairs.retain(|_, p| p.seen == generation);
+        self.views(out);
+    }
+
+    /// Sums this round's pairs per pod into `out` (already sized to the table).
+    fn views(&self, out: &mut [Option<DriverView>]) {
+        out.iter_mut().for_each(|v| *v = None);
+        for (pod, cgroup, gpu) in &self.scratch {
+            let Some(pair) = self.pairs.get(&(cgroup.clone(), *gpu)) else { continue };
             if let Some(view) = out.get_mut(*pod) {
                 view.get_or_insert_with(DriverView::default).add(pair.reading);
             }
         }
-        self.pairs.retain(|_, p| p.seen == generation);
+    }
+
+    /// After [`Self::observe`]: sets each pair of this round that `plan` (pod index, its reading) says to cap
+    /// (soft, hard bytes), reads it back at once, and refreshes `out`; what was done goes to `applied`. A pair
+    /// whose set failed is not tried again before [`Self::REREAD_MS`].
+    pub fn apply(
+        &mut self,
+        snapshot: &Snapshot,
+        plan: impl Fn(usize, Option<Reading>) -> Option<(u64, u64)>,
+        now_ms: u64,
+        out: &mut [Option<DriverView>],
+        applied: &mut Vec<Applied>,
+    ) {
+        let before = applied.len();
+        for (pod, cgroup, gpu) in &self.scratch {
+            let (Some(info), Some(pair)) = (snapshot.gpus.get(*gpu), self.pairs.get_mut(&(cgroup.clone(), *gpu)))
+            else {
+                continue;
+            };
+            if pair.set_failed_at.is_some_and(|at| now_ms.saturating_sub(at) < Self::REREAD_MS) {
+                continue;
+            }
+            let Some((soft, hard)) = plan(*pod, pair.reading) else { continue };
+            let hard_before = match pair.reading {
+                Some(Reading::Set(l)) => l.hard_limit(),
+                _ => None,
+            };
+            let path = self.cgroup_root.join(cgroup.trim_start_matches('/'));
+            let outcome = match self.source.set(&info.uuid, &path, soft, hard) {
+                Err(e) => Err(e.to_string()),
+                Ok(()) => self.source.read(&info.uuid, &path).map_err(|e| format!("set, but not read back: {e}")),
+            };
+            pair.read_at_ms = now_ms;
+            match &outcome {
+                Ok(reading) => pair.reading = Some(*reading),
+                Err(_) => self.failures += 1,
+            }
+            let done = Applied {
+                pod: *pod,
+                gpu: *gpu,
+                cgroup: cgroup.clone(),
+                before: hard_before,
+                asked: (soft, hard),
+                outcome,
+            };
+            pair.set_failed_at = (!done.held()).then_some(now_ms);
+            applied.push(done);
+        }
+        if applied.len() > before {
+            self.views(out);
+        }
     }
 }
 
@@ -206,6 +309,10 @@ mod tests {
             }
             Ok(Reading::Set(Limits { soft: 4 << 30, hard: 8 << 30, used: 0 }))
         }
+
+        fn set(&self, _: &str, _: &std::path::Path, _: u64, _: u64) -> Result<(), SetError> {
+            Err(SetError::Nvml { call: "nvmlDeviceSetMemoryLimits_v1", code: 4 })
+        }
     }
 
     #[test]
@@ -258,5 +365,74 @@ mod tests {
         reader.observe(&empty, &[], &attributor, 2, 10_250, &mut out);
         assert!(reader.is_empty());
         assert_eq!(out, vec![None, None]);
+    }
+
+    /// Holds what was set; refuses container `dddd…` (no root), takes but ignores `eeee…`.
+    #[derive(Clone, Default)]
+    struct Driver(Arc<Mutex<HashMap<PathBuf, Limits>>>);
+
+    impl LimitsSource for Driver {
+        fn read(&self, _: &str, cgroup: &std::path::Path) -> Result<Reading, ReadError> {
+            Ok(self.0.lock().expect("lock").get(cgroup).map_or(Reading::NotSet, |l| Reading::Set(*l)))
+        }
+
+        fn set(&self, _: &str, cgroup: &std::path::Path, soft: u64, hard: u64) -> Result<(), SetError> {
+            let name = cgroup.to_string_lossy();
+            if name.contains("cri-containerd-dddd") {
+                return Err(SetError::Nvml { call: "nvmlDeviceSetMemoryLimits_v1", code: 4 });
+            }
+            if !name.contains("cri-containerd-eeee") {
+                self.0.lock().expect("lock").insert(cgroup.to_owned(), Limits { soft, hard, used: 0 });
+            }
+            Ok(())
+        }
+    }
+
+    /// `--apply-driver-limits`: the plan's pairs are set and read back in the same tick (the view shows the
+    /// read-back figure); a refused or ignored set is reported and not tried again for 10 s.
+    #[test]
+    fn planned_pairs_are_set_read_back_and_failures_wait() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let u = UID.replace('-', "_");
+        let containers = ["a".repeat(64), "d".repeat(64), "e".repeat(64)];
+        for (pid, c) in (10..).zip(&containers) {
+            let line = format!("0::/kubepods.slice/kubepods-pod{u}.slice/cri-containerd-{c}.scope\n");
+            write_fake_process(dir.path(), pid, 1, &line).expect("fixture");
+        }
+        let gpus = vec![GpuInfo { index: 0, label: "0".into(), uuid: "GPU-0".into(), ..GpuInfo::default() }];
+        let process = |pid| ProcessSample { gpu: 0, pid: Some(pid), bytes: Some(1), direct: None, mps_client: None };
+        let snapshot = Snapshot { gpus, processes: vec![process(10), process(11), process(12)], readings: Vec::new() };
+        let mut attributor = ProcAttributor::new(dir.path());
+        attributor.begin_round();
+        for pid in [10, 11, 12] {
+            attributor.lookup(pid, 0);
+        }
+        let owners = vec![Owner::Pod { pod: 0, container: None }; 3];
+        let driver = Driver::default();
+        let mut reader = DriverReader::new(Box::new(driver.clone()), "/sys/fs/cgroup");
+        let (mut out, mut applied) = (Vec::new(), Vec::new());
+        let plan = |_: usize, r: Option<Reading>| match r {
+            Some(Reading::NotSet) => Some((4 << 30, 8 << 30)),
+            _ => None,
+        };
+        reader.observe(&snapshot, &owners, &attributor, 1, 0, &mut out);
+        assert_eq!(out[0].and_then(|v| v.hard()), None, "nothing set yet");
+        reader.apply(&snapshot, plan, 0, &mut out, &mut applied);
+        assert_eq!(applied.len(), 3);
+        let held: Vec<bool> = applied.iter().map(Applied::held).collect();
+        assert_eq!(held, [true, false, false], "{applied:?}");
+        assert!(applied[1].outcome.as_ref().is_err_and(|e| e.contains("nvmlReturn_t 4")), "{applied:?}");
+        assert_eq!(applied[2].outcome, Ok(Reading::NotSet), "taken, not held: read back without it");
+        let view = out[0].expect("view");
+        assert_eq!((view.hard_pairs, view.hard_sum), (1, 8 << 30), "the read-back figure, at once");
+        assert_eq!(reader.failures, 1);
+        // The failed pairs wait 10 s; the held one is not asked again (the plan says nothing to do).
+        applied.clear();
+        reader.observe(&snapshot, &owners, &attributor, 1, 250, &mut out);
+        reader.apply(&snapshot, plan, 250, &mut out, &mut applied);
+        assert!(applied.is_empty(), "{applied:?}");
+        reader.observe(&snapshot, &owners, &attributor, 1, 10_000, &mut out);
+        reader.apply(&snapshot, plan, 10_000, &mut out, &mut applied);
+        assert_eq!(applied.len(), 2, "tried again after 10 s");
     }
 }

@@ -346,9 +346,18 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
                 tracing::info!(
                     driver = limits.driver_version().unwrap_or_default(),
                     cgroup_root = %args.cgroup_root.display(),
+                    apply = args.apply_driver_limits,
                     "driver limits: available (per-cgroup GPU memory limits are read back)"
                 );
-                engine.driver = Some(DriverReader::new(Box::new(limits), args.cgroup_root.clone()));
+                let apply = args.apply_driver_limits && limits.can_set();
+                if args.apply_driver_limits && !apply {
+                    tracing::warn!(
+                        "--apply-driver-limits: this driver's NVML has no nvmlDeviceSetMemoryLimits_v1; limits are only read"
+                    );
+                }
+                let mut reader = DriverReader::new(Box::new(limits), args.cgroup_root.clone());
+                reader.apply = apply;
+                engine.driver = Some(reader);
             }
             Err(why) => {
                 tracing::info!(reason = %why, "driver limits: unavailable; eviction only");

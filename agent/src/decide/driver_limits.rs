@@ -19,11 +19,13 @@
 //!
 //! Bytes are compared with a tolerance of 1 MiB per pair: the toolkit takes MiB.
 
+use gpubudget_common::caps::Caps;
 use gpubudget_common::pod_record::DriverLimitsRecord;
 use gpubudget_common::quantity::HumanBytes;
-use gpubudget_nvml_limits::Unavailable;
+use gpubudget_nvml_limits::{Reading, Unavailable};
 
-pub use crate::attribute::driver_limits::DriverView;
+pub use crate::attribute::driver_limits::{Applied, DriverView};
+use crate::sample::GpuInfo;
 
 use super::{Action, Enforcer, NodeReason, Reason, bounded};
 use crate::attribute::pods::PodTable;
@@ -207,6 +209,74 @@ pub fn compare(limit: u64, request: Option<u64>, caps_expected: bool, view: &Dri
     }
 }
 
+/// What the agent sets on one (container cgroup, GPU) pair of a pod whose budget has caps enabled, with
+/// `--apply-driver-limits` (#32): the budget's caps as the webhook would have put them in the container's
+/// `NVIDIA_GPU_MEMORY_LIMIT` / `_REQUEST` (whole MiB, per container and GPU), as (soft, hard) bytes, where the
+/// pair has no hard limit or a larger one. Never where the read failed or the driver does not partition the
+/// pair, and never to raise a limit: a smaller one is someone's choice (an administrator's `nvidia-smi
+/// memory-limits`, the toolkit's hook from a tighter budget) and stays. Without a request the soft limit already
+/// there is kept when it fits under the new hard one.
+pub fn to_apply(caps: Caps, reading: Option<Reading>) -> Option<(u64, u64)> {
+    let hard = caps.limit_mib.saturating_mul(1 << 20);
+    let request = caps.request_mib.map(|r| r.saturating_mul(1 << 20).min(hard));
+    match reading? {
+        Reading::NotSupported => None,
+        Reading::NotSet => Some((request.unwrap_or(0), hard)),
+        Reading::Set(l) => match l.hard_limit() {
+            Some(h) if h <= hard => None,
+            _ => Some((request.unwrap_or_else(|| l.soft_limit().filter(|s| *s <= hard).unwrap_or(0)), hard)),
+        },
+    }
+}
+
+impl Enforcer {
+    /// Tells what `--apply-driver-limits` did this tick: `GpuMemoryDriverLimitsApplied` (Normal) for a limit set
+    /// and read back, `GpuMemoryDriverLimitsNotApplied` (Warning) for one the driver refused or did not hold;
+    /// each at most once per pod per cooldown.
+    pub fn driver_applied(
+        &mut self,
+        now: super::Now,
+        table: &PodTable,
+        applied: &[Applied],
+        gpus: &[GpuInfo],
+        out: &mut Vec<Action>,
+    ) {
+        for a in applied {
+            let (Some(view), Some(budget)) = (table.pods.get(a.pod), table.budget(a.pod)) else { continue };
+            let Some(mut mem) = self.pods.remove(&view.uid) else { continue };
+            let gpu = gpus.get(a.gpu).map_or_else(|| a.gpu.to_string(), |g| g.label.clone());
+            let container = a.cgroup.rsplit('/').next().unwrap_or_default();
+            let before = a.before.map_or_else(|| "none".to_owned(), |h| HumanBytes(h).to_string());
+            let asked = match a.asked {
+                (0, hard) => format!("hard {}", HumanBytes(hard)),
+                (soft, hard) => format!("hard {}, soft {}", HumanBytes(hard), HumanBytes(soft)),
+            };
+            let (reason, note) = if a.held() {
+                let note = format!(
+                    "set the driver's per-cgroup limits on GPU {gpu} for {container}: {asked} (it had {before}), read \
+                     back; from budget {} (caps enabled; the agent's --apply-driver-limits)",
+                    budget.key()
+                );
+                (Reason::DriverLimitsApplied, note)
+            } else {
+                let why = match &a.outcome {
+                    Err(e) => e.clone(),
+                    Ok(r) => format!("read back {r:?}"),
+                };
+                let note = format!(
+                    "could not set the driver's per-cgroup limits on GPU {gpu} for {container} ({asked}; it has \
+                     {before}): {why}; budget {} is enforced by eviction; tried again in {}s",
+                    budget.key(),
+                    crate::attribute::driver_limits::DriverReader::REREAD_MS / 1000
+                );
+                (Reason::DriverLimitsNotApplied, note)
+            };
+            self.event(&mut mem, now.mono_ms, reason, note, out);
+            self.pods.insert(view.uid.clone(), mem);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -337,6 +407,48 @@ mod tests {
             }
             if v.answered() == 0 {
                 prop_assert_eq!(verdict, None);
+            }
+        }
+    }
+
+    fn caps(limit_mib: u64, request_mib: Option<u64>) -> Caps {
+        Caps { limit_mib, request_mib }
+    }
+
+    #[test]
+    fn limits_are_applied_where_missing_or_larger_and_never_raised() {
+        let c = caps(8192, Some(4096));
+        assert_eq!(to_apply(c, Some(Reading::NotSet)), Some((4 * GI, 8 * GI)), "none: the budget's");
+        assert_eq!(to_apply(c, set(0, NONE)), Some((4 * GI, 8 * GI)), "cleared: the budget's");
+        assert_eq!(to_apply(c, set(GI, 16 * GI)), Some((4 * GI, 8 * GI)), "larger: lowered");
+        assert_eq!(to_apply(c, set(GI, 8 * GI)), None, "the same: left");
+        assert_eq!(to_apply(c, set(0, 2 * GI)), None, "smaller: someone's choice, left");
+        assert_eq!(to_apply(c, Some(Reading::NotSupported)), None, "MIG, no cgroup v2");
+        assert_eq!(to_apply(c, None), None, "a failed read: nothing done blind");
+        // Without a request: a soft limit already there is kept if it fits, dropped if it would not.
+        assert_eq!(to_apply(caps(8192, None), set(2 * GI, 16 * GI)), Some((2 * GI, 8 * GI)));
+        assert_eq!(to_apply(caps(8192, None), set(12 * GI, 16 * GI)), Some((0, 8 * GI)));
+        // A request above the limit (the webhook's caps never have one; defensive): soft at most hard.
+        assert_eq!(to_apply(caps(8192, Some(9000)), Some(Reading::NotSet)), Some((8 * GI, 8 * GI)));
+    }
+
+    proptest! {
+        /// Whatever the pair holds: a set is asked only to lower the hard limit to the budget's, with soft ≤ hard.
+        #[test]
+        fn never_raises_and_soft_stays_under_hard(
+            limit_mib in 1_u64..1_000_000,
+            request_mib in proptest::option::of(0_u64..1_000_000),
+            soft in any::<u64>(),
+            hard in prop_oneof![Just(u64::MAX), any::<u64>()],
+        ) {
+            let c = caps(limit_mib, request_mib);
+            let target = limit_mib << 20;
+            if let Some((s, h)) = to_apply(c, set(soft, hard)) {
+                prop_assert_eq!(h, target);
+                prop_assert!(hard > target, "asked only where the pair allows more");
+                prop_assert!(s <= h);
+            } else {
+                prop_assert!(hard <= target);
             }
         }
     }

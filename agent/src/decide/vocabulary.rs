@@ -54,6 +54,10 @@ pub enum Reason {
     /// The driver's per-cgroup limits disagree with the budget ([`driver_limits`](super::driver_limits)); once
     /// per pod per kind of disagreement.
     DriverLimitsDisagree,
+    /// `--apply-driver-limits` set a pod's per-cgroup driver limits and read them back.
+    DriverLimitsApplied,
+    /// `--apply-driver-limits` could not set them (the driver refused, or did not hold them).
+    DriverLimitsNotApplied,
     /// A capped pod's MPS cap is not in force ([`cap_check`](super::cap_check)); once per offending process.
     CapNotInForce,
 }
@@ -72,6 +76,8 @@ impl Reason {
             Reason::BudgetChanged => "GpuMemoryBudgetChanged",
             Reason::DriverLimitsDisagree => "GpuMemoryDriverLimitsDisagree",
             Reason::CapNotInForce => "GpuMemoryCapNotInForce",
+            Reason::DriverLimitsApplied => "GpuMemoryDriverLimitsApplied",
+            Reason::DriverLimitsNotApplied => "GpuMemoryDriverLimitsNotApplied",
         }
     }
 
@@ -87,11 +93,12 @@ impl Reason {
                 | Reason::Deleting
                 | Reason::DriverLimitsDisagree
                 | Reason::CapNotInForce
+                | Reason::DriverLimitsNotApplied
         )
     }
 
     /// How many reasons there are.
-    pub(super) const COUNT: usize = 10;
+    pub(super) const COUNT: usize = 12;
 
     pub(super) fn slot(self) -> usize {
         self as usize

@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use gpubudget_common::BudgetState;
+
+use crate::act::ResultLabels;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -118,6 +120,8 @@ pub struct Metrics {
     pub driver_limits_available: Gauge,
     /// `gpubudget_pods_cap_not_in_force`.
     pub caps_not_in_force: Gauge,
+    /// `gpubudget_driver_limits_applied_total`.
+    pub driver_applied: Family<ResultLabels, Counter>,
     /// `gpubudget_pod_driver_hard_limit_bytes`.
     pub pod_driver_hard: Family<PodLabels, Gauge>,
     /// `gpubudget_pod_driver_soft_limit_bytes`.
@@ -150,6 +154,7 @@ impl Metrics {
             sample_interval: Gauge::default(),
             driver_limits_available: Gauge::default(),
             caps_not_in_force: Gauge::default(),
+            driver_applied: Family::default(),
             pod_driver_hard: Family::default(),
             pod_driver_soft: Family::default(),
             spec_reads: Family::default(),
@@ -168,6 +173,11 @@ impl Metrics {
             "gpubudget_pod_driver_soft_limit_bytes",
             "The NVIDIA driver's soft GPU memory limits on a pod's container cgroups, summed over its (container, GPU) pairs, when every pair has one (driver R615 or newer; bytes)",
             m.pod_driver_soft.clone(),
+        );
+        registry.register(
+            "gpubudget_driver_limits_applied",
+            "Per-cgroup driver limits the agent set with --apply-driver-limits (result: applied, read back at most as asked; failed, refused by the driver or not held)",
+            m.driver_applied.clone(),
         );
         registry.register(
             "gpubudget_pods_cap_not_in_force",
@@ -275,6 +285,11 @@ impl Metrics {
             m.sample_interval.clone(),
         );
         m
+    }
+
+    /// Counts one set of `--apply-driver-limits`.
+    pub fn driver_limits_applied(&self, result: &str) {
+        self.driver_applied.get_or_create(&ResultLabels { result: result.to_owned() }).inc();
     }
 
     /// Counts one failed call.

@@ -852,3 +852,43 @@ fn a_capped_pod_whose_process_is_no_mps_client_is_told_and_recorded_at_once() {
     plain.tick(at(0), &table(pod("", ""), &[budget("")]), &usage_of(&[(8, Some(false))]), &gpus(), &mut out);
     assert!(!out.iter().any(|a| matches!(a, Action::Event { reason: Reason::CapNotInForce, .. })));
 }
+
+/// #32 item 5: what `--apply-driver-limits` did is told on the pod: a limit read back as Normal, a refusal as a
+/// Warning naming the driver's answer.
+#[test]
+fn applied_driver_limits_are_told_and_refusals_are_warnings() {
+    use crate::attribute::driver_limits::Applied;
+    use gpubudget_nvml_limits::{Limits, Reading};
+    let t = table(pod("", ""), &[budget(", admissionCaps: Enabled")]);
+    let mut enforcer = Enforcer::new(Settings::new(NODE));
+    let mut out = Vec::new();
+    enforcer.tick(at(0), &t, &usage(GI), &gpus(), &mut out);
+    out.clear();
+    let ok = Applied {
+        pod: 0,
+        gpu: 0,
+        cgroup: "/kubepods.slice/kubepods-podx.slice/cri-containerd-abc.scope".into(),
+        before: None,
+        asked: (0, 8 * GI),
+        outcome: Ok(Reading::Set(Limits { soft: 0, hard: 8 * GI, used: 0 })),
+    };
+    let refused = Applied { outcome: Err("nvmlDeviceSetMemoryLimits_v1 failed (nvmlReturn_t 4)".into()), ..ok.clone() };
+    let ignored = Applied { outcome: Ok(Reading::NotSet), ..ok.clone() };
+    enforcer.driver_applied(at(0), &t, &[ok, refused, ignored], &gpus(), &mut out);
+    let told: Vec<(&str, bool, &str)> = out
+        .iter()
+        .filter_map(|a| match a {
+            Action::Event { reason, note, .. } => Some((reason.as_str(), reason.is_warning(), note.as_str())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(told.len(), 2, "the second refusal waits for the cooldown: {told:?}");
+    assert_eq!((told[0].0, told[0].1), ("GpuMemoryDriverLimitsApplied", false));
+    assert!(
+        told[0].2.contains("hard 8Gi (it had none)") && told[0].2.contains("cri-containerd-abc.scope"),
+        "{}",
+        told[0].2
+    );
+    assert_eq!((told[1].0, told[1].1), ("GpuMemoryDriverLimitsNotApplied", true));
+    assert!(told[1].2.contains("nvmlReturn_t 4") && told[1].2.contains("enforced by eviction"), "{}", told[1].2);
+}
