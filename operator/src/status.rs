@@ -571,6 +571,18 @@ mod tests {
         PodInfo { caps: PodCaps::of([&gpu]), ..pod(name, "llm", None) }
     }
 
+    /// The status of an 8Gi budget selecting every pod of `pods`, with caps enabled or not.
+    fn caps_status(pods: &[PodInfo], caps: bool) -> GpuMemoryBudgetStatus {
+        let mut r = resource("llm", "8Gi", "{}");
+        if caps {
+            r.spec.admission_caps = gpubudget_common::AdmissionCaps::Enabled;
+        }
+        let b = compiled(&r);
+        let selected =
+            pods.iter().map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![&b] }).collect();
+        compute(&r, &Inputs { spec: None, selected, recorded: vec![] }, None, t(0))
+    }
+
     #[test]
     fn caps_are_counted_from_the_environment_only_with_the_opt_in() {
         let pods = [
@@ -583,20 +595,7 @@ mod tests {
         ];
         // A forged annotation changes nothing: PodInfo does not even keep it.
         let count = |caps: bool| {
-            let mut r = resource("llm", "8Gi", "{}");
-            if caps {
-                r.spec.admission_caps = gpubudget_common::AdmissionCaps::Enabled;
-            }
-            let b = compiled(&r);
-            let inputs = Inputs {
-                spec: None,
-                selected: pods
-                    .iter()
-                    .map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![&b] })
-                    .collect(),
-                recorded: vec![],
-            };
-            let s = compute(&r, &inputs, None, t(0));
+            let s = caps_status(&pods, caps);
             (s.pods_capped, s.pods_uncapped, s.pods_capped_above_limit)
         };
         assert_eq!(count(true), (Some(2), Some(2), Some(1)));
@@ -624,18 +623,7 @@ mod tests {
             // Uncapped by its environment already: counted once, as uncapped, not as "not in force".
             node_says(with_env("no-variable", None), Some("stale words")),
         ];
-        let mut r = resource("llm", "8Gi", "{}");
-        r.spec.admission_caps = gpubudget_common::AdmissionCaps::Enabled;
-        let b = compiled(&r);
-        let inputs = Inputs {
-            spec: None,
-            selected: pods
-                .iter()
-                .map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![&b] })
-                .collect(),
-            recorded: vec![],
-        };
-        let s = compute(&r, &inputs, None, t(0));
+        let s = caps_status(&pods, true);
         assert_eq!(
             (s.pods_capped, s.pods_uncapped, s.pods_capped_above_limit, s.pods_cap_not_in_force),
             (Some(1), Some(3), Some(0), Some(2))

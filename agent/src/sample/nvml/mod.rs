@@ -14,8 +14,10 @@
 //! **Lists.** A unit's processes are the union of NVML's compute list, its graphics list and its MPS list
 //! (clients of an MPS server), merged by PID (a process on several lists is counted once, with its largest
 //! figure). On driver 580 an MPS client is on both the compute and the MPS list with the same figure; the
-//! MPS list also tells which processes are MPS clients. A figure NVML reports as unavailable is kept as
-//! unknown ([`ProcessSample::bytes`] `None`) and counted per GPU ([`GpuReading::unavailable`]).
+//! MPS list also tells which processes are MPS clients ([`ProcessSample::mps_client`]): it is read whenever a
+//! process appears on a unit that answers it, so a new process is never taken for a client or not from an older
+//! list (#32: a process that went around the MPS server is told at first sight). A figure NVML reports as
+//! unavailable is kept as unknown ([`ProcessSample::bytes`] `None`) and counted per GPU ([`GpuReading::unavailable`]).
 //!
 //! NVML's process lists cost about 75 µs per process per sample on an H100 (nvml-wrapper asks twice per
 //! list, count then fill), while `memory_info` costs about 7 µs whatever the count. So each unit's lists
