@@ -19,7 +19,13 @@
 # certificate made here: no kube-proxy carries a Service here), and from a copy whose kubeVersion admits the
 # 1.32 control plane of /work/shared/realk8s (the chart requires 1.33; the kinds it installs are served alike).
 #
-# Environment: as run.sh (GPUBUDGET_E2E_BIN, HELM, GPUBUDGET_E2E_STEP_TIMEOUT, GPUBUDGET_E2E_KEEP, REALK8S).
+# Across versions (#34): GPUBUDGET_E2E_FROM=<dir> holding an older release's `bin/gpubudget-{agent,operator}` and
+# `chart/` installs that version first; the upgrade applies this checkout's CRDs (docs/operations.md: Helm never
+# upgrades them) and moves to this chart and these binaries; the rollback returns to the older ones. The same
+# checks hold across both directions: the older agent's Evicting record is neither forgotten nor acted on twice.
+#
+# Environment: as run.sh (GPUBUDGET_E2E_BIN, HELM, GPUBUDGET_E2E_STEP_TIMEOUT, GPUBUDGET_E2E_KEEP, REALK8S),
+# GPUBUDGET_E2E_FROM.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -98,6 +104,17 @@ info "helm: $("$HELM" version --short 2>/dev/null)  binaries: $BIN  run id: $ID"
 mkdir -p "$WORK/tls" "$WORK/proc"
 cp -r "$REPO/charts/gpubudget" "$WORK/chart"
 sed -i 's/^kubeVersion: .*/kubeVersion: ">=1.32.0-0"/' "$WORK/chart/Chart.yaml"
+FROM=${GPUBUDGET_E2E_FROM:-}
+FIRST_CHART=$WORK/chart FIRST_BIN=$BIN
+if [ -n "$FROM" ]; then
+  [ -x "$FROM/bin/gpubudget-agent" ] && [ -x "$FROM/bin/gpubudget-operator" ] && [ -f "$FROM/chart/Chart.yaml" ] \
+    || die "GPUBUDGET_E2E_FROM=$FROM needs bin/gpubudget-agent, bin/gpubudget-operator and chart/"
+  cp -r "$FROM/chart" "$WORK/chart-from"
+  sed -i 's/^kubeVersion: .*/kubeVersion: ">=1.32.0-0"/' "$WORK/chart-from/Chart.yaml"
+  FIRST_CHART=$WORK/chart-from FIRST_BIN=$FROM/bin
+  info "across versions: install $FROM (agent $("$FROM/bin/gpubudget-agent" --version)), upgrade to this checkout"
+fi
+RUN_BIN=$FIRST_BIN
 webhook_cert "$WORK/tls"
 cat > "$WORK/post-render.sh" <<EOF
 #!/usr/bin/env bash
@@ -115,13 +132,17 @@ say "helm install (revision 1: image tag 0.1.0, interval 250ms)"
 kubectl create namespace "$NS" >/dev/null
 kubectl create namespace "$NS_A" >/dev/null
 wait_for "ServiceAccount default in $NS_A" kubectl get serviceaccount default -n "$NS_A"
-helm_ install "$RELEASE" "$WORK/chart" --set agent.image.tag=0.1.0 --set operator.image.tag=0.1.0 | sed 's/^/    /'
+helm_ install "$RELEASE" "$FIRST_CHART" --set agent.image.tag=0.1.0 --set operator.image.tag=0.1.0 | sed 's/^/    /'
 kubectl wait --for=condition=Established "crd/$CRD" --timeout=60s >/dev/null
 release_cluster_objects > "$WORK/objects-installed.txt"
 sed 's/^/    /' "$WORK/objects-installed.txt"
-[ "$(grep -c '^ValidatingAdmissionPolicy/' "$WORK/objects-installed.txt")" = 3 ] || die "expected three admission policies"
-[ "$(grep -c '^ValidatingAdmissionPolicyBinding/' "$WORK/objects-installed.txt")" = 3 ] || die "expected three bindings"
-[ "$(grep -c '^ValidatingWebhookConfiguration/' "$WORK/objects-installed.txt")" = 1 ] || die "expected one webhook configuration"
+# As many admission policies as bindings, as the chart renders them (the node restriction's, the records', the
+# caps record's: their number grew with the issues), and the eviction webhook.
+POLICIES=$(grep -c '^ValidatingAdmissionPolicy/' "$WORK/objects-installed.txt" || true)
+RENDERED=$(helm__ get manifest "$RELEASE" -n "$NS" | grep -c "^kind: ValidatingAdmissionPolicy$" || true)
+[ "$POLICIES" -ge 3 ] && [ "$POLICIES" = "$RENDERED" ] || die "$POLICIES admission policies installed, $RENDERED rendered"
+[ "$(grep -c '^ValidatingAdmissionPolicyBinding/' "$WORK/objects-installed.txt")" = "$POLICIES" ] || die "a policy without its binding"
+grep -q '^ValidatingWebhookConfiguration/' "$WORK/objects-installed.txt" || die "no webhook configuration"
 
 say "nodes, pods (API objects; the test is their kubelet), the binaries with the chart's identities"
 for n in "$NODE" "$NODE2"; do
@@ -173,11 +194,11 @@ RUNS=0
 start_binaries() { # INTERVAL: the operator, then the agent (a new "pod" of each, as a rollout starts them)
   RUNS=$((RUNS + 1))
   KUBECONFIG=$OPERATOR_KC POD_NAMESPACE=$NS POD_NAME=operator-$RUNS RUST_LOG=info \
-    "$BIN/gpubudget-operator" run --admin-addr "$OPERATOR_ADMIN" --webhook-addr "$WEBHOOK" \
+    "$RUN_BIN/gpubudget-operator" run --admin-addr "$OPERATOR_ADMIN" --webhook-addr "$WEBHOOK" \
     --webhook-cert-dir "$WORK/tls" > "$WORK/operator-$RUNS.log" 2>&1 &
   OPERATOR_PID=$!
   wait_for "operator ready (run $RUNS)" ready "$OPERATOR_ADMIN"
-  KUBECONFIG=$AGENT_KC RUST_LOG=info "$BIN/gpubudget-agent" run --node-name "$NODE" --proc-root "$WORK/proc" \
+  KUBECONFIG=$AGENT_KC RUST_LOG=info "$RUN_BIN/gpubudget-agent" run --node-name "$NODE" --proc-root "$WORK/proc" \
     --sample-file "$WORK/sample.json" --interval "$1" --admin-addr "$AGENT_ADMIN" > "$WORK/agent-$RUNS.log" 2>&1 &
   AGENT_PID=$!
   wait_for "agent ready (run $RUNS, interval $1)" ready "$AGENT_ADMIN"
@@ -205,13 +226,19 @@ say "second goes over; helm upgrade (revision 2: tag 0.2.0, interval 500ms, log 
 write_sample $((9 * GI)) $((9 * GI)) $((45 * GI))
 wait_for "GpuMemoryOverBudget on second" has_event "$NS_A" second GpuMemoryOverBudget
 OVER_SECOND=$(date +%s)
-helm_ upgrade "$RELEASE" "$WORK/chart" --reuse-values --set agent.image.tag=0.2.0 --set operator.image.tag=0.2.0 \
+if [ -n "$FROM" ]; then
+  # docs/operations.md: Helm installs a chart's CRDs on first install only; an upgrade applies them first.
+  kubectl apply --server-side --force-conflicts -f "$REPO/charts/gpubudget/crds/" | sed 's/^/    /'
+fi
+# Not --reuse-values: a newer chart's new values would be missing (Helm does not merge its defaults then).
+helm_ upgrade "$RELEASE" "$WORK/chart" --set agent.image.tag=0.2.0 --set operator.image.tag=0.2.0 \
   --set agent.interval=500ms --set logFormat=text | sed -n '1,3s/^/    /p'
 [ "$(kubectl get ds "$RELEASE-agent" -n "$NS" -o jsonpath='{.spec.template.spec.containers[0].image}')" = "example.invalid/gpubudget/gpubudget-agent:0.2.0" ] \
   || die "the agent DaemonSet's image is not 0.2.0 after the upgrade"
 terminating "$NS_A" first || die "first is not in its grace period at the rollout"
 stop_binaries
 ROLLED=$(date +%s)
+RUN_BIN=$BIN
 start_binaries 500ms
 info "rollout: the old binaries stopped $((ROLLED - OVER_SECOND)) s after second went over; first still in its grace"
 terminating "$NS_A" second && [ "$(( $(date +%s) - OVER_SECOND ))" -lt 10 ] && die "second evicted before overLimitSeconds"
@@ -225,6 +252,11 @@ sleep 3
 [ "$(accepted first)" = 1 ] || die "$(accepted first) accepted evictions of first across the rollout"
 [ "$(event_occurrences "$NS_A" first EvictingForGpuMemory)" = 1 ] || die "EvictingForGpuMemory on first repeated"
 annotation_is "$NS_A" first eviction-requested-at "$REQUESTED_AT" || die "first's eviction-requested-at changed"
+if [ -n "$FROM" ]; then
+  # #34: the new agent publishes the node's usage in its GpuNodeUsage; the older one's records were read as its own.
+  wait_for "the node's GpuNodeUsage, written by the upgraded agent" kubectl get gpunodeusage "$NODE"
+  info "GpuNodeUsage $NODE: $(kubectl get gpunodeusage "$NODE" -o jsonpath='{.spec.podCount} pods, {.spec.total} in all')"
+fi
 wait_for "llm-inference EVICTED 2 (first, second: each once)" status_is "$NS_A" llm-inference evictions 2
 
 say "the kubelet's part: first and second exit, their pods are deleted"
@@ -244,6 +276,7 @@ helm__ rollback "$RELEASE" 1 -n "$NS" | sed 's/^/    /'
 [ "$(kubectl get ds "$RELEASE-agent" -n "$NS" -o jsonpath='{.spec.template.spec.containers[0].image}')" = "example.invalid/gpubudget/gpubudget-agent:0.1.0" ] \
   || die "the agent DaemonSet's image is not 0.1.0 after the rollback"
 stop_binaries
+RUN_BIN=$FIRST_BIN
 start_binaries 250ms
 sleep 5
 budgets_state > "$WORK/budgets-rolledback.json"
@@ -260,7 +293,7 @@ stop_binaries
 helm__ uninstall "$RELEASE" -n "$NS" | sed 's/^/    /'
 LEFT=$(release_cluster_objects)
 [ -z "$LEFT" ] || die "left behind by helm uninstall: $LEFT"
-info "gone: webhook configuration, 3 admission policies, 3 bindings, ClusterRoles and bindings of $RELEASE"
+info "gone: webhook configuration, $POLICIES admission policies and their bindings, ClusterRoles and bindings of $RELEASE"
 for kind in daemonset deployment serviceaccount role rolebinding secret service poddisruptionbudget; do
   n=$(kubectl get "$kind" -n "$NS" -l "app.kubernetes.io/instance=$RELEASE" -o name | wc -l)
   [ "$n" = 0 ] || die "$n $kind of the release left in $NS"
