@@ -416,7 +416,11 @@ fn sample_unit<B: Backend>(
     // A process the last list did not have: whether it is an MPS client is read now, never guessed, so a
     // process that went around the MPS server is told at once (#32), and a new client is not taken for one
     // that did.
-    let appeared = unit.mps_supported && list.iter().any(|p| !unit.processes.iter().any(|q| q.pid == p.pid));
+    // The last list's PIDs, sorted once: both lookups below stay O(n log n) however many processes a GPU holds.
+    let mut before: Vec<(Option<u32>, Option<bool>)> = unit.processes.iter().map(|q| (q.pid, q.mps_client)).collect();
+    before.sort_unstable();
+    let known = |pid: Option<u32>| before.binary_search_by(|(p, _)| p.cmp(&pid)).ok().map(|i| before[i].1);
+    let appeared = unit.mps_supported && list.iter().any(|p| known(p.pid).is_none());
     let others = match mode {
         RefreshMode::Always => true,
         _ => unit.gate.read_others(decision, unchanged) || appeared,
@@ -459,7 +463,7 @@ fn sample_unit<B: Backend>(
         // Not read this time: each process keeps what the last MPS list said of it (a process is a client
         // or not for its whole life: the choice is made when CUDA starts in it).
         for p in &mut list {
-            p.mps_client = unit.processes.iter().find(|q| q.pid == p.pid).and_then(|q| q.mps_client);
+            p.mps_client = known(p.pid).flatten();
         }
     }
     unit.processes = list;
