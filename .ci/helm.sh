@@ -76,6 +76,7 @@ declare -A SETS=(
   [no-node-restriction]="--set nodeRestriction.enabled=false --set operator.leaderElection.mode=always"
   [no-webhooks]="--set nodeRestriction.enabled=false --set admissionCaps.enabled=false"
   [apply-driver-limits]="--set agent.applyDriverLimits=true"
+  [no-mirrors]="--set operator.budgetMirrors=false"
 )
 
 step "helm template (${!SETS[*]}) for Kubernetes ${K8S_VERSIONS[*]}"
@@ -160,7 +161,7 @@ AGENT_ENV = {"NODE_NAME", "GPUBUDGET_PROC_ROOT", "GPUBUDGET_INTERVAL", "GPUBUDGE
              "GPUBUDGET_USAGE_WRITE_INTERVAL", "GPUBUDGET_USAGE_WRITE_CHANGE_PERCENT", "GPUBUDGET_APPLY_DRIVER_LIMITS",
              "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
 OPERATOR_ENV = {"POD_NAME", "POD_NAMESPACE", "GPUBUDGET_ADMIN_ADDR", "GPUBUDGET_LEADER_ELECTION",
-                "GPUBUDGET_LEASE_NAME", "GPUBUDGET_CRITICAL_NAMESPACES", "GPUBUDGET_WEBHOOK_ADDR", "GPUBUDGET_WEBHOOK_CERT_DIR",
+                "GPUBUDGET_LEASE_NAME", "GPUBUDGET_CRITICAL_NAMESPACES", "GPUBUDGET_WEBHOOK_ADDR", "GPUBUDGET_BUDGET_MIRRORS", "GPUBUDGET_WEBHOOK_CERT_DIR",
                 "GPUBUDGET_LOG_FORMAT", "RUST_LOG"}
 EXTRA = {"EXAMPLE"}  # extraEnv in ci/all-features-values.yaml
 METRICS = {"gpubudget_pod_gpu_memory_bytes", "gpubudget_pod_budget_bytes", "gpubudget_pod_state",
@@ -328,6 +329,12 @@ psc, sc = apod["securityContext"], agent["securityContext"]
 check(psc.get("runAsUser") == 0 and psc.get("runAsNonRoot") is False, "apply-driver-limits: the agent runs as root")
 check(sc.get("allowPrivilegeEscalation") is False and sc.get("capabilities", {}).get("drop") == ["ALL"]
       and "add" not in sc.get("capabilities", {}) and "privileged" not in sc, "apply-driver-limits: no capability, no escalation")
+
+# #34: the operator writes the budgets' mirrors unless told not to (an empty value, as --reuse-values from an
+# older chart leaves it, still reads as on).
+for set_, want in (("default", "true"), ("no-mirrors", "false")):
+    op = one(load(set_), "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    check(env(op)["GPUBUDGET_BUDGET_MIRRORS"]["value"] == want, f"{set_}: GPUBUDGET_BUDGET_MIRRORS={want}")
 
 # RBAC: the rendered roles equal the table in docs/operations.md, one row per verb.
 rows = set()

@@ -74,7 +74,8 @@ uid() { kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.uid}'; }
 apply_crd_and_chart() {
   kubectl apply -f "$REPO/crds/" >/dev/null
   kubectl wait --for=condition=Established crd/gpumemorybudgets.gpubudget.io crd/clustergpumemorybudgets.gpubudget.io \
-    crd/clustergpumemoryquotas.gpubudget.io --timeout=60s >/dev/null
+    crd/clustergpumemoryquotas.gpubudget.io crd/gpumemorybudgetmirrors.gpubudget.io \
+    crd/clustergpumemorybudgetmirrors.gpubudget.io --timeout=60s >/dev/null
   "$HELM" template "$1" "$REPO/charts/gpubudget" -n "$2" --kube-version 1.33.0 \
     | yq -y --arg kinds "$3" 'select(.kind as $k | ($kinds | split(" ") | index($k)) != null)' \
     | kubectl apply -f - >/dev/null

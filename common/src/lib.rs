@@ -5,6 +5,7 @@ pub mod budget;
 pub mod caps;
 pub mod crd;
 pub mod eviction;
+pub mod mirror;
 pub mod node_usage;
 pub mod pod_record;
 pub mod quantity;
@@ -19,5 +20,6 @@ pub use crd::{
     ClusterGpuMemoryQuotaSpec, ClusterGpuMemoryQuotaStatus, GpuMemoryBudget, GpuMemoryBudgetSpec,
     GpuMemoryBudgetStatus,
 };
+pub use mirror::{ClusterGpuMemoryBudgetMirror, GpuMemoryBudgetMirror, Mirrored};
 pub use node_usage::{GpuNodeUsage, GpuNodeUsageSpec, NodePodUsage};
 pub use state::{BudgetState, Thresholds, Tracker, step};

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use gpubudget_agent::act::{Counters, ResultLabels, WriteLabels};
 use gpubudget_agent::report::metrics::{
-    BudgetLabels, CallLabels, ContainerLabels, GpuLabels, Metrics as AgentMetrics, PodLabels, StateLabels,
+    BudgetLabels, CallLabels, ContainerLabels, GpuLabels, KindLabels, Metrics as AgentMetrics, PodLabels, StateLabels,
 };
 use gpubudget_daemon::Health;
 use gpubudget_demo::stack::{agent_registry, operator_registry};
@@ -106,6 +106,7 @@ fn touch_agent(metrics: &AgentMetrics) {
         pod_driver_hard,
         pod_driver_soft,
         spec_reads,
+        specs_from_mirrors,
     } = metrics;
     let s = |v: &str| v.to_owned();
     let pod = || PodLabels { namespace: s("team-a"), pod: s("llm-0") };
@@ -122,6 +123,7 @@ fn touch_agent(metrics: &AgentMetrics) {
     _ = evictions.get_or_create(&ResultLabels { result: s("accepted") });
     _ = api_writes.get_or_create(&WriteLabels { kind: s("apply"), result: s("ok") });
     _ = spec_reads.get_or_create(&WriteLabels { kind: s("get"), result: s("ok") });
+    _ = specs_from_mirrors.get_or_create(&KindLabels { kind: s("GpuMemoryBudget") });
     evictions_without_record.get();
     _ = nvml_errors.get_or_create(&CallLabels { call: s("init") });
     for family in [
@@ -158,6 +160,7 @@ fn touch_operator(metrics: &OperatorMetrics) {
         pods,
         matched_pods,
         status_writes,
+        mirror_writes,
         events,
         leader,
         caps_admissions,
@@ -168,6 +171,7 @@ fn touch_operator(metrics: &OperatorMetrics) {
     } = metrics;
     _ = failures.get_or_create(&ErrorLabels { error: "conflict".to_owned() });
     _ = caps_admissions.get_or_create(&CapsResult { result: "capped".to_owned() });
+    _ = mirror_writes.get_or_create(&CapsResult { result: "written".to_owned() });
     duration.observe(0.001);
     for counter in [reconciles, status_writes, events, namespace_label_writes, quota_eviction_requests, quota_evictions]
     {

@@ -244,6 +244,15 @@ EOF
   printf '    IDLE   %-6s budgets=%s  agent_cpu_us=%s (threads %s -> %s)  ticks=%s  inside_ticks_us=%s  per_tick_us=%s  outside_per_tick_us=%s  table_rebuilds=%s\n' \
     "$label" "$BUDGETS" "$us" "$th0" "$(threads "$AGENT_PID")" "$ticks" "$tick_us" "$((us / ticks))" "$(( (us - tick_us) / ticks ))" \
     "$(echo "$(metric gpubudget_pod_table_rebuilds_total) - $rb0" | bc)" | tee -a "$WORK/results.txt"
+  # #34: with the operator's mirrors the agent closes its budget watch once every budget is mirrored; the
+  # streams below then measure what reaches it with the mirrors alone.
+  local waited=0 mirrored
+  mirrored() { metric 'gpubudget_budget_specs_from_mirrors{kind="GpuMemoryBudget"}'; }
+  while [ "$(mirrored)" != 1 ] && [ "$waited" -lt 60 ] && [ "$BUDGETS" != 0 ]; do sleep 1; waited=$((waited + 1)); done
+  printf '    MIRRORS %-6s budgets=%s  agent reads the mirrors only: %s (waited %s s)  operator mirror writes: %s\n' "$label" "$BUDGETS" \
+    "$([ "$(mirrored)" = 1 ] && echo yes || echo no)" "$waited" \
+    "$(curl -fsS "http://$OPERATOR_ADMIN/metrics" | awk '$1 == "gpubudget_operator_mirror_writes_total{result=\"written\"}" {print $2}')" \
+    | tee -a "$WORK/results.txt"
   local kind
   for kind in $STREAMS; do
     local r0 c0

@@ -461,3 +461,63 @@ async fn usage_moving_within_a_state_writes_the_nodes_usage_object_not_the_pod()
     assert_eq!(object["spec"]["pods"][0]["usageBytes"], json!(6 * GI));
     assert_eq!(stack.annotations("team-a", "llm-0")["gpubudget.io/state"], "Within");
 }
+
+/// #34: once the operator has mirrored every budget, the agent reads the mirrors only: its budget watch is
+/// closed (the operator's status writes reach it no more), an edit reaches it through the mirror, and a
+/// deleted budget's mirror goes with it.
+#[tokio::test(start_paused = true)]
+async fn mirrored_budgets_spare_the_agent_every_status_write_and_still_carry_every_edit() {
+    let stack = Stack::new(kubelet_like_api());
+    let fake = &stack.fake;
+    put_example(fake, "llm-inference.yaml", "team-a", |_| {});
+    let uid = put_pod(fake, "team-a", "llm-0", json!({"app": "llm"}), LLM_CID);
+    stack.process(4242, &uid, LLM_CID);
+    stack.set_usage(&[(4242, 3 * GI)]);
+    let stack = stack.started().await;
+    let fake = &stack.fake;
+    let on_mirrors =
+        |s: &Stack| s.agent_metrics().contains("gpubudget_budget_specs_from_mirrors{kind=\"GpuMemoryBudget\"} 1");
+    let mut waited = Duration::ZERO;
+    while !on_mirrors(&stack) && waited < Duration::from_secs(10) {
+        pass_time(Duration::from_millis(250)).await;
+        waited += Duration::from_millis(250);
+    }
+    assert!(on_mirrors(&stack), "the agent never read the mirrors alone:\n{}", stack.agent_metrics());
+
+    let budget = fake.get("gpumemorybudgets", "team-a", "llm-inference").expect("budget");
+    let mirror = fake.get("gpumemorybudgetmirrors", "team-a", "llm-inference").expect("the budget's mirror");
+    assert_eq!(mirror["spec"]["budget"], budget["spec"]);
+    assert_eq!(mirror["metadata"]["annotations"]["gpubudget.io/budget-generation"], json!("1"));
+    assert_eq!(mirror["metadata"]["ownerReferences"][0]["uid"], budget["metadata"]["uid"]);
+    // Only the operator's own (full) budget watch is left: no agent receives a status write.
+    assert_eq!(fake.open_watches_on("gpumemorybudgets"), [false], "the agent's metadata watch is closed");
+
+    // Usage moves: the operator writes statuses; the mirror is not rewritten.
+    let mirror_rv = mirror["metadata"]["resourceVersion"].clone();
+    stack.set_usage(&[(4242, 5 * GI)]);
+    // Usage reaches the status through the node's GpuNodeUsage, written at most every 30 s.
+    pass_time(Duration::from_secs(31)).await;
+    stack
+        .status_until("team-a", "llm-inference", "topPods at 5Gi", |s| {
+            s.top_pods.first().is_some_and(|p| p.usage == "5Gi")
+        })
+        .await;
+    let mirror = fake.get("gpumemorybudgetmirrors", "team-a", "llm-inference").expect("mirror");
+    assert_eq!(mirror["metadata"]["resourceVersion"], mirror_rv, "a status write does not touch the mirror");
+
+    // An edit reaches the agent through the mirror: 4Gi puts the 5 GiB pod over.
+    fake.modify("gpumemorybudgets", "team-a", "llm-inference", |b| b["spec"]["limit"] = json!("4Gi"));
+    let over = stack.event("team-a", "llm-0", "GpuMemoryOverBudget", Duration::from_secs(10)).await;
+    assert!(over.message.contains("4Gi"), "{}", over.message);
+    let mirror = fake.get("gpumemorybudgetmirrors", "team-a", "llm-inference").expect("mirror");
+    assert_eq!(mirror["spec"]["budget"]["limit"], json!("4Gi"));
+    assert_eq!(mirror["metadata"]["annotations"]["gpubudget.io/budget-generation"], json!("2"));
+
+    // Deleted: its mirror goes, and the agent forgets the budget (the pod's record is cleared).
+    assert!(fake.delete_object("gpumemorybudgets", "team-a", "llm-inference"));
+    let gone = fake
+        .wait_until(Duration::from_secs(10), |f| f.get("gpumemorybudgetmirrors", "team-a", "llm-inference").is_none())
+        .await;
+    assert!(gone, "the deleted budget's mirror stayed");
+    stack.annotations_until("team-a", "llm-0", "record cleared", |a| a.get("gpubudget.io/budget").is_none()).await;
+}

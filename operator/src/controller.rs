@@ -80,6 +80,8 @@ pub struct Settings {
     pub instance: Option<String>,
     /// The namespaces whose critical-priority pods are never evicted for a namespace total (#33).
     pub critical_namespaces: gpubudget_common::CriticalNamespaces,
+    /// Whether the leader writes the budgets' mirrors (#34), which agents read instead of the budgets.
+    pub mirrors: bool,
 }
 
 impl Default for Settings {
@@ -93,6 +95,7 @@ impl Default for Settings {
             min_backoff: Duration::from_millis(250),
             max_backoff: Duration::from_secs(300),
             instance: None,
+            mirrors: true,
         }
     }
 }
@@ -162,8 +165,10 @@ pub struct Context {
     leader: watch::Receiver<bool>,
     settings: Settings,
     synced: watch::Sender<bool>,
-    /// What has listed: (namespaced budgets, namespaces, cluster budgets or their first failure).
-    listed: Mutex<(bool, bool, bool)>,
+    /// What has listed ([`Listed`]).
+    listed: Mutex<Listed>,
+    /// The budgets' mirrors (#34): namespaced, cluster.
+    mirrors: [crate::mirror::Mirrors; 2],
     written: Mutex<Writes>,
     /// The digest of each cached budget's `topPods` (dropped from the cache, [`top_pods_digest`]), with the
     /// resourceVersion it was read at.
@@ -178,6 +183,24 @@ impl std::fmt::Debug for Context {
     }
 }
 
+/// What has listed; reconciles start once all have.
+#[derive(Debug, Default)]
+struct Listed {
+    budgets: bool,
+    namespaces: bool,
+    /// Or failed before listing (their CRD missing).
+    cluster_budgets: bool,
+    /// Each mirror kind's metadata, or its first failure (set from the start without mirrors).
+    mirrors: bool,
+    cluster_mirrors: bool,
+}
+
+impl Listed {
+    fn all(&self) -> bool {
+        self.budgets && self.namespaces && self.cluster_budgets && self.mirrors && self.cluster_mirrors
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -186,6 +209,7 @@ impl Context {
     /// A context. `leader` says whether this replica may write (constant `true` without election).
     pub fn new(client: Client, metrics: Metrics, leader: watch::Receiver<bool>, settings: Settings) -> Self {
         let reporter = Reporter { controller: settings.field_manager.clone(), instance: settings.instance.clone() };
+        let no_mirrors = !settings.mirrors;
         Self {
             recorder: Recorder::new(client.clone(), reporter.clone()),
             reporter,
@@ -195,7 +219,8 @@ impl Context {
             leader,
             settings,
             synced: watch::Sender::new(false),
-            listed: Mutex::default(),
+            listed: Mutex::new(Listed { mirrors: no_mirrors, cluster_mirrors: no_mirrors, ..Listed::default() }),
+            mirrors: Default::default(),
             written: Mutex::default(),
             top_digests: Mutex::default(),
             failures: Mutex::default(),
@@ -247,10 +272,10 @@ impl Context {
 
     /// Marks one of the budget caches listed; once all are, the caches are synced: ready, and every budget
     /// is reconciled (`true` returned, once).
-    fn mark_listed(&self, which: fn(&mut (bool, bool, bool)) -> &mut bool) -> bool {
+    fn mark_listed(&self, which: fn(&mut Listed) -> &mut bool) -> bool {
         let mut listed = lock(&self.listed);
         *which(&mut listed) = true;
-        let all = listed.0 && listed.1 && listed.2;
+        let all = listed.all();
         drop(listed);
         all && !self.synced.send_replace(true)
     }
@@ -328,7 +353,8 @@ impl Context {
 
 /// A budget kind whose status the operator writes: `GpuMemoryBudget` and `ClusterGpuMemoryBudget`.
 pub trait StatusOwner:
-    Resource<DynamicType = (), Scope = Self::Scoped>
+    crate::mirror::MirrorOwner
+    + Resource<DynamicType = (), Scope = Self::Scoped>
     + Clone
     + serde::de::DeserializeOwned
     + serde::Serialize
@@ -452,6 +478,33 @@ async fn reconcile_inner<K: StatusOwner>(obj: &K, ctx: &Context) -> Result<Actio
         // Caches not listed yet, or a follower: nothing to write. All budgets are reconciled when that changes.
         return Ok(Action::await_change());
     }
+    // The mirror first: agents enforce from it. A failed write does not hold the status back; the budget is
+    // reconciled again after a backoff.
+    let mirror_failed = match crate::mirror::ensure(
+        obj,
+        &key,
+        K::mirrors(&ctx.mirrors),
+        ctx.client.clone(),
+        &ctx.settings.field_manager,
+    )
+    .await
+    {
+        Ok(written) => {
+            if written {
+                ctx.metrics.mirror_written("written");
+            }
+            false
+        }
+        Err(error) => {
+            ctx.metrics.mirror_written("failed");
+            tracing::warn!(budget = %key, %error, "cannot write the budget's mirror; retrying");
+            true
+        }
+    };
+    let retry = |action: Result<Action, Error>| match action {
+        Ok(_) if mirror_failed => Ok(Action::requeue(ctx.settings.min_backoff.max(Duration::from_secs(1)))),
+        other => other,
+    };
     let Previous { status: previous, top: previous_top, resource_version } = ctx.previous(&key, obj);
     let (next, spec_error) = {
         let index = ctx.index.read().unwrap_or_else(PoisonError::into_inner);
@@ -468,7 +521,7 @@ async fn reconcile_inner<K: StatusOwner>(obj: &K, ctx: &Context) -> Result<Actio
         None => Ok(Action::await_change()),
     };
     if previous.as_ref().is_some_and(|p| unchanged(p, previous_top, &next)) {
-        return done();
+        return retry(done());
     }
     let mut metadata = serde_json::json!({});
     if let Some(rv) = &resource_version {
@@ -510,7 +563,7 @@ async fn reconcile_inner<K: StatusOwner>(obj: &K, ctx: &Context) -> Result<Actio
             Err(error) => tracing::warn!(budget = %key, %error, reason = notice.reason, "cannot publish event"),
         }
     }
-    done()
+    retry(done())
 }
 
 /// What to do after a failed reconcile: transient failures retry with exponential backoff per budget; an
@@ -672,6 +725,46 @@ async fn watch_node_usage(ctx: Arc<Context>, triggers: Triggers, shutdown: Cance
     }
 }
 
+/// Watches both kinds of mirrors' metadata (#34), when mirrors are written; a mirror deleted while its budget
+/// exists has that budget reconciled, which writes it again.
+async fn watch_mirrors(ctx: Arc<Context>, triggers: Triggers, health: Health, shutdown: CancellationToken) {
+    if !ctx.settings.mirrors {
+        return std::future::pending().await;
+    }
+    let listed = |which: fn(&mut Listed) -> &mut bool| {
+        let (ctx, triggers, health) = (ctx.clone(), triggers.clone(), health.clone());
+        move || {
+            if ctx.mark_listed(which) {
+                synced(&ctx, &triggers, &health);
+            }
+        }
+    };
+    // A cluster mirror's key has no namespace: a cluster budget's.
+    let deleted = || {
+        let (ctx, triggers) = (ctx.clone(), triggers.clone());
+        move |key: ObjKey| {
+            if *ctx.synced.borrow() {
+                triggers.send_all(Affected::from([key]), None);
+            }
+        }
+    };
+    let namespaced = crate::mirror::watch::<GpuMemoryBudget>(
+        ctx.client.clone(),
+        &ctx.mirrors[0],
+        shutdown.clone(),
+        listed(|l| &mut l.mirrors),
+        deleted(),
+    );
+    let cluster = crate::mirror::watch::<ClusterGpuMemoryBudget>(
+        ctx.client.clone(),
+        &ctx.mirrors[1],
+        shutdown,
+        listed(|l| &mut l.cluster_mirrors),
+        deleted(),
+    );
+    futures::join!(namespaced, cluster);
+}
+
 /// Feeds the namespaces' labels (metadata only) into the index; sends the budgets a relabel affects.
 async fn watch_namespaces(ctx: Arc<Context>, triggers: Triggers, health: Health, shutdown: CancellationToken) {
     let mut stream = std::pin::pin!(crate::namespaces::events(ctx.client.clone()));
@@ -683,7 +776,7 @@ async fn watch_namespaces(ctx: Arc<Context>, triggers: Triggers, health: Health,
             ctx.publish_caps_namespaces(&index);
             affected
         };
-        if listed && ctx.mark_listed(|l| &mut l.1) {
+        if listed && ctx.mark_listed(|l| &mut l.namespaces) {
             synced(&ctx, &triggers, &health);
         }
         if *ctx.synced.borrow() {
@@ -706,7 +799,7 @@ trait Indexed: StatusOwner {
     /// The watch's name in logs.
     const CACHE: &'static str;
     /// Which flag of [`Context::mark_listed`] its listing sets.
-    fn listed(flags: &mut (bool, bool, bool)) -> &mut bool;
+    fn listed(flags: &mut Listed) -> &mut bool;
     fn apply(index: &mut Index, obj: &Self) -> Affected;
     fn delete(index: &mut Index, key: &ObjKey) -> Affected;
     fn begin(index: &mut Index);
@@ -715,8 +808,8 @@ trait Indexed: StatusOwner {
 
 impl Indexed for GpuMemoryBudget {
     const CACHE: &'static str = "budgets";
-    fn listed(flags: &mut (bool, bool, bool)) -> &mut bool {
-        &mut flags.0
+    fn listed(flags: &mut Listed) -> &mut bool {
+        &mut flags.budgets
     }
     fn apply(index: &mut Index, obj: &Self) -> Affected {
         index.apply_budget(obj)
@@ -734,8 +827,8 @@ impl Indexed for GpuMemoryBudget {
 
 impl Indexed for ClusterGpuMemoryBudget {
     const CACHE: &'static str = "clusterbudgets";
-    fn listed(flags: &mut (bool, bool, bool)) -> &mut bool {
-        &mut flags.2
+    fn listed(flags: &mut Listed) -> &mut bool {
+        &mut flags.cluster_budgets
     }
     fn apply(index: &mut Index, obj: &Self) -> Affected {
         index.apply_cluster_budget(obj)
@@ -798,6 +891,9 @@ fn watch_budgets<K: Indexed>(
                     let key = b.key();
                     if let Some(k) = &key {
                         index_ctx.forget(k);
+                        if index_ctx.is_leader() {
+                            crate::mirror::forget::<K>(k, K::mirrors(&index_ctx.mirrors), index_ctx.client.clone());
+                        }
                     }
                     (key.as_ref().map(|k| K::delete(&mut index, k)).unwrap_or_default(), None, false)
                 }
@@ -907,6 +1003,7 @@ pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken)
         }
     };
 
+    let mirrors = watch_mirrors(ctx.clone(), triggers.clone(), health.clone(), shutdown.clone());
     let node_usage = watch_node_usage(ctx.clone(), triggers.clone(), shutdown.clone());
     let namespaces = watch_namespaces(ctx.clone(), triggers, health, shutdown.clone());
     let labeller = Labeller {
@@ -925,6 +1022,7 @@ pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken)
         () = labels => {},
         () = namespaces => {},
         () = node_usage => {},
+        () = mirrors => {},
     }
     Ok(())
 }

@@ -12,6 +12,7 @@ pub mod index;
 pub mod intern;
 pub mod leader;
 pub mod metrics;
+pub mod mirror;
 pub mod namespaces;
 pub mod pods;
 pub mod quota;

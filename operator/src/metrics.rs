@@ -36,6 +36,8 @@ pub struct Metrics {
     pub matched_pods: Gauge,
     /// Status writes (`_status_writes_total`).
     pub status_writes: Counter,
+    /// Budget mirror writes, by result (`_mirror_writes_total{result}`: `written`, `failed`).
+    pub mirror_writes: Family<ResultLabels, Counter>,
     /// Events published on budgets (`_events_total`).
     pub events: Counter,
     /// 1 while this replica writes status (the leader, or election off) (`_leader`).
@@ -71,6 +73,7 @@ impl Default for Metrics {
             pods: Gauge::default(),
             matched_pods: Gauge::default(),
             status_writes: Counter::default(),
+            mirror_writes: Family::default(),
             events: Counter::default(),
             leader: Gauge::default(),
             caps_admissions: Family::default(),
@@ -99,6 +102,11 @@ impl Metrics {
         r.register("pods", "Pods in the operator's metadata cache", m.pods.clone());
         r.register("matched_pods", "Pods selected by at least one valid budget", m.matched_pods.clone());
         r.register("status_writes", "GpuMemoryBudget status writes (server-side apply)", m.status_writes.clone());
+        r.register(
+            "mirror_writes",
+            "Budget mirror writes (the spec copies agents read), by result (written, failed)",
+            m.mirror_writes.clone(),
+        );
         r.register("events", "Events published on budgets", m.events.clone());
         r.register("leader", "1 while this replica writes status (leader, or election off)", m.leader.clone());
         r.register(
@@ -132,6 +140,11 @@ impl Metrics {
     /// Counts an answer of the caps webhook.
     pub fn caps_admitted(&self, result: &str) {
         self.caps_admissions.get_or_create(&ResultLabels { result: result.to_owned() }).inc();
+    }
+
+    /// Counts a mirror write.
+    pub fn mirror_written(&self, result: &str) {
+        self.mirror_writes.get_or_create(&ResultLabels { result: result.to_owned() }).inc();
     }
 
     /// Counts a failed reconcile.

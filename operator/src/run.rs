@@ -39,6 +39,12 @@ pub struct RunArgs {
     #[arg(long, env = "GPUBUDGET_LEADER_ELECTION", default_value_t = false, num_args = 0..=1,
           default_missing_value = "true", action = clap::ArgAction::Set)]
     pub leader_election: bool,
+    /// Copy each budget's spec into its mirror (GpuMemoryBudgetMirror, ClusterGpuMemoryBudgetMirror), which the
+    /// agents watch instead of the budgets, so that status writes never reach them (docs/performance.md). Off:
+    /// agents watch the budgets' metadata, one event per status write each.
+    #[arg(long, env = "GPUBUDGET_BUDGET_MIRRORS", default_value_t = true, num_args = 0..=1,
+          default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub budget_mirrors: bool,
     /// Name of the Lease (in the operator's namespace).
     #[arg(long, env = "GPUBUDGET_LEASE_NAME", default_value = "gpubudget-operator")]
     pub lease_name: String,
@@ -119,6 +125,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<i32> {
         instance: Some(identity),
         concurrency: args.status_concurrency,
         critical_namespaces: args.critical_namespaces.clone(),
+        mirrors: args.budget_mirrors,
         ..Settings::default()
     };
     let ctx = Arc::new(Context::new(client.clone(), metrics, leader_rx, settings));

@@ -481,6 +481,14 @@ impl FakeApi {
         self.state().open_watches()
     }
 
+    /// Watch streams still open on `resource` (`plural` or `plural.group`), each as whether it asks for
+    /// metadata only.
+    pub fn open_watches_on(&self, resource: &str) -> Vec<bool> {
+        let mut state = self.state();
+        let gr = state.resolve(resource);
+        state.open_watches_on(&gr)
+    }
+
     // ---- observation ----
 
     pub fn requests(&self) -> Vec<RecordedRequest> {

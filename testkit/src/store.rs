@@ -572,6 +572,12 @@ impl State {
         self.watches.len()
     }
 
+    /// Open watches on `gr`, as whether each asks for metadata only.
+    pub(crate) fn open_watches_on(&mut self, gr: &Gr) -> Vec<bool> {
+        self.watches.retain(|w| !w.tx.is_closed());
+        self.watches.iter().filter(|w| w.spec.gr == *gr).map(|w| w.spec.meta_only).collect()
+    }
+
     pub(crate) fn compact_history(&mut self) {
         self.history.clear();
         self.oldest_rv = self.rv;

@@ -4,6 +4,7 @@
 //! - [`procfs`]: reads and caches it per PID (the only reader of the host's `/proc` here);
 //! - [`budgets`]: the cluster's budgets, compiled as the watch delivers them, per namespace;
 //! - [`spec_watch`]: budgets' specs without their status: a metadata watch, a read when `generation` moves;
+//! - [`mirror_watch`]: the same from the operator's mirrors once every budget has one: no status traffic;
 //! - [`pods`]: the node's pods with their budgets, indexed for the join (rebuilt on cache changes);
 //! - [`join`]: each sampled process to its owner;
 //! - [`usage`]: the pure per-pod sum;
@@ -13,6 +14,7 @@ pub mod budgets;
 pub mod cgroup;
 pub mod driver_limits;
 pub mod join;
+pub mod mirror_watch;
 pub mod pods;
 pub mod procfs;
 pub mod spec_watch;

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use futures::StreamExt as _;
-use gpubudget_common::{ClusterGpuMemoryBudget, GpuMemoryBudget};
+use gpubudget_common::{ClusterGpuMemoryBudget, ClusterGpuMemoryBudgetMirror, GpuMemoryBudget, GpuMemoryBudgetMirror};
 use gpubudget_daemon::{Health, serve_admin, shutdown_on_signal};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::runtime::reflector::{self, Store};
@@ -31,18 +31,20 @@ use crate::act::usage::UsageWriter;
 use crate::attribute::ProcAttributor;
 use crate::attribute::budgets::{BudgetCache, Change, ClusterCache};
 use crate::attribute::driver_limits::DriverReader;
+use crate::attribute::mirror_watch;
 use crate::attribute::pods::{PodTable, PodView, slim_pod};
-use crate::attribute::spec_watch::{self, Source, SpecEvent};
+use crate::attribute::spec_watch::{Source, SpecEvent};
 use crate::cli::RunArgs;
 use crate::decide::{Settings, driver_limits};
 use crate::pipeline::Engine;
-use crate::report::metrics::Metrics;
+use crate::report::metrics::{KindLabels, Metrics};
 use crate::sample::file::RecordedSampler;
 use crate::sample::nvml::NvmlSampler;
 use crate::sample::{SamplerFactory, SamplerSlot};
 use gpubudget_nvml_limits::DriverLimits;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 
 /// Readiness checks.
 pub const CHECKS: [&str; 3] = ["gpu", "pods", "budgets"];
@@ -113,6 +115,7 @@ impl Caches {
         node: &str,
         health: Health,
         spec_reads: Family<WriteLabels, Counter>,
+        specs_from_mirrors: Family<KindLabels, Gauge>,
         shutdown: CancellationToken,
     ) -> Self {
         let changes = Arc::new(AtomicU64::new(0));
@@ -158,12 +161,14 @@ impl Caches {
                 let all = all.clone();
                 Box::new(move |_: &str| all.clone())
             };
-            spec_watch::spawn(
+            mirror_watch::spawn(
                 Source { all, scoped },
+                Api::<ClusterGpuMemoryBudgetMirror>::all(client.clone()),
                 LIST_PAGE_SIZE,
                 "clusterbudgets",
                 shutdown.clone(),
                 counted(&spec_reads),
+                from_mirrors(&specs_from_mirrors, "ClusterGpuMemoryBudget"),
                 move |event| {
                     let changed = match event {
                         SpecEvent::Event(event) => lock(&cache).apply_budget(&event),
@@ -210,12 +215,14 @@ impl Caches {
                 let client = client.clone();
                 Box::new(move |namespace: &str| Api::<GpuMemoryBudget>::namespaced(client.clone(), namespace))
             };
-            spec_watch::spawn(
-                Source { all: Api::<GpuMemoryBudget>::all(client), scoped },
+            mirror_watch::spawn(
+                Source { all: Api::<GpuMemoryBudget>::all(client.clone()), scoped },
+                Api::<GpuMemoryBudgetMirror>::all(client),
                 LIST_PAGE_SIZE,
                 "budgets",
                 shutdown,
                 counted(&spec_reads),
+                from_mirrors(&specs_from_mirrors, "GpuMemoryBudget"),
                 move |event| {
                     let mut cache = lock(&cache);
                     let change = match event {
@@ -285,6 +292,14 @@ fn is_not_found(error: &watcher::Error) -> bool {
     }
 }
 
+/// Sets `gpubudget_budget_specs_from_mirrors{kind}`.
+fn from_mirrors(gauge: &Family<KindLabels, Gauge>, kind: &'static str) -> impl Fn(bool) + Send + 'static {
+    let gauge = gauge.clone();
+    move |mirrors| {
+        gauge.get_or_create(&KindLabels { kind: kind.to_owned() }).set(i64::from(mirrors));
+    }
+}
+
 /// Counts a budget spec read in `gpubudget_budget_spec_reads_total{kind,result}`.
 fn counted(reads: &Family<WriteLabels, Counter>) -> impl Fn(&'static str, bool) + Send + 'static {
     let reads = reads.clone();
@@ -312,7 +327,14 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
     let node = args.node_name.clone();
     // The driver's per-cgroup limits, once per start (not when replaying a sample file: no driver then).
     let detected = args.sample_file.is_none().then(DriverLimits::open);
-    let caches = Caches::start(client.clone(), &node, health.clone(), metrics.spec_reads.clone(), shutdown.clone());
+    let caches = Caches::start(
+        client.clone(),
+        &node,
+        health.clone(),
+        metrics.spec_reads.clone(),
+        metrics.specs_from_mirrors.clone(),
+        shutdown.clone(),
+    );
     let mut engine = Engine::new(
         SamplerSlot::new(sampler_factory(args.sample_file.as_deref())),
         ProcAttributor::new(&args.sample.proc_root),

@@ -128,6 +128,15 @@ pub struct Metrics {
     pub pod_driver_soft: Family<PodLabels, Gauge>,
     /// `gpubudget_budget_spec_reads_total`.
     pub spec_reads: Family<WriteLabels, Counter>,
+    /// `gpubudget_budget_specs_from_mirrors{kind}`.
+    pub specs_from_mirrors: Family<KindLabels, Gauge>,
+}
+
+/// `{kind}`: `GpuMemoryBudget` or `ClusterGpuMemoryBudget`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    /// The budget kind.
+    pub kind: String,
 }
 
 impl Metrics {
@@ -158,7 +167,13 @@ impl Metrics {
             pod_driver_hard: Family::default(),
             pod_driver_soft: Family::default(),
             spec_reads: Family::default(),
+            specs_from_mirrors: Family::default(),
         };
+        registry.register(
+            "gpubudget_budget_specs_from_mirrors",
+            "1 while the agent reads a budget kind's specs from the operator's mirrors only (every budget mirrored: status writes no longer reach it), 0 while it watches the budgets themselves",
+            m.specs_from_mirrors.clone(),
+        );
         registry.register(
             "gpubudget_budget_spec_reads",
             "Reads of budgets' objects (kind get, or list for a page of a full list), by result: the agent watches budgets' metadata only and reads a budget when its spec's generation moves, never for a status write",
