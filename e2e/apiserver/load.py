@@ -10,8 +10,9 @@ GPUBUDGET_TOKEN. Certificates are not verified (a local test control plane).
     load.py record-latency PREFIX NAMESPACES PER_NS PER_BUDGET_NS CHANGES
     load.py stream status|spec NAMES_FILE RATE SECONDS       NAMES_FILE: namespace/name lines
     load.py edit-all NAMES_FILE SPEC_JSON                     every budget's spec merge-patched at once
-    load.py status-ceiling PREFIX NAMESPACES PER_NS apply|merge|clear THREADS
+    load.py status-ceiling PREFIX NAMESPACES PER_NS apply|apply-events|merge|clear THREADS
                                                               every budget's status rewritten once, no operator
+    load.py list-ceiling                                      what the operator lists before a status, timed
 """
 import http.client
 import json
@@ -267,11 +268,29 @@ def cmd_status_ceiling(prefix, namespaces, per_ns, mode, threads):
         rv, status = current[(namespace, name)]
         status = dict(status, matchedPods=int(status.get("matchedPods", 0)) + 1)
         path = budget_path(namespace, name) + "/status"
-        if mode == "apply":
+        if mode in ("apply", "apply-events"):
             body = {"apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
                     "metadata": {"name": name, "namespace": namespace, "resourceVersion": rv}, "status": status}
-            return lambda: request("PATCH", path + "?fieldManager=gpubudget-operator&force=true", body,
-                                   "application/apply-patch+yaml")
+            overlapping = [c for c in status.get("conditions", []) if c.get("type") == "Overlapping"
+                           and c.get("status") == "True"]
+
+            def job():
+                written = request("PATCH", path + "?fieldManager=gpubudget-operator&force=true", body,
+                                  "application/apply-patch+yaml")
+                # `apply-events`: the Warning the operator publishes with a first status that says Overlapping
+                # (status::notices), one events.k8s.io/v1 create after the status write, as its reconcile does.
+                if mode == "apply-events" and overlapping:
+                    now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
+                    event = {"apiVersion": "events.k8s.io/v1", "kind": "Event",
+                             "metadata": {"generateName": f"{name}.", "namespace": namespace},
+                             "eventTime": now, "reportingController": "gpubudget-operator",
+                             "reportingInstance": "load.py", "action": "Reconcile", "reason": "Overlapping",
+                             "type": "Warning", "note": overlapping[0].get("message", "")[:1024],
+                             "regarding": {"apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
+                                           "namespace": namespace, "name": name,
+                                           "uid": written["metadata"]["uid"]}}
+                    request("POST", f"/apis/events.k8s.io/v1/namespaces/{namespace}/events", event)
+            return job
         body = {"metadata": {"resourceVersion": rv}, "status": status}
         return lambda: request("PATCH", path, body, "application/merge-patch+json")
 
@@ -285,6 +304,53 @@ def cmd_status_ceiling(prefix, namespaces, per_ns, mode, threads):
     elapsed = time.monotonic() - t0
     print(f"status-ceiling mode={mode} threads={THREADS} writes={len(jobs)} seconds={elapsed:.1f} "
           f"rate={len(jobs) / elapsed:.0f}/s")
+
+
+def cmd_list_ceiling():
+    """The API server's own time to hand a client what the operator lists before its first status: every
+    active pod (full objects, 500 a page, kube's default), and 100 a page the budgets, cluster budgets,
+    namespaces, nodes' usage objects and both kinds of mirrors (metadata only for namespaces and mirrors, as the
+    operator asks), all at once on one thread each, as the operator's watches start together; prints the wall
+    time and the bytes."""
+    global THREADS
+    lists = [("/api/v1/pods", 500, "fieldSelector=status.phase%21%3DSucceeded%2Cstatus.phase%21%3DFailed", False),
+             ("/apis/gpubudget.io/v1alpha1/gpumemorybudgets", 100, "", False),
+             ("/apis/gpubudget.io/v1alpha1/clustergpumemorybudgets", 100, "", False),
+             ("/api/v1/namespaces", 100, "", True),
+             ("/apis/gpubudget.io/v1alpha1/gpunodeusages", 100, "", False),
+             ("/apis/gpubudget.io/v1alpha1/gpumemorybudgetmirrors", 100, "", True),
+             ("/apis/gpubudget.io/v1alpha1/clustergpumemorybudgetmirrors", 100, "", True)]
+    totals = {}
+
+    def lister(path, limit, query, meta_only):
+        def job():
+            items, size, token = 0, 0, ""
+            while True:
+                q = f"limit={limit}" + (f"&{query}" if query else "") + \
+                    (f"&continue={urllib.parse.quote(token)}" if token else "")
+                headers = {"Authorization": "Bearer " + os.environ["GPUBUDGET_TOKEN"],
+                           "Accept": "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
+                           if meta_only else "application/json"}
+                c = conn()
+                c.request("GET", f"{path}?{q}", headers=headers)
+                r = c.getresponse()
+                payload = r.read()
+                if r.status >= 400:
+                    raise RuntimeError(f"GET {path}: {r.status} {payload[:200]!r}")
+                page = json.loads(payload)
+                items, size = items + len(page.get("items", [])), size + len(payload)
+                token = page.get("metadata", {}).get("continue", "")
+                if not token:
+                    break
+            totals[path.rsplit("/", 1)[1]] = (items, size)
+        return job
+
+    THREADS = len(lists)
+    t0 = time.monotonic()
+    parallel(lister(*entry) for entry in lists)
+    elapsed = time.monotonic() - t0
+    what = " ".join(f"{k}={n}" for k, (n, _) in sorted(totals.items()))
+    print(f"list-ceiling seconds={elapsed:.1f} bytes={sum(b for _, b in totals.values()) / (1 << 20):.0f}MiB {what}")
 
 
 def cmd_node_usage(prefix, namespaces, nodes):
@@ -325,7 +391,8 @@ def cmd_node_usage(prefix, namespaces, nodes):
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     {"budgets": cmd_budgets, "pods": cmd_pods, "record-latency": cmd_record_latency, "stream": cmd_stream,
-     "edit-all": cmd_edit_all, "status-ceiling": cmd_status_ceiling, "node-usage": cmd_node_usage}[cmd](*args)
+     "edit-all": cmd_edit_all, "status-ceiling": cmd_status_ceiling, "node-usage": cmd_node_usage,
+     "list-ceiling": cmd_list_ceiling}[cmd](*args)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@
 # window (none expected). "Every status" is read from the operator's own status-write counter (one write per
 # budget at start), then checked with one list of the budgets: polling a list of 10 000 budgets would load the
 # API server it measures. GPUBUDGET_E2E_CEILING=1: once the operator is stopped, every budget's status is
-# rewritten by load.py (server-side apply as the operator does, then JSON merge patch; 16 at a time, as the
-# operator's reconciles): the API server's own rate for these writes, to compare the operator's with.
+# rewritten by load.py (server-side apply as the operator does; the same with the Overlapping Warning event the
+# operator publishes after a first status that says so; then JSON merge patch; 16 at a time, as the operator's
+# reconciles): the API server's own rate for these writes, to compare the operator's with; before them, the time
+# it takes to list what the operator lists before its first status (load.py list-ceiling).
 # GPUBUDGET_E2E_NODES (default 50): the nodes the pods are bound to and their records name (created as Node
 # objects). GPUBUDGET_E2E_NODE_USAGE=1 (#34): one GpuNodeUsage per node listing its pods (each at its record's
 # usage plus 1 GiB), written before the operator starts, so that it watches and applies them too. GPUBUDGET_E2E_REUSE=PREFIX runs the
@@ -114,9 +116,10 @@ wait_for() { # wait_for COMMAND: until the count it prints reaches BUDGETS (and 
 wait_for metric gpubudget_operator_status_writes_total
 CONVERGED=$(since)
 wait_for with_status
-printf '    RESULT operator pods=%s budgets=%s ready=%ss every_status=%ss (list checked at %ss) rss=%sMiB peak=%sMiB\n' \
-  "$((NAMESPACES * PER_NS))" "$BUDGETS" "$READY_AT" "$CONVERGED" "$(since)" "$(mib VmRSS)" "$(mib VmHWM)" \
-  | tee "$WORK/results.txt"
+printf '    RESULT operator pods=%s budgets=%s ready=%ss every_status=%ss (after ready: %ss; list checked at %ss) rss=%sMiB peak=%sMiB events=%s mirror_writes=%s\n' \
+  "$((NAMESPACES * PER_NS))" "$BUDGETS" "$READY_AT" "$CONVERGED" "$(echo "$CONVERGED - $READY_AT" | bc -l | xargs printf '%.1f')" \
+  "$(since)" "$(mib VmRSS)" "$(mib VmHWM)" "$(metric gpubudget_operator_events_total)" \
+  "$(metric gpubudget_operator_mirror_writes_total)" | tee "$WORK/results.txt"
 IDLE=${GPUBUDGET_E2E_IDLE_SECONDS:-30}
 W0=$(metric gpubudget_operator_status_writes_total)
 sleep "$IDLE"
@@ -134,7 +137,8 @@ wait "$OPERATOR_PID" && info "operator exited 0 after SIGTERM" || info "operator
 OPERATOR_PID=""
 if [ "${GPUBUDGET_E2E_CEILING:-0}" = 1 ]; then
   say "the API server's own rate for these status writes (operator stopped)"
-  for mode in apply merge; do
+  python3 "$HERE/load.py" list-ceiling | sed 's/^/    RESULT /' | tee -a "$WORK/results.txt"
+  for mode in apply apply-events merge; do
     python3 "$HERE/load.py" status-ceiling "$P" "$NAMESPACES" "$BUDGETS_PER_NS" "$mode" 16 | sed 's/^/    RESULT /' \
       | tee -a "$WORK/results.txt"
   done
