@@ -452,6 +452,26 @@ terminating "$NS_B" other-b && die "other-b is being deleted"
 terminating "$NS_A" remote-a && die "remote-a is being deleted"
 annotation_is "$NS_A" trainer state Over || die "trainer's record changed: $(annotation "$NS_A" trainer state)"
 
+say "mirrors (#34): the operator copies each budget's spec; the agent reads the mirrors alone, so no status write reaches it"
+wait_for "the agent reads the mirrors only" bash -c \
+  "curl -fsS http://$AGENT_ADMIN/metrics | grep -q '^gpubudget_budget_specs_from_mirrors{kind=\"GpuMemoryBudget\"} 1'"
+MIRROR=$(kubectl get gmbmirror llm-inference -n "$NS_A" -o json)
+BUDGET=$(kubectl get gmb llm-inference -n "$NS_A" -o json)
+[ "$(jq -c .spec.budget <<<"$MIRROR")" = "$(jq -c .spec <<<"$BUDGET")" ] || die "the mirror's spec is not the budget's"
+[ "$(jq -r '.metadata.ownerReferences[0] | "\(.kind)/\(.uid)/\(.controller)"' <<<"$MIRROR")" = "GpuMemoryBudget/$(jq -r .metadata.uid <<<"$BUDGET")/true" ] \
+  || die "the mirror is not owned by its budget"
+[ "$(jq -r '.metadata.annotations["gpubudget.io/budget-generation"]' <<<"$MIRROR")" = "$(jq -r .metadata.generation <<<"$BUDGET")" ] \
+  || die "the mirror's generation is not the budget's"
+info "gmbmirror/llm-inference: the budget's spec at generation $(jq -r .metadata.generation <<<"$BUDGET"), owned by it"
+jq --arg ns "$NS_A" '.metadata = {name: "forged", namespace: $ns}' <<<"$MIRROR" > "$WORK/forged-mirror.json"
+refused "forbidden" "the tenant (edit in $NS_A) writing a mirror" \
+  kubectl --kubeconfig "$TENANT_KC" create -f "$WORK/forged-mirror.json"
+refused "forbidden" "the agent writing a mirror" kubectl --kubeconfig "$AGENT_KC" create -f "$WORK/forged-mirror.json"
+refused "forbidden" "the tenant (edit in $NS_A) deleting a mirror" \
+  kubectl --kubeconfig "$TENANT_KC" delete gmbmirror llm-inference -n "$NS_A"
+kubectl delete gmbmirror llm-inference -n "$NS_A" >/dev/null
+wait_for "a mirror deleted by hand is written again by the operator" kubectl get gmbmirror llm-inference -n "$NS_A"
+
 say "operator down: the agent records and warns; its eviction waits for the webhook (failurePolicy Fail)"
 stop_process "$OPERATOR_PID"
 OPERATOR_PID=""
@@ -627,5 +647,5 @@ kubectl delete node "$NODE2" >/dev/null
 wait_for "GpuNodeUsage $NODE2 deleted with Node $NODE2" bash -c "! kubectl get gpunodeusage $NODE2 >/dev/null 2>&1"
 
 FAILED=0
-say "PASS: records, events, Evict with the budget's grace, Warn, overlaps, node restriction both ways, usage objects (own node only, collected with the Node), operator down and back, agent restart mid-grace, pressure eviction, a PodDisruptionBudget escalated, a GPU lost and back, two operator replicas with the leader crashed ($((SECONDS - START)) s)"
+say "PASS: records, mirrors, events, Evict with the budget's grace, Warn, overlaps, node restriction both ways, usage objects (own node only, collected with the Node), operator down and back, agent restart mid-grace, pressure eviction, a PodDisruptionBudget escalated, a GPU lost and back, two operator replicas with the leader crashed ($((SECONDS - START)) s)"
 
