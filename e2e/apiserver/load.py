@@ -282,7 +282,7 @@ def cmd_status_ceiling(prefix, namespaces, per_ns, mode, threads):
                 if mode == "apply-events" and overlapping:
                     now = time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())
                     event = {"apiVersion": "events.k8s.io/v1", "kind": "Event",
-                             "metadata": {"generateName": f"{name}.", "namespace": namespace},
+                             "metadata": {"name": f"{name}.{os.urandom(8).hex()}", "namespace": namespace},
                              "eventTime": now, "reportingController": "gpubudget-operator",
                              "reportingInstance": "load.py", "action": "Reconcile", "reason": "Overlapping",
                              "type": "Warning", "note": overlapping[0].get("message", "")[:1024],
@@ -338,7 +338,7 @@ def cmd_list_ceiling():
                 if r.status >= 400:
                     raise RuntimeError(f"GET {path}: {r.status} {payload[:200]!r}")
                 page = json.loads(payload)
-                items, size = items + len(page.get("items", [])), size + len(payload)
+                items, size = items + len(page.get("items") or []), size + len(payload)
                 token = page.get("metadata", {}).get("continue", "")
                 if not token:
                     break

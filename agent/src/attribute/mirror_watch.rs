@@ -13,6 +13,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Debug;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt as _;
@@ -135,7 +136,7 @@ pub fn spawn<K, F, E>(
     shutdown: CancellationToken,
     reads: impl Fn(&'static str, bool) + Send + 'static,
     mirrored: impl Fn(bool) + Send + 'static,
-    mut on: F,
+    on: F,
     failed: E,
 ) where
     K: Mirrored + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
@@ -143,26 +144,35 @@ pub fn spawn<K, F, E>(
     F: FnMut(SpecEvent<K>) + Send + 'static,
     E: FnMut(&watcher::Error) + Send + 'static,
 {
-    let (tx, mut budgets) = tokio::sync::mpsc::unbounded_channel();
+    // One state for both watches, locked while a change reaches the cache: the budget watch's events are applied
+    // on its own task as they are read (no queue of full objects between the two), and none is applied once the
+    // mirrors feed the cache.
+    let shared = Arc::new(Mutex::new(Shared { switch: Switch::default(), on_mirrors: false, dirty: false, on }));
     let budget_watch = shutdown.child_token();
-    spec_watch::spawn(
-        source,
-        page_size,
-        name,
-        budget_watch.clone(),
-        reads,
-        move |event| {
-            let _ = tx.send(event);
-        },
-        failed,
-    );
+    {
+        let shared = shared.clone();
+        spec_watch::spawn(
+            source,
+            page_size,
+            name,
+            budget_watch.clone(),
+            reads,
+            move |event| {
+                let mut s = lock(&shared);
+                if !s.on_mirrors {
+                    s.switch.budget(&event);
+                    s.dirty = true;
+                    (s.on)(event);
+                }
+            },
+            failed,
+        );
+    }
     let stream = watcher(mirrors, watcher::Config::default().page_size(page_size)).default_backoff();
     let kind = K::kind(&()).into_owned();
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
-        let mut switch = Switch::default();
         let mut on_mirrors = false;
-        let mut dirty = false;
         let mut warned = false;
         mirrored(false);
         let mut check = tokio::time::interval(CHECK_EVERY);
@@ -170,21 +180,18 @@ pub fn spawn<K, F, E>(
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => break,
-                Some(event) = budgets.recv(), if !on_mirrors => {
-                    switch.budget(&event);
-                    dirty = true;
-                    on(event);
-                }
                 event = stream.next() => match event {
                     None => break,
-                    Some(Ok(event)) if on_mirrors => {
-                        if let Some(event) = as_budget_event::<K>(event) {
-                            on(event);
-                        }
-                    }
                     Some(Ok(event)) => {
-                        switch.mirror(&event, &kind);
-                        dirty = true;
+                        let mut s = lock(&shared);
+                        if s.on_mirrors {
+                            if let Some(event) = as_budget_event::<K>(event) {
+                                (s.on)(event);
+                            }
+                        } else {
+                            s.switch.mirror(&event, &kind);
+                            s.dirty = true;
+                        }
                     }
                     Some(Err(error)) => {
                         // Before a switch a missing CRD is expected (an older operator): said once.
@@ -194,12 +201,15 @@ pub fn spawn<K, F, E>(
                         }
                     }
                 },
-                _ = check.tick(), if !on_mirrors && dirty => {
-                    dirty = false;
-                    if switch.ready() {
+                _ = check.tick(), if !on_mirrors => {
+                    let mut s = lock(&shared);
+                    if std::mem::take(&mut s.dirty) && s.switch.ready() {
+                        s.on_mirrors = true;
+                        // What the switch kept (two maps of every budget) is not needed any more.
+                        s.switch = Switch::default();
+                        drop(s);
                         on_mirrors = true;
                         budget_watch.cancel();
-                        budgets.close();
                         mirrored(true);
                         tracing::info!(cache = name, "every budget has a current mirror: reading the mirrors only \
                             (status writes no longer reach this agent)");
@@ -208,6 +218,19 @@ pub fn spawn<K, F, E>(
             }
         }
     });
+}
+
+/// What both watches share: the switch, whether the mirrors feed the cache, and the cache's entry point.
+struct Shared<F> {
+    switch: Switch,
+    on_mirrors: bool,
+    /// Something changed since the last check.
+    dirty: bool,
+    on: F,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]
