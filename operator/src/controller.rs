@@ -480,7 +480,7 @@ async fn reconcile_inner<K: StatusOwner>(obj: &K, ctx: &Context) -> Result<Actio
     }
     // The mirror first: agents enforce from it. A failed write does not hold the status back; the budget is
     // reconciled again after a backoff.
-    let mirror_failed = match crate::mirror::ensure(
+    let mut mirror_failed = match crate::mirror::ensure(
         obj,
         &key,
         K::mirrors(&ctx.mirrors),
@@ -493,17 +493,18 @@ async fn reconcile_inner<K: StatusOwner>(obj: &K, ctx: &Context) -> Result<Actio
             if written {
                 ctx.metrics.mirror_written("written");
             }
-            false
+            None
         }
         Err(error) => {
             ctx.metrics.mirror_written("failed");
-            tracing::warn!(budget = %key, %error, "cannot write the budget's mirror; retrying");
-            true
+            tracing::warn!(budget = %key, %error, "cannot write the budget's mirror; retrying with backoff");
+            Some(error)
         }
     };
-    let retry = |action: Result<Action, Error>| match action {
-        Ok(_) if mirror_failed => Ok(Action::requeue(ctx.settings.min_backoff.max(Duration::from_secs(1)))),
-        other => other,
+    // A failed mirror write is the reconcile's error once the status is done: retried with the budget's backoff.
+    let mut retry = |action: Result<Action, Error>| match (action, mirror_failed.take()) {
+        (Ok(_), Some(error)) => Err(Error::Kube(error)),
+        (action, _) => action,
     };
     let Previous { status: previous, top: previous_top, resource_version } = ctx.previous(&key, obj);
     let (next, spec_error) = {

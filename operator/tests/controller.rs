@@ -482,3 +482,42 @@ async fn one_replica_leads_and_another_takes_over() {
     follower_stop.cancel();
     tokio::time::timeout(WAIT, follower_task).await.expect("stops").expect("joins").expect("clean");
 }
+
+/// #34: each budget gets a mirror of its spec, rewritten only when the spec changes (a status write leaves it);
+/// a failed mirror write does not hold the status back and is retried with backoff.
+#[tokio::test(start_paused = true)]
+async fn mirrors_follow_the_spec_not_the_status_and_a_failed_write_is_retried() {
+    let fake = cluster();
+    fake.fail_next(Verb::Patch, "gpumemorybudgetmirrors", 1, 500);
+    let op = Operator::start(&fake, true);
+    op.synced().await;
+    until(&fake, "statuses", |f| status(f, "llm").matched_pods == 2 && status(f, "wide").matched_pods == 1).await;
+    until(&fake, "both mirrors, one after a retry", |f| {
+        f.get("gpumemorybudgetmirrors", "team-a", "llm").is_some()
+            && f.get("gpumemorybudgetmirrors", "team-a", "wide").is_some()
+    })
+    .await;
+    assert_eq!(fake.count(Verb::Patch, "gpumemorybudgetmirrors"), 3, "two writes and the retried one");
+    let mirror = fake.get("gpumemorybudgetmirrors", "team-a", "llm").expect("mirror");
+    let budget = fake.get("gpumemorybudgets", "team-a", "llm").expect("budget");
+    assert_eq!(mirror["spec"]["budget"], budget["spec"]);
+    assert_eq!(mirror["metadata"]["annotations"]["gpubudget.io/budget-generation"], "1");
+
+    // Usage moves: statuses are rewritten, the mirrors are not.
+    let writes = status_writes(&fake);
+    record(&fake, "p1", "Over", 9 * GI, "llm", None);
+    until(&fake, "llm over", |f| status(f, "llm").pods_over_budget == 1).await;
+    assert!(status_writes(&fake) > writes);
+    assert_eq!(fake.count(Verb::Patch, "gpumemorybudgetmirrors"), 3, "no mirror write for a status");
+
+    // The spec changes: its mirror follows, at the new generation.
+    fake.modify("gpumemorybudgets", "team-a", "llm", |b| b["spec"]["limit"] = json!("6Gi"));
+    until(&fake, "llm's mirror at 6Gi", |f| {
+        f.get("gpumemorybudgetmirrors", "team-a", "llm").is_some_and(|m| {
+            m["spec"]["budget"]["limit"] == "6Gi"
+                && m["metadata"]["annotations"]["gpubudget.io/budget-generation"] == "2"
+        })
+    })
+    .await;
+    op.stop().await;
+}
