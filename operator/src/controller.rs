@@ -480,27 +480,20 @@ async fn reconcile_inner<K: StatusOwner>(obj: &K, ctx: &Context) -> Result<Actio
     }
     // The mirror first: agents enforce from it. A failed write does not hold the status back; the budget is
     // reconciled again after a backoff.
-    let mut mirror_failed = match crate::mirror::ensure(
-        obj,
-        &key,
-        K::mirrors(&ctx.mirrors),
-        ctx.client.clone(),
-        &ctx.settings.field_manager,
-    )
-    .await
-    {
-        Ok(written) => {
-            if written {
+    let mirrors = K::mirrors(&ctx.mirrors);
+    let mut mirror_failed =
+        match crate::mirror::ensure(obj, &key, mirrors, ctx.client.clone(), &ctx.settings.field_manager).await {
+            Ok(true) => {
                 ctx.metrics.mirror_written("written");
+                None
             }
-            None
-        }
-        Err(error) => {
-            ctx.metrics.mirror_written("failed");
-            tracing::warn!(budget = %key, %error, "cannot write the budget's mirror; retrying with backoff");
-            Some(error)
-        }
-    };
+            Ok(false) => None,
+            Err(error) => {
+                ctx.metrics.mirror_written("failed");
+                tracing::warn!(budget = %key, %error, "cannot write the budget's mirror; retrying with backoff");
+                Some(error)
+            }
+        };
     // A failed mirror write is the reconcile's error once the status is done: retried with the budget's backoff.
     let mut retry = |action: Result<Action, Error>| match (action, mirror_failed.take()) {
         (Ok(_), Some(error)) => Err(Error::Kube(error)),
@@ -751,14 +744,14 @@ async fn watch_mirrors(ctx: Arc<Context>, triggers: Triggers, health: Health, sh
     };
     let namespaced = crate::mirror::watch::<GpuMemoryBudget>(
         ctx.client.clone(),
-        &ctx.mirrors[0],
+        <GpuMemoryBudget as crate::mirror::MirrorOwner>::mirrors(&ctx.mirrors),
         shutdown.clone(),
         listed(|l| &mut l.mirrors),
         deleted(),
     );
     let cluster = crate::mirror::watch::<ClusterGpuMemoryBudget>(
         ctx.client.clone(),
-        &ctx.mirrors[1],
+        <ClusterGpuMemoryBudget as crate::mirror::MirrorOwner>::mirrors(&ctx.mirrors),
         shutdown,
         listed(|l| &mut l.cluster_mirrors),
         deleted(),

@@ -41,16 +41,6 @@ impl Mirrors {
         self.available.load(Ordering::Acquire)
     }
 
-    /// Mirrors known.
-    pub fn len(&self) -> usize {
-        self.copies.read().unwrap_or_else(PoisonError::into_inner).len()
-    }
-
-    /// No mirror known.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     fn record(&self, key: ObjKey, copied: Option<Copied>) {
         let mut copies = self.copies.write().unwrap_or_else(PoisonError::into_inner);
         match copied {
