@@ -336,12 +336,30 @@ pub struct RunArgs {
     /// webhook's `NVIDIA_GPU_MEMORY_LIMIT`/`_REQUEST` would have. Never raises a limit. Needs root.
     #[arg(long, env = "GPUBUDGET_APPLY_DRIVER_LIMITS")]
     pub apply_driver_limits: bool,
+    /// The Lease (`NAMESPACE/NAME`) by which the operator vouches that every budget has a current mirror: the
+    /// agent reads the budgets' mirrors instead of the budgets only while the operator renews it, and reads the
+    /// budgets themselves again within about a minute of it stopping. Unset: always the budgets.
+    #[arg(long, env = "GPUBUDGET_MIRRORS_LEASE", value_parser = parse_lease)]
+    pub mirrors_lease: Option<(String, String)>,
     #[command(flatten)]
     pub pressure: PressureArgs,
     #[command(flatten)]
     pub accounting: AccountingArgs,
     #[command(flatten)]
     pub records: RecordArgs,
+}
+
+/// `NAMESPACE/NAME`, each a DNS label or subdomain as Kubernetes names them.
+fn parse_lease(text: &str) -> Result<(String, String), String> {
+    let valid = |part: &str| {
+        !part.is_empty()
+            && part.len() <= 253
+            && part.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+    };
+    match text.split_once('/') {
+        Some((namespace, name)) if valid(namespace) && valid(name) => Ok((namespace.to_owned(), name.to_owned())),
+        _ => Err(format!("{text:?}: expected NAMESPACE/NAME of a Lease, e.g. gpubudget/gpubudget-mirrors")),
+    }
 }
 
 impl RunArgs {
@@ -355,6 +373,7 @@ impl RunArgs {
             sample_file: Some(sample_file),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             apply_driver_limits: false,
+            mirrors_lease: None,
             pressure: PressureArgs::default(),
             accounting: AccountingArgs::default(),
             records: RecordArgs::default(),

@@ -24,8 +24,84 @@ use crate::crd::{ClusterGpuMemoryBudget, ClusterGpuMemoryBudgetSpec, GpuMemoryBu
 /// The budget's `metadata.generation` a mirror was copied at.
 pub const GENERATION_ANNOTATION: &str = "gpubudget.io/budget-generation";
 
+/// Set by the operator on a mirror just before it deletes it because its budget was deleted: an agent reading
+/// the mirrors then forgets the budget. A mirror deleted without it (by hand, or by the garbage collector)
+/// leaves the budget's spec in force on the nodes, which read the budgets themselves again if its mirror does
+/// not come back within [`MISSING_BOUND`].
+pub const DELETED_ANNOTATION: &str = "gpubudget.io/budget-deleted";
+
+/// How long the operator renews the mirrors' Lease for ([`Vouch`]): an agent reads the mirrors only while the
+/// Lease was renewed within this many seconds, as the agent's own clock measures it.
+pub const VOUCH_SECONDS: u64 = 30;
+/// How often the operator's leader renews the mirrors' Lease while it vouches for them.
+pub const VOUCH_RENEW: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a budget may go without a current mirror (created, edited, or its mirror deleted) before the
+/// operator stops vouching for the mirrors; and how long an agent keeps a budget whose mirror was deleted
+/// without [`DELETED_ANNOTATION`] before it reads the budgets themselves again.
+pub const MISSING_BOUND: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// An agent's view of the mirrors' Lease, by which the operator vouches that every budget has a current mirror
+/// (pure: the agent's clock in milliseconds is an argument). The Lease counts only while it moves: its
+/// `renewTime` is compared with the last one seen, never with this node's wall clock, so skew between the
+/// operator's node and this one cannot make stale mirrors look current. A Lease seen for the first time, or
+/// unchanged for its `leaseDurationSeconds` (at most [`VOUCH_SECONDS`] × 2), or gone, vouches for nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Vouch {
+    /// The last `renewTime` seen, when this agent first saw it (ms), and the lease's duration (ms).
+    last: Option<(String, u64, u64)>,
+    /// The renewal before it was seen: the Lease has moved at least once under this agent's eyes.
+    moved: bool,
+}
+
+impl Vouch {
+    /// What one read of the Lease showed at `now_ms`: its `renewTime` (as written) and `leaseDurationSeconds`,
+    /// or `None` when it is absent.
+    pub fn observe(&mut self, lease: Option<(&str, u64)>, now_ms: u64) {
+        let Some((renewed, seconds)) = lease else {
+            *self = Self::default();
+            return;
+        };
+        let duration_ms = seconds.clamp(1, VOUCH_SECONDS * 2) * 1000;
+        match &mut self.last {
+            Some((seen, _, duration)) if seen == renewed => *duration = duration_ms,
+            Some(last) => {
+                *last = (renewed.to_owned(), now_ms, duration_ms);
+                self.moved = true;
+            }
+            None => self.last = Some((renewed.to_owned(), now_ms, duration_ms)),
+        }
+    }
+
+    /// Whether the operator vouches for the mirrors at `now_ms`: the Lease was renewed under this agent's eyes
+    /// within its duration.
+    pub fn fresh(&self, now_ms: u64) -> bool {
+        self.moved && self.last.as_ref().is_some_and(|(_, since, duration)| now_ms.saturating_sub(*since) < *duration)
+    }
+
+    /// Why the mirrors are not vouched for at `now_ms`, for messages (`None` when they are).
+    pub fn why_not(&self, now_ms: u64) -> Option<String> {
+        match &self.last {
+            _ if self.fresh(now_ms) => None,
+            None => Some(
+                "the operator's mirrors Lease is absent (mirrors off, or not every budget has a current \
+                           mirror)"
+                    .to_owned(),
+            ),
+            Some(_) if !self.moved => Some(
+                "the operator's mirrors Lease has not been renewed since this agent \
+                                            first read it"
+                    .to_owned(),
+            ),
+            Some((_, since, _)) => Some(format!(
+                "the operator's mirrors Lease was last renewed {}s ago (operator down, or a mirror write failing)",
+                now_ms.saturating_sub(*since) / 1000
+            )),
+        }
+    }
+}
 /// The operator's copy of a `GpuMemoryBudget`'s spec, for the gpubudget agents: same name and namespace,
-/// owned by the budget. Written by the operator only; do not edit (an edit is undone).
+/// owned by the budget. Written by the operator only, rewritten when the budget's spec changes: do not edit (the
+/// agents enforce what a mirror says until then).
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, schemars::JsonSchema)]
 #[kube(
     group = "gpubudget.io",
@@ -34,7 +110,7 @@ pub const GENERATION_ANNOTATION: &str = "gpubudget.io/budget-generation";
     plural = "gpumemorybudgetmirrors",
     singular = "gpumemorybudgetmirror",
     shortname = "gmbmirror",
-    doc = "The gpubudget operator's copy of a GpuMemoryBudget's spec, read by the gpubudget agents so that the budget's status writes never reach them. Same name and namespace as the budget, owned by it, rewritten only when its spec changes. Written by the operator only.",
+    doc = "The gpubudget operator's copy of a GpuMemoryBudget's spec, read by the gpubudget agents so that the budget's status writes never reach them. Same name and namespace as the budget, owned by it, rewritten only when its spec changes. Written by the operator only: do not edit (the agents enforce what it says until the budget's spec changes).",
     namespaced,
     derive = "PartialEq",
     printcolumn = r#"{"name":"Generation","type":"string","jsonPath":".metadata.annotations.gpubudget\\.io/budget-generation","description":"The budget's metadata.generation this copy was made at"}"#,
@@ -46,7 +122,8 @@ pub struct GpuMemoryBudgetMirrorSpec {
 }
 
 /// The operator's copy of a `ClusterGpuMemoryBudget`'s spec, for the gpubudget agents: same name, owned by the
-/// budget. Written by the operator only; do not edit (an edit is undone).
+/// budget. Written by the operator only, rewritten when the budget's spec changes: do not edit (the agents enforce
+/// what a mirror says until then).
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, schemars::JsonSchema)]
 #[kube(
     group = "gpubudget.io",
@@ -55,7 +132,7 @@ pub struct GpuMemoryBudgetMirrorSpec {
     plural = "clustergpumemorybudgetmirrors",
     singular = "clustergpumemorybudgetmirror",
     shortname = "cgmbmirror",
-    doc = "The gpubudget operator's copy of a ClusterGpuMemoryBudget's spec, read by the gpubudget agents so that the budget's status writes never reach them. Same name as the budget, owned by it, rewritten only when its spec changes. Written by the operator only.",
+    doc = "The gpubudget operator's copy of a ClusterGpuMemoryBudget's spec, read by the gpubudget agents so that the budget's status writes never reach them. Same name as the budget, owned by it, rewritten only when its spec changes. Written by the operator only: do not edit (the agents enforce what it says until the budget's spec changes).",
     derive = "PartialEq",
     printcolumn = r#"{"name":"Generation","type":"string","jsonPath":".metadata.annotations.gpubudget\\.io/budget-generation","description":"The budget's metadata.generation this copy was made at"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
@@ -271,6 +348,55 @@ status: {matchedPods: 4}
         mirrors.remove(&key(1));
         assert!(!covers(&budgets, &mirrors), "no mirror");
         assert!(covers(&HashMap::new(), &HashMap::new()), "no budget: nothing to wait for");
+    }
+
+    #[test]
+    fn the_lease_vouches_only_while_it_moves_under_the_agents_eyes() {
+        let mut v = Vouch::default();
+        assert!(!v.fresh(0) && v.why_not(0).is_some_and(|w| w.contains("absent")));
+        v.observe(Some(("t1", 30)), 1_000);
+        assert!(!v.fresh(1_000), "first seen: when was it renewed? not known on this clock");
+        v.observe(Some(("t1", 30)), 9_000);
+        assert!(!v.fresh(9_000));
+        v.observe(Some(("t2", 30)), 11_000);
+        assert!(v.fresh(11_000) && v.fresh(40_999));
+        assert!(!v.fresh(41_000), "not renewed for its duration");
+        assert!(v.why_not(41_000).is_some_and(|w| w.contains("30s ago")), "{:?}", v.why_not(41_000));
+        v.observe(Some(("t3", 30)), 45_000);
+        assert!(v.fresh(45_000));
+        v.observe(None, 46_000);
+        assert!(!v.fresh(46_000), "deleted: vouches for nothing at once");
+        v.observe(Some(("t4", 30)), 47_000);
+        assert!(!v.fresh(47_000), "back: it must move again first");
+        // A duration the Lease's writer set huge is held to twice the operator's.
+        let mut v = Vouch::default();
+        v.observe(Some(("a", 86_400)), 0);
+        v.observe(Some(("b", 86_400)), 1_000);
+        assert!(v.fresh(60_999) && !v.fresh(61_000));
+    }
+
+    proptest! {
+        /// Fresh only after a renewal seen moving, and never longer than the duration after the last one.
+        #[test]
+        fn the_lease_is_never_fresh_past_its_duration(steps in proptest::collection::vec((0..3u8, 0..20_000u64), 0..40)) {
+            let mut v = Vouch::default();
+            let (mut now, mut last_move): (u64, Option<u64>) = (0, None);
+            let mut prev: Option<String> = None;
+            for (what, dt) in steps {
+                now += dt;
+                let lease = match what { 0 => None, 1 => Some(prev.clone().unwrap_or_else(|| "x".into())), _ => Some(format!("t{now}")) };
+                match (&lease, &prev) {
+                    (None, _) => last_move = None,
+                    (Some(l), Some(p)) if l != p => last_move = Some(now),
+                    _ => {}
+                }
+                if lease.is_none() { prev = None; } else { prev.clone_from(&lease); }
+                v.observe(lease.as_deref().map(|l| (l, 30)), now);
+                if v.fresh(now) {
+                    prop_assert!(last_move.is_some_and(|m| now - m < 30_000));
+                }
+            }
+        }
     }
 
     proptest! {

@@ -38,6 +38,9 @@ pub const GPU_TOTAL: u64 = 85_520_809_984;
 /// One GPU for [`Stack::set_gpus`]: its processes `(pid, bytes)`, and the error its sample fails with.
 pub type GpuUsage<'a> = (&'a [(u32, u64)], Option<&'a str>);
 
+/// The Lease by which the operator vouches for the budgets' mirrors (namespace, name), as the chart names it.
+pub const MIRRORS_LEASE: (&str, &str) = ("gpubudget", "gpubudget-mirrors");
+
 /// The operator, the agent, and what they run against.
 pub struct Stack {
     /// The in-memory API.
@@ -45,6 +48,8 @@ pub struct Stack {
     client: kube::Client,
     dir: tempfile::TempDir,
     shutdown: CancellationToken,
+    /// The running operator's own (a child of `shutdown`).
+    operator_shutdown: CancellationToken,
     tasks: Vec<tokio::task::JoinHandle<()>>,
     operator_health: Option<Health>,
     agent_health: Option<Health>,
@@ -68,6 +73,7 @@ impl Stack {
             client,
             dir: tempfile::tempdir().expect("a temporary directory"),
             shutdown: CancellationToken::new(),
+            operator_shutdown: CancellationToken::new(),
             tasks: Vec::new(),
             operator_health: None,
             agent_health: None,
@@ -167,14 +173,28 @@ impl Stack {
         std::fs::rename(&tmp, &path).expect("sample renamed");
     }
 
-    /// Starts the operator (leader, one replica).
+    /// Starts the operator (leader, one replica), writing mirrors and vouching for them through
+    /// [`MIRRORS_LEASE`] as the chart installs it.
     pub fn start_operator(&mut self) {
+        self.start_operator_with(true);
+    }
+
+    /// Starts the operator (leader, one replica), mirrors written or not (`--budget-mirrors`); an operator this
+    /// stack started before is stopped first, as a rollout replaces its pod.
+    pub fn start_operator_with(&mut self, mirrors: bool) {
+        self.operator_shutdown.cancel();
+        self.operator_shutdown = self.shutdown.child_token();
         let (_, leader) = watch::channel(true);
-        let settings = Settings { instance: Some("gpubudget-operator-0".into()), ..Settings::default() };
+        let settings = Settings {
+            instance: Some("gpubudget-operator-0".into()),
+            mirrors,
+            mirrors_lease: Some((MIRRORS_LEASE.0.to_owned(), MIRRORS_LEASE.1.to_owned())),
+            ..Settings::default()
+        };
         let (registry, metrics, health) = operator_registry(&[CHECK_PODS, CHECK_BUDGETS]);
         let ctx = Arc::new(Context::new(self.client.clone(), metrics, leader, settings));
         self.operator_registry = Arc::new(registry);
-        let (h, shutdown) = (health.clone(), self.shutdown.clone());
+        let (h, shutdown) = (health.clone(), self.operator_shutdown.clone());
         self.tasks.push(tokio::spawn(async move { controller::run(ctx, h, shutdown).await.expect("operator runs") }));
         self.operator_health = Some(health);
     }
@@ -186,7 +206,8 @@ impl Stack {
             self.set_usage(&[]);
         }
         let (registry, metrics, health) = agent_registry();
-        let args = RunArgs::replay(NODE, self.proc_root(), self.sample_path(), interval);
+        let mut args = RunArgs::replay(NODE, self.proc_root(), self.sample_path(), interval);
+        args.mirrors_lease = Some((MIRRORS_LEASE.0.to_owned(), MIRRORS_LEASE.1.to_owned()));
         self.tasks.push(tokio::spawn(gpubudget_agent::cmd::run::run_with(
             args,
             self.client.clone(),

@@ -475,14 +475,7 @@ async fn mirrored_budgets_spare_the_agent_every_status_write_and_still_carry_eve
     stack.set_usage(&[(4242, 3 * GI)]);
     let stack = stack.started().await;
     let fake = &stack.fake;
-    let on_mirrors =
-        |s: &Stack| s.agent_metrics().contains("gpubudget_budget_specs_from_mirrors{kind=\"GpuMemoryBudget\"} 1");
-    let mut waited = Duration::ZERO;
-    while !on_mirrors(&stack) && waited < Duration::from_secs(10) {
-        pass_time(Duration::from_millis(250)).await;
-        waited += Duration::from_millis(250);
-    }
-    assert!(on_mirrors(&stack), "the agent never read the mirrors alone:\n{}", stack.agent_metrics());
+    wait_for_mirrors(&stack, true).await;
 
     let budget = fake.get("gpumemorybudgets", "team-a", "llm-inference").expect("budget");
     let mirror = fake.get("gpumemorybudgetmirrors", "team-a", "llm-inference").expect("the budget's mirror");
@@ -520,4 +513,74 @@ async fn mirrored_budgets_spare_the_agent_every_status_write_and_still_carry_eve
         .await;
     assert!(gone, "the deleted budget's mirror stayed");
     stack.annotations_until("team-a", "llm-0", "record cleared", |a| a.get("gpubudget.io/budget").is_none()).await;
+}
+
+/// Whether the agent reads the namespaced budgets' mirrors alone (`true`) or the budgets (`false`), waited for
+/// up to a minute: the operator renews its mirrors Lease every 10 s, and the agent reads the mirrors only once
+/// it saw it renewed.
+async fn wait_for_mirrors(stack: &Stack, on: bool) -> Duration {
+    let metric = format!("gpubudget_budget_specs_from_mirrors{{kind=\"GpuMemoryBudget\"}} {}", u8::from(on));
+    let mut waited = Duration::ZERO;
+    while !stack.agent_metrics().contains(&metric) && waited < Duration::from_secs(60) {
+        pass_time(Duration::from_millis(250)).await;
+        waited += Duration::from_millis(250);
+    }
+    assert!(stack.agent_metrics().contains(&metric), "never {metric}:\n{}", stack.agent_metrics());
+    waited
+}
+
+/// Mirrors that cannot lose a budget: the agent reads the mirrors; the operator is restarted with mirrors off
+/// (`helm upgrade --set operator.budgetMirrors=false`) and every mirror is deleted, as docs/operations.md says;
+/// then a budget is created and another tightened. The agent goes back to the budgets within the bound, says
+/// so on its Node, and enforces both; nothing it held was forgotten in between.
+#[tokio::test(start_paused = true)]
+async fn mirrors_switched_off_and_deleted_leave_every_budget_enforced() {
+    const OTHER_CID: &str = "2a3b4c5d6e7f80912a3b4c5d6e7f80912a3b4c5d6e7f80912a3b4c5d6e7f8091";
+    let stack = Stack::new(kubelet_like_api());
+    let fake = &stack.fake;
+    put_example(fake, "llm-inference.yaml", "team-a", |_| {});
+    let llm = put_pod(fake, "team-a", "llm-0", json!({"app": "llm"}), LLM_CID);
+    let other = put_pod(fake, "team-a", "batch-0", json!({"app": "batch"}), OTHER_CID);
+    stack.process(4242, &llm, LLM_CID);
+    stack.process(4343, &other, OTHER_CID);
+    stack.set_usage(&[(4242, 3 * GI), (4343, 10 * GI)]);
+    let mut stack = stack.started().await;
+    wait_for_mirrors(&stack, true).await;
+    assert!(stack.fake.get("leases", "gpubudget", "gpubudget-mirrors").is_some(), "the operator vouches");
+
+    // `helm upgrade --set operator.budgetMirrors=false`: the operator's pod is replaced; the agents are not.
+    stack.start_operator_with(false);
+    let waited = wait_for_mirrors(&stack, false).await;
+    assert!(waited <= Duration::from_secs(30), "back on the budgets after {waited:?}");
+    assert!(stack.fake.get("leases", "gpubudget", "gpubudget-mirrors").is_none(), "the Lease was deleted");
+    let told: Vec<Value> = stack
+        .fake
+        .list("events.events.k8s.io", None)
+        .into_iter()
+        .filter(|e| e["regarding"]["kind"] == "Node" && e["reason"] == "GpuBudgetMirrorsNotCurrent")
+        .collect();
+    assert_eq!(told.len(), 1, "told once on the Node: {told:#?}");
+    let note = told[0]["note"].as_str().unwrap_or_default();
+    assert!(note.contains("reading the budgets themselves again") && note.contains("Lease is absent"), "{note}");
+    // Every mirror deleted by hand, as docs/operations.md says for turning mirrors off.
+    assert!(stack.fake.delete_object("gpumemorybudgetmirrors", "team-a", "llm-inference"));
+    // A new budget over the batch pod (10 GiB) and the example tightened under the llm pod (3 GiB).
+    stack
+        .fake
+        .put_object(json!({
+            "apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
+            "metadata": {"name": "batch", "namespace": "team-a"},
+            "spec": {"selector": {"matchLabels": {"app": "batch"}}, "limit": "4Gi", "action": "Warn"}
+        }))
+        .expect("created");
+    stack.fake.modify("gpumemorybudgets", "team-a", "llm-inference", |b| b["spec"]["limit"] = json!("2Gi"));
+    let started = Instant::now();
+    let over = stack.event("team-a", "batch-0", "GpuMemoryOverBudget", Duration::from_secs(10)).await;
+    assert!(over.message.contains("4Gi"), "{}", over.message);
+    let over = stack.event("team-a", "llm-0", "GpuMemoryOverBudget", Duration::from_secs(10)).await;
+    assert!(over.message.contains("2Gi"), "{}", over.message);
+    println!(
+        "enforced {:?} after the edits; back on the budgets {waited:?} after the operator restarted",
+        started.elapsed()
+    );
 }

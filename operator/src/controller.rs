@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use futures::channel::mpsc::{UnboundedSender, unbounded};
 use futures::{StreamExt, TryStreamExt};
 use gpubudget_common::crd::GpuMemoryBudgetStatus;
+use gpubudget_common::mirror::Copied;
 use gpubudget_common::{Budget, ClusterGpuMemoryBudget, GpuMemoryBudget, GpuNodeUsage, SpecError};
 use gpubudget_daemon::Health;
 use k8s_openapi::jiff::Timestamp;
@@ -82,6 +83,9 @@ pub struct Settings {
     pub critical_namespaces: gpubudget_common::CriticalNamespaces,
     /// Whether the leader writes the budgets' mirrors (#34), which agents read instead of the budgets.
     pub mirrors: bool,
+    /// The Lease (namespace, name) by which the leader vouches that every budget has a current mirror
+    /// ([`vouch_mirrors`]); `None`: none is kept.
+    pub mirrors_lease: Option<(String, String)>,
 }
 
 impl Default for Settings {
@@ -96,6 +100,7 @@ impl Default for Settings {
             max_backoff: Duration::from_secs(300),
             instance: None,
             mirrors: true,
+            mirrors_lease: None,
         }
     }
 }
@@ -759,6 +764,89 @@ async fn watch_mirrors(ctx: Arc<Context>, triggers: Triggers, health: Health, sh
     futures::join!(namespaced, cluster);
 }
 
+/// Keeps the mirrors' Lease ([`gpubudget_common::mirror::Vouch`]): while this replica leads, mirrors are written
+/// and their CRDs answer, and no budget has gone without a current mirror for
+/// [`MISSING_BOUND`](gpubudget_common::mirror::MISSING_BOUND), it renews the Lease every
+/// [`VOUCH_RENEW`](gpubudget_common::mirror::VOUCH_RENEW); otherwise it deletes it, so that every agent reads the
+/// budgets themselves again. With mirrors off it deletes the Lease a previous operator left.
+async fn vouch_mirrors(ctx: Arc<Context>, shutdown: CancellationToken) {
+    use gpubudget_common::mirror::{MISSING_BOUND, VOUCH_RENEW, VOUCH_SECONDS};
+    use k8s_openapi::api::coordination::v1::Lease;
+    let Some((namespace, name)) = ctx.settings.mirrors_lease.clone() else {
+        return std::future::pending().await;
+    };
+    let api: Api<Lease> = Api::namespaced(ctx.client.clone(), &namespace);
+    let identity = ctx.settings.instance.clone().unwrap_or_else(|| "gpubudget-operator".to_owned());
+    let (mut lag, mut vouched) = ([crate::mirror::Lag::default(), crate::mirror::Lag::default()], None::<bool>);
+    let mut ticks = tokio::time::interval(VOUCH_RENEW);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = ticks.tick() => {}
+        }
+        if !ctx.is_leader() || !*ctx.synced.borrow() {
+            continue;
+        }
+        let now = tokio::time::Instant::now();
+        let why_not = if !ctx.settings.mirrors {
+            Some("mirrors are off (--budget-mirrors=false)".to_owned())
+        } else if !ctx.mirrors.iter().all(crate::mirror::Mirrors::available) {
+            Some("the mirror CRDs do not answer".to_owned())
+        } else {
+            let oldest = ctx
+                .mirrors
+                .iter()
+                .zip(&mut lag)
+                .filter_map(|(m, l)| l.update(m.lagging(), now))
+                .max_by_key(|(_, d)| *d);
+            oldest.filter(|(_, d)| *d >= MISSING_BOUND).map(|(key, d)| {
+                format!("budget {key} has had no current mirror for {}s (is its mirror write failing?)", d.as_secs())
+            })
+        };
+        match why_not {
+            None => {
+                let lease = serde_json::json!({
+                    "apiVersion": "coordination.k8s.io/v1",
+                    "kind": "Lease",
+                    "metadata": {"name": name},
+                    "spec": {
+                        "holderIdentity": identity,
+                        "leaseDurationSeconds": VOUCH_SECONDS,
+                        "renewTime": Timestamp::now().strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string(),
+                    },
+                });
+                let params = PatchParams::apply(&ctx.settings.field_manager).force();
+                match api.patch(&name, &params, &Patch::Apply(&lease)).await {
+                    Ok(_) => {
+                        if vouched != Some(true) {
+                            tracing::info!(lease = %name, "every budget has a current mirror: vouching for the mirrors");
+                        }
+                        vouched = Some(true);
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, lease = %name, "cannot renew the mirrors' Lease; agents read the budgets once it expires")
+                    }
+                }
+            }
+            Some(why) => {
+                if vouched != Some(false) {
+                    match api.delete(&name, &kube::api::DeleteParams::default()).await {
+                        Ok(_) => {}
+                        Err(kube::Error::Api(e)) if e.code == 404 => {}
+                        Err(error) => {
+                            tracing::warn!(%error, lease = %name, "cannot delete the mirrors' Lease; agents read the budgets once it expires");
+                            continue;
+                        }
+                    }
+                    tracing::warn!(lease = %name, reason = %why, "not vouching for the mirrors: agents read the budgets themselves");
+                    vouched = Some(false);
+                }
+            }
+        }
+    }
+}
+
 /// Feeds the namespaces' labels (metadata only) into the index; sends the budgets a relabel affects.
 async fn watch_namespaces(ctx: Arc<Context>, triggers: Triggers, health: Health, shutdown: CancellationToken) {
     let mut stream = std::pin::pin!(crate::namespaces::events(ctx.client.clone()));
@@ -872,6 +960,21 @@ fn watch_budgets<K: Indexed>(
         .reflect(writer)
         .inspect_ok(move |event| {
             let mut index = index_ctx.index.write().unwrap_or_else(PoisonError::into_inner);
+            let budgets = K::mirrors(&index_ctx.mirrors);
+            match event {
+                Event::Init => budgets.budgets_begin(),
+                Event::InitApply(b) | Event::Apply(b) => {
+                    if let Some(k) = b.key() {
+                        budgets.budget(k, Copied::of_budget(b.meta()));
+                    }
+                }
+                Event::Delete(b) => {
+                    if let Some(k) = b.key() {
+                        budgets.budget(k, None);
+                    }
+                }
+                Event::InitDone => budgets.budgets_end(),
+            }
             let (affected, own, listed) = match event {
                 Event::Init => {
                     K::begin(&mut index);
@@ -998,6 +1101,7 @@ pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken)
     };
 
     let mirrors = watch_mirrors(ctx.clone(), triggers.clone(), health.clone(), shutdown.clone());
+    let vouch = vouch_mirrors(ctx.clone(), shutdown.clone());
     let node_usage = watch_node_usage(ctx.clone(), triggers.clone(), shutdown.clone());
     let namespaces = watch_namespaces(ctx.clone(), triggers, health, shutdown.clone());
     let labeller = Labeller {
@@ -1017,6 +1121,7 @@ pub async fn run(ctx: Arc<Context>, health: Health, shutdown: CancellationToken)
         () = namespaces => {},
         () = node_usage => {},
         () = mirrors => {},
+        () = vouch => {},
     }
     Ok(())
 }

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{PoisonError, RwLock};
 
 use futures::StreamExt as _;
-use gpubudget_common::mirror::{Copied, Mirrored};
+use gpubudget_common::mirror::{Copied, DELETED_ANNOTATION, Mirrored};
 use gpubudget_common::{ClusterGpuMemoryBudget, ClusterGpuMemoryBudgetMirror, GpuMemoryBudget, GpuMemoryBudgetMirror};
 use kube::api::{PartialObjectMeta, Patch, PatchParams};
 use kube::runtime::watcher::{self, Event};
@@ -22,10 +22,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::pods::ObjKey;
 
-/// What the mirrors of one budget kind copy, as their watch shows it.
+/// What the mirrors of one budget kind copy, as their watch shows it, and what the budgets are (to know which
+/// lag: [`Mirrors::lagging`]).
 #[derive(Debug, Default)]
 pub struct Mirrors {
     copies: RwLock<HashMap<ObjKey, Copied>>,
+    budgets: RwLock<Side>,
     /// Whether mirrors can be written: their CRDs answer (unknown until the first list or failure).
     available: AtomicBool,
 }
@@ -41,12 +43,79 @@ impl Mirrors {
         self.available.load(Ordering::Acquire)
     }
 
+    /// A budget watch event: the budget `key` is at `copied` (`None`: deleted).
+    pub fn budget(&self, key: ObjKey, copied: Option<Copied>) {
+        let mut side = self.budgets.write().unwrap_or_else(PoisonError::into_inner);
+        let map = match &mut side.relist {
+            Some(relist) => relist,
+            None => &mut side.seen,
+        };
+        match copied {
+            Some(copied) => map.insert(key, copied),
+            None => map.remove(&key),
+        };
+    }
+
+    /// The budget watch begins a list.
+    pub fn budgets_begin(&self) {
+        self.budgets.write().unwrap_or_else(PoisonError::into_inner).relist = Some(HashMap::new());
+    }
+
+    /// The budget watch ended its list.
+    pub fn budgets_end(&self) {
+        let mut side = self.budgets.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(listed) = side.relist.take() {
+            side.seen = listed;
+        }
+    }
+
+    /// The budgets whose mirror does not copy them at their UID and generation (none while mirrors are not
+    /// written). Linear in the budgets.
+    pub fn lagging(&self) -> Vec<ObjKey> {
+        let side = self.budgets.read().unwrap_or_else(PoisonError::into_inner);
+        let copies = self.copies.read().unwrap_or_else(PoisonError::into_inner);
+        side.seen.iter().filter(|(k, c)| copies.get(*k) != Some(*c)).map(|(k, _)| k.clone()).collect()
+    }
+
+    /// The generation `key`'s mirror copies, when it copies the budget of UID `uid` (what nodes reading the
+    /// mirrors enforce).
+    pub fn copied_generation(&self, key: &ObjKey, uid: &str) -> Option<i64> {
+        let copies = self.copies.read().unwrap_or_else(PoisonError::into_inner);
+        copies.get(key).filter(|c| c.uid == uid).map(|c| c.generation)
+    }
+
     fn record(&self, key: ObjKey, copied: Option<Copied>) {
         let mut copies = self.copies.write().unwrap_or_else(PoisonError::into_inner);
         match copied {
             Some(copied) => copies.insert(key, copied),
             None => copies.remove(&key),
         };
+    }
+}
+
+/// The budgets as their watch shows them (a list replaces them whole at its end).
+#[derive(Debug, Default)]
+struct Side {
+    seen: HashMap<ObjKey, Copied>,
+    relist: Option<HashMap<ObjKey, Copied>>,
+}
+
+/// Since when each lagging budget has had no current mirror (pure: times are arguments).
+#[derive(Debug, Default)]
+pub struct Lag {
+    since: HashMap<ObjKey, tokio::time::Instant>,
+}
+
+impl Lag {
+    /// The budgets lagging now; returns the one lagging longest and for how long.
+    pub fn update(&mut self, lagging: Vec<ObjKey>, now: tokio::time::Instant) -> Option<(ObjKey, std::time::Duration)> {
+        let mut next = HashMap::with_capacity(lagging.len());
+        for key in lagging {
+            let since = self.since.get(&key).copied().unwrap_or(now);
+            next.insert(key, since);
+        }
+        self.since = next;
+        self.since.iter().min_by_key(|(_, since)| **since).map(|(k, since)| (k.clone(), now - *since))
     }
 }
 
@@ -112,13 +181,21 @@ pub async fn ensure<K: MirrorOwner>(
 }
 
 /// Deletes the mirror of `key`, a budget just deleted, in the background (the garbage collector would too,
-/// through the owner reference, but later and only where one runs). A mirror already gone is fine.
+/// through the owner reference, but later and only where one runs). A mirror already gone is fine. It is
+/// marked [`DELETED_ANNOTATION`] first, so that agents reading the mirrors forget the budget at once (a mirror
+/// deleted without the mark leaves the budget in force on the nodes).
 pub fn forget<K: MirrorOwner>(key: &ObjKey, mirrors: &Mirrors, client: Client) {
     if !mirrors.available() {
         return;
     }
     let (api, name) = (K::mirror_api(client, key), key.name.clone());
     tokio::spawn(async move {
+        let mark = serde_json::json!({"metadata": {"annotations": {DELETED_ANNOTATION: "true"}}});
+        match api.patch(&name, &PatchParams::default(), &Patch::Merge(&mark)).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 => return,
+            Err(error) => tracing::debug!(%error, mirror = %name, "cannot mark a deleted budget's mirror; deleting it"),
+        }
         match api.delete(&name, &kube::api::DeleteParams::default()).await {
             Ok(_) => {}
             Err(kube::Error::Api(e)) if e.code == 404 => {}

@@ -48,6 +48,11 @@ pub struct RunArgs {
     /// Name of the Lease (in the operator's namespace).
     #[arg(long, env = "GPUBUDGET_LEASE_NAME", default_value = "gpubudget-operator")]
     pub lease_name: String,
+    /// Name of the Lease (in the operator's namespace) by which the leader vouches that every budget has a
+    /// current mirror: agents read the mirrors only while it is renewed, and the budgets themselves otherwise.
+    /// Empty: none is kept (agents then never read the mirrors).
+    #[arg(long, env = "GPUBUDGET_MIRRORS_LEASE_NAME", default_value = "gpubudget-mirrors")]
+    pub mirrors_lease_name: String,
     /// Serve the webhooks (POST /validate-eviction, POST /mutate-pod-caps) on this address.
     #[arg(long, env = "GPUBUDGET_WEBHOOK_ADDR")]
     pub webhook_addr: Option<SocketAddr>,
@@ -115,7 +120,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<i32> {
     // Without election this replica always writes; the sender lives as long as the process.
     let (leader_tx, leader_rx) = watch::channel(!args.leader_election);
     if args.leader_election {
-        let election = Election::new(args.lease_name.clone(), namespace, identity.clone());
+        let election = Election::new(args.lease_name.clone(), namespace.clone(), identity.clone());
         tasks.spawn(named(
             "leader-election",
             leader::run(client.clone(), election, leader_tx.clone(), health.clone(), shutdown.clone()),
@@ -126,6 +131,8 @@ async fn serve(args: RunArgs) -> anyhow::Result<i32> {
         concurrency: args.status_concurrency,
         critical_namespaces: args.critical_namespaces.clone(),
         mirrors: args.budget_mirrors,
+        mirrors_lease: (!args.mirrors_lease_name.is_empty())
+            .then(|| (namespace.clone(), args.mirrors_lease_name.clone())),
         ..Settings::default()
     };
     let ctx = Arc::new(Context::new(client.clone(), metrics, leader_rx, settings));

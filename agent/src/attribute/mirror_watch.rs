@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use gpubudget_common::mirror::{Copied, Key, Mirrored, covers};
+use gpubudget_common::mirror::{Copied, DELETED_ANNOTATION, Key, MISSING_BOUND, Mirrored, Vouch, covers};
+use k8s_openapi::api::coordination::v1::Lease;
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
@@ -117,6 +118,8 @@ pub fn as_budget_event<K: Mirrored>(event: watcher::Event<K::Mirror>) -> Option<
         watcher::Event::Init => SpecEvent::Event(watcher::Event::Init),
         watcher::Event::InitDone => SpecEvent::Event(watcher::Event::InitDone),
         watcher::Event::InitApply(m) => SpecEvent::Event(watcher::Event::InitApply(K::from_mirror(&m)?)),
+        // Marked by the operator as its budget's deletion: the budget is gone.
+        watcher::Event::Apply(m) if marked_deleted(m.meta()) => SpecEvent::Deleted(key_of(m.meta())),
         watcher::Event::Apply(m) => match K::from_mirror(&m) {
             Some(b) => SpecEvent::Event(watcher::Event::Apply(b)),
             None => SpecEvent::Deleted(key_of(m.meta())),
@@ -125,17 +128,38 @@ pub fn as_budget_event<K: Mirrored>(event: watcher::Event<K::Mirror>) -> Option<
     })
 }
 
-/// [`spec_watch::spawn`] on `source`, with `mirrors` watched beside it: once [`Switch::ready`], the budget
-/// watch stops and the mirrors feed `on`. `mirrored` is told each time the source changes (`true`: mirrors).
+/// How often an agent reads the mirrors' Lease ([`Vouch`]).
+pub const LEASE_POLL: Duration = Duration::from_secs(5);
+
+/// The mirrors' Lease an agent reads, by which the operator vouches that every budget has a current mirror.
+pub type LeaseSource = (Api<Lease>, String);
+
+/// The Lease's `renewTime` and `leaseDurationSeconds` (`None` without them: it vouches for nothing).
+fn lease_state(lease: &Lease) -> Option<(String, u64)> {
+    let spec = lease.spec.as_ref()?;
+    let renewed = spec.renew_time.as_ref()?;
+    let seconds = u64::try_from(spec.lease_duration_seconds?).ok()?;
+    // What moves is compared with the last one seen, never with this node's clock.
+    Some((renewed.0.to_string(), seconds))
+}
+
+/// [`spec_watch::spawn`] on `source`, with `mirrors` watched beside it: once [`Switch::ready`] and the
+/// operator vouches for the mirrors (its `lease` renewed under this agent's eyes: [`Vouch`]), the budget watch
+/// stops and the mirrors feed `on`. Whenever the mirrors stop being current (the Lease not renewed or deleted:
+/// the operator down, mirrors off, a mirror write failing; or a mirror deleted without
+/// [`DELETED_ANNOTATION`] and not back within [`MISSING_BOUND`]) it reads the budgets again, from a fresh
+/// list, and the mirrors from a fresh list too. Without a `lease` it never reads the mirrors. `mirrored` is
+/// told each time the source changes (`true`: mirrors), with the reason when it goes back to the budgets.
 #[allow(clippy::too_many_arguments)]
 pub fn spawn<K, F, E>(
-    source: spec_watch::Source<K>,
+    source: impl Fn() -> spec_watch::Source<K> + Send + 'static,
     mirrors: Api<K::Mirror>,
+    lease: Option<LeaseSource>,
     page_size: u32,
     name: &'static str,
     shutdown: CancellationToken,
-    reads: impl Fn(&'static str, bool) + Send + 'static,
-    mirrored: impl Fn(bool) + Send + 'static,
+    reads: impl Fn(&'static str, bool) + Send + Sync + 'static,
+    mirrored: impl Fn(bool, Option<&str>) + Send + 'static,
     on: F,
     failed: E,
 ) where
@@ -148,36 +172,51 @@ pub fn spawn<K, F, E>(
     // on its own task as they are read (no queue of full objects between the two), and none is applied once the
     // mirrors feed the cache.
     let shared = Arc::new(Mutex::new(Shared { switch: Switch::default(), on_mirrors: false, dirty: false, on }));
-    let budget_watch = shutdown.child_token();
-    {
+    let reads = Arc::new(reads);
+    let failed = Arc::new(Mutex::new(failed));
+    let budget_watch = {
         let shared = shared.clone();
-        spec_watch::spawn(
-            source,
-            page_size,
-            name,
-            budget_watch.clone(),
-            reads,
-            move |event| {
-                let mut s = lock(&shared);
-                if !s.on_mirrors {
-                    s.switch.budget(&event);
-                    s.dirty = true;
-                    (s.on)(event);
-                }
-            },
-            failed,
-        );
-    }
-    let stream = watcher(mirrors, watcher::Config::default().page_size(page_size)).default_backoff();
+        move |token: CancellationToken| {
+            let (shared, reads, failed) = (shared.clone(), reads.clone(), failed.clone());
+            spec_watch::spawn(
+                source(),
+                page_size,
+                name,
+                token,
+                move |kind, ok| reads(kind, ok),
+                move |event| {
+                    let mut s = lock(&shared);
+                    if !s.on_mirrors {
+                        s.switch.budget(&event);
+                        s.dirty = true;
+                        (s.on)(event);
+                    }
+                },
+                move |error| (lock(&failed))(error),
+            );
+        }
+    };
+    let mut watching = shutdown.child_token();
+    budget_watch(watching.clone());
+    let config = watcher::Config::default().page_size(page_size);
     let kind = K::kind(&()).into_owned();
     tokio::spawn(async move {
-        let mut stream = std::pin::pin!(stream);
+        let mut stream = watcher(mirrors.clone(), config.clone()).default_backoff().boxed();
         let mut on_mirrors = false;
         let mut warned = false;
-        mirrored(false);
+        let mut vouch = Vouch::default();
+        let mut was_fresh = false;
+        // Mirrors deleted without the operator's mark while their budgets stay in force: since when.
+        let mut missing: HashMap<Key, tokio::time::Instant> = HashMap::new();
+        let clock = tokio::time::Instant::now();
+        let now_ms = move || u64::try_from(clock.elapsed().as_millis()).unwrap_or(u64::MAX);
+        mirrored(false, None);
         let mut check = tokio::time::interval(CHECK_EVERY);
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut poll = tokio::time::interval(LEASE_POLL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            let mut fall_back: Option<String> = None;
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 event = stream.next() => match event {
@@ -185,8 +224,23 @@ pub fn spawn<K, F, E>(
                     Some(Ok(event)) => {
                         let mut s = lock(&shared);
                         if s.on_mirrors {
-                            if let Some(event) = as_budget_event::<K>(event) {
-                                (s.on)(event);
+                            match &event {
+                                // Deleted without the operator's mark: the budget stays in force until its mirror
+                                // is back, or for the bound.
+                                watcher::Event::Delete(m) if !marked_deleted(m.meta()) => {
+                                    missing.entry(key_of(m.meta())).or_insert_with(tokio::time::Instant::now);
+                                }
+                                watcher::Event::Apply(m) | watcher::Event::InitApply(m) => {
+                                    missing.remove(&key_of(m.meta()));
+                                    if let Some(event) = as_budget_event::<K>(event) {
+                                        (s.on)(event);
+                                    }
+                                }
+                                _ => {
+                                    if let Some(event) = as_budget_event::<K>(event) {
+                                        (s.on)(event);
+                                    }
+                                }
                             }
                         } else {
                             s.switch.mirror(&event, &kind);
@@ -201,23 +255,75 @@ pub fn spawn<K, F, E>(
                         }
                     }
                 },
+                _ = poll.tick(), if lease.is_some() => {
+                    if let Some((api, lease_name)) = &lease {
+                        match api.get_opt(lease_name).await {
+                            Ok(got) => {
+                                let state = got.as_ref().and_then(lease_state);
+                                vouch.observe(state.as_ref().map(|(r, s)| (r.as_str(), *s)), now_ms());
+                            }
+                            // Unreadable: vouches for nothing once its last renewal is older than its duration.
+                            Err(error) => tracing::debug!(cache = name, %error, "cannot read the mirrors' Lease"),
+                        }
+                    }
+                    if on_mirrors {
+                        fall_back = vouch.why_not(now_ms());
+                        if fall_back.is_none() {
+                            let bound = tokio::time::Instant::now() - MISSING_BOUND;
+                            if let Some((key, _)) = missing.iter().find(|(_, since)| **since <= bound) {
+                                fall_back = Some(format!(
+                                    "the mirror of budget {}/{} was deleted {}s ago and not written again",
+                                    key.0,
+                                    key.1,
+                                    MISSING_BOUND.as_secs()
+                                ));
+                            }
+                        }
+                    }
+                }
                 _ = check.tick(), if !on_mirrors => {
                     let mut s = lock(&shared);
-                    if std::mem::take(&mut s.dirty) && s.switch.ready() {
+                    // The check is linear in the budgets: made when something changed, or the Lease just came.
+                    let (dirty, fresh) = (std::mem::take(&mut s.dirty), vouch.fresh(now_ms()));
+                    let came = fresh && !was_fresh;
+                    was_fresh = fresh;
+                    if fresh && (dirty || came) && s.switch.ready() {
                         s.on_mirrors = true;
                         // What the switch kept (two maps of every budget) is not needed any more.
                         s.switch = Switch::default();
                         drop(s);
                         on_mirrors = true;
-                        budget_watch.cancel();
-                        mirrored(true);
-                        tracing::info!(cache = name, "every budget has a current mirror: reading the mirrors only \
-                            (status writes no longer reach this agent)");
+                        missing.clear();
+                        watching.cancel();
+                        mirrored(true, None);
+                        tracing::info!(cache = name, "every budget has a current mirror and the operator vouches \
+                            for them: reading the mirrors only (status writes no longer reach this agent)");
                     }
                 }
             }
+            if let Some(why) = fall_back {
+                // Back to the budgets: a fresh list of each (the switch rebuilds both sides), the cache replaced
+                // by the budgets' list when it ends.
+                let mut s = lock(&shared);
+                s.on_mirrors = false;
+                s.switch = Switch::default();
+                s.dirty = true;
+                drop(s);
+                on_mirrors = false;
+                missing.clear();
+                watching = shutdown.child_token();
+                budget_watch(watching.clone());
+                stream = watcher(mirrors.clone(), config.clone()).default_backoff().boxed();
+                mirrored(false, Some(&why));
+                tracing::warn!(cache = name, reason = %why, "the mirrors are not current: reading the budgets themselves again");
+            }
         }
     });
+}
+
+/// Whether the operator marked a mirror as its budget's deletion ([`DELETED_ANNOTATION`]).
+fn marked_deleted(meta: &kube::api::ObjectMeta) -> bool {
+    meta.annotations.as_ref().is_some_and(|a| a.contains_key(DELETED_ANNOTATION))
 }
 
 /// What both watches share: the switch, whether the mirrors feed the cache, and the cache's entry point.

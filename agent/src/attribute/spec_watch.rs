@@ -118,7 +118,7 @@ pub enum SpecEvent<K> {
 }
 
 /// The resource in one namespace (the argument; empty for a cluster-scoped object).
-pub type Scoped<K> = Box<dyn Fn(&str) -> Api<K> + Send>;
+pub type Scoped<K> = std::sync::Arc<dyn Fn(&str) -> Api<K> + Send + Sync>;
 
 /// Where the spec watch reads from: every object (`all`, for the watch and lists) and one namespace's (for
 /// reads by name; a cluster-scoped resource's is `all`).

@@ -18,11 +18,13 @@ use anyhow::Context as _;
 use futures::StreamExt as _;
 use gpubudget_common::{ClusterGpuMemoryBudget, ClusterGpuMemoryBudgetMirror, GpuMemoryBudget, GpuMemoryBudgetMirror};
 use gpubudget_daemon::{Health, serve_admin, shutdown_on_signal};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::act::WriteLabels;
@@ -33,9 +35,9 @@ use crate::attribute::budgets::{BudgetCache, Change, ClusterCache};
 use crate::attribute::driver_limits::DriverReader;
 use crate::attribute::mirror_watch;
 use crate::attribute::pods::{PodTable, PodView, slim_pod};
-use crate::attribute::spec_watch::{Source, SpecEvent};
+use crate::attribute::spec_watch::{Scoped, Source, SpecEvent};
 use crate::cli::RunArgs;
-use crate::decide::{Settings, driver_limits};
+use crate::decide::{Action, NodeReason, Settings, driver_limits};
 use crate::pipeline::Engine;
 use crate::report::metrics::{KindLabels, Metrics};
 use crate::sample::file::RecordedSampler;
@@ -54,6 +56,19 @@ pub const READY_METRIC: &str = "gpubudget_ready";
 /// Pods, budgets and namespaces are listed this many at a time (a page of full objects is held while it is cut down or
 /// compiled; kube's default is 500).
 pub const LIST_PAGE_SIZE: u32 = 100;
+
+/// How the budget caches read specs: the mirrors' Lease (`None`: the budgets always), and what they report.
+#[derive(Debug)]
+pub struct Mirroring {
+    /// The Lease by which the operator vouches for the mirrors (namespace, name).
+    pub lease: Option<(String, String)>,
+    /// `gpubudget_budget_spec_reads_total`.
+    pub spec_reads: Family<WriteLabels, Counter>,
+    /// `gpubudget_budget_specs_from_mirrors`.
+    pub specs_from_mirrors: Family<KindLabels, Gauge>,
+    /// Events on the Node (going back to the budgets).
+    pub node_events: mpsc::UnboundedSender<Action>,
+}
 
 /// The two caches the agent decides from.
 #[derive(Debug, Clone)]
@@ -114,10 +129,11 @@ impl Caches {
         client: Client,
         node: &str,
         health: Health,
-        spec_reads: Family<WriteLabels, Counter>,
-        specs_from_mirrors: Family<KindLabels, Gauge>,
+        mirroring: Mirroring,
         shutdown: CancellationToken,
     ) -> Self {
+        let Mirroring { lease, spec_reads, specs_from_mirrors, node_events } = mirroring;
+        let lease = lease.map(|(namespace, name)| (Api::<Lease>::namespaced(client.clone(), &namespace), name));
         let changes = Arc::new(AtomicU64::new(0));
         let pods_ready = Arc::new(AtomicBool::new(false));
         let (pods, mut writer) = reflector::store::<Pod>();
@@ -157,18 +173,19 @@ impl Caches {
             let (changes, cache, announce) = (changes.clone(), cluster.clone(), announce.clone());
             let (absent_changes, absent_cache, absent_announce) = (changes.clone(), cluster.clone(), announce.clone());
             let all = Api::<ClusterGpuMemoryBudget>::all(client.clone());
-            let scoped = {
+            let scoped: Scoped<ClusterGpuMemoryBudget> = {
                 let all = all.clone();
-                Box::new(move |_: &str| all.clone())
+                Arc::new(move |_: &str| all.clone())
             };
             mirror_watch::spawn(
-                Source { all, scoped },
+                move || Source { all: all.clone(), scoped: scoped.clone() },
                 Api::<ClusterGpuMemoryBudgetMirror>::all(client.clone()),
+                lease.clone(),
                 LIST_PAGE_SIZE,
                 "clusterbudgets",
                 shutdown.clone(),
                 counted(&spec_reads),
-                from_mirrors(&specs_from_mirrors, "ClusterGpuMemoryBudget"),
+                from_mirrors(&specs_from_mirrors, "ClusterGpuMemoryBudget", node_events.clone()),
                 move |event| {
                     let changed = match event {
                         SpecEvent::Event(event) => lock(&cache).apply_budget(&event),
@@ -211,18 +228,20 @@ impl Caches {
         }
         {
             let (changes, cache, pods) = (changes.clone(), budgets.clone(), pods.clone());
-            let scoped = {
+            let scoped: Scoped<GpuMemoryBudget> = {
                 let client = client.clone();
-                Box::new(move |namespace: &str| Api::<GpuMemoryBudget>::namespaced(client.clone(), namespace))
+                Arc::new(move |namespace: &str| Api::<GpuMemoryBudget>::namespaced(client.clone(), namespace))
             };
+            let all = Api::<GpuMemoryBudget>::all(client.clone());
             mirror_watch::spawn(
-                Source { all: Api::<GpuMemoryBudget>::all(client.clone()), scoped },
+                move || Source { all: all.clone(), scoped: scoped.clone() },
                 Api::<GpuMemoryBudgetMirror>::all(client),
+                lease,
                 LIST_PAGE_SIZE,
                 "budgets",
                 shutdown,
                 counted(&spec_reads),
-                from_mirrors(&specs_from_mirrors, "GpuMemoryBudget"),
+                from_mirrors(&specs_from_mirrors, "GpuMemoryBudget", node_events),
                 move |event| {
                     let mut cache = lock(&cache);
                     let change = match event {
@@ -292,11 +311,22 @@ fn is_not_found(error: &watcher::Error) -> bool {
     }
 }
 
-/// Sets `gpubudget_budget_specs_from_mirrors{kind}`.
-fn from_mirrors(gauge: &Family<KindLabels, Gauge>, kind: &'static str) -> impl Fn(bool) + Send + 'static {
+/// Sets `gpubudget_budget_specs_from_mirrors{kind}`; going back to the budgets is told on the Node.
+fn from_mirrors(
+    gauge: &Family<KindLabels, Gauge>,
+    kind: &'static str,
+    node_events: mpsc::UnboundedSender<Action>,
+) -> impl Fn(bool, Option<&str>) + Send + 'static {
     let gauge = gauge.clone();
-    move |mirrors| {
+    move |mirrors, why| {
         gauge.get_or_create(&KindLabels { kind: kind.to_owned() }).set(i64::from(mirrors));
+        if let Some(why) = why {
+            let note = format!(
+                "{kind}: reading the budgets themselves again, not their mirrors: {why}; every budget's current \
+                 spec is enforced on this node once they have listed"
+            );
+            let _ = node_events.send(Action::NodeEvent { reason: NodeReason::MirrorsNotCurrent, note });
+        }
     }
 }
 
@@ -327,12 +357,17 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
     let node = args.node_name.clone();
     // The driver's per-cgroup limits, once per start (not when replaying a sample file: no driver then).
     let detected = args.sample_file.is_none().then(DriverLimits::open);
+    let (node_events_tx, mut node_events) = mpsc::unbounded_channel();
     let caches = Caches::start(
         client.clone(),
         &node,
         health.clone(),
-        metrics.spec_reads.clone(),
-        metrics.specs_from_mirrors.clone(),
+        Mirroring {
+            lease: args.mirrors_lease.clone(),
+            spec_reads: metrics.spec_reads.clone(),
+            specs_from_mirrors: metrics.specs_from_mirrors.clone(),
+            node_events: node_events_tx,
+        },
         shutdown.clone(),
     );
     let mut engine = Engine::new(
@@ -396,6 +431,7 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
     loop {
         tokio::select! {
             () = shutdown.cancelled() => break,
+            Some(action) = node_events.recv() => executor.dispatch([action]),
             Some(report) = feedback.recv() => {
                 engine.feedback(report);
                 executor.dispatch(engine.take_actions());

@@ -126,6 +126,8 @@ pub enum NodeReason {
     Unbudgeted,
     /// The driver's per-cgroup memory limits (R615) cannot be read here: eviction only (once per agent start).
     DriverLimitsUnavailable,
+    /// The budgets' mirrors stopped being current: the agent reads the budgets themselves again.
+    MirrorsNotCurrent,
 }
 
 impl NodeReason {
@@ -141,6 +143,7 @@ impl NodeReason {
             Self::Unavailable => "GpuProcessMemoryUnavailable",
             Self::Unbudgeted => "GpuMemoryUnbudgeted",
             Self::DriverLimitsUnavailable => "DriverLimitsUnavailable",
+            Self::MirrorsNotCurrent => "GpuBudgetMirrorsNotCurrent",
         }
     }
 

@@ -25,6 +25,20 @@ pub(in crate::decide) struct GpuPressure {
     pub(in crate::decide) last_free: Option<u64>,
 }
 
+/// How long refused pressure evictions hold a pod before it is deleted, and whose bound that is: the node's
+/// `--pressure-blocked-timeout`, or the budget's `blockedEvictionTimeoutSeconds` where that is shorter. A budget
+/// may only shorten it: tenants may write budgets, and the bound is what keeps a PodDisruptionBudget from
+/// holding memory a neighbour needs.
+pub(in crate::decide) fn pressure_bound_ms(
+    node_ms: u64,
+    budget: Option<&gpubudget_common::Budget>,
+) -> (u64, &'static str) {
+    match budget.and_then(|b| b.blocked_eviction_timeout_seconds).map(|s| s.saturating_mul(1000)) {
+        Some(own) if own < node_ms => (own, "the budget's blockedEvictionTimeoutSeconds, shorter than the node's"),
+        _ => (node_ms, "the node's pressure blocked timeout"),
+    }
+}
+
 /// Marks the "overcommitted" event as sent for this pressure episode; whether it already was.
 fn gpu_told(gpu: &mut GpuPressure) -> bool {
     std::mem::replace(&mut gpu.told_overcommitted, true)
@@ -152,8 +166,9 @@ impl Enforcer {
                     && view.never_evicted(&self.settings.critical_namespaces).is_none()
                     && !view.terminating
                     && view.node.as_deref() == Some(self.settings.node.as_str())
-                    // Not one whose eviction by its budget is under way or refused (that one retries on its own).
-                    && self.pods.get(&view.uid).is_some_and(|m| m.eviction == Eviction::Idle);
+                    // Not one whose eviction is under way; one whose eviction by its budget was refused (a
+                    // PodDisruptionBudget) is a candidate like any other, so the node's bound ends its stall.
+                    && self.pods.get(&view.uid).is_some_and(|m| matches!(m.eviction, Eviction::Idle | Eviction::Blocked { .. }));
                 on_this_gpu.push(i);
                 candidates.push(Candidate {
                     key: format!("{}/{}", view.namespace, view.name),
@@ -169,13 +184,16 @@ impl Enforcer {
                     let i = on_this_gpu[c];
                     let (view, budget) = (&table.pods[i], table.budget(i));
                     let Some(mut mem) = self.pods.remove(&view.uid) else { continue };
+                    // Its eviction by its budget was refused: the stall under pressure counts from now (the
+                    // pressure eviction below is refused in its turn and keeps this first time).
+                    if let Eviction::Blocked { .. } = mem.eviction {
+                        mem.pressure_refused =
+                            mem.pressure_refused.filter(|(on, _)| *on == g).or(Some((g, now.mono_ms)));
+                        mem.eviction = Eviction::Idle;
+                    }
                     // Refused (a PodDisruptionBudget) for the bound: deleted with its grace, as the kubelet's
-                    // node-pressure eviction does; the budget's own blockedEvictionTimeoutSeconds, else the
-                    // node's --pressure-blocked-timeout (#33).
-                    let (timeout_ms, whose) = match budget.and_then(|b| b.blocked_eviction_timeout_seconds) {
-                        Some(own) => (own.saturating_mul(1000), "the budget's blockedEvictionTimeoutSeconds"),
-                        None => (self.settings.pressure_blocked_timeout_ms, "the node's pressure blocked timeout"),
-                    };
+                    // node-pressure eviction does ([`pressure_bound_ms`]).
+                    let (timeout_ms, whose) = pressure_bound_ms(self.settings.pressure_blocked_timeout_ms, budget);
                     if let Some((_, since)) = mem
                         .pressure_refused
                         .filter(|(on, since)| *on == g && now.mono_ms.saturating_sub(*since) >= timeout_ms)

@@ -565,3 +565,50 @@ fn a_tenant_written_budget_cannot_buy_a_long_grace() {
         }
     }
 }
+
+/// A budget cannot lengthen the node's bound under pressure: a `blockedEvictionTimeoutSeconds` of a day (the
+/// most the API takes, and a tenant may write it where tenants edit budgets) leaves the pod deleted after the
+/// node's 60 s, and the event names the node's bound. A shorter one still shortens it (the test above).
+#[test]
+fn a_budgets_own_long_timeout_never_lengthens_the_nodes_pressure_bound() {
+    let mut b = budgets();
+    b[0].spec.blocked_eviction_timeout_seconds = Some(86_400);
+    let mut node = Node::with_budgets(vec![view("grower", "grower", "", ""), view("neighbour", "n", "", "")], &b);
+    let all = refused_run(&mut node, 0, 90_000, &[38 * GI, 39 * GI]);
+    let gone = deletes(&all);
+    assert_eq!(gone.len(), 1, "{gone:?}");
+    assert_eq!(gone[0].1, "grower");
+    assert!((60_000..=70_000).contains(&gone[0].0), "deleted at {} ms", gone[0].0);
+    let note = all
+        .iter()
+        .find_map(|(_, a)| match a {
+            Action::Event { reason: Reason::Deleting, note, .. } => Some(note.clone()),
+            _ => None,
+        })
+        .expect("told");
+    assert!(note.contains("the node's pressure blocked timeout: 60s"), "{note}");
+}
+
+/// A pod over its budget whose eviction by the budget a PodDisruptionBudget refuses (no
+/// blockedEvictionTimeoutSeconds: the budget alone would retry for ever) is still relieved under pressure: the
+/// node's bound ends the stall, counted from the first refusal while the GPU is under pressure.
+#[test]
+fn a_pod_whose_budget_eviction_is_refused_is_still_relieved_under_pressure() {
+    let mut b = budgets();
+    b[0].spec.over_limit_seconds = 0;
+    assert_eq!(b[0].spec.blocked_eviction_timeout_seconds, None);
+    let mut node = Node::with_budgets(vec![view("grower", "grower", "", ""), view("neighbour", "n", "", "")], &b);
+    // Over its budget with the card far from pressure: the budget's eviction is refused, again and again.
+    let calm = refused_run(&mut node, 0, 20_000, &[9 * GI, 30 * GI]);
+    assert!(!evicted(&calm.iter().map(|(_, a)| a.clone()).collect::<Vec<_>>()).is_empty());
+    assert!(deletes(&calm).is_empty(), "no bound of its own: never deleted for the budget");
+    // It grows until the card is short (3 GiB free): pressure, the node's 60 s bound.
+    let all = refused_run(&mut node, 20_250, 120_000, &[38 * GI, 39 * GI]);
+    let gone = deletes(&all);
+    assert_eq!(gone.len(), 1, "{gone:?}");
+    assert_eq!(gone[0].1, "grower");
+    assert!((80_250..=90_250).contains(&gone[0].0), "deleted at {} ms, pressure from 20 250", gone[0].0);
+    assert!(all.iter().all(
+        |(_, a)| !matches!(a, Action::Evict { pod, .. } | Action::Delete { pod, .. } if &*pod.name == "neighbour")
+    ));
+}
