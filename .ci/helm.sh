@@ -159,9 +159,10 @@ AGENT_ENV = {"NODE_NAME", "GPUBUDGET_PROC_ROOT", "GPUBUDGET_INTERVAL", "GPUBUDGE
              "GPUBUDGET_PRESSURE_TRANSITION", "GPUBUDGET_PRESSURE_GRACE_SECONDS", "GPUBUDGET_UNBUDGETED_PODS",
              "GPUBUDGET_PRESSURE_BLOCKED_TIMEOUT", "GPUBUDGET_NAMESPACED_BUDGETS", "GPUBUDGET_CRITICAL_NAMESPACES",
              "GPUBUDGET_USAGE_WRITE_INTERVAL", "GPUBUDGET_USAGE_WRITE_CHANGE_PERCENT", "GPUBUDGET_APPLY_DRIVER_LIMITS",
-             "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
+             "GPUBUDGET_MIRRORS_LEASE", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
 OPERATOR_ENV = {"POD_NAME", "POD_NAMESPACE", "GPUBUDGET_ADMIN_ADDR", "GPUBUDGET_LEADER_ELECTION",
                 "GPUBUDGET_LEASE_NAME", "GPUBUDGET_CRITICAL_NAMESPACES", "GPUBUDGET_WEBHOOK_ADDR", "GPUBUDGET_BUDGET_MIRRORS", "GPUBUDGET_WEBHOOK_CERT_DIR",
+                "GPUBUDGET_MIRRORS_LEASE_NAME",
                 "GPUBUDGET_LOG_FORMAT", "RUST_LOG"}
 EXTRA = {"EXAMPLE"}  # extraEnv in ci/all-features-values.yaml
 METRICS = {"gpubudget_pod_gpu_memory_bytes", "gpubudget_pod_budget_bytes", "gpubudget_pod_state",
@@ -256,6 +257,11 @@ for name in ("default", "all-features", "no-node-restriction", "no-webhooks"):
     bindings = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding" and not caps_policy(d)]
     caps_policies = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and caps_policy(d)]
     caps_bindings = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding" and caps_policy(d)]
+    # Every door to a pod's annotations (issue 43, docs/security.md "Records through another door").
+    doors = {("UPDATE", "pods"), ("UPDATE", "pods/status"), ("UPDATE", "pods/ephemeralcontainers"),
+             ("UPDATE", "pods/resize"), ("CREATE", "pods/binding"), ("CREATE", "bindings")}
+    matched = lambda p: {(op, r) for rule in p["spec"]["matchConstraints"]["resourceRules"]
+                         for op in rule["operations"] for r in rule["resources"]}
     check(("GPUBUDGET_WEBHOOK_ADDR" in oenv) == bool(webhooks or mutating), f"{name}: the webhook server runs exactly when a webhook is registered")
     def served(wh, path):
         check(wh["clientConfig"]["service"]["path"] == path, f"{name}: webhook path {path}")
@@ -279,6 +285,8 @@ for name in ("default", "all-features", "no-node-restriction", "no-webhooks"):
             check(p["spec"]["matchConditions"][0]["expression"] == f"request.userInfo.username {who} '{agent_user}'", f"{name}: policy {p['metadata']['name']} matches the right identities")
             check(".?" not in json.dumps(p), f"{name}: policy CEL without optional syntax (kube-cel cannot evaluate it)")
         check({b["spec"]["policyName"] for b in bindings} == {p["metadata"]["name"] for p in policies}, f"{name}: bindings name the policies")
+        records = [p for p in policies if p["metadata"]["name"].endswith("-records")]
+        check(len(records) == 1 and doors | {("CREATE", "pods")} <= matched(records[0]), f"{name}: the records policy guards every door to a pod's annotations")
     else:
         check(not policies and not bindings, f"{name}: no node restriction objects")
     # Caps set at admission: pod CREATE and ephemeral containers added, scoped by the operator's namespace label,
@@ -292,6 +300,7 @@ for name in ("default", "all-features", "no-node-restriction", "no-webhooks"):
         check(wh["failurePolicy"] == "Ignore" and wh["sideEffects"] == "NoneOnDryRun" and wh["reinvocationPolicy"] == "Never", f"{name}: caps webhook failure policy Ignore, side effects, no reinvocation")
         check(len(caps_policies) == 1 and len(caps_bindings) == 1 and caps_bindings[0]["spec"]["policyName"] == caps_policies[0]["metadata"]["name"], f"{name}: the caps record policy and its binding")
         check(caps_policies[0]["spec"]["matchConstraints"]["resourceRules"][0]["operations"] == ["UPDATE"], f"{name}: the caps record policy guards updates")
+        check(doors <= matched(caps_policies[0]), f"{name}: the caps record policy guards every door to a pod's annotations")
     else:
         check(not caps_policies and not caps_bindings, f"{name}: no caps objects")
     for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
@@ -371,7 +380,8 @@ def granted(docs, lease):
                 for r in rule["resources"]:
                     for n in names:
                         for v in rule["verbs"]:
-                            out.add((component, d["kind"], g, r, "<leaseName>" if n == lease else n, v))
+                            n = "<leaseName>" if n == lease else "<mirrorsLease>" if n.endswith("-operator-mirrors") else n
+                            out.add((component, d["kind"], g, r, n, v))
     return out
 
 for name, lease in (("default", "gpubudget-operator"), ("all-features", "gpubudget-operator-ci")):

@@ -147,7 +147,14 @@ async fn evicts_once_with_grace_after_recording_and_telling() {
     // "for 1s", unless the machine is slow enough to delay a 50 ms tick by half a second.
     let (head, tail) = evicting.message.split_once(" for ").expect("for <n>s");
     assert_eq!(head, "using 9.2Gi of 8Gi (budget team-a/llm-inference)");
-    assert!(tail.ends_with("s; evicting with 30s grace; held by trainer (GPU 0) 9.2Gi"), "{}", evicting.message);
+    assert!(
+        tail.ends_with(
+            "s; evicting with 30s grace; held by trainer (GPU 0) 9.2Gi; under generation 1 of budget \
+             team-a/llm-inference"
+        ),
+        "{}",
+        evicting.message
+    );
     assert_eq!(
         events[0].message,
         "using 9.2Gi of 8Gi (budget team-a/llm-inference); evicting if it stays over for 1s; held by trainer (GPU 0) 9.2Gi"

@@ -127,6 +127,13 @@ pub struct Budget {
     pub eviction_grace_period_seconds: Option<i64>,
     /// `spec.blockedEvictionTimeoutSeconds`: refused evictions this long → delete the pod. `None`: never.
     pub blocked_eviction_timeout_seconds: Option<u64>,
+    /// The resource's `metadata.generation` this was compiled from (`None`: not known), for messages: which
+    /// spec an eviction acted under.
+    pub generation: Option<i64>,
+    /// Only on the rules [`resolve`] made for a pod, never on a compiled spec: the most grace another budget
+    /// that selected the pod allows an eviction ([`Budget::tighten`]); every grace this budget gives is capped
+    /// by it. `None`: no other cap.
+    pub grace_ceiling_seconds: Option<i64>,
     /// `spec.admissionCaps` is `Enabled`: the admission webhook sets the driver's caps in new pods
     /// (`crate::caps`).
     pub admission_caps: bool,
@@ -142,14 +149,18 @@ impl Budget {
         let (Some(namespace), Some(name)) = (&resource.metadata.namespace, &resource.metadata.name) else {
             return Err(SpecError::Unnamed);
         };
-        Self::from_spec(namespace, name, &resource.spec)
+        Ok(Self { generation: resource.metadata.generation, ..Self::from_spec(namespace, name, &resource.spec)? })
     }
 
     /// Validates a `ClusterGpuMemoryBudget` into a `Budget` (empty namespace, [`Scope::Cluster`]).
     pub fn compile_cluster(resource: &ClusterGpuMemoryBudget) -> Result<Self, SpecError> {
         let name = resource.metadata.name.as_deref().ok_or(SpecError::UnnamedCluster)?;
         let namespaces = Selector::compile(&resource.spec.namespace_selector).map_err(SpecError::NamespaceSelector)?;
-        Ok(Self { scope: Scope::Cluster { namespaces }, ..Self::from_spec("", name, &resource.spec.budget)? })
+        Ok(Self {
+            scope: Scope::Cluster { namespaces },
+            generation: resource.metadata.generation,
+            ..Self::from_spec("", name, &resource.spec.budget)?
+        })
     }
 
     /// Validates a spec into a `Budget` named `namespace/name`.
@@ -206,19 +217,40 @@ impl Budget {
             over_limit_seconds,
             eviction_grace_period_seconds: spec.eviction_grace_period_seconds,
             blocked_eviction_timeout_seconds,
+            generation: None,
+            grace_ceiling_seconds: None,
             admission_caps: spec.admission_caps == AdmissionCaps::Enabled,
             tightened_by: None,
         })
     }
 
     /// The grace period (seconds) for evicting a pod whose own `terminationGracePeriodSeconds` is
-    /// `pod_grace`: the budget's `evictionGracePeriodSeconds`, else the pod's own (30 when unset) capped at
-    /// [`DEFAULT_EVICTION_GRACE_CAP_SECONDS`] and at least 1 (0 would kill it without its shutdown).
+    /// `pod_grace` (30 when unset): the pod's own, at most [`most_grace_seconds`](Self::most_grace_seconds)
+    /// (the budget's `evictionGracePeriodSeconds`, else [`DEFAULT_EVICTION_GRACE_CAP_SECONDS`]), and at least 1
+    /// (0 would kill it without its shutdown). A most, as the kubelet's `--eviction-max-pod-grace-period` is:
+    /// what a budget allows never gives a pod more than it asks for, so a tighter budget is tighter for every pod.
     pub fn eviction_grace_seconds(&self, pod_grace: Option<i64>) -> i64 {
-        match self.eviction_grace_period_seconds {
-            Some(grace) => grace,
-            None => pod_grace.unwrap_or(30).clamp(1, DEFAULT_EVICTION_GRACE_CAP_SECONDS),
-        }
+        pod_grace.unwrap_or(30).clamp(1, self.most_grace_seconds().max(1))
+    }
+
+    /// The most grace any eviction under these rules may give, whatever the pod asks for.
+    pub fn most_grace_seconds(&self) -> i64 {
+        let most = self.eviction_grace_period_seconds.unwrap_or(DEFAULT_EVICTION_GRACE_CAP_SECONDS);
+        self.grace_ceiling_seconds.map_or(most, |ceiling| most.min(ceiling))
+    }
+
+    /// The grace of an eviction for GPU memory pressure: the node's (`node_seconds`), at most
+    /// [`most_grace_seconds`](Self::most_grace_seconds) (a budget may shorten the node's, never lengthen it).
+    pub fn pressure_grace_seconds(&self, node_seconds: i64) -> i64 {
+        node_seconds.min(self.most_grace_seconds())
+    }
+
+    /// Under GPU memory pressure, how long refused evictions hold the pod before it is deleted (ms): the node's
+    /// bound (`node_ms`), or `blockedEvictionTimeoutSeconds` where that is shorter. A budget may shorten the
+    /// node's bound, never lengthen it: tenants may write budgets, and the bound is what keeps a
+    /// PodDisruptionBudget from holding memory a neighbour needs.
+    pub fn pressure_blocked_timeout_ms(&self, node_ms: u64) -> u64 {
+        self.blocked_eviction_timeout_seconds.map_or(node_ms, |own| own.saturating_mul(1000).min(node_ms))
     }
 
     /// The bytes a pod of this budget is never evicted within, for GPU memory pressure or otherwise: its
@@ -290,7 +322,7 @@ impl Budget {
     /// and is not compared.
     pub fn no_looser_than(&self, other: &Budget) -> bool {
         let evicts = |b: &Budget| b.action == BudgetAction::Evict;
-        let most_grace = |b: &Budget| b.eviction_grace_period_seconds.unwrap_or(DEFAULT_EVICTION_GRACE_CAP_SECONDS);
+        let most_grace = Budget::most_grace_seconds;
         let blocked = |b: &Budget| b.blocked_eviction_timeout_seconds.unwrap_or(u64::MAX);
         self.limit_bytes <= other.limit_bytes
             && self.guaranteed_bytes() <= other.guaranteed_bytes()
@@ -319,9 +351,9 @@ impl Budget {
             self.over_limit_seconds = other.over_limit_seconds;
             changed.push("overLimitSeconds");
         }
-        let most_grace = |b: &Budget| b.eviction_grace_period_seconds.unwrap_or(DEFAULT_EVICTION_GRACE_CAP_SECONDS);
-        if most_grace(other) < most_grace(self) {
-            self.eviction_grace_period_seconds = Some(most_grace(other));
+        // Capped, not replaced: a pod asking for less grace than the other budget's most keeps its own.
+        if other.most_grace_seconds() < self.most_grace_seconds() {
+            self.grace_ceiling_seconds = Some(other.most_grace_seconds());
             changed.push("evictionGracePeriodSeconds");
         }
         let blocked = |b: &Budget| b.blocked_eviction_timeout_seconds.unwrap_or(u64::MAX);
@@ -347,6 +379,12 @@ impl Budget {
             None => format!("budget {}", self.key()),
             Some(by) => format!("budget {}, tightened by {by}", self.key()),
         }
+    }
+
+    /// `; under generation 4 of budget team-a/llm` when the generation is known, else empty: which spec an
+    /// eviction acted under, so that one taken under a spec since changed is told as such.
+    pub fn under_generation(&self) -> String {
+        self.generation.map(|g| format!("; under generation {g} of budget {}", self.key())).unwrap_or_default()
     }
 
     /// The state machine's thresholds for a pod under this budget.
@@ -604,7 +642,7 @@ mod tests {
 
     /// #11: the pod's own grace period (an hour, say) cannot hold the memory: unset, it is capped at 30 s.
     #[test]
-    fn eviction_grace_is_the_budgets_or_the_pods_capped() {
+    fn eviction_grace_is_the_pods_at_most_the_budgets() {
         let base = "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: b, namespace: n}\nspec:\n  selector: {}\n  limit: 1Gi\n";
         let unset = budget(base).expect("budget");
         assert_eq!(unset.eviction_grace_seconds(Some(3_600)), 30);
@@ -613,8 +651,9 @@ mod tests {
         assert_eq!(unset.eviction_grace_seconds(None), 30);
         assert_eq!(unset.eviction_grace_seconds(Some(0)), 1, "never 0: that kills without a shutdown");
         let set = budget(&format!("{base}  evictionGracePeriodSeconds: 120\n")).expect("budget");
-        assert_eq!(set.eviction_grace_seconds(Some(3_600)), 120, "the budget's own, as written");
-        assert_eq!(set.eviction_grace_seconds(Some(5)), 120);
+        assert_eq!(set.eviction_grace_seconds(Some(3_600)), 120, "the budget's most");
+        assert_eq!(set.eviction_grace_seconds(Some(5)), 5, "never more than the pod asks for");
+        assert_eq!(set.eviction_grace_seconds(None), 30, "the pod's default 30 s");
     }
 
     #[test]
@@ -876,8 +915,8 @@ mod tests {
         let (a, b) = (plain.applied(), relabelled.applied());
         assert!(b.no_looser_than(a) && b.no_looser_than(&admin));
         assert_eq!(
-            (b.action, b.over_limit_seconds, b.eviction_grace_period_seconds, b.blocked_eviction_timeout_seconds),
-            (BudgetAction::Evict, 10, Some(30), Some(30))
+            (b.action, b.over_limit_seconds, b.most_grace_seconds(), b.blocked_eviction_timeout_seconds),
+            (BudgetAction::Evict, 10, 30, Some(30))
         );
         assert_eq!(b.limit_bytes, 6 << 30, "the smaller limit is tighter, and kept");
     }
@@ -922,7 +961,67 @@ mod tests {
             })
     }
 
+    /// What rules mean wherever they are used, for a pod asking `pod_grace` on a node whose pressure bound is
+    /// `node_ms` and pressure grace `node_grace`; in each place a smaller value is tighter. Every optional field
+    /// is read as it is where it is used: an unset grace as the pod's own (capped), an unset
+    /// `blockedEvictionTimeoutSeconds` as the node's bound under pressure and as "never" for the budget's own
+    /// eviction.
+    fn uses(b: &Budget, pod_grace: Option<i64>, node_ms: u64, node_grace: i64) -> [(&'static str, u128); 10] {
+        [
+            ("limit", u128::from(b.limit_bytes)),
+            ("guaranteed bytes", u128::from(b.guaranteed_bytes())),
+            ("action (Warn looser)", u128::from(b.action != BudgetAction::Evict)),
+            ("overLimitSeconds", u128::from(b.over_limit_seconds)),
+            ("grace of its eviction", b.eviction_grace_seconds(pod_grace).unsigned_abs().into()),
+            ("grace under pressure", b.pressure_grace_seconds(node_grace).unsigned_abs().into()),
+            ("refusal bound under pressure", u128::from(b.pressure_blocked_timeout_ms(node_ms))),
+            ("refusal bound of its eviction", b.blocked_eviction_timeout_seconds.map_or(u128::MAX, u128::from)),
+            ("admissionCaps (Disabled looser)", u128::from(!b.admission_caps)),
+            ("warnAtPercent", u128::from(b.warn_at_percent)),
+        ]
+    }
+
     proptest! {
+        /// Tightening and "no looser than" read every field by what it means where it is used: rules tightened
+        /// by another budget are, in every place and for every pod and node, no looser than either (the limit
+        /// stays the budget's own, which names it), and a budget that is "no looser than" another is so in
+        /// every place. Before issue 43 an unset grace tightened by another budget's longer one gave a pod
+        /// asking for less more than it asked.
+        #[test]
+        fn tightening_is_no_looser_anywhere_a_field_is_used(
+            a in budget_fields(),
+            b in budget_fields(),
+            pod_grace in proptest::option::of(0i64..5000),
+            node_ms in 0u64..200_000,
+            node_grace in 1i64..100,
+        ) {
+            let (x, y) = (namespaced("x", &a.1), namespaced("y", &b.1));
+            let mut t = x.clone();
+            t.tighten(&y);
+            let (ut, ux, uy) = (uses(&t, pod_grace, node_ms, node_grace), uses(&x, pod_grace, node_ms, node_grace), uses(&y, pod_grace, node_ms, node_grace));
+            for i in 0..ut.len() {
+                let (field, value) = ut[i];
+                prop_assert!(value <= ux[i].1, "{}: tightened {} looser than its own {}", field, value, ux[i].1);
+                if field != "limit" {
+                    prop_assert!(value <= uy[i].1, "{}: tightened {} looser than the other's {}", field, value, uy[i].1);
+                }
+            }
+            let mut same_limit = t.clone();
+            same_limit.limit_bytes = same_limit.limit_bytes.min(y.limit_bytes);
+            same_limit.request_bytes = same_limit.request_bytes.map(|r| r.min(same_limit.limit_bytes));
+            prop_assert!(same_limit.no_looser_than(&y));
+            for (p, q) in [(&x, &y), (&y, &x), (&t, &x), (&t, &y)] {
+                if p.no_looser_than(q) {
+                    let (up, uq) = (uses(p, pod_grace, node_ms, node_grace), uses(q, pod_grace, node_ms, node_grace));
+                    for i in 0..up.len() {
+                        if up[i].0 != "warnAtPercent" {
+                            prop_assert!(up[i].1 <= uq[i].1, "no looser, yet {} {} > {}", up[i].0, up[i].1, uq[i].1);
+                        }
+                    }
+                }
+            }
+        }
+
         #[test]
         fn resolution_is_order_independent(limits in proptest::collection::vec(1u64..5, 1..6), seed in any::<u64>()) {
             let budgets: Vec<Budget> = limits.iter().enumerate()

@@ -11,7 +11,9 @@
 //!   one entry it cannot read, an amount in `K`, in bytes or of 0, or an entry for an ordinal the process
 //!   does not see, and it ignores **the whole variable** (the process runs uncapped). So this module writes
 //!   only the canonical form `<i>=<MiB>M` for exactly the ordinals `0..n` a container sees, and only when
-//!   it knows `n` ([`Devices`]).
+//!   it knows `n` for certain ([`Devices`]): not where a resource asked more than once may be replicas of one
+//!   card ([`gpu_limits`]), nor where `NVIDIA_VISIBLE_DEVICES` may come from `valueFrom` or `envFrom`
+//!   ([`container_value`]). Status counts such a container uncapped, with the reason.
 //! - `NVIDIA_GPU_MEMORY_LIMIT` / `NVIDIA_GPU_MEMORY_REQUEST`: MiB, read by the container toolkit's CDI hook
 //!   (driver R615 and later) and applied to the container's cgroup as hard and soft limits. Written as plain
 //!   positive decimal integers.
@@ -28,7 +30,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use k8s_openapi::api::core::v1::{Container, EnvVar, EphemeralContainer, Pod, ResourceRequirements};
+use k8s_openapi::api::core::v1::{Container, EnvFromSource, EnvVar, EphemeralContainer, Pod, ResourceRequirements};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -87,13 +89,23 @@ impl Caps {
     }
 }
 
-/// The value of one of the variables in a container's `env` (the entry that wins: the last of its name).
+/// The value of one of the variables in a container's environment: the winning entry of its `env` (the last
+/// of its name), else an `envFrom` entry that may set it (`env` wins over `envFrom` in Kubernetes).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum EnvValue {
     /// `value: ...` (an absent value is the empty string, as Kubernetes reads it).
     Literal(String),
     /// `valueFrom: ...`: unknown until the kubelet resolves it.
     FromSource,
+    /// Not in `env`, but `envFrom` entry `entry` (from 0; the last that may) can set it: a ConfigMap or
+    /// Secret the kubelet reads when the container starts, so whether it does, and to what, is not in the
+    /// pod.
+    FromEnvFrom {
+        /// The `envFrom` entry, from 0.
+        entry: u32,
+        /// A Secret (else a ConfigMap).
+        secret: bool,
+    },
 }
 
 impl EnvValue {
@@ -101,9 +113,20 @@ impl EnvValue {
     pub fn literal(&self) -> Option<&str> {
         match self {
             Self::Literal(text) => Some(text),
-            Self::FromSource => None,
+            Self::FromSource | Self::FromEnvFrom { .. } => None,
         }
     }
+
+    /// The value as `env` holds it: `None` for one only `envFrom` may set (an entry the webhook writes in
+    /// `env` overrides it, so it is nothing to merge with).
+    fn in_env(&self) -> Option<&Self> {
+        (!matches!(self, Self::FromEnvFrom { .. })).then_some(self)
+    }
+}
+
+/// `a ConfigMap` or `a Secret`.
+fn source_kind(secret: bool) -> &'static str {
+    if secret { "a Secret" } else { "a ConfigMap" }
 }
 
 // ---- which containers use GPUs, and how many devices they see ---------------------------------------------
@@ -119,6 +142,19 @@ pub enum Unknown {
     /// `NVIDIA_VISIBLE_DEVICES` from `valueFrom`.
     #[error("NVIDIA_VISIBLE_DEVICES is set through valueFrom: which devices the container sees is not in the pod")]
     VisibleFromSource,
+    /// `NVIDIA_VISIBLE_DEVICES` not in `env`, and an `envFrom` entry may set it (a GPU-sharing scheduler's
+    /// ConfigMap holding `NVIDIA_VISIBLE_DEVICES=all`, say).
+    #[error(
+        "NVIDIA_VISIBLE_DEVICES may come from envFrom entry {entry} ({}, read when the container starts): the \
+         device count is unknown at admission",
+        source_kind(*secret)
+    )]
+    VisibleFromEnvFrom {
+        /// The `envFrom` entry, from 0.
+        entry: u32,
+        /// A Secret (else a ConfigMap).
+        secret: bool,
+    },
     /// A value that is not a list of indices or UUIDs (or is longer than [`MAX_ENV_VALUE`]).
     #[error("NVIDIA_VISIBLE_DEVICES is not a list of device indices or GPU-/MIG- UUIDs")]
     VisibleUnreadable,
@@ -138,12 +174,52 @@ pub enum Unknown {
         /// Devices the variable lists.
         listed: u32,
     },
+    /// More than one of a GPU resource the device plugin may hand out as replicas of one card (time-slicing
+    /// or MPS sharing): the process may see fewer devices than it asked for, and an MPS entry for an ordinal it
+    /// does not see voids the whole value.
+    #[error("{}", replicas_reason(*resource, *count))]
+    Replicas {
+        /// Which kind of resource.
+        resource: Replicated,
+        /// How many it asks for.
+        count: u32,
+    },
     /// A DRA claim (`resources.claims`): its devices are allocated at scheduling.
     #[error("a DRA resource claim (resources.claims): its devices are allocated at scheduling, not written in the pod")]
     Claim,
     /// More than [`MAX_DEVICES`].
     #[error("more than 64 devices")]
     TooMany,
+}
+
+/// A GPU resource asked for more than once that may be replicas of one card ([`Unknown::Replicas`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Replicated {
+    /// A `.shared` resource (`nvidia.com/gpu.shared`): the device plugin's replicas, renamed.
+    Shared,
+    /// `nvidia.com/gpu`: time-slicing (`renameByDefault: false`, the default) keeps the name.
+    Gpu,
+    /// A MIG profile (`nvidia.com/mig-...`), which the device plugin can replicate as it does whole GPUs.
+    Mig,
+}
+
+fn replicas_reason(resource: Replicated, count: u32) -> String {
+    match resource {
+        Replicated::Shared => format!(
+            "nvidia.com/gpu.shared: {count} (a shared GPU's replicas) may be replicas of one card: the device count is \
+             uncertain"
+        ),
+        Replicated::Gpu => format!(
+            "nvidia.com/gpu: {count} may be replicas of one card (the device plugin's time-slicing keeps the name \
+             nvidia.com/gpu by default): the device count is uncertain; a pod whose nodeSelector pins \
+             nvidia.com/gpu.sharing-strategy: none (or nvidia.com/gpu.replicas: \"1\") gets whole GPUs"
+        ),
+        Replicated::Mig => format!(
+            "a MIG resource asked {count} times may be replicas of one instance (the device plugin can time-slice MIG \
+             devices too): the device count is uncertain; a pod whose nodeSelector pins <resource>.sharing-strategy: \
+             none (or <resource>.replicas: \"1\") gets whole instances"
+        ),
+    }
 }
 
 /// How many devices a GPU container sees.
@@ -194,6 +270,9 @@ enum Visible {
 fn visible(value: &EnvValue) -> Visible {
     let text = match value {
         EnvValue::FromSource => return Visible::Unknown(Unknown::VisibleFromSource),
+        &EnvValue::FromEnvFrom { entry, secret } => {
+            return Visible::Unknown(Unknown::VisibleFromEnvFrom { entry, secret });
+        }
         EnvValue::Literal(text) if text.len() > MAX_ENV_VALUE => return Visible::Unknown(Unknown::VisibleUnreadable),
         EnvValue::Literal(text) => text.as_str(),
     };
@@ -243,41 +322,99 @@ pub fn is_gpu_resource(name: &str) -> bool {
 /// How many devices a container's resource limits give it: the sum of its positive whole GPU and MIG counts
 /// ([`is_gpu_resource`]), saturating.
 pub fn limit_devices<'a>(limits: impl IntoIterator<Item = (&'a str, &'a str)>) -> u64 {
-    limits
-        .into_iter()
-        .filter(|(name, _)| is_gpu_resource(name))
-        .filter_map(|(_, count)| count.trim().parse::<u64>().ok())
-        .fold(0, u64::saturating_add)
+    gpu_limits(limits, None).count
+}
+
+/// What a container's GPU and MIG limits ask for ([`gpu_limits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GpuLimits {
+    /// The sum of the positive counts, saturating.
+    pub count: u64,
+    /// Why those may not be as many distinct devices: a resource asked more than once that the device plugin
+    /// may hand out as replicas of one card ([`Unknown::Replicas`]).
+    pub replicas: Option<Unknown>,
+}
+
+/// The GPU resources of a container's limits, and whether their count is that of distinct devices.
+///
+/// The NVIDIA device plugin's sharing (time-slicing, MPS) advertises each card as several replicas, and may
+/// give one container two replicas of the same card: the process then sees one device. So a resource asked
+/// for more than once is counted distinct devices only where replicas cannot be:
+/// - a `.shared` resource (`nvidia.com/gpu.shared`, the renamed replicas): never;
+/// - `nvidia.com/gpu` or a MIG profile (time-slicing keeps the name unless `renameByDefault`): only when the
+///   pod's `nodeSelector` pins nodes that do not share it, by the labels the GPU feature discovery sets there
+///   (`<resource>.sharing-strategy: none` or `<resource>.replicas: "1"`; the scheduler keeps the pod off
+///   any other node).
+///
+/// One of a resource is one device, replica or not (ordinal 0 is right either way).
+pub fn gpu_limits<'a>(
+    limits: impl IntoIterator<Item = (&'a str, &'a str)>,
+    node_selector: Option<&BTreeMap<String, String>>,
+) -> GpuLimits {
+    let mut out = GpuLimits::default();
+    for (name, count) in limits.into_iter().filter(|(name, _)| is_gpu_resource(name)) {
+        let Some(count) = count.trim().parse::<u64>().ok() else { continue };
+        out.count = out.count.saturating_add(count);
+        if count <= 1 || out.replicas.is_some() {
+            continue;
+        }
+        let resource = if name.ends_with(".shared") {
+            Replicated::Shared
+        } else if unshared(name, node_selector) {
+            continue;
+        } else if name.starts_with(MIG_RESOURCE_PREFIX) {
+            Replicated::Mig
+        } else {
+            Replicated::Gpu
+        };
+        out.replicas = Some(Unknown::Replicas { resource, count: u32::try_from(count).unwrap_or(u32::MAX) });
+    }
+    out
+}
+
+/// Whether a pod's `nodeSelector` pins nodes where the device plugin does not share `resource`: the GPU
+/// feature discovery's `<resource>.sharing-strategy: none` or `<resource>.replicas: "1"`.
+pub fn unshared(resource: &str, node_selector: Option<&BTreeMap<String, String>>) -> bool {
+    node_selector.is_some_and(|selector| {
+        selector.get(&format!("{resource}.sharing-strategy")).is_some_and(|v| v == "none")
+            || selector.get(&format!("{resource}.replicas")).is_some_and(|v| v == "1")
+    })
 }
 
 /// How many devices a container sees, from every way it can get a GPU: its GPU and MIG limits (`limits`,
-/// [`limit_devices`]), its `NVIDIA_VISIBLE_DEVICES` (`visible_devices`) and whether it has DRA claims.
+/// [`gpu_limits`]), its `NVIDIA_VISIBLE_DEVICES` (`visible_devices`) and whether it has DRA claims.
 /// `None`: not a GPU container.
 ///
 /// - A DRA claim makes the count unknown (gpubudget cannot tell a GPU claim from another without the claim).
 /// - `NVIDIA_VISIBLE_DEVICES` with a limit: known only when it lists as many devices as the limits ask for
 ///   (or says `none`/`void`/empty: the device plugin's own list then decides); otherwise which list the
 ///   runtime uses decides, so unknown. `all` is always unknown (a container with 1 GPU limit and `all` may
-///   see every GPU: it must not be capped on device 0 only).
-/// - `NVIDIA_VISIBLE_DEVICES` alone: its list's length (`all`: unknown).
-pub fn devices(limits: u64, visible_devices: Option<&EnvValue>, claims: bool) -> Option<Devices> {
-    let visible = visible_devices.map_or(Visible::Nothing, visible);
+///   see every GPU: it must not be capped on device 0 only), and so is a value `envFrom` may set.
+/// - Limits that may be replicas of one card ([`GpuLimits::replicas`]): unknown, whatever the variable
+///   lists (a runtime that ignores the variable, as the GPU Operator's CDI default does for unprivileged
+///   containers, uses the device plugin's list).
+/// - `NVIDIA_VISIBLE_DEVICES` alone: its list's length (`all`: unknown). A value only `envFrom` may set does
+///   not make a container a GPU container (as one from its image's `ENV` does not: neither is in the pod).
+pub fn devices(limits: GpuLimits, visible_devices: Option<&EnvValue>, claims: bool) -> Option<Devices> {
     if claims {
         return Some(Devices::Unknown(Unknown::Claim));
     }
+    let visible = match visible_devices {
+        Some(EnvValue::FromEnvFrom { .. }) if limits.count == 0 => Visible::Nothing,
+        other => other.map_or(Visible::Nothing, visible),
+    };
     let count = |n: u64| match u32::try_from(n) {
         Ok(n) if n <= MAX_DEVICES => Devices::Known(n),
         _ => Devices::Unknown(Unknown::TooMany),
     };
-    match (limits, visible) {
+    match (limits.count, visible) {
         (0, Visible::Nothing) => None,
         (0, Visible::Listed(n)) => Some(count(u64::from(n))),
         (_, Visible::Unknown(why)) => Some(Devices::Unknown(why)),
-        (n, Visible::Nothing) => Some(count(n)),
-        (n, Visible::Listed(listed)) if n == u64::from(listed) => Some(count(n)),
-        (n, Visible::Listed(listed)) => {
+        (n, Visible::Listed(listed)) if n != u64::from(listed) => {
             Some(Devices::Unknown(Unknown::Disagree { limits: u32::try_from(n).unwrap_or(u32::MAX), listed }))
         }
+        (n, Visible::Nothing | Visible::Listed(_)) => Some(limits.replicas.map_or_else(|| count(n), Devices::Unknown)),
     }
 }
 
@@ -286,6 +423,24 @@ pub fn env_value(env: &[EnvVar], name: &str) -> Option<EnvValue> {
     env.iter().rev().find(|e| e.name == name).map(|e| match (&e.value, &e.value_from) {
         (_, Some(_)) => EnvValue::FromSource,
         (value, None) => EnvValue::Literal(value.clone().unwrap_or_default()),
+    })
+}
+
+/// Whether an `envFrom` entry with this prefix may set the variable `name`: a ConfigMap's or Secret's key is
+/// never empty, so `prefix + key` is `name` only when `name` starts with `prefix` and is longer.
+pub fn env_from_may_set(prefix: &str, name: &str) -> bool {
+    name.len() > prefix.len() && name.starts_with(prefix)
+}
+
+/// The value of `name` in a container's environment as the kubelet builds it: `env` (its last entry of that
+/// name) wins; else the last `envFrom` entry that may set it ([`EnvValue::FromEnvFrom`]). Linear in both lists.
+pub fn container_value(env: &[EnvVar], env_from: &[EnvFromSource], name: &str) -> Option<EnvValue> {
+    env_value(env, name).or_else(|| {
+        let entry = env_from.iter().rposition(|s| env_from_may_set(s.prefix.as_deref().unwrap_or_default(), name))?;
+        Some(EnvValue::FromEnvFrom {
+            entry: u32::try_from(entry).unwrap_or(u32::MAX),
+            secret: env_from[entry].secret_ref.is_some(),
+        })
     })
 }
 
@@ -305,29 +460,64 @@ pub struct GpuContainer {
 }
 
 impl GpuContainer {
-    /// A container from its parts; `None` when it is not a GPU container ([`devices`]).
-    pub fn from_parts(name: &str, resources: Option<&ResourceRequirements>, env: &[EnvVar]) -> Option<Self> {
-        let limits = resources.and_then(|r| r.limits.as_ref());
-        let limits = limit_devices(limits.iter().flat_map(|l| l.iter()).map(|(k, v)| (k.as_str(), v.0.as_str())));
-        let claims = resources.and_then(|r| r.claims.as_ref()).is_some_and(|c| !c.is_empty());
-        let devices = devices(limits, env_value(env, VISIBLE_DEVICES).as_ref(), claims)?;
+    /// A container from its parts: its GPU limits ([`gpu_limits`], with the pod's `nodeSelector`), whether
+    /// it has DRA claims, its `env` and `envFrom`. `None` when it is not a GPU container ([`devices`]).
+    pub fn from_lean(
+        name: &str,
+        limits: GpuLimits,
+        claims: bool,
+        env: &[EnvVar],
+        env_from: &[EnvFromSource],
+    ) -> Option<Self> {
+        let devices = devices(limits, container_value(env, env_from, VISIBLE_DEVICES).as_ref(), claims)?;
         Some(Self {
             name: name.to_owned(),
             devices,
-            mps_limit: env_value(env, MPS_LIMIT),
-            memory_limit: env_value(env, MEMORY_LIMIT),
-            memory_request: env_value(env, MEMORY_REQUEST),
+            mps_limit: container_value(env, env_from, MPS_LIMIT),
+            memory_limit: container_value(env, env_from, MEMORY_LIMIT),
+            memory_request: container_value(env, env_from, MEMORY_REQUEST),
         })
     }
 
-    /// The container as the caps module sees it; `None` when it is not a GPU container.
-    pub fn of(container: &Container) -> Option<Self> {
-        Self::from_parts(&container.name, container.resources.as_ref(), container.env.as_deref().unwrap_or_default())
+    /// A container from its parts, in a pod with this `nodeSelector`; `None` when it is not a GPU container.
+    pub fn from_parts(
+        name: &str,
+        resources: Option<&ResourceRequirements>,
+        env: &[EnvVar],
+        env_from: &[EnvFromSource],
+        node_selector: Option<&BTreeMap<String, String>>,
+    ) -> Option<Self> {
+        let limits = resources.and_then(|r| r.limits.as_ref());
+        let limits =
+            gpu_limits(limits.iter().flat_map(|l| l.iter()).map(|(k, v)| (k.as_str(), v.0.as_str())), node_selector);
+        let claims = resources.and_then(|r| r.claims.as_ref()).is_some_and(|c| !c.is_empty());
+        Self::from_lean(name, limits, claims, env, env_from)
+    }
+
+    /// The container as the caps module sees it, in a pod with this `nodeSelector`; `None` when it is not a
+    /// GPU container.
+    pub fn of(container: &Container, node_selector: Option<&BTreeMap<String, String>>) -> Option<Self> {
+        Self::from_parts(
+            &container.name,
+            container.resources.as_ref(),
+            container.env.as_deref().unwrap_or_default(),
+            container.env_from.as_deref().unwrap_or_default(),
+            node_selector,
+        )
     }
 
     /// An ephemeral container (`kubectl debug`) as the caps module sees it.
-    pub fn of_ephemeral(container: &EphemeralContainer) -> Option<Self> {
-        Self::from_parts(&container.name, container.resources.as_ref(), container.env.as_deref().unwrap_or_default())
+    pub fn of_ephemeral(
+        container: &EphemeralContainer,
+        node_selector: Option<&BTreeMap<String, String>>,
+    ) -> Option<Self> {
+        Self::from_parts(
+            &container.name,
+            container.resources.as_ref(),
+            container.env.as_deref().unwrap_or_default(),
+            container.env_from.as_deref().unwrap_or_default(),
+            node_selector,
+        )
     }
 }
 
@@ -351,6 +541,8 @@ pub struct Found<'a> {
     pub kind: Kind,
     /// Its `env`.
     pub env: &'a [EnvVar],
+    /// Its `envFrom`.
+    pub env_from: &'a [EnvFromSource],
     /// What the caps module reads of it.
     pub gpu: GpuContainer,
 }
@@ -359,23 +551,28 @@ pub struct Found<'a> {
 /// ephemeral ones.
 pub fn gpu_containers(pod: &Pod) -> Vec<Found<'_>> {
     let Some(spec) = pod.spec.as_ref() else { return Vec::new() };
+    let selector = spec.node_selector.as_ref();
     let init = spec.init_containers.iter().flatten().enumerate().map(|(i, c)| {
-        (format!("/spec/initContainers/{i}"), Kind::Init, c.env.as_deref().unwrap_or_default(), GpuContainer::of(c))
+        (format!("/spec/initContainers/{i}"), Kind::Init, &c.env, &c.env_from, GpuContainer::of(c, selector))
     });
     let main = spec.containers.iter().enumerate().map(|(i, c)| {
-        (format!("/spec/containers/{i}"), Kind::Main, c.env.as_deref().unwrap_or_default(), GpuContainer::of(c))
+        (format!("/spec/containers/{i}"), Kind::Main, &c.env, &c.env_from, GpuContainer::of(c, selector))
     });
     let ephemeral = spec.ephemeral_containers.iter().flatten().enumerate().map(|(i, c)| {
         (
             format!("/spec/ephemeralContainers/{i}"),
             Kind::Ephemeral,
-            c.env.as_deref().unwrap_or_default(),
-            GpuContainer::of_ephemeral(c),
+            &c.env,
+            &c.env_from,
+            GpuContainer::of_ephemeral(c, selector),
         )
     });
     init.chain(main)
         .chain(ephemeral)
-        .filter_map(|(path, kind, env, gpu)| gpu.map(|gpu| Found { path, kind, env, gpu }))
+        .filter_map(|(path, kind, env, env_from, gpu)| {
+            let (env, env_from) = (env.as_deref().unwrap_or_default(), env_from.as_deref().unwrap_or_default());
+            gpu.map(|gpu| Found { path, kind, env, env_from, gpu })
+        })
         .collect()
 }
 
@@ -708,33 +905,50 @@ fn env_ops(path: &str, env: &[EnvVar], values: &[(&str, Option<String>)], ops: &
     ops.extend(removed.into_iter().map(|i| json!({"op": "remove", "path": format!("{path}/env/{i}")})));
 }
 
+/// Why a container's device count is unknown, in words, naming the ConfigMap or Secret an `envFrom` entry
+/// reads (`env_from`: the container's).
+pub fn unknown_reason(why: Unknown, env_from: &[EnvFromSource]) -> String {
+    let Unknown::VisibleFromEnvFrom { entry, .. } = why else { return why.to_string() };
+    let source = usize::try_from(entry).ok().and_then(|i| env_from.get(i));
+    let name = source.and_then(|s| {
+        s.config_map_ref.as_ref().map(|c| ("ConfigMap", &c.name)).or(s.secret_ref.as_ref().map(|c| ("Secret", &c.name)))
+    });
+    match name {
+        // A name is at most 253 characters (the API server's validation); never more is written.
+        Some((kind, name)) => format!("{why} [{kind} {}]", name.chars().take(253).collect::<String>()),
+        None => why.to_string(),
+    }
+}
+
 /// Sets one GPU container's variables: the canonical MPS value when its device count is known (else none:
 /// the user's is removed and the container recorded uncapped), the MiB variables always (they do not
-/// depend on the device count).
+/// depend on the device count). What `envFrom` may set is overridden by the `env` entries written
+/// (Kubernetes' precedence), never merged with: its value is not in the pod.
 fn cap_container(found: &Found<'_>, caps: Caps, ops: &mut Vec<Value>) -> ContainerRecord {
     let gpu = &found.gpu;
     let mut env = BTreeMap::new();
     let mut values: Vec<(&str, Option<String>)> = Vec::new();
     let mut uncapped = None;
+    let mps_in_env = gpu.mps_limit.as_ref().and_then(EnvValue::in_env);
     match gpu.devices {
         Devices::Known(n) => {
-            let (mps, outcome) = merge_mps_outcome(gpu.mps_limit.as_ref(), n, caps.limit_mib);
+            let (mps, outcome) = merge_mps_outcome(mps_in_env, n, caps.limit_mib);
             env.insert(MPS_LIMIT.to_owned(), outcome);
             values.push((MPS_LIMIT, Some(mps)));
         }
         Devices::Unknown(why) => {
-            if gpu.mps_limit.is_some() {
+            if mps_in_env.is_some() {
                 env.insert(MPS_LIMIT.to_owned(), Outcome::Removed);
                 values.push((MPS_LIMIT, None));
             }
-            uncapped = Some(why.to_string());
+            uncapped = Some(unknown_reason(why, found.env_from));
         }
     }
-    let (limit, outcome) = merge_mib(gpu.memory_limit.as_ref(), caps.limit_mib);
+    let (limit, outcome) = merge_mib(gpu.memory_limit.as_ref().and_then(EnvValue::in_env), caps.limit_mib);
     env.insert(MEMORY_LIMIT.to_owned(), outcome);
     values.push((MEMORY_LIMIT, Some(limit)));
     if let Some(request_mib) = caps.request_mib.filter(|r| *r > 0) {
-        let (request, outcome) = merge_mib(gpu.memory_request.as_ref(), request_mib);
+        let (request, outcome) = merge_mib(gpu.memory_request.as_ref().and_then(EnvValue::in_env), request_mib);
         env.insert(MEMORY_REQUEST.to_owned(), outcome);
         values.push((MEMORY_REQUEST, Some(request)));
     }
@@ -808,6 +1022,17 @@ pub enum Uncapped {
     /// The MPS variable comes from `valueFrom`.
     #[error("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT is set through valueFrom: its value is not in the pod")]
     MpsFromSource,
+    /// The MPS variable is not in `env`, and an `envFrom` entry may set it.
+    #[error(
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT may come from envFrom entry {entry} ({}): its value is not in the pod",
+        source_kind(*secret)
+    )]
+    MpsFromEnvFrom {
+        /// The `envFrom` entry, from 0.
+        entry: u32,
+        /// A Secret (else a ConfigMap).
+        secret: bool,
+    },
     /// The driver ignores the whole MPS value.
     #[error("the driver ignores its CUDA_MPS_PINNED_DEVICE_MEM_LIMIT: {0}")]
     Ignored(Ignored),
@@ -843,6 +1068,9 @@ pub fn held(c: &GpuContainer) -> Held {
     let text = match &c.mps_limit {
         None => return Held::Uncapped(Uncapped::NoMps),
         Some(EnvValue::FromSource) => return Held::Uncapped(Uncapped::MpsFromSource),
+        &Some(EnvValue::FromEnvFrom { entry, secret }) => {
+            return Held::Uncapped(Uncapped::MpsFromEnvFrom { entry, secret });
+        }
         Some(EnvValue::Literal(text)) => text,
     };
     let value = match read_mps(text, devices) {

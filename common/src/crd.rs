@@ -87,10 +87,11 @@ pub struct GpuMemoryBudgetSpec {
     #[x_kube(validation = Rule::new("self >= 0").message("overLimitSeconds must be 0 or more"))]
     pub over_limit_seconds: i64,
 
-    /// Termination grace period, in seconds, given to a pod this budget evicts: 1 or more (0, which would
-    /// kill the pod at once without its shutdown, is refused). Unset: the pod's own
-    /// `terminationGracePeriodSeconds`, capped at 30 (a pod cannot hold the memory for the hour its own
-    /// grace period may ask for).
+    /// The most termination grace, in seconds, given to a pod this budget evicts: the pod gets its own
+    /// `terminationGracePeriodSeconds` (30 when unset), at most this (as the kubelet's
+    /// `--eviction-max-pod-grace-period`). 1 or more (0, which would kill the pod at once without its shutdown,
+    /// is refused). Unset: at most 30 (a pod cannot hold the memory for the hour its own grace period may ask
+    /// for).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     #[x_kube(validation = Rule::new("self >= 1").message("evictionGracePeriodSeconds must be 1 or more (0 would kill the pod without its shutdown); leave it unset for the pod's own terminationGracePeriodSeconds, capped at 30"))]
@@ -238,6 +239,11 @@ pub struct GpuMemoryBudgetStatus {
     /// The `metadata.generation` this status was computed for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// The `metadata.generation` of the spec the nodes enforce: while the agents read the budgets' mirrors, the
+    /// one this budget's mirror copies (condition `NodesCurrent` says when it lags the spec, and why);
+    /// otherwise this budget's own (the agents read it directly). Unset while unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforced_generation: Option<i64>,
     /// Pods the selector matches whose budget this is (after resolving overlaps).
     #[serde(default)]
     pub matched_pods: i64,

@@ -80,11 +80,13 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# gpu_pod NAME [ENV_JSON] [ANNOTATIONS_JSON]: a pod with one container asking for 2 GPUs, as JSON.
+# gpu_pod NAME [ENV_JSON] [ANNOTATIONS_JSON]: a pod with one container asking for 2 GPUs, as JSON, pinned to
+# nodes that do not share them (without, 2 may be replicas of one card: no MPS cap is written).
 gpu_pod() {
   jq -n --arg name "$1" --argjson env "${2:-[]}" --argjson ann "${3:-{\}}" '{apiVersion: "v1", kind: "Pod",
     metadata: {name: $name, annotations: $ann},
-    spec: {containers: [{name: "main", image: "local/busybox:1", env: $env,
+    spec: {nodeSelector: {"nvidia.com/gpu.sharing-strategy": "none"},
+           containers: [{name: "main", image: "local/busybox:1", env: $env,
                          resources: {limits: {"nvidia.com/gpu": "2"}}}]}}'
 }
 # env_of NAMESPACE POD: the container's env as NAME=VALUE lines.

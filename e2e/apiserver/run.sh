@@ -36,6 +36,9 @@ NODE2=gpubudget-api-$ID-n2     # another node
 RELEASE=gpubudget-api-$ID
 AGENT_SA=$RELEASE-agent
 OPERATOR_SA=$RELEASE-operator
+# The mirrors' Lease (#43), as the chart names it (<operator fullname>-mirrors) and its Roles allow: the operator
+# renews it while every budget has a current mirror; the agent reads the mirrors only while it is renewed.
+MIRRORS_LEASE=$RELEASE-operator-mirrors
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpubudget-apiserver-e2e.XXXXXX")
 CRD=gpumemorybudgets.gpubudget.io
 CRD_EXISTED=$(kubectl get crd "$CRD" -o name 2>/dev/null || true)
@@ -215,7 +218,7 @@ info "agent: $(kubectl --kubeconfig "$AGENT_KC" auth whoami -o jsonpath='{.statu
 start_operator() {
   KUBECONFIG=$OPERATOR_KC POD_NAMESPACE=$NS POD_NAME=operator-e2e RUST_LOG=info,gpubudget_operator=debug \
     "$BIN/gpubudget-operator" run --admin-addr "$OPERATOR_ADMIN" --webhook-addr "$WEBHOOK" \
-    --webhook-cert-dir "$WORK/tls" >> "$WORK/operator.log" 2>&1 &
+    --webhook-cert-dir "$WORK/tls" --mirrors-lease-name "$MIRRORS_LEASE" >> "$WORK/operator.log" 2>&1 &
   OPERATOR_PID=$!
   wait_for "operator ready (pid $OPERATOR_PID)" ready "$OPERATOR_ADMIN"
 }
@@ -224,7 +227,7 @@ start_agent() {
   AGENT_RUNS=$((AGENT_RUNS + 1))
   KUBECONFIG=$AGENT_KC RUST_LOG=info,gpubudget_agent=debug "$BIN/gpubudget-agent" run --node-name "$NODE" \
     --proc-root "$WORK/proc" --sample-file "$WORK/sample.json" --interval 250ms --admin-addr "$AGENT_ADMIN" \
-    > "$WORK/agent-$AGENT_RUNS.log" 2>&1 &
+    --mirrors-lease "$NS/$MIRRORS_LEASE" > "$WORK/agent-$AGENT_RUNS.log" 2>&1 &
   AGENT_PID=$!
   wait_for "agent ready (pid $AGENT_PID, run $AGENT_RUNS)" ready "$AGENT_ADMIN"
 }
@@ -453,7 +456,8 @@ terminating "$NS_A" remote-a && die "remote-a is being deleted"
 annotation_is "$NS_A" trainer state Over || die "trainer's record changed: $(annotation "$NS_A" trainer state)"
 
 say "mirrors (#34): the operator copies each budget's spec; the agent reads the mirrors alone, so no status write reaches it"
-wait_for "the agent reads the mirrors only" bash -c \
+wait_for "the operator vouches for the mirrors (Lease $NS/$MIRRORS_LEASE)" kubectl get lease "$MIRRORS_LEASE" -n "$NS"
+wait_for "the agent reads the mirrors only (--mirrors-lease $NS/$MIRRORS_LEASE renewed under its eyes)" bash -c \
   "curl -fsS http://$AGENT_ADMIN/metrics | grep -q '^gpubudget_budget_specs_from_mirrors{kind=\"GpuMemoryBudget\"} 1'"
 MIRROR=$(kubectl get gmbmirror llm-inference -n "$NS_A" -o json)
 BUDGET=$(kubectl get gmb llm-inference -n "$NS_A" -o json)
@@ -594,7 +598,7 @@ ADMIN_A=127.0.0.1:$((PORT_BASE + 5)) ADMIN_B=127.0.0.1:$((PORT_BASE + 6)) FRONT=
 start_replica() { # NAME ADMIN WEBHOOK: prints the PID
   KUBECONFIG=$OPERATOR_KC POD_NAMESPACE=$NS POD_NAME=$1 RUST_LOG=info,gpubudget_operator=debug \
     "$BIN/gpubudget-operator" run --leader-election --admin-addr "$2" --webhook-addr "$3" \
-    --webhook-cert-dir "$WORK/tls" >> "$WORK/operator-$1.log" 2>&1 &
+    --webhook-cert-dir "$WORK/tls" --mirrors-lease-name "$MIRRORS_LEASE" >> "$WORK/operator-$1.log" 2>&1 &
   echo $!
 }
 REPLICA_A=$(start_replica operator-a "$ADMIN_A" "$WEBHOOK_A")

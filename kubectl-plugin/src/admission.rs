@@ -166,9 +166,11 @@ fn uncapped(gpu_containers: &[String]) -> String {
     format!("none set at admission: {who}; only the budget's eviction bounds this pod's GPU memory")
 }
 
-fn verdict(gpu: &GpuContainer) -> Verdict {
+fn verdict(gpu: &GpuContainer, env_from: &[k8s_openapi::api::core::v1::EnvFromSource]) -> Verdict {
     let (capped, max_bytes, reason) = match caps::held(gpu) {
         Held::Capped { max_mib } => (true, Some(max_mib.saturating_mul(1 << 20)), None),
+        // A device count not in the pod: said as the webhook records it (naming an envFrom's ConfigMap).
+        Held::Uncapped(caps::Uncapped::Devices(why)) => (false, None, Some(caps::unknown_reason(why, env_from))),
         Held::Uncapped(why) => (false, None, Some(why.to_string())),
     };
     Verdict { container: gpu.name.clone(), devices: gpu.devices.to_string(), capped, max_bytes, reason }
@@ -219,7 +221,7 @@ pub fn admission(pod: &Pod) -> Admission {
             caps.push(Cap { container: name.to_owned(), variable: env.name.clone(), value, bytes, meaning });
         }
     }
-    let verdicts: Vec<Verdict> = found.iter().map(|f| verdict(&f.gpu)).collect();
+    let verdicts: Vec<Verdict> = found.iter().map(|f| verdict(&f.gpu, f.env_from)).collect();
     let set_by_gpubudget = caps::record_of(pod).map(|r| format!("cap set at admission by gpubudget: {}", r.summary()));
     let held = verdicts
         .iter()
@@ -240,7 +242,7 @@ pub fn admission(pod: &Pod) -> Admission {
         let unknown: Vec<String> = found
             .iter()
             .filter_map(|f| match f.gpu.devices {
-                Devices::Unknown(why) => Some(format!("{}: {why}", f.gpu.name)),
+                Devices::Unknown(why) => Some(format!("{}: {}", f.gpu.name, caps::unknown_reason(why, f.env_from))),
                 Devices::Known(_) => None,
             })
             .collect();
@@ -300,6 +302,9 @@ mod tests {
     fn says_when_gpubudget_set_the_caps() {
         let mut p = pod("  - name: server\n    image: x\n    resources: {limits: {nvidia.com/gpu: 2}}\n    env:\n\
              \x20   - {name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: \"0=8192M,1=8192M\"}\n");
+        // Whole GPUs: pinned to nodes that do not share them.
+        p.spec.as_mut().expect("spec").node_selector =
+            Some([("nvidia.com/gpu.sharing-strategy".to_owned(), "none".to_owned())].into());
         let record = r#"{"budget":"llm","limitMib":8192,"containers":[{"name":"server","devices":2,"env":{"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT":"set"}}]}"#;
         p.metadata.annotations = Some([(caps::ANNOTATION.to_owned(), record.to_owned())].into());
         let a = admission(&p);
@@ -353,6 +358,38 @@ mod tests {
         assert!(bytes.is_none() && meaning.contains("names a GPU by UUID"), "{meaning}");
         assert_eq!(mps_meaning("=2G", one).0, None);
         assert_eq!(mps_meaning("0=2G,1=2G", Some(Devices::Known(2))).0, Some(2 << 30));
+    }
+
+    /// `why` says uncapped, with the reason, where the device count is not certain: a scheduler's ConfigMap in
+    /// `envFrom` may set NVIDIA_VISIBLE_DEVICES; two of a shared GPU may be replicas of one card.
+    #[test]
+    fn says_uncapped_for_env_from_and_replicas() {
+        let a = admission(&pod("  - name: main\n    image: x\n    resources: {limits: {nvidia.com/gpu: 1}}\n\
+             \x20   envFrom: [{configMapRef: {name: gpu-sharing}}]\n    env:\n\
+             \x20   - {name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: \"0=3072M\"}\n"));
+        assert!(!a.verdicts[0].capped);
+        assert!(
+            a.summary.starts_with(
+                "main (an unknown number of devices) is UNCAPPED: NVIDIA_VISIBLE_DEVICES may come from envFrom entry 0 \
+                 (a ConfigMap, read when the container starts): the device count is unknown at admission [ConfigMap \
+                 gpu-sharing]"
+            ),
+            "{}",
+            a.summary
+        );
+        let a = admission(&pod("  - name: main\n    image: x\n    resources: {limits: {nvidia.com/gpu.shared: 2}}\n\
+             \x20   env:\n    - {name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: \"0=3072M,1=3072M\"}\n"));
+        assert!(!a.verdicts[0].capped);
+        assert!(
+            a.verdicts[0]
+                .reason
+                .as_deref()
+                .is_some_and(|r| r.contains("nvidia.com/gpu.shared: 2") && r.contains("may be replicas of one card")),
+            "{:?}",
+            a.verdicts[0]
+        );
+        let a = admission(&pod("  - name: main\n    image: x\n    resources: {limits: {nvidia.com/gpu: 2}}\n"));
+        assert!(a.summary.contains("(main: nvidia.com/gpu: 2 may be replicas of one card"), "{}", a.summary);
     }
 
     /// #32: `why` says what the status counts: the driver's reading, and every way to a GPU.

@@ -92,6 +92,36 @@ fn never_evicted(pod: &Pod, critical: &CriticalNamespaces, warnings: &mut Vec<St
     })
 }
 
+/// A warning when the nodes may enforce another spec of budget `name` than its current one (`generation`): its
+/// status's `enforcedGeneration` is older (the `NodesCurrent` condition says why), or the status was not
+/// written for the current generation (the operator down: what the nodes enforce is then unknown here).
+fn nodes_generation_warning(
+    name: &str,
+    generation: Option<i64>,
+    status: Option<&gpubudget_common::crd::GpuMemoryBudgetStatus>,
+) -> Option<String> {
+    let generation = generation?;
+    let Some(status) = status.filter(|s| s.observed_generation == Some(generation)) else {
+        return Some(format!(
+            "budget {name} is at generation {generation} and its status was not written for it (is the operator \
+             up?): which spec the nodes enforce is unknown here; nodes reading the budgets themselves enforce the \
+             current one"
+        ));
+    };
+    match status.enforced_generation {
+        Some(enforced) if enforced == generation => None,
+        None if status.conditions.iter().all(|c| c.type_ != "NodesCurrent") => None,
+        enforced => {
+            let why = status.conditions.iter().find(|c| c.type_ == "NodesCurrent").map(|c| c.message.clone());
+            Some(format!(
+                "the nodes enforce {} of budget {name}, not its current generation {generation}{}",
+                enforced.map_or_else(|| "no mirror".to_owned(), |g| format!("generation {g}")),
+                why.map(|w| format!(": {w}")).unwrap_or_default()
+            ))
+        }
+    }
+}
+
 /// The budget that evicted a pod of this name last, by the budgets' `status.lastEviction`.
 fn evicted_by<'a>(budgets: &'a [GpuMemoryBudget], name: &str) -> Option<&'a GpuMemoryBudget> {
     budgets
@@ -330,6 +360,17 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
              {now_name} from its next sample (a budget or the pod's labels changed)",
             r.budget
         ));
+    }
+    // Which spec the nodes enforce, as the budget's status says (the operator writes it).
+    if let Some(b) = applying {
+        let name = b.record_name();
+        let (generation, status) = match cluster_resource(&name) {
+            Some(c) => (c.metadata.generation, c.status.as_ref()),
+            None => resource(&b.name).map_or((None, None), |r| (r.metadata.generation, r.status.as_ref())),
+        };
+        if let Some(warning) = nodes_generation_warning(&name, generation, status) {
+            warnings.push(warning);
+        }
     }
     let budget_name = applying.map(Budget::record_name).or_else(|| record.as_ref().map(|r| r.budget.to_string()));
     let budget = budget_name.as_deref().map(info);

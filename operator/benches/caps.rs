@@ -26,7 +26,7 @@ fn review(env: Value) -> Vec<u8> {
             "object": {
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {"generateName": "trainer-", "namespace": "team-a", "labels": {"app": "llm"}},
-                "spec": {"containers": [
+                "spec": {"nodeSelector": {"nvidia.com/gpu.sharing-strategy": "none"}, "containers": [
                     {"name": "main", "image": "pytorch", "resources": {"limits": {"nvidia.com/gpu": "2", "memory": "8Gi"}},
                      "env": env},
                     {"name": "sidecar", "image": "logger", "env": [{"name": "LOG", "value": "info"}]},

@@ -66,7 +66,7 @@ fn main() -> anyhow::Result<()> {
             let value = caps::env_value(container.env.as_deref().unwrap_or_default(), caps::MPS_LIMIT)
                 .and_then(|v| v.literal().map(str::to_owned))
                 .unwrap_or_default();
-            let held = GpuContainer::of(container).map(|c| caps::held(&c));
+            let held = GpuContainer::of(container, None).map(|c| caps::held(&c));
             let said = match held {
                 Some(Held::Capped { max_mib }) => format!("capped {max_mib} MiB"),
                 Some(Held::Uncapped(why)) => format!("uncapped: {why}"),

@@ -507,7 +507,12 @@ async fn reconcile_inner<K: StatusOwner>(obj: &K, ctx: &Context) -> Result<Actio
     let Previous { status: previous, top: previous_top, resource_version } = ctx.previous(&key, obj);
     let (next, spec_error) = {
         let index = ctx.index.read().unwrap_or_else(PoisonError::into_inner);
-        let inputs = index.inputs(&key);
+        let mut inputs = index.inputs(&key);
+        inputs.nodes = Some(if ctx.settings.mirrors && mirrors.available() {
+            crate::status::Nodes::Mirror(obj.meta().uid.as_deref().and_then(|uid| mirrors.copied_generation(&key, uid)))
+        } else {
+            crate::status::Nodes::Direct
+        });
         let spec_error = match inputs.spec {
             Some(spec) => spec.err().cloned(),
             None => obj.spec_error(),

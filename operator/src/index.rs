@@ -137,6 +137,9 @@ pub struct Index {
     names: Pool<str>,
     /// One copy of each list of selecting budgets the pods carry.
     budget_sets: Pool<[Arc<str>]>,
+    /// Per node, the pods its last usage object listed: a pod it lists no more (pushed off its
+    /// `PODS_MAX` list, or back to nothing) has its figure cleared, not kept.
+    listed_by_node: HashMap<Arc<str>, HashSet<ObjKey>>,
 }
 
 /// The valid cluster budgets that select a pod of `namespace` (labelled `namespace_labels`) labelled `labels`.
@@ -531,6 +534,29 @@ impl Index {
     /// without such a record yet keeps the usage its record carries (that of its last write).
     pub fn apply_node_usage(&mut self, node: &str, pods: &[gpubudget_common::NodePodUsage]) -> Affected {
         let mut affected = Affected::new();
+        let listed: HashSet<ObjKey> = pods.iter().map(|p| ObjKey::new(&p.namespace, &p.name)).collect();
+        let before = self.listed_by_node.remove(node).unwrap_or_default();
+        // Listed before, not now: its figure is no longer this node's to give; cleared (0), as for a pod
+        // holding nothing, so namespace totals never count a stale figure.
+        for key in before.difference(&listed) {
+            let Some(entry) =
+                self.namespaces.get_mut(key.namespace.as_str()).and_then(|ns| ns.pods.get_mut(key.name.as_str()))
+            else {
+                continue;
+            };
+            let Some(record) = entry.info.record.as_mut().filter(|r| &*r.node == node) else { continue };
+            if entry.measured.is_none() || record.usage_bytes == 0 {
+                continue;
+            }
+            let recorded = entry.measured.map_or(record.usage_bytes, |m| m.recorded);
+            entry.measured = Some(Measured { bytes: 0, recorded });
+            record.usage_bytes = 0;
+            affected.extend(entry.info.recorded_budget());
+            affected.extend(self.resolved(key));
+        }
+        if !listed.is_empty() {
+            self.listed_by_node.insert(Arc::from(node), listed);
+        }
         for pod in pods {
             let bytes = u64::try_from(pod.usage_bytes).unwrap_or(0);
             let Some(entry) =
@@ -689,10 +715,15 @@ impl Index {
                     })
                 })
                 .collect();
-            return Inputs { spec: self.cluster.get(&budget.name).map(Result::as_ref), selected, recorded };
+            return Inputs {
+                spec: self.cluster.get(&budget.name).map(Result::as_ref),
+                selected,
+                recorded,
+                nodes: None,
+            };
         }
         let Some(ns) = self.namespaces.get(&budget.namespace) else {
-            return Inputs { spec: None, selected: Vec::new(), recorded };
+            return Inputs { spec: None, selected: Vec::new(), recorded, nodes: None };
         };
         let namespace_labels = self.namespace_labels.get(&budget.namespace);
         let selected = ns
@@ -703,7 +734,7 @@ impl Index {
                 selected_by: self.compiled_for(&budget.namespace, ns, entry),
             })
             .collect();
-        Inputs { spec: ns.budgets.get(budget.name.as_str()).map(Result::as_ref), selected, recorded }
+        Inputs { spec: ns.budgets.get(budget.name.as_str()).map(Result::as_ref), selected, recorded, nodes: None }
     }
 
     /// The valid budgets a pod of `namespace` may get: the namespace's, then every valid cluster budget
@@ -882,6 +913,15 @@ mod tests {
         assert_eq!(held(&index), Some(9 << 30));
         assert_eq!(index.apply_node_usage("n1", &[usage(10 << 30, "uid-p1")]), keys(&["llm"]));
         assert_eq!(held(&index), Some(10 << 30));
+        // Off the node's list (pushed off its 1 000 pods, or back to nothing): the figure is cleared, never kept.
+        assert_eq!(index.apply_node_usage("n1", &[]), keys(&["llm"]));
+        assert_eq!(held(&index), Some(0));
+        assert!(index.apply_node_usage("n1", &[]).is_empty(), "cleared once");
+        assert_eq!(index.apply_node_usage("n1", &[usage(3 << 30, "uid-p1")]), keys(&["llm"]));
+        assert_eq!(held(&index), Some(3 << 30));
+        // Another node's list never clears it.
+        assert!(index.apply_node_usage("n2", &[]).is_empty());
+        assert_eq!(held(&index), Some(3 << 30));
     }
 
     #[test]

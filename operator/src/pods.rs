@@ -320,6 +320,7 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
             priority_class_name: Option<String>,
             priority: Option<i32>,
             termination_grace_period_seconds: Option<i64>,
+            node_selector: Option<BTreeMap<String, String>>,
         }
         #[derive(serde::Deserialize, Default)]
         #[serde(rename_all = "camelCase")]
@@ -327,7 +328,7 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
             start_time: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
         }
         #[derive(serde::Deserialize)]
-        struct LeanContainer(#[serde(deserialize_with = "gpu_container")] Option<GpuContainer>);
+        struct LeanContainer(#[serde(deserialize_with = "gpu_container")] Option<LeanGpu>);
         #[derive(serde::Deserialize, Default)]
         #[serde(rename_all = "camelCase")]
         struct Lean {
@@ -352,7 +353,7 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
             .chain(spec.containers)
             .chain(spec.ephemeral_containers)
             .flatten()
-            .filter_map(|c| c.0)
+            .filter_map(|c| c.0.and_then(|c| c.gpu(spec.node_selector.as_ref())))
             .collect();
         let caps = PodCaps::of(&gpu);
         let m = wire.metadata;
@@ -377,8 +378,28 @@ impl<'de> serde::Deserialize<'de> for PodMeta {
     }
 }
 
-/// A container, kept only if it uses a GPU ([`caps::devices`]): its name, device count and cap variables.
-fn gpu_container<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<GpuContainer>, D::Error> {
+/// What the caps verdict needs of a container that may use a GPU (a GPU limit, a DRA claim or
+/// `NVIDIA_VISIBLE_DEVICES` in its `env`): its GPU limits, cap variables and `envFrom` prefixes. Read once the
+/// pod's `nodeSelector` is known ([`LeanGpu::gpu`]).
+struct LeanGpu {
+    name: String,
+    limits: Vec<(String, String)>,
+    claims: bool,
+    env: Vec<k8s_openapi::api::core::v1::EnvVar>,
+    env_from: Vec<k8s_openapi::api::core::v1::EnvFromSource>,
+}
+
+impl LeanGpu {
+    /// The container as the caps module reads it, in a pod with this `nodeSelector` ([`caps::devices`]);
+    /// `None` when it is not a GPU container.
+    fn gpu(self, node_selector: Option<&BTreeMap<String, String>>) -> Option<GpuContainer> {
+        let limits = caps::gpu_limits(self.limits.iter().map(|(k, v)| (k.as_str(), v.as_str())), node_selector);
+        GpuContainer::from_lean(&self.name, limits, self.claims, &self.env, &self.env_from)
+    }
+}
+
+/// A container, kept only if it may use a GPU ([`LeanGpu`]).
+fn gpu_container<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<LeanGpu>, D::Error> {
     #[derive(serde::Deserialize, Default)]
     struct Resources {
         // Quantities are strings from the API server; a number (as a hand-written object may hold) is read
@@ -394,17 +415,32 @@ fn gpu_container<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Gp
         value_from: Option<IgnoredAny>,
     }
     #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct EnvFrom {
+        prefix: Option<String>,
+        secret_ref: Option<IgnoredAny>,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
     struct Lean {
         #[serde(default)]
         name: String,
         resources: Option<Resources>,
         env: Option<Vec<Env>>,
+        env_from: Option<Vec<EnvFrom>>,
     }
     let c = <Lean as serde::Deserialize>::deserialize(deserializer)?;
     let resources = c.resources.unwrap_or_default();
-    let limits = resources.limits.unwrap_or_default();
-    let limits: Vec<(&str, String)> =
-        limits.iter().map(|(k, v)| (k.as_str(), v.as_str().map_or_else(|| v.to_string(), str::to_owned))).collect();
+    let limits: Vec<(String, String)> = resources
+        .limits
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(k, _)| caps::is_gpu_resource(k))
+        .map(|(k, v)| {
+            let v = v.as_str().map_or_else(|| v.to_string(), str::to_owned);
+            (k, v)
+        })
+        .collect();
     let claims = resources.claims.is_some_and(|c| !c.is_empty());
     let env: Vec<k8s_openapi::api::core::v1::EnvVar> = c
         .env
@@ -417,17 +453,24 @@ fn gpu_container<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Gp
             value_from: e.value_from.map(|_| Default::default()),
         })
         .collect();
-    let limits = caps::limit_devices(limits.iter().map(|(k, v)| (*k, v.as_str())));
-    let Some(devices) = caps::devices(limits, caps::env_value(&env, caps::VISIBLE_DEVICES).as_ref(), claims) else {
+    if limits.is_empty() && !claims && !env.iter().any(|e| e.name == caps::VISIBLE_DEVICES) {
         return Ok(None);
-    };
-    Ok(Some(GpuContainer {
-        name: c.name,
-        devices,
-        mps_limit: caps::env_value(&env, caps::MPS_LIMIT),
-        memory_limit: caps::env_value(&env, caps::MEMORY_LIMIT),
-        memory_request: caps::env_value(&env, caps::MEMORY_REQUEST),
-    }))
+    }
+    // Each entry's prefix and kind, in order (the verdict names an entry by its place); a prefix that can set
+    // none of the variables is kept as one that cannot (NUL, which no name holds), not as the tenant's text.
+    let env_from = c
+        .env_from
+        .unwrap_or_default()
+        .into_iter()
+        .map(|e| k8s_openapi::api::core::v1::EnvFromSource {
+            prefix: e.prefix.map(|p| {
+                if caps::VARIABLES.iter().any(|v| caps::env_from_may_set(&p, v)) { p } else { "\0".to_owned() }
+            }),
+            secret_ref: e.secret_ref.map(|_| Default::default()),
+            config_map_ref: None,
+        })
+        .collect();
+    Ok(Some(LeanGpu { name: c.name, limits, claims, env, env_from }))
 }
 
 /// The `gpubudget.io/` contract annotations of a map; every other entry is skipped unallocated.
@@ -596,6 +639,7 @@ mod tests {
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
                 "spec": {
+                    "nodeSelector": {"nvidia.com/gpu.replicas": "1"},
                     "initContainers": [{"name": "warm", "resources": {"limits": {"nvidia.com/gpu.shared": 1}},
                                         "env": [{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=1G"}]}],
                     "containers": [
@@ -643,6 +687,58 @@ mod tests {
                                              "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}]));
         assert_eq!(caps_of(from), PodCaps::Uncapped(caps::Uncapped::MpsFromSource));
         assert!(std::mem::size_of::<PodCaps>() <= 24, "a verdict, not the variables");
+    }
+
+    /// Caps counted only where the driver reads them: `nvidia.com/gpu: 2` off nodes pinned as unshared may be
+    /// replicas of one card (the nodeSelector follows the containers on the wire, as the API server writes
+    /// it); a scheduler's ConfigMap in `envFrom` may set NVIDIA_VISIBLE_DEVICES. Both counted uncapped.
+    #[test]
+    fn pod_meta_counts_replicas_and_env_from_uncapped() {
+        let caps_of = |v: serde_json::Value| {
+            serde_json::from_value::<PodMeta>(v)
+                .expect("parses")
+                .info(&CriticalNamespaces::default())
+                .expect("named")
+                .caps
+        };
+        let wire = |limits: serde_json::Value, selector: serde_json::Value, env_from: serde_json::Value| {
+            serde_json::json!({
+                "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+                "spec": {
+                    "containers": [{"name": "main", "resources": {"limits": limits}, "envFrom": env_from,
+                                    "env": [{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=3G,1=3G"}]}],
+                    "nodeSelector": selector,
+                },
+            })
+        };
+        let two = serde_json::json!({"nvidia.com/gpu": "2"});
+        let unshared = serde_json::json!({"nvidia.com/gpu.sharing-strategy": "none"});
+        assert_eq!(
+            caps_of(wire(two.clone(), unshared.clone(), serde_json::json!([]))),
+            PodCaps::Capped { max_mib: 3072 }
+        );
+        assert_eq!(
+            caps_of(wire(two.clone(), serde_json::json!({}), serde_json::json!([]))),
+            PodCaps::Uncapped(caps::Uncapped::Devices(caps::Unknown::Replicas {
+                resource: caps::Replicated::Gpu,
+                count: 2
+            }))
+        );
+        let shared = serde_json::json!({"nvidia.com/gpu.shared": 2});
+        assert!(matches!(
+            caps_of(wire(shared, unshared.clone(), serde_json::json!([]))),
+            PodCaps::Uncapped(caps::Uncapped::Devices(caps::Unknown::Replicas {
+                resource: caps::Replicated::Shared,
+                ..
+            }))
+        ));
+        let kai = serde_json::json!([{"configMapRef": {"name": "app"}, "prefix": "APP_"}, {"configMapRef": {"name": "gpu-sharing"}}]);
+        assert_eq!(
+            caps_of(wire(two.clone(), unshared.clone(), kai)),
+            PodCaps::Uncapped(caps::Uncapped::Devices(caps::Unknown::VisibleFromEnvFrom { entry: 1, secret: false }))
+        );
+        let prefixed = serde_json::json!([{"secretRef": {"name": "s"}, "prefix": "APP_"}]);
+        assert_eq!(caps_of(wire(two, unshared, prefixed)), PodCaps::Capped { max_mib: 3072 });
     }
 
     /// What namespace totals read: the start (status.startTime, else creation), critical priority, a static

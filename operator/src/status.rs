@@ -69,6 +69,60 @@ pub struct Inputs<'a> {
     pub selected: Vec<Selected<'a>>,
     /// The pods whose record names it (they may no longer be selected): the source of evictions.
     pub recorded: Vec<&'a PodInfo>,
+    /// Which spec the nodes enforce; `None`: unknown (no `enforcedGeneration`, no `NodesCurrent`).
+    pub nodes: Option<Nodes>,
+}
+
+/// Which spec of a budget the nodes enforce, as the operator knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Nodes {
+    /// The agents read the budget itself (mirrors off, or their CRDs absent): its current spec.
+    Direct,
+    /// The agents may read its mirror, which copies this generation (`None`: no mirror of it yet).
+    Mirror(Option<i64>),
+}
+
+/// The `NodesCurrent` condition: the nodes enforce the current spec.
+pub const NODES_CURRENT: &str = "NodesCurrent";
+
+/// `enforcedGeneration` and the `NodesCurrent` condition of a budget at `generation`.
+fn nodes_current(
+    nodes: Nodes,
+    generation: Option<i64>,
+) -> (Option<i64>, (&'static str, &'static str, &'static str, String)) {
+    match nodes {
+        Nodes::Direct => (
+            generation,
+            (NODES_CURRENT, "True", "ReadDirectly", "the nodes read this budget's spec themselves".to_owned()),
+        ),
+        Nodes::Mirror(copied) if copied == generation => (
+            copied,
+            (
+                NODES_CURRENT,
+                "True",
+                "MirrorCurrent",
+                format!("its mirror copies generation {}, the current spec", generation.unwrap_or_default()),
+            ),
+        ),
+        Nodes::Mirror(copied) => (
+            copied,
+            (
+                NODES_CURRENT,
+                "False",
+                "MirrorBehind",
+                format!(
+                    "{}, not the current generation {}: nodes reading the mirrors enforce the older spec until the \
+                     operator writes it; a mirror missing or behind for 30 s makes the operator stop vouching for \
+                     the mirrors, and every node then reads the budgets themselves",
+                    copied.map_or_else(
+                        || "no mirror of it exists yet".to_owned(),
+                        |g| format!("its mirror copies generation {g}")
+                    ),
+                    generation.unwrap_or_default()
+                ),
+            ),
+        ),
+    }
 }
 
 /// Computes a budget's status.
@@ -113,13 +167,18 @@ fn compute_from(
             fallback.as_ref()
         }
     };
-    let conditions = match spec {
+    let mut conditions = match spec {
         Ok(budget) => {
             let overlap = tally(budget, inputs, &mut status);
             vec![ready_true(budget), overlapping(budget, &overlap)]
         }
         Err(error) => vec![ready_false(error), overlap_unknown()],
     };
+    if let Some(nodes) = inputs.nodes {
+        let (enforced, condition) = nodes_current(nodes, generation);
+        status.enforced_generation = enforced;
+        conditions.push(condition);
+    }
     status.conditions = conditions
         .into_iter()
         .map(|(type_, state, reason, message)| condition(type_, state, reason, message, generation, previous, now))
@@ -580,7 +639,33 @@ mod tests {
         let b = compiled(&r);
         let selected =
             pods.iter().map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![&b] }).collect();
-        compute(&r, &Inputs { spec: None, selected, recorded: vec![] }, None, t(0))
+        compute(&r, &Inputs { spec: None, selected, recorded: vec![], nodes: None }, None, t(0))
+    }
+
+    /// The status says which spec the nodes enforce: the mirror's generation while agents may read the
+    /// mirrors, and a `NodesCurrent` condition that is False, with why, while the mirror lags the spec.
+    #[test]
+    fn the_status_says_which_generation_the_nodes_enforce() {
+        let mut r = resource("llm", "8Gi", "{}");
+        r.metadata.generation = Some(4);
+        let at = |nodes| compute(&r, &Inputs { nodes, ..Inputs::default() }, None, t(0));
+        let current = |s: &GpuMemoryBudgetStatus| {
+            condition_status(Some(s), NODES_CURRENT).map(|c| (c.status.clone(), c.reason.clone(), c.message.clone()))
+        };
+        let s = at(Some(Nodes::Mirror(Some(4))));
+        assert_eq!(s.enforced_generation, Some(4));
+        assert_eq!(current(&s).map(|c| (c.0, c.1)), Some(("True".into(), "MirrorCurrent".into())));
+        let s = at(Some(Nodes::Mirror(Some(3))));
+        assert_eq!(s.enforced_generation, Some(3), "the nodes reading the mirror enforce generation 3");
+        let (state, reason, message) = current(&s).expect("NodesCurrent");
+        assert_eq!((state.as_str(), reason.as_str()), ("False", "MirrorBehind"));
+        assert!(message.contains("its mirror copies generation 3, not the current generation 4"), "{message}");
+        let s = at(Some(Nodes::Mirror(None)));
+        assert_eq!((s.enforced_generation, current(&s).map(|c| c.0)), (None, Some("False".to_owned())));
+        let s = at(Some(Nodes::Direct));
+        assert_eq!((s.enforced_generation, current(&s).map(|c| c.1)), (Some(4), Some("ReadDirectly".to_owned())));
+        let s = at(None);
+        assert_eq!((s.enforced_generation, current(&s)), (None, None), "unknown: nothing said");
     }
 
     #[test]
@@ -648,6 +733,7 @@ mod tests {
                 .map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![&b] })
                 .collect(),
             recorded: pods.iter().collect(),
+            nodes: None,
         };
         let s = compute(&llm, &inputs, None, t(0));
         assert_eq!(s.observed_generation, Some(3));
@@ -681,6 +767,7 @@ mod tests {
                 .map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![b] })
                 .collect(),
             recorded: pods.iter().collect(),
+            nodes: None,
         };
         let s = compute(&llm, &inputs(&unset), None, t(0));
         assert_eq!(s.pods_above_request, None, "no request: no count, the status as before");
@@ -707,6 +794,7 @@ mod tests {
                 .map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![&b] })
                 .collect(),
             recorded: vec![],
+            nodes: None,
         };
         let s = compute(&llm, &inputs, None, t(0));
         assert_eq!(s.top_pods.len(), TOP_PODS_MAX);
@@ -732,6 +820,7 @@ mod tests {
                 Selected { pod: &pods[2], namespace_labels: &NO_NS, selected_by: vec![&bw] },
             ],
             recorded: vec![&pods[2]],
+            nodes: None,
         };
         let s = compute(&wide, &wide_inputs, None, t(0));
         assert_eq!((s.matched_pods, s.pods_near_budget), (1, 0), "llm applies to p1 and p2");
@@ -743,7 +832,8 @@ mod tests {
             "2 pods this budget selects are also selected by llm (8Gi); the smallest limit applies (equal limits: \
              the name that sorts first): this budget (16Gi) applies to 0, llm to 2"
         );
-        let llm_inputs = Inputs { spec: None, selected: wide_inputs.selected[..2].to_vec(), recorded: vec![&pods[0]] };
+        let llm_inputs =
+            Inputs { spec: None, selected: wide_inputs.selected[..2].to_vec(), recorded: vec![&pods[0]], nodes: None };
         let s = compute(&llm, &llm_inputs, None, t(0));
         assert_eq!((s.matched_pods, s.pods_near_budget), (2, 1));
         let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
@@ -806,9 +896,10 @@ mod tests {
         let other = evicted(pod("o", "x", Some((BudgetState::Over, GI, "other"))), "2027-01-15T10:00:00Z");
         // Requested but refused (a PodDisruptionBudget): the pod runs on, nothing is counted yet.
         let blocked = requested(pod("p1", "x", Some((BudgetState::Over, 9 * GI, "llm"))), "2027-01-15T08:00:00Z");
-        let s0 = compute(&llm, &Inputs { spec: None, selected: vec![], recorded: vec![&blocked] }, None, t(0));
+        let s0 =
+            compute(&llm, &Inputs { spec: None, selected: vec![], recorded: vec![&blocked], nodes: None }, None, t(0));
         assert_eq!((s0.evictions, s0.counted_evictions.len()), (0, 0));
-        let inputs = Inputs { spec: None, selected: vec![], recorded: vec![&p1, &other] };
+        let inputs = Inputs { spec: None, selected: vec![], recorded: vec![&p1, &other], nodes: None };
         let s1 = compute(&llm, &inputs, None, t(0));
         assert_eq!((s1.evictions, s1.counted_evictions.clone()), (1, vec!["uid-p1".to_owned()]));
         let last = s1.last_eviction.clone().expect("last");
@@ -818,14 +909,19 @@ mod tests {
         assert!(same_ignoring_timestamps(&s1, &again));
         assert_eq!(again, s1, "conditions keep their transition times");
         // A second eviction; the first pod is gone by now.
-        let inputs = Inputs { spec: None, selected: vec![], recorded: vec![&p2] };
+        let inputs = Inputs { spec: None, selected: vec![], recorded: vec![&p2], nodes: None };
         let s2 = compute(&llm, &inputs, Some(&s1), t(120));
         assert_eq!(s2.evictions, 2);
         assert_eq!(s2.last_eviction.as_ref().map(|l| l.pod.as_str()), Some("p2"));
         assert_eq!(s2.counted_evictions, ["uid-p1", "uid-p2"]);
         // An older eviction seen late does not replace the last one.
         let late = evicted(pod("p0", "x", Some((BudgetState::Over, GI, "llm"))), "2027-01-15T07:00:00Z");
-        let s3 = compute(&llm, &Inputs { spec: None, selected: vec![], recorded: vec![&late, &p2] }, Some(&s2), t(180));
+        let s3 = compute(
+            &llm,
+            &Inputs { spec: None, selected: vec![], recorded: vec![&late, &p2], nodes: None },
+            Some(&s2),
+            t(180),
+        );
         assert_eq!((s3.evictions, s3.last_eviction.as_ref().map(|l| l.pod.as_str())), (3, Some("p2")));
     }
 
@@ -840,14 +936,23 @@ mod tests {
         // old0 is still present (its eviction blocked by a PodDisruptionBudget, say): it must stay counted.
         let old0 = evicted(pod("old0", "x", Some((BudgetState::Over, GI, "llm"))), "2027-01-15T07:00:00Z");
         let new = evicted(pod("new", "x", Some((BudgetState::Over, GI, "llm"))), "2027-01-15T08:00:00Z");
-        let s =
-            compute(&llm, &Inputs { spec: None, selected: vec![], recorded: vec![&old0, &new] }, Some(&previous), t(0));
+        let s = compute(
+            &llm,
+            &Inputs { spec: None, selected: vec![], recorded: vec![&old0, &new], nodes: None },
+            Some(&previous),
+            t(0),
+        );
         assert_eq!(s.evictions, COUNTED_EVICTIONS_MAX as i64 + 1);
         assert_eq!(s.counted_evictions.len(), COUNTED_EVICTIONS_MAX);
         assert_eq!(s.counted_evictions[0], "uid-old0");
         assert!(!s.counted_evictions.contains(&"uid-old1".to_owned()));
         assert_eq!(s.counted_evictions.last().map(String::as_str), Some("uid-new"));
-        let s = compute(&llm, &Inputs { spec: None, selected: vec![], recorded: vec![&old0, &new] }, Some(&s), t(1));
+        let s = compute(
+            &llm,
+            &Inputs { spec: None, selected: vec![], recorded: vec![&old0, &new], nodes: None },
+            Some(&s),
+            t(1),
+        );
         assert_eq!(s.evictions, COUNTED_EVICTIONS_MAX as i64 + 1, "no double count");
     }
 
@@ -861,11 +966,13 @@ mod tests {
             spec: None,
             selected: vec![Selected { pod: &p, namespace_labels: &NO_NS, selected_by: vec![&bl] }],
             recorded: vec![],
+            nodes: None,
         };
         let shared = Inputs {
             spec: None,
             selected: vec![Selected { pod: &p, namespace_labels: &NO_NS, selected_by: vec![&bl, &bw] }],
             recorded: vec![],
+            nodes: None,
         };
         let s0 = compute(&llm, &alone, None, t(0));
         let s1 = compute(&llm, &shared, Some(&s0), t(10));
@@ -931,8 +1038,12 @@ mod tests {
             Selected { pod: &pods[1], namespace_labels: &labels, selected_by: vec![&cluster] },
             Selected { pod: &pods[2], namespace_labels: &labels, selected_by: vec![&cluster] },
         ];
-        let inputs =
-            Inputs { spec: Some(Ok(&cluster)), selected: selected.clone(), recorded: vec![&pods[1], &pods[3]] };
+        let inputs = Inputs {
+            spec: Some(Ok(&cluster)),
+            selected: selected.clone(),
+            recorded: vec![&pods[1], &pods[3]],
+            nodes: None,
+        };
         let s = compute_cluster(&tenants, &inputs, None, t(0));
         assert_eq!((s.observed_generation, s.matched_pods, s.pods_over_budget, s.pods_near_budget), (Some(2), 2, 1, 1));
         let top: Vec<&str> = s.top_pods.iter().map(|p| p.name.as_str()).collect();
@@ -942,7 +1053,12 @@ mod tests {
         assert!(c.message.starts_with("1 pod this budget selects is also selected by a/llm (8Gi); the smallest limit"));
         assert!(c.message.ends_with("this budget (16Gi) applies to 0, a/llm to 1"), "{}", c.message);
         // The namespaced budget's side.
-        let s = compute(&llm, &Inputs { spec: None, selected: selected[..1].to_vec(), recorded: vec![] }, None, t(0));
+        let s = compute(
+            &llm,
+            &Inputs { spec: None, selected: selected[..1].to_vec(), recorded: vec![], nodes: None },
+            None,
+            t(0),
+        );
         assert_eq!(s.matched_pods, 1);
         let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
         assert!(c.message.contains("also selected by ClusterGpuMemoryBudget/tenants (16Gi)"), "{}", c.message);
@@ -968,7 +1084,7 @@ mod tests {
         let selected = vec![Selected { pod: &pods[0], namespace_labels: &labels, selected_by: vec![&l, &a] }];
         let s = compute_cluster(
             &lax,
-            &Inputs { spec: Some(Ok(&l)), selected: selected.clone(), recorded: vec![&pods[0]] },
+            &Inputs { spec: Some(Ok(&l)), selected: selected.clone(), recorded: vec![&pods[0]], nodes: None },
             None,
             t(0),
         );
@@ -979,7 +1095,12 @@ mod tests {
             "{}",
             c.message
         );
-        let s = compute_cluster(&admin, &Inputs { spec: Some(Ok(&a)), selected, recorded: vec![] }, None, t(0));
+        let s = compute_cluster(
+            &admin,
+            &Inputs { spec: Some(Ok(&a)), selected, recorded: vec![], nodes: None },
+            None,
+            t(0),
+        );
         let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
         assert!(!c.message.contains("tightened"), "only where the tightened budget applies: {}", c.message);
     }

@@ -148,7 +148,8 @@ fn create_review(ns: &str) -> Value {
             "resource": {"group": "", "version": "v1", "resource": "pods"},
             "name": "", "namespace": ns, "operation": "CREATE", "userInfo": {"username": "alice"}, "dryRun": false,
             "object": {"apiVersion": "v1", "kind": "Pod", "metadata": {"generateName": "w-", "namespace": ns},
-                       "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}},
+                       "spec": {"nodeSelector": {"nvidia.com/gpu.sharing-strategy": "none"},
+                                "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}},
         }
     })
 }
@@ -376,5 +377,42 @@ async fn the_leader_labels_the_namespaces_a_caps_cluster_budget_selects() {
     fake.modify("namespaces", "", "team-b", |ns| ns["metadata"]["labels"]["tier"] = "tenant".into());
     fake.modify("namespaces", "", "team-a", |ns| ns["metadata"]["labels"]["tier"] = "system".into());
     until(&fake, "the labels to follow", |f| labelled(f, "team-b") && !labelled(f, "team-a")).await;
+    op.stop().await;
+}
+
+/// Status counts a pod capped only where the driver reads its value on every device: a pod carrying
+/// `0=...,1=...` that may hold two replicas of one card, or a 1-GPU pod whose scheduler's ConfigMap may set
+/// NVIDIA_VISIBLE_DEVICES=all, is counted uncapped.
+#[tokio::test(start_paused = true)]
+async fn status_counts_replicas_and_env_from_pods_uncapped() {
+    let fake = FakeApi::new();
+    budget(&fake, "team-a", "llm", "8Gi", "Enabled");
+    let put = |name: &str, limits: Value, selector: Value, env_from: Value, mps: &str| {
+        fake.put_object(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "team-a"},
+            "spec": {"nodeSelector": selector, "containers": [{"name": "main", "image": "x", "envFrom": env_from,
+                     "env": [{"name": MPS_LIMIT, "value": mps}], "resources": {"limits": limits}}]},
+            "status": {"phase": "Running"},
+        }))
+        .expect("pod stored");
+    };
+    let unshared = json!({"nvidia.com/gpu.sharing-strategy": "none"});
+    put("whole", json!({"nvidia.com/gpu": "2"}), unshared.clone(), json!([]), "0=8192M,1=8192M");
+    put("sliced", json!({"nvidia.com/gpu": "2"}), json!({}), json!([]), "0=8192M,1=8192M");
+    put("shared", json!({"nvidia.com/gpu.shared": "2"}), unshared, json!([]), "0=8192M,1=8192M");
+    put("mps-replica", json!({"nvidia.com/gpu.shared": "1"}), json!({}), json!([]), "0=8192M");
+    put(
+        "kai",
+        json!({"nvidia.com/gpu": "1"}),
+        json!({}),
+        json!([{"configMapRef": {"name": "gpu-sharing"}}]),
+        "0=8192M",
+    );
+    let op = Operator::start(&fake, true);
+    until(&fake, "the caps counts", |f| status(f, "llm").matched_pods == 5 && status(f, "llm").pods_capped.is_some())
+        .await;
+    let s = status(&fake, "llm");
+    assert_eq!((s.pods_capped, s.pods_uncapped), (Some(2), Some(3)), "whole and mps-replica capped");
     op.stop().await;
 }

@@ -7,7 +7,9 @@
 //! client speaks HTTP/1.1, one connection per concurrent request, so 1 000 pods writing their first records
 //! at once would otherwise open 1 000 TLS connections to the API server (measured: 1 004 connections and
 //! 79 MiB resident on a real kube-apiserver, docs/performance.md). Every API write is counted in
-//! `gpubudget_api_writes_total{kind,result}`; results go back to the loop as [`Feedback`].
+//! `gpubudget_api_writes_total{kind,result}`; results go back to the loop as [`Feedback`]. A record write the
+//! API server refuses for good (an admission policy, RBAC) is counted `denied` and told on the Node
+//! ([`super::denied`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,6 +23,7 @@ use serde_json::json;
 use tokio::sync::{Semaphore, mpsc};
 
 use super::Counters;
+use super::denied::{Denial, Notices};
 use crate::decide::{Action, EvictOutcome, Feedback, PodRef, Reason};
 
 /// The reporting controller of the agent's events.
@@ -41,6 +44,8 @@ struct Shared {
     feedback: mpsc::UnboundedSender<Feedback>,
     /// [`MAX_WRITES_IN_FLIGHT`] permits; a worker holds one while its request runs.
     in_flight: Arc<Semaphore>,
+    /// Refused writes already told on the Node.
+    denials: Arc<Notices>,
 }
 
 /// Dispatches actions to per-pod workers.
@@ -68,6 +73,7 @@ impl KubeExecutor {
             counters,
             feedback: tx,
             in_flight: Arc::new(Semaphore::new(MAX_WRITES_IN_FLIGHT)),
+            denials: Arc::default(),
         };
         (Self { shared, workers: HashMap::new() }, rx)
     }
@@ -287,8 +293,14 @@ async fn apply(shared: &Shared, pod: &PodRef, body: &serde_json::Value, kind: &s
             true
         }
         Err(error) => {
-            shared.counters.write(kind, "error");
-            tracing::warn!(%pod, %error, "cannot write the pod's record");
+            if let Some(denial) = Denial::of(&error) {
+                shared.counters.write(kind, "denied");
+                let what = format!("the record of pod {pod}");
+                super::denied::tell(&shared.recorder, &shared.denials, &shared.node, &denial, &what).await;
+            } else {
+                shared.counters.write(kind, "error");
+                tracing::warn!(%pod, %error, "cannot write the pod's record");
+            }
             false
         }
     }

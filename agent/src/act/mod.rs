@@ -1,6 +1,8 @@
 //! Stage 4: carrying decisions out. [`kube`] against the API server (records by server-side apply,
-//! events, evictions); [`usage`] the node's `GpuNodeUsage`; [`log`] as JSON lines (the `standalone` subcommand).
+//! events, evictions); [`usage`] the node's `GpuNodeUsage`; [`log`] as JSON lines (the `standalone` subcommand);
+//! [`denied`] what the API server refuses for good, told on the Node.
 
+pub mod denied;
 pub mod kube;
 pub mod log;
 pub mod usage;
@@ -21,7 +23,7 @@ pub struct ResultLabels {
 pub struct WriteLabels {
     /// `apply`, `clear`, `event`, `evict`, `delete`, `usage` (the node's `GpuNodeUsage`).
     pub kind: String,
-    /// `ok`, `blocked`, `error`.
+    /// `ok`, `blocked`, `denied` (refused for good: an admission policy, RBAC; [`denied`]), `error`.
     pub result: String,
 }
 

@@ -10,11 +10,13 @@ use gpubudget_common::node_usage::{GpuNodeUsage, Published, spec_of};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kube::api::{Patch, PatchParams};
+use kube::runtime::events::{Recorder, Reporter};
 use kube::{Api, Client, Resource as _};
 use serde_json::json;
 use tokio::sync::oneshot;
 
 use super::Counters;
+use super::denied::{Denial, Notices};
 use crate::attribute::{PodTable, PodUsage};
 use crate::decide::Now;
 
@@ -44,6 +46,9 @@ pub struct UsageWriter {
     failures: u32,
     /// The Node's owner reference, once read.
     owner: Option<OwnerReference>,
+    /// A write refused for good (an admission policy, RBAC) is told on the Node ([`super::denied`]).
+    recorder: Recorder,
+    denials: Arc<Notices>,
 }
 
 impl std::fmt::Debug for UsageWriter {
@@ -58,7 +63,11 @@ impl std::fmt::Debug for UsageWriter {
 impl UsageWriter {
     /// A writer for `node`'s object: at most once per `interval_ms`, for moves of `percent` or more.
     pub fn new(client: Client, node: &str, counters: Counters, interval_ms: u64, percent: u64) -> Self {
+        let reporter =
+            Reporter { controller: super::kube::REPORTING_CONTROLLER.into(), instance: Some(node.to_owned()) };
         Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            denials: Arc::default(),
             client,
             node: node.to_owned(),
             field_manager: gpubudget_common::pod_record::agent_field_manager(node),
@@ -121,6 +130,7 @@ impl UsageWriter {
             self.counters.clone(),
             self.owner.clone(),
         );
+        let (recorder, denials) = (self.recorder.clone(), self.denials.clone());
         tokio::spawn(async move {
             let owner = match owner {
                 Some(owner) => Some(owner),
@@ -143,8 +153,14 @@ impl UsageWriter {
                     true
                 }
                 Err(error) => {
-                    counters.write("usage", "error");
-                    tracing::warn!(%node, %error, "cannot write the node's GPU usage");
+                    if let Some(denial) = Denial::of(&error) {
+                        counters.write("usage", "denied");
+                        let what = format!("the GpuNodeUsage of node {node}");
+                        super::denied::tell(&recorder, &denials, &node, &denial, &what).await;
+                    } else {
+                        counters.write("usage", "error");
+                        tracing::warn!(%node, %error, "cannot write the node's GPU usage");
+                    }
                     false
                 }
             };

@@ -25,6 +25,43 @@ pub struct ContainerView {
     pub name: Arc<str>,
 }
 
+/// The MPS cap a pod's environment holds it to, as the driver reads it ([`caps::PodCaps::capped_mib`]): the
+/// largest cap, and how many devices the value names in each GPU container (the fewest of them: a process that
+/// holds memory on more GPUs than that is capped on some of them only, [`crate::decide::cap_check`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MpsCap {
+    /// The largest cap, MiB.
+    pub mib: u64,
+    /// The devices the value names in the GPU container that sees the fewest (at least 1).
+    pub devices: u32,
+}
+
+impl MpsCap {
+    /// The cap of a pod from its spec; `None` unless every GPU container is capped on every device it sees.
+    pub fn of_pod(pod: &Pod) -> Option<Self> {
+        let found = caps::gpu_containers(pod);
+        let mib = caps::PodCaps::of(found.iter().map(|f| &f.gpu)).capped_mib()?;
+        let devices = found.iter().filter_map(|f| f.gpu.devices.known()).min()?;
+        Some(Self { mib, devices })
+    }
+}
+
+impl std::fmt::Display for MpsCap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.mib, self.devices)
+    }
+}
+
+impl std::str::FromStr for MpsCap {
+    type Err = ();
+    fn from_str(text: &str) -> Result<Self, ()> {
+        let (mib, devices) = text.split_once('/').ok_or(())?;
+        let devices = devices.parse().map_err(|_| ())?;
+        (devices > 0).then_some(()).ok_or(())?;
+        Ok(Self { mib: mib.parse().map_err(|_| ())?, devices })
+    }
+}
+
 /// What enforcement needs of a pod.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PodView {
@@ -57,10 +94,10 @@ pub struct PodView {
     /// of this pod at creation (its `gpubudget.io/caps` record says so): then a pod the driver holds no limit
     /// for was not capped as its budget asked, and the agent says so.
     pub caps_expected: bool,
-    /// The MPS cap its GPU containers' environment holds it to, as the driver reads the variable: the largest,
-    /// MiB, when every GPU container is capped on every device it sees ([`caps::PodCaps::capped_mib`]). The
-    /// agent checks that such a cap is in force ([`crate::decide::cap_check`]).
-    pub mps_cap_mib: Option<u64>,
+    /// The MPS cap its GPU containers' environment holds it to, as the driver reads the variable, when every
+    /// GPU container is capped on every device it sees ([`MpsCap`]: the largest cap, MiB, and the devices it
+    /// names). The agent checks that such a cap is in force ([`crate::decide::cap_check`]).
+    pub mps_cap_mib: Option<MpsCap>,
 }
 
 /// Where [`slim_pod`] keeps [`PodView::mps_cap_mib`] once the containers are dropped: a key of the agent's
@@ -131,7 +168,7 @@ impl PodView {
             caps_expected: caps::record_of(pod)
                 .is_some_and(|r| r.containers.iter().any(|c| c.env.contains_key(caps::MEMORY_LIMIT))),
             mps_cap_mib: match spec {
-                Some(s) if !s.containers.is_empty() => caps::PodCaps::of_pod(pod).capped_mib(),
+                Some(s) if !s.containers.is_empty() => MpsCap::of_pod(pod),
                 _ => annotations.and_then(|a| a.get(SLIM_MPS_CAP)).and_then(|v| v.parse().ok()),
             },
         })
@@ -156,7 +193,7 @@ impl PodView {
 /// Of the containers' GPU limits and cap variables only the verdict is kept ([`PodView::mps_cap_mib`]).
 pub fn slim_pod(pod: &mut Pod) {
     use k8s_openapi::api::core::v1::{ContainerStatus, PodSpec, PodStatus};
-    let mps_cap = pod.spec.as_ref().filter(|s| !s.containers.is_empty()).map(|_| caps::PodCaps::of_pod(pod));
+    let mps_cap = pod.spec.as_ref().filter(|s| !s.containers.is_empty()).map(|_| MpsCap::of_pod(pod));
     let meta = &mut pod.metadata;
     meta.managed_fields = None;
     meta.owner_references = None;
@@ -168,8 +205,8 @@ pub fn slim_pod(pod: &mut Pod) {
             (k.starts_with("gpubudget.io/") && (k != SLIM_MPS_CAP || mps_cap.is_none())) || k == MIRROR_ANNOTATION
         });
     }
-    if let Some(mib) = mps_cap.and_then(caps::PodCaps::capped_mib) {
-        meta.annotations.get_or_insert_default().insert(SLIM_MPS_CAP.to_owned(), mib.to_string());
+    if let Some(cap) = mps_cap.flatten() {
+        meta.annotations.get_or_insert_default().insert(SLIM_MPS_CAP.to_owned(), cap.to_string());
     }
     if let Some(spec) = pod.spec.as_mut() {
         *spec = PodSpec {
@@ -448,8 +485,9 @@ status:
             slim.mps_cap_mib
         };
         let forged = "gpubudget.io/agent-slim-mps-cap-mib: '1'";
-        assert_eq!(with("{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 0=3072M}", ""), Some(3072));
-        assert_eq!(with("{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 0=3072M}", forged), Some(3072));
+        let one = |mib| Some(MpsCap { mib, devices: 1 });
+        assert_eq!(with("{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 0=3072M}", ""), one(3072));
+        assert_eq!(with("{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 0=3072M}", forged), one(3072));
         assert_eq!(with("{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 3G}", forged), None, "ignored by the driver");
         assert_eq!(
             with("{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: '0=3072M,1=3072M'}", ""),
@@ -464,7 +502,16 @@ status:
         );
         slim_pod(&mut twice);
         slim_pod(&mut twice);
-        assert_eq!(PodView::from_pod(&twice).expect("view").mps_cap_mib, Some(8192));
+        assert_eq!(PodView::from_pod(&twice).expect("view").mps_cap_mib, Some(MpsCap { mib: 8192, devices: 1 }));
+        // The devices the value names, kept too: the fewest of any GPU container.
+        let mut two =
+            pod("metadata: {name: a, namespace: n, uid: u}\nspec: {nodeSelector: {nvidia.com/gpu.replicas: '1'}, \
+             initContainers: [{name: w, image: x, resources: {limits: {nvidia.com/gpu: '1'}}, env: [{name: \
+             CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 0=1G}]}], containers: [{name: m, image: x, resources: {limits: \
+             {nvidia.com/gpu: '2'}}, env: [{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: '0=3G,1=3G'}]}]}");
+        assert_eq!(PodView::from_pod(&two).expect("view").mps_cap_mib, Some(MpsCap { mib: 3072, devices: 1 }));
+        slim_pod(&mut two);
+        assert_eq!(PodView::from_pod(&two).expect("view").mps_cap_mib, Some(MpsCap { mib: 3072, devices: 1 }));
     }
 
     /// #33: pods labelled into a cluster budget that another cluster budget tightens share one entry of the

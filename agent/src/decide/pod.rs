@@ -373,12 +373,13 @@ impl Enforcer {
                 mem.write_in_flight = true;
                 applied = true;
                 let note = format!(
-                    "{} for {}s; evicting with {}; {}{}",
+                    "{} for {}s; evicting with {}; {}{}{}",
                     cx.used_of(),
                     seconds(mem.tracker.over_for()),
                     cx.grace_text(),
                     cx.held_by(),
-                    self.not_exempt(view)
+                    self.not_exempt(view),
+                    budget.under_generation()
                 );
                 // Not subject to the cooldown: one per eviction, and evictions are rare.
                 mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
@@ -417,11 +418,12 @@ impl Enforcer {
                 if blocked_too_long(budget, refused_since, now.mono_ms) {
                     let note = format!(
                         "evictions refused for {}s (blockedEvictionTimeoutSeconds {}): deleting the pod with {}, as \
-                         the kubelet's node-pressure eviction does; {}",
+                         the kubelet's node-pressure eviction does; {}{}",
                         seconds(now.mono_ms.saturating_sub(refused_since)),
                         budget.blocked_eviction_timeout_seconds.unwrap_or_default(),
                         cx.grace_text(),
-                        cx.used_of()
+                        cx.used_of(),
+                        budget.under_generation()
                     );
                     self.event(&mut mem, now.mono_ms, Reason::Deleting, note, out);
                     out.push(Action::Delete { pod: mem.pod.clone(), grace_seconds });
@@ -491,7 +493,7 @@ impl Enforcer {
     /// `evictionGracePeriodSeconds`.
     pub(in crate::decide) fn pressure_grace(&self, budget: Option<&Budget>) -> i64 {
         let own = self.settings.pressure_grace_seconds;
-        budget.and_then(|b| b.eviction_grace_period_seconds).map_or(own, |cap| cap.min(own))
+        budget.map_or(own, |b| b.pressure_grace_seconds(own))
     }
 
     /// Whether the pod's MPS cap is in force ([`super::cap_check`]): a breach is kept while its process lives;

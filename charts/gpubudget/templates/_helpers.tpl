@@ -109,6 +109,7 @@ app.kubernetes.io/component: {{ .component }}
 Cross-field checks, with messages that say what to change. values.schema.json checks each value alone.
 */}}
 {{- define "gpubudget.validate" -}}
+{{- include "gpubudget.oneReleasePerCluster" . -}}
 {{- if and (gt (int .Values.operator.replicas) 1) (eq .Values.operator.leaderElection.mode "never") -}}
 {{- fail (printf "operator.replicas is %v but operator.leaderElection.mode is \"never\": two operators without leader election would both write status. Use mode auto or always, or one replica." .Values.operator.replicas) -}}
 {{- end -}}
@@ -120,4 +121,39 @@ Cross-field checks, with messages that say what to change. values.schema.json ch
 {{- fail "nodeRestriction.webhook.certManager.issuerRef needs a name (or leave it {} for the chart's self-signed Issuer)." -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+One release per cluster (issue 43): the admission policies are cluster-wide and each admits only its own release's
+agent, so a second release would refuse the first one's records (and both agents would write the same nodes'
+GpuNodeUsage). At install or upgrade, any gpubudget ValidatingAdmissionPolicy or ClusterRole (label
+app.kubernetes.io/part-of=gpubudget) of another release (Helm's meta.helm.sh/release-name and release-namespace
+annotations; without them, as `helm template | kubectl apply` leaves them, the app.kubernetes.io/instance label)
+fails it, naming that release. `lookup` is empty without a cluster (helm template, lint, --dry-run): nothing then.
+*/}}
+{{- define "gpubudget.oneReleasePerCluster" -}}
+{{- $found := list -}}
+{{- if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" -}}
+{{- $found = concat $found ((lookup "admissionregistration.k8s.io/v1" "ValidatingAdmissionPolicy" "" "").items | default list) -}}
+{{- end -}}
+{{- $found = concat $found ((lookup "rbac.authorization.k8s.io/v1" "ClusterRole" "" "").items | default list) -}}
+{{- range $obj := $found -}}
+{{- $labels := $obj.metadata.labels | default dict -}}
+{{- if eq (get $labels "app.kubernetes.io/part-of") "gpubudget" -}}
+{{- $annotations := $obj.metadata.annotations | default dict -}}
+{{- $release := get $annotations "meta.helm.sh/release-name" | default (get $labels "app.kubernetes.io/instance") -}}
+{{- $namespace := get $annotations "meta.helm.sh/release-namespace" -}}
+{{- if or (ne $release $.Release.Name) (and $namespace (ne $namespace $.Release.Namespace)) -}}
+{{- fail (printf "gpubudget is already installed in this cluster: %s %s belongs to release %q in namespace %q. One release per cluster: its admission policies are cluster-wide and admit only its own agent, so a second release would refuse the first one's records. Upgrade that release (helm upgrade %s -n %s), or uninstall it first (docs/operations.md, \"One release per cluster\")." $obj.kind $obj.metadata.name $release (default "unknown (applied without Helm)" $namespace) $release (default "NAMESPACE" $namespace)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The Lease by which the operator's leader vouches that every budget has a current mirror (the agents read the
+mirrors only while it is renewed).
+*/}}
+{{- define "gpubudget.mirrorsLease" -}}
+{{- printf "%s-mirrors" (include "gpubudget.operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}

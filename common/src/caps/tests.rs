@@ -28,9 +28,15 @@ fn env_of(pod: &Pod, container: usize) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Whole GPUs: `nvidia.com/gpu: n` as `n` devices needs a node that does not share them.
+fn whole(n: u64) -> GpuLimits {
+    GpuLimits { count: n, replicas: None }
+}
+
 const TWO_CONTAINERS: &str = r#"
 metadata: {generateName: trainer-, namespace: team-a, labels: {app: llm}}
 spec:
+  nodeSelector: {nvidia.com/gpu.sharing-strategy: none}
   containers:
   - name: main
     image: pytorch
@@ -54,7 +60,7 @@ fn gpu_containers_are_those_with_a_positive_gpu_limit() {
     assert_eq!(count(&[("nvidia.com/gpu", "0")]), 0);
     assert_eq!(count(&[("nvidia.com/gpu", "lots")]), 0);
     assert_eq!(count(&[("amd.com/gpu", "1")]), 0);
-    assert_eq!(devices(100_000, None, false), Some(Devices::Unknown(Unknown::TooMany)));
+    assert_eq!(devices(whole(100_000), None, false), Some(Devices::Unknown(Unknown::TooMany)));
     let p = pod(TWO_CONTAINERS);
     let found = gpu_containers(&p);
     assert_eq!(found.len(), 1);
@@ -68,28 +74,32 @@ fn every_way_to_a_gpu_and_its_device_count() {
     let lit = |v: &str| EnvValue::Literal(v.into());
     let unknown = |why| Some(Devices::Unknown(why));
     // NVIDIA_VISIBLE_DEVICES without a limit.
-    assert_eq!(devices(0, Some(&lit("0,1")), false), Some(Devices::Known(2)));
-    assert_eq!(devices(0, Some(&lit("GPU-8d4c9c1e-aaaa")), false), Some(Devices::Known(1)));
-    assert_eq!(devices(0, Some(&lit("MIG-0a1b-2c,MIG-GPU-1234/1/0")), false), Some(Devices::Known(2)));
-    assert_eq!(devices(0, Some(&lit("all")), false), unknown(Unknown::All));
+    assert_eq!(devices(whole(0), Some(&lit("0,1")), false), Some(Devices::Known(2)));
+    assert_eq!(devices(whole(0), Some(&lit("GPU-8d4c9c1e-aaaa")), false), Some(Devices::Known(1)));
+    assert_eq!(devices(whole(0), Some(&lit("MIG-0a1b-2c,MIG-GPU-1234/1/0")), false), Some(Devices::Known(2)));
+    assert_eq!(devices(whole(0), Some(&lit("all")), false), unknown(Unknown::All));
     for none in ["", "none", "void"] {
-        assert_eq!(devices(0, Some(&lit(none)), false), None, "{none:?}");
+        assert_eq!(devices(whole(0), Some(&lit(none)), false), None, "{none:?}");
     }
-    assert_eq!(devices(0, Some(&EnvValue::FromSource), false), unknown(Unknown::VisibleFromSource));
-    assert_eq!(devices(0, Some(&lit("0,GPU-12")), false), unknown(Unknown::VisibleMixed));
-    assert_eq!(devices(0, Some(&lit("0,0")), false), unknown(Unknown::VisibleMixed));
-    assert_eq!(devices(0, Some(&lit("ALL")), false), unknown(Unknown::VisibleUnreadable));
-    assert_eq!(devices(0, Some(&lit(" 0")), false), unknown(Unknown::VisibleUnreadable));
-    assert_eq!(devices(0, Some(&lit(&"0,".repeat(100_000))), false), unknown(Unknown::VisibleUnreadable));
+    assert_eq!(devices(whole(0), Some(&EnvValue::FromSource), false), unknown(Unknown::VisibleFromSource));
+    assert_eq!(devices(whole(0), Some(&lit("0,GPU-12")), false), unknown(Unknown::VisibleMixed));
+    assert_eq!(devices(whole(0), Some(&lit("0,0")), false), unknown(Unknown::VisibleMixed));
+    assert_eq!(devices(whole(0), Some(&lit("ALL")), false), unknown(Unknown::VisibleUnreadable));
+    assert_eq!(devices(whole(0), Some(&lit(" 0")), false), unknown(Unknown::VisibleUnreadable));
+    assert_eq!(devices(whole(0), Some(&lit(&"0,".repeat(100_000))), false), unknown(Unknown::VisibleUnreadable));
     // With a limit: the list must agree, `all` never does (1 limit + all must not be capped on device 0 only).
-    assert_eq!(devices(1, Some(&lit("all")), false), unknown(Unknown::All));
-    assert_eq!(devices(1, Some(&lit("GPU-1")), false), Some(Devices::Known(1)));
-    assert_eq!(devices(1, Some(&lit("0,1")), false), unknown(Unknown::Disagree { limits: 1, listed: 2 }));
-    assert_eq!(devices(2, Some(&lit("none")), false), Some(Devices::Known(2)), "the device plugin's list decides");
+    assert_eq!(devices(whole(1), Some(&lit("all")), false), unknown(Unknown::All));
+    assert_eq!(devices(whole(1), Some(&lit("GPU-1")), false), Some(Devices::Known(1)));
+    assert_eq!(devices(whole(1), Some(&lit("0,1")), false), unknown(Unknown::Disagree { limits: 1, listed: 2 }));
+    assert_eq!(
+        devices(whole(2), Some(&lit("none")), false),
+        Some(Devices::Known(2)),
+        "the device plugin's list decides"
+    );
     // A DRA claim: unknown, whatever else.
-    assert_eq!(devices(0, None, true), unknown(Unknown::Claim));
-    assert_eq!(devices(1, None, true), unknown(Unknown::Claim));
-    assert_eq!(devices(0, None, false), None);
+    assert_eq!(devices(whole(0), None, true), unknown(Unknown::Claim));
+    assert_eq!(devices(whole(1), None, true), unknown(Unknown::Claim));
+    assert_eq!(devices(whole(0), None, false), None);
 
     let p = pod(r#"
 metadata: {name: p, namespace: team-a}
@@ -678,10 +688,325 @@ fn generated_pod(devices: u32, mps: Option<String>, limit: Option<String>, forge
     let annotations = if forged { json!({ANNOTATION: "{\"budget\":\"x\"}"}) } else { json!({}) };
     serde_json::from_value(json!({
         "metadata": {"name": "p", "namespace": "team-a", "annotations": annotations},
-        "spec": {"containers": [
+        "spec": {"nodeSelector": {"nvidia.com/gpu.replicas": "1"}, "containers": [
             {"name": "main", "resources": {"limits": {"nvidia.com/gpu": devices.to_string()}}, "env": env},
             {"name": "cpu", "env": [{"name": MEMORY_LIMIT, "value": "123456"}]},
         ]},
     }))
     .expect("pod")
+}
+
+// ---- caps counted only where the driver will read them: replicas and envFrom -----------------------------
+
+/// The single GPU container of a pod: what the caps module reads of it.
+fn only(p: &Pod) -> GpuContainer {
+    let found = gpu_containers(p);
+    assert_eq!(found.len(), 1, "one GPU container");
+    found[0].gpu.clone()
+}
+
+/// A pod shaped as the NVIDIA device plugin's sharing leaves it: `limits` and `node_selector` as YAML flow
+/// maps, and the MPS value a pod the webhook never saw may carry.
+fn plugin_pod(limits: &str, node_selector: &str, mps: &str) -> Pod {
+    pod(&format!(
+        r#"
+metadata: {{name: p, namespace: team-a}}
+spec:
+  nodeSelector: {node_selector}
+  containers:
+  - name: main
+    image: pytorch
+    resources: {{limits: {limits}}}
+    env: [{{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: "{mps}"}}]
+"#
+    ))
+}
+
+/// Replicas of one card (time-slicing with `renameByDefault: false` keeps `nvidia.com/gpu`; renamed replicas
+/// are `nvidia.com/gpu.shared`; MPS sharing's replicas likewise): a container asking for two may see one device,
+/// the `0=...,1=...` it would get names an ordinal it does not see, and the driver ignores the whole variable.
+/// So no MPS value is written there and such a pod is counted uncapped, with the reason; one replica is one
+/// device (ordinal 0 either way); a pod pinned to unshared nodes by the GPU feature discovery's labels keeps its
+/// whole GPUs.
+#[test]
+fn replicas_of_one_card_are_not_counted_as_distinct_devices() {
+    let replicas = |resource, count| Devices::Unknown(Unknown::Replicas { resource, count });
+    let two = "0=3072M,1=3072M";
+    // Time-slicing, name kept: `nvidia.com/gpu: 2` may be one card twice.
+    let sliced = plugin_pod(r#"{nvidia.com/gpu: "2"}"#, "{}", two);
+    assert_eq!(only(&sliced).devices, replicas(Replicated::Gpu, 2));
+    assert_eq!(
+        PodCaps::of_pod(&sliced),
+        PodCaps::Uncapped(Uncapped::Devices(Unknown::Replicas { resource: Replicated::Gpu, count: 2 })),
+        "counted uncapped, not capped on a guess"
+    );
+    let labelled = |selector| only(&plugin_pod(r#"{nvidia.com/gpu: "2"}"#, selector, two)).devices;
+    assert_eq!(labelled("{nvidia.com/gpu.replicas: '4'}"), replicas(Replicated::Gpu, 2));
+    assert_eq!(labelled("{nvidia.com/gpu.sharing-strategy: time-slicing}"), replicas(Replicated::Gpu, 2));
+    assert_eq!(labelled("{nvidia.com/gpu.sharing-strategy: none}"), Devices::Known(2), "pinned to unshared nodes");
+    assert_eq!(labelled("{nvidia.com/gpu.replicas: '1'}"), Devices::Known(2));
+    assert_eq!(labelled("{nvidia.com/mig-1g.10gb.replicas: '1'}"), replicas(Replicated::Gpu, 2), "another resource");
+    // Renamed replicas: never distinct, whatever the node.
+    let shared = plugin_pod(r#"{nvidia.com/gpu.shared: "2"}"#, "{nvidia.com/gpu.sharing-strategy: none}", two);
+    assert_eq!(only(&shared).devices, replicas(Replicated::Shared, 2));
+    assert!(matches!(PodCaps::of_pod(&shared), PodCaps::Uncapped(Uncapped::Devices(Unknown::Replicas { .. }))));
+    // MIG devices replicated alike.
+    let mig = |selector| only(&plugin_pod(r#"{nvidia.com/mig-1g.10gb: "2"}"#, selector, two)).devices;
+    assert_eq!(mig("{}"), replicas(Replicated::Mig, 2));
+    assert_eq!(mig("{nvidia.com/mig-1g.10gb.sharing-strategy: none}"), Devices::Known(2));
+    // One replica is one device: an MPS replica (`nvidia.com/gpu.shared: 1`) or a time-sliced `nvidia.com/gpu: 1`.
+    let one = plugin_pod(r#"{nvidia.com/gpu.shared: "1"}"#, "{}", "0=3072M");
+    assert_eq!(PodCaps::of_pod(&one), PodCaps::Capped { max_mib: 3072 });
+    let one = plugin_pod(r#"{nvidia.com/gpu: "1"}"#, "{nvidia.com/gpu.sharing-strategy: mps}", "0=3072M");
+    assert_eq!(PodCaps::of_pod(&one), PodCaps::Capped { max_mib: 3072 });
+    // A list in NVIDIA_VISIBLE_DEVICES does not settle it: a runtime that ignores the variable (the GPU
+    // Operator's CDI default for unprivileged containers) uses the device plugin's list.
+    let mut listed = plugin_pod(r#"{nvidia.com/gpu.shared: "2"}"#, "{}", two);
+    listed.spec.as_mut().expect("spec").containers[0].env.as_mut().expect("env").push(EnvVar {
+        name: VISIBLE_DEVICES.into(),
+        value: Some("0,1".into()),
+        value_from: None,
+    });
+    assert_eq!(only(&listed).devices, replicas(Replicated::Shared, 2));
+
+    // Admission: no MPS value (the user's removed), the MiB variables set, the reason recorded.
+    let admission = admit(&sliced, Some(&budget("8Gi", None, true)));
+    let record = admission.record.clone().expect("record");
+    assert_eq!(record.containers[0].env[MPS_LIMIT], Outcome::Removed);
+    assert_eq!(record.containers[0].env[MEMORY_LIMIT], Outcome::Set);
+    let why = record.containers[0].uncapped.clone().expect("uncapped");
+    assert!(why.contains("nvidia.com/gpu: 2 may be replicas of one card"), "{why}");
+    let patched = apply(&sliced, &admission.patch);
+    assert_eq!(env_of(&patched, 0), [(MEMORY_LIMIT.into(), "8192".into())]);
+    let why = admit(&shared, Some(&budget("8Gi", None, true))).record.expect("record").containers[0].uncapped.clone();
+    assert!(why.is_some_and(|w| w.contains("nvidia.com/gpu.shared: 2")));
+    // One replica: capped at ordinal 0.
+    let one = plugin_pod(r#"{nvidia.com/gpu.shared: "1"}"#, "{}", "0=80G");
+    let patched = apply(&one, &admit(&one, Some(&budget("8Gi", None, true))).patch);
+    assert_eq!(env_of(&patched, 0)[0], (MPS_LIMIT.into(), "0=8192M".into()));
+    assert_eq!(PodCaps::of_pod(&patched), PodCaps::Capped { max_mib: 8192 });
+}
+
+/// A GPU-sharing scheduler's ConfigMap (`envFrom`, holding `NVIDIA_VISIBLE_DEVICES=all`, as KAI's are) or a
+/// `valueFrom` sets the device list outside the pod: a 1-GPU container may see every GPU of its node, so it
+/// is not capped on device 0 only. `env` wins over `envFrom`, and a prefix that none of the variables starts
+/// with sets none of them.
+#[test]
+fn a_scheduler_config_map_in_env_from_makes_the_device_count_unknown() {
+    let with = |env_from: &str, env: &str| {
+        pod(&format!(
+            r#"
+metadata: {{name: p, namespace: team-a}}
+spec:
+  containers:
+  - name: main
+    image: pytorch
+    resources: {{limits: {{nvidia.com/gpu: "1"}}}}
+    envFrom: {env_from}
+    env: [{{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: "0=3072M"}}{env}]
+"#
+        ))
+    };
+    let from_env_from = |entry, secret| Devices::Unknown(Unknown::VisibleFromEnvFrom { entry, secret });
+    let kai = with("[{configMapRef: {name: gpu-sharing}}]", "");
+    assert_eq!(only(&kai).devices, from_env_from(0, false));
+    assert_eq!(
+        PodCaps::of_pod(&kai),
+        PodCaps::Uncapped(Uncapped::Devices(Unknown::VisibleFromEnvFrom { entry: 0, secret: false })),
+        "written 0=3072M, but its other GPUs would be uncapped: counted uncapped"
+    );
+    let secret = with("[{configMapRef: {name: app}, prefix: APP_}, {secretRef: {name: s}}]", "");
+    assert_eq!(only(&secret).devices, from_env_from(1, true));
+    assert_eq!(only(&with("[{configMapRef: {name: c}, prefix: NVIDIA_}]", "")).devices, from_env_from(0, false));
+    // A prefix none of the variables starts with, or the variable in env: the count is known.
+    assert_eq!(only(&with("[{configMapRef: {name: app}, prefix: APP_}]", "")).devices, Devices::Known(1));
+    assert_eq!(
+        only(&with("[{configMapRef: {name: c}, prefix: NVIDIA_VISIBLE_DEVICES}]", "")).devices,
+        Devices::Known(1)
+    );
+    let pinned = with("[{configMapRef: {name: gpu-sharing}}]", ", {name: NVIDIA_VISIBLE_DEVICES, value: '3'}");
+    assert_eq!(only(&pinned).devices, Devices::Known(1), "env wins over envFrom");
+    assert_eq!(PodCaps::of_pod(&pinned), PodCaps::Capped { max_mib: 3072 });
+    // valueFrom (configMapKeyRef, fieldRef...): unknown too.
+    let key_ref =
+        with("[]", ", {name: NVIDIA_VISIBLE_DEVICES, valueFrom: {configMapKeyRef: {name: gpu-sharing, key: devices}}}");
+    assert_eq!(only(&key_ref).devices, Devices::Unknown(Unknown::VisibleFromSource));
+    // envFrom alone does not make a GPU container (no more than its image's ENV does).
+    let cpu = pod("metadata: {name: p}\nspec: {containers: [{name: web, envFrom: [{configMapRef: {name: app}}]}]}\n");
+    assert!(gpu_containers(&cpu).is_empty());
+
+    // Admission: no MPS value, the user's removed, the reason names the ConfigMap; the MiB variables are set in
+    // env, which overrides whatever the ConfigMap holds.
+    let admission = admit(&kai, Some(&budget("8Gi", Some("4Gi"), true)));
+    let record = admission.record.clone().expect("record");
+    let c = &record.containers[0];
+    assert_eq!(
+        (c.env[MPS_LIMIT], c.env[MEMORY_LIMIT], c.env[MEMORY_REQUEST]),
+        (Outcome::Removed, Outcome::Set, Outcome::Set)
+    );
+    let why = c.uncapped.clone().expect("uncapped");
+    assert!(why.contains("envFrom entry 0") && why.contains("ConfigMap gpu-sharing"), "{why}");
+    let patched = apply(&kai, &admission.patch);
+    assert_eq!(env_of(&patched, 0), [(MEMORY_LIMIT.into(), "8192".into()), (MEMORY_REQUEST.into(), "4096".into())]);
+    assert!(matches!(
+        PodCaps::of_pod(&patched),
+        PodCaps::Uncapped(Uncapped::Devices(Unknown::VisibleFromEnvFrom { .. }))
+    ));
+    assert!(
+        admit(&secret, Some(&budget("8Gi", None, true))).record.expect("record").containers[0]
+            .uncapped
+            .as_deref()
+            .is_some_and(|w| w.contains("Secret s")),
+    );
+    let key_ref = admit(&key_ref, Some(&budget("8Gi", None, true))).record.expect("record");
+    assert!(key_ref.containers[0].uncapped.as_deref().is_some_and(|w| w.contains("valueFrom")));
+}
+
+/// The MPS variable from `envFrom` (the device count known): not in the pod, so counted uncapped until the
+/// webhook writes it in `env`, which wins; an `envFrom` MiB variable is overridden the same way, never merged.
+#[test]
+fn an_mps_value_from_env_from_is_uncapped_until_env_overrides_it() {
+    let p = pod(r#"
+metadata: {name: p, namespace: team-a}
+spec:
+  containers:
+  - name: main
+    resources: {limits: {nvidia.com/gpu: "1"}}
+    envFrom: [{configMapRef: {name: caps}, prefix: CUDA_MPS_}, {secretRef: {name: s}, prefix: NVIDIA_GPU_}]
+"#);
+    let c = only(&p);
+    assert_eq!(c.devices, Devices::Known(1));
+    assert_eq!(c.mps_limit, Some(EnvValue::FromEnvFrom { entry: 0, secret: false }));
+    assert_eq!(c.memory_limit, Some(EnvValue::FromEnvFrom { entry: 1, secret: true }));
+    assert_eq!(PodCaps::of_pod(&p), PodCaps::Uncapped(Uncapped::MpsFromEnvFrom { entry: 0, secret: false }));
+    let admission = admit(&p, Some(&budget("8Gi", None, true)));
+    let record = admission.record.clone().expect("record");
+    assert_eq!(
+        (record.containers[0].env[MPS_LIMIT], record.containers[0].env[MEMORY_LIMIT]),
+        (Outcome::Set, Outcome::Set)
+    );
+    let patched = apply(&p, &admission.patch);
+    assert_eq!(env_of(&patched, 0), [(MPS_LIMIT.into(), "0=8192M".into()), (MEMORY_LIMIT.into(), "8192".into())]);
+    assert_eq!(PodCaps::of_pod(&patched), PodCaps::Capped { max_mib: 8192 });
+}
+
+/// Bounded: a tenant's envFrom list and prefixes are read once per variable, in linear time.
+#[test]
+fn long_env_from_lists_are_read_in_linear_time() {
+    let sources: Vec<Value> = (0..100_000)
+        .map(|i| json!({"configMapRef": {"name": format!("c{i}")}, "prefix": "X".repeat(1 + i % 300)}))
+        .collect();
+    let p: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "p"},
+        "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}, "envFrom": sources}]},
+    }))
+    .expect("pod");
+    let started = std::time::Instant::now();
+    assert_eq!(only(&p).devices, Devices::Known(1), "no prefix could set a variable");
+    let admission = admit(&p, Some(&budget("8Gi", None, true)));
+    assert!(admission.record.is_some());
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
+}
+
+/// The kubelet's environment, as Kubernetes builds it: each `envFrom` source's keys (prefixed) in order, the
+/// later winning; then `env`, which wins over all of them.
+fn kubelet_env(env: &[(String, String)], env_from: &[(String, Vec<(String, String)>)]) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for (prefix, data) in env_from {
+        for (key, value) in data {
+            out.insert(format!("{prefix}{key}"), value.clone());
+        }
+    }
+    for (name, value) in env {
+        out.insert(name.clone(), value.clone());
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+    /// Whatever the ConfigMaps hold: a literal the caps module reads is the value the process gets, a variable
+    /// it reads as absent is absent, and one it reads as `envFrom`'s is one some content could set.
+    #[test]
+    fn the_environment_is_read_as_the_kubelet_builds_it(
+        env in proptest::collection::vec((0usize..5, "[0-9]{0,2}"), 0..4),
+        env_from in proptest::collection::vec(
+            (prop_oneof![Just(String::new()), Just("NVIDIA_".to_owned()), Just("CUDA_MPS_".to_owned()),
+                         Just("APP_".to_owned()), Just(VISIBLE_DEVICES.to_owned()), "[A-Z_]{0,4}"],
+             proptest::collection::vec((0usize..6, "[0-9]{1,2}"), 0..4)),
+            0..4),
+    ) {
+        let names = [VISIBLE_DEVICES, MPS_LIMIT, MEMORY_LIMIT, MEMORY_REQUEST, "OTHER"];
+        let env: Vec<(String, String)> = env.into_iter().map(|(n, v)| (names[n].to_owned(), v)).collect();
+        // Keys a ConfigMap may hold: the suffixes of the variables after some prefix, and others.
+        let env_from: Vec<(String, Vec<(String, String)>)> = env_from
+            .into_iter()
+            .map(|(prefix, data)| {
+                let data = data
+                    .into_iter()
+                    .filter_map(|(k, v)| {
+                        let key = names.get(k).and_then(|n| n.strip_prefix(prefix.as_str())).unwrap_or("KEY");
+                        (!key.is_empty()).then(|| (key.to_owned(), v))
+                    })
+                    .collect();
+                (prefix, data)
+            })
+            .collect();
+        let vars: Vec<EnvVar> =
+            env.iter().map(|(n, v)| EnvVar { name: n.clone(), value: Some(v.clone()), value_from: None }).collect();
+        let sources: Vec<EnvFromSource> = env_from
+            .iter()
+            .map(|(prefix, _)| EnvFromSource {
+                prefix: Some(prefix.clone()).filter(|p| !p.is_empty()),
+                config_map_ref: Some(Default::default()),
+                secret_ref: None,
+            })
+            .collect();
+        let built = kubelet_env(&env, &env_from);
+        for name in VARIABLES {
+            match container_value(&vars, &sources, name) {
+                Some(EnvValue::Literal(v)) => prop_assert_eq!(built.get(name), Some(&v), "{}", name),
+                None => prop_assert!(!built.contains_key(name), "{} set by envFrom, read as absent", name),
+                Some(EnvValue::FromEnvFrom { entry, .. }) => {
+                    let prefix = &env_from[entry as usize].0;
+                    prop_assert!(env_from_may_set(prefix, name) && !env.iter().any(|(n, _)| n == name));
+                }
+                Some(EnvValue::FromSource) => prop_assert!(false, "no valueFrom here"),
+            }
+        }
+    }
+
+    /// A count of devices is only ever one the process sees for certain: with a resource asked more than once,
+    /// only a non-`.shared` one on nodes the pod is pinned to as unshared.
+    #[test]
+    fn replicas_never_count_as_distinct_devices(
+        limits in proptest::collection::vec((0usize..4, 0u64..4), 1..4),
+        pinned in proptest::collection::vec(any::<bool>(), 4),
+    ) {
+        let names = ["nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-1g.10gb", "nvidia.com/mig-2g.20gb.shared"];
+        let mut map = BTreeMap::new();
+        for (n, c) in &limits {
+            map.insert(names[*n].to_owned(), c.to_string());
+        }
+        let selector: BTreeMap<String, String> = names
+            .iter()
+            .zip(&pinned)
+            .filter(|(_, p)| **p)
+            .map(|(n, _)| (format!("{n}.sharing-strategy"), "none".to_owned()))
+            .collect();
+        let read = gpu_limits(map.iter().map(|(k, v)| (k.as_str(), v.as_str())), Some(&selector));
+        let total: u64 = map.values().map(|v| v.parse::<u64>().unwrap_or(0)).sum();
+        prop_assert_eq!(read.count, total);
+        let certain = map.iter().all(|(name, count)| {
+            let count: u64 = count.parse().unwrap_or(0);
+            count <= 1 || (!name.ends_with(".shared") && selector.contains_key(&format!("{name}.sharing-strategy")))
+        });
+        prop_assert_eq!(read.replicas.is_none(), certain, "{:?}", map);
+        match devices(read, None, false) {
+            Some(Devices::Known(n)) => prop_assert!(certain && u64::from(n) == total),
+            Some(Devices::Unknown(_)) => prop_assert!(!certain),
+            None => prop_assert_eq!(total, 0),
+        }
+    }
 }

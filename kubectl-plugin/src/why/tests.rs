@@ -337,3 +337,33 @@ fn a_cap_the_node_saw_fail_is_shown_as_not_in_force() {
         "{text}"
     );
 }
+
+/// `why` says when the nodes may enforce another spec of the pod's budget than its current one.
+#[test]
+fn why_says_when_the_nodes_enforce_an_older_spec() {
+    let status = |observed: i64, enforced: Option<i64>, nodes_current: Option<(&str, &str)>| {
+        serde_json::from_value::<gpubudget_common::crd::GpuMemoryBudgetStatus>(json!({
+            "observedGeneration": observed,
+            "enforcedGeneration": enforced,
+            "conditions": nodes_current.map(|(s, m)| vec![json!({
+                "type": "NodesCurrent", "status": s, "reason": "r", "message": m,
+                "lastTransitionTime": NOW,
+            })]).unwrap_or_default(),
+        }))
+        .unwrap()
+    };
+    let current = status(4, Some(4), Some(("True", "current")));
+    assert_eq!(nodes_generation_warning("llm", Some(4), Some(&current)), None);
+    let behind = status(4, Some(3), Some(("False", "its mirror copies generation 3")));
+    let w = nodes_generation_warning("llm", Some(4), Some(&behind)).expect("a warning");
+    assert!(
+        w.contains("the nodes enforce generation 3 of budget llm, not its current generation 4: its mirror"),
+        "{w}"
+    );
+    let stale = status(3, Some(3), Some(("True", "current")));
+    let w = nodes_generation_warning("llm", Some(4), Some(&stale)).expect("a warning");
+    assert!(w.contains("status was not written for it (is the operator up?)"), "{w}");
+    assert!(nodes_generation_warning("llm", Some(4), None).is_some(), "no status at all");
+    let older_operator = status(4, None, None);
+    assert_eq!(nodes_generation_warning("llm", Some(4), Some(&older_operator)), None, "an older operator says nothing");
+}

@@ -25,15 +25,15 @@ pub(in crate::decide) struct GpuPressure {
     pub(in crate::decide) last_free: Option<u64>,
 }
 
-/// How long refused pressure evictions hold a pod before it is deleted, and whose bound that is: the node's
-/// `--pressure-blocked-timeout`, or the budget's `blockedEvictionTimeoutSeconds` where that is shorter. A budget
-/// may only shorten it: tenants may write budgets, and the bound is what keeps a PodDisruptionBudget from
-/// holding memory a neighbour needs.
+/// How long refused pressure evictions hold a pod before it is deleted ([`Budget::pressure_blocked_timeout_ms`]
+/// of the node's `--pressure-blocked-timeout`), and whose bound that is, for the event.
+///
+/// [`Budget::pressure_blocked_timeout_ms`]: gpubudget_common::Budget::pressure_blocked_timeout_ms
 pub(in crate::decide) fn pressure_bound_ms(
     node_ms: u64,
     budget: Option<&gpubudget_common::Budget>,
 ) -> (u64, &'static str) {
-    match budget.and_then(|b| b.blocked_eviction_timeout_seconds).map(|s| s.saturating_mul(1000)) {
+    match budget.map(|b| b.pressure_blocked_timeout_ms(node_ms)) {
         Some(own) if own < node_ms => (own, "the budget's blockedEvictionTimeoutSeconds, shorter than the node's"),
         _ => (node_ms, "the node's pressure blocked timeout"),
     }
@@ -279,12 +279,13 @@ impl Enforcer {
                         None => (cx.used_of(), "most over its budget"),
                     };
                     let note = format!(
-                        "{used}; GPU {} is under memory pressure ({} free of {}) and this pod is the {most} there: evicting with {}s grace; {}",
+                        "{used}; GPU {} is under memory pressure ({} free of {}) and this pod is the {most} there: evicting with {}s grace; {}{}",
                         info.label,
                         HumanBytes(free),
                         HumanBytes(total),
                         self.grace(&mem, &cx).unwrap_or_default(),
-                        cx.held_by()
+                        cx.held_by(),
+                        budget.under_generation()
                     );
                     mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
                     out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::Evicting, note: bounded(note) });

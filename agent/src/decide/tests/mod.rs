@@ -793,7 +793,7 @@ fn the_record_carries_the_drivers_limits_once_known_at_most_as_often_as_usage() 
 #[test]
 fn a_capped_pod_whose_process_is_no_mps_client_is_told_and_recorded_at_once() {
     let mut view = pod("", "");
-    view.mps_cap_mib = Some(3072);
+    view.mps_cap_mib = Some(crate::attribute::pods::MpsCap { mib: 3072, devices: 1 });
     let capped = table(view, &[budget("")]);
     let mut enforcer = Enforcer::new(Settings::new(NODE));
     let usage_of = |procs: &[(u32, Option<bool>)]| {

@@ -541,7 +541,8 @@ fn a_tenant_written_budget_buys_no_immunity_under_pressure() {
 }
 
 /// #33: a budget only a tenant wrote (`ClusterBound`) cannot give its own pod a day of grace to hold the memory
-/// while it terminates: its eviction gets 30 s at most, and the event says so. An administrator's keeps its own.
+/// while it terminates: its eviction gets 30 s at most, and the event says so. An administrator's allows up to
+/// its own: the pod gets the 3600 s it asks for (a budget's grace is a most, never more than the pod asks).
 #[test]
 fn a_tenant_written_budget_cannot_buy_a_long_grace() {
     let mut b = budgets();
@@ -549,7 +550,7 @@ fn a_tenant_written_budget_cannot_buy_a_long_grace() {
     b[0].spec.over_limit_seconds = 0;
     for (policy, want) in [
         (crate::decide::pressure::NamespacedBudgets::ClusterBound, 30),
-        (crate::decide::pressure::NamespacedBudgets::Trusted, 86_400),
+        (crate::decide::pressure::NamespacedBudgets::Trusted, 3_600),
     ] {
         let mut node = Node::with_budgets(vec![view("grower", "grower", "", "")], &b);
         node.enforcer.settings.namespaced_budgets = policy;
@@ -611,4 +612,17 @@ fn a_pod_whose_budget_eviction_is_refused_is_still_relieved_under_pressure() {
     assert!(all.iter().all(
         |(_, a)| !matches!(a, Action::Evict { pod, .. } | Action::Delete { pod, .. } if &*pod.name == "neighbour")
     ));
+}
+
+/// An eviction names the generation of the spec it acted under, so one taken under a spec since edited (a node
+/// still reading a mirror that lags) is told as such.
+#[test]
+fn an_eviction_names_the_spec_generation_it_acted_under() {
+    let mut b = budgets();
+    b[0].metadata.generation = Some(7);
+    b[0].spec.over_limit_seconds = 0;
+    let mut node = Node::with_budgets(vec![view("grower", "grower", "", "")], &b);
+    let all: Vec<Action> = (0..4).flat_map(|k| node.tick(k * 250, &[9 * GI], 0)).collect();
+    let note = note_of(&all, Reason::Evicting).expect("evicting");
+    assert!(note.ends_with("; under generation 7 of budget team-a/grower"), "{note}");
 }
