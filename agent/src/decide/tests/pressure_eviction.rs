@@ -436,6 +436,17 @@ fn refused_run(node: &mut Node, from_ms: u64, to_ms: u64, bytes: &[u64]) -> Vec<
         .collect()
 }
 
+/// The first `DeletingForGpuMemory` note of a run.
+fn deleting_note(actions: &[(u64, Action)]) -> String {
+    actions
+        .iter()
+        .find_map(|(_, a)| match a {
+            Action::Event { reason: Reason::Deleting, note, .. } => Some(note.clone()),
+            _ => None,
+        })
+        .expect("told")
+}
+
 fn deletes(actions: &[(u64, Action)]) -> Vec<(u64, String, Option<i64>)> {
     actions
         .iter()
@@ -460,13 +471,7 @@ fn a_pressure_eviction_refused_for_the_node_bound_ends_in_a_delete() {
     assert_eq!((name.as_str(), *grace), ("nobudget", Some(5)));
     assert!((60_000..=70_000).contains(ms), "deleted at {ms} ms, the first refusal at 0");
     assert!(all.iter().all(|(_, a)| !matches!(a, Action::Evict { pod, .. } if &*pod.name == "neighbour")));
-    let note = all
-        .iter()
-        .find_map(|(_, a)| match a {
-            Action::Event { reason: Reason::Deleting, note, .. } => Some(note.clone()),
-            _ => None,
-        })
-        .expect("told");
+    let note = deleting_note(&all);
     assert!(note.contains("(the node's pressure blocked timeout: 60s): deleting the pod with 5s grace"), "{note}");
     // Refused evictions before it: several, every one told.
     assert!(evicted(&all.iter().map(|(_, a)| a.clone()).collect::<Vec<_>>()).len() >= 3);
@@ -580,13 +585,7 @@ fn a_budgets_own_long_timeout_never_lengthens_the_nodes_pressure_bound() {
     assert_eq!(gone.len(), 1, "{gone:?}");
     assert_eq!(gone[0].1, "grower");
     assert!((60_000..=70_000).contains(&gone[0].0), "deleted at {} ms", gone[0].0);
-    let note = all
-        .iter()
-        .find_map(|(_, a)| match a {
-            Action::Event { reason: Reason::Deleting, note, .. } => Some(note.clone()),
-            _ => None,
-        })
-        .expect("told");
+    let note = deleting_note(&all);
     assert!(note.contains("the node's pressure blocked timeout: 60s"), "{note}");
 }
 
