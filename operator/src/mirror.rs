@@ -269,3 +269,46 @@ pub async fn watch<K: MirrorOwner>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn copied(uid: &str, generation: i64) -> Option<Copied> {
+        Some(Copied { uid: uid.to_owned(), generation })
+    }
+
+    /// The budgets whose mirror does not copy them now, and since when: what the leader vouches by.
+    #[tokio::test(start_paused = true)]
+    async fn lagging_budgets_are_found_and_timed_from_when_they_first_lagged() {
+        let mirrors = Mirrors::default();
+        let (a, b) = (ObjKey::new("ns", "a"), ObjKey::new("ns", "b"));
+        mirrors.budgets_begin();
+        mirrors.budget(a.clone(), copied("ua", 1));
+        mirrors.budget(b.clone(), copied("ub", 2));
+        mirrors.budgets_end();
+        mirrors.record(a.clone(), copied("ua", 1));
+        mirrors.record(b.clone(), copied("ub", 1));
+        assert_eq!(mirrors.lagging(), [b.clone()], "b's mirror copies generation 1 of 2");
+        assert_eq!(mirrors.copied_generation(&b, "ub"), Some(1));
+        assert_eq!(mirrors.copied_generation(&b, "another uid"), None, "a budget created again under its name");
+
+        let mut lag = Lag::default();
+        let start = tokio::time::Instant::now();
+        assert_eq!(lag.update(mirrors.lagging(), start), Some((b.clone(), Duration::ZERO)));
+        tokio::time::advance(Duration::from_secs(20)).await;
+        // a edited too: b has lagged longest.
+        mirrors.budget(a.clone(), copied("ua", 2));
+        let now = tokio::time::Instant::now();
+        assert_eq!(lag.update(mirrors.lagging(), now), Some((b.clone(), Duration::from_secs(20))));
+        // b written: a alone lags, from when it began.
+        mirrors.record(b.clone(), copied("ub", 2));
+        tokio::time::advance(Duration::from_secs(15)).await;
+        let now = tokio::time::Instant::now();
+        assert_eq!(lag.update(mirrors.lagging(), now), Some((a.clone(), Duration::from_secs(15))));
+        // A deleted budget lags no more.
+        mirrors.budget(a, None);
+        assert_eq!(lag.update(mirrors.lagging(), now), None);
+    }
+}
