@@ -89,7 +89,7 @@ per_minute() {
 }
 start_operator() {
   KUBECONFIG=$WORK/operator.kubeconfig POD_NAMESPACE=$NS RUST_LOG=info "$BIN/gpubudget-operator" run \
-    --admin-addr "$OPERATOR_ADMIN" >> "$WORK/operator.log" 2>&1 &
+    --admin-addr "$OPERATOR_ADMIN" --mirrors-lease-name "$RELEASE-operator-mirrors" >> "$WORK/operator.log" 2>&1 &
   OPERATOR_PID=$!
 }
 cleanup() {
@@ -111,7 +111,7 @@ trap cleanup EXIT
 say "CRD, the chart's RBAC and admission policies; $BUDGETS budgets in $TEAMS namespaces"
 kubectl create namespace "$NS" >/dev/null
 apply_crd_and_chart "$RELEASE" "$NS" \
-  "ServiceAccount ClusterRole ClusterRoleBinding ValidatingAdmissionPolicy ValidatingAdmissionPolicyBinding"
+  "ServiceAccount ClusterRole ClusterRoleBinding Role RoleBinding ValidatingAdmissionPolicy ValidatingAdmissionPolicyBinding"
 for t in $(seq 0 $((TEAMS - 1))); do kubectl create namespace "$NS-t$t" >/dev/null; done
 # Budget i: namespace t(i % TEAMS), selects app=app-(i / TEAMS); the limits are far above the usage.
 python3 - "$NS" "$TEAMS" "$BUDGETS" > "$WORK/budgets.json" <<'EOF'
@@ -191,7 +191,7 @@ EOF
   local started=$SECONDS
   KUBECONFIG=$WORK/agent-$label.kubeconfig RUST_LOG=info "$BIN/gpubudget-agent" run --node-name "$node" \
     --proc-root "$WORK/proc" --sample-file "$WORK/sample-$label.json" --interval 250ms --admin-addr "$ADMIN" \
-    > "$WORK/agent-$label.log" 2>&1 &
+    --mirrors-lease "$NS/$RELEASE-operator-mirrors" > "$WORK/agent-$label.log" 2>&1 &
   AGENT_PID=$!
   # Sample every 200 ms until every pod has its record: RSS, connections to the API server.
   local max_conn=0 conn rss=0 done_at="" applies=0 deadline=$((SECONDS + 300))
