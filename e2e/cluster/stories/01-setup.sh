@@ -6,18 +6,10 @@
 say "cluster"
 kubectl version 2>/dev/null | sed 's/^/    /'
 SERVER_MINOR=$(kubectl version -o json 2>/dev/null | sed -n 's/.*"minor": *"\([0-9]*\).*/\1/p' | tail -n1)
-MIN_MINOR=33
-[ "$ALLOW_132" != 1 ] || MIN_MINOR=32
 # shellcheck disable=SC2015 # both tests must hold
-[ -n "$SERVER_MINOR" ] && [ "$SERVER_MINOR" -ge "$MIN_MINOR" ] || die "the chart supports Kubernetes 1.33 or newer (server minor: ${SERVER_MINOR:-unknown})"
+[ -n "$SERVER_MINOR" ] && [ "$SERVER_MINOR" -ge 32 ] || die "the chart supports Kubernetes 1.32 or newer (server minor: ${SERVER_MINOR:-unknown})"
+# The chart as it is: its kubeVersion admits 1.32, the version every real run used.
 CHART=$REPO/charts/gpubudget
-if [ "$SERVER_MINOR" -lt 33 ]; then
-  # For this test only: a copy of the chart whose kubeVersion admits 1.32; charts/gpubudget keeps >=1.33.
-  cp -r "$CHART" "$WORK/chart"
-  CHART=$WORK/chart
-  sed -i -E 's/^kubeVersion: .*/kubeVersion: ">=1.32.0-0"/' "$CHART/Chart.yaml"
-  info "Kubernetes 1.$SERVER_MINOR allowed for this test (GPUBUDGET_E2E_ALLOW_KUBE_1_32=1): a copy of the chart with kubeVersion >=1.32.0-0"
-fi
 if kubectl get daemonset -A -l app.kubernetes.io/name=gpubudget,app.kubernetes.io/component=agent -o name 2>/dev/null | grep -q .; then
   die "gpubudget is already installed in this cluster: its agents would enforce the test budgets too; use a cluster without it"
 fi
