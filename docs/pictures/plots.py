@@ -208,11 +208,11 @@ def story_run(path):
     stopped = re.search(r"sample over the limit written to llm-evict's container stopped: (\d+) s", text)
     over_limit = re.search(r"after overLimitSeconds \((\d+) s\) the agent evicts llm-evict", text)
     node = re.search(r"\n\s+n1\s+Ready\s+\S+\s+\S+\s+(v\S+)\s+\S+\s+\S+\s+(.+?)\s{2,}(\S+)\s+(containerd://\S+)", text)
-    first = text.splitlines()[0]
-    commit = re.search(r"at ([0-9a-f]{7})", first)
     return {
         "file": path.name,
-        "label": path.name[:10] + (f", {commit.group(1)}" if commit else ""),
+        # The file's name: what the caption and docs/pictures/README.md cite (a commit in a first line may be
+        # another than the one the file is named after).
+        "label": path.name.removesuffix(".txt"),
         "sections": sections,
         "phases": phases,
         "limit": quantity(over.group(2)),
@@ -233,7 +233,11 @@ def story_figure(out):
     # By date; on one date, the file without a commit in its name was written first (git log).
     paths = sorted(CLUSTER_RESULTS.glob("*realk8s*.txt"), key=lambda p: (p.name[:10], len(p.name)))
     runs = [story_run(p) for p in paths]
-    colors = ["#7b1fa2", "#00897b", "#e65100"]
+    # Every committed run, each its own colour (tab10 is fixed, so the picture is reproducible).
+    colors = list(plt.get_cmap("tab10").colors)
+    assert len(runs) <= len(colors), f"{len(runs)} runs: more than {len(colors)} colours"
+    stops = sorted(run["stopped_after"] for run in runs)
+    n = len(runs)
     fig, (top, bottom) = plt.subplots(
         2, 1, figsize=(11, 11), gridspec_kw={"height_ratios": [1, 1.5]}, constrained_layout=True
     )
@@ -272,7 +276,7 @@ def story_figure(out):
     )
     top.legend(loc="lower right", frameon=False, fontsize=8, title="run: the container stopped", title_fontsize=8)
 
-    # Every story of the run, three runs: where each section started and ended.
+    # Every story of the run, every run: where each section started and ended.
     titles = []
     for run in runs:
         for _, title in run["sections"]:
@@ -296,8 +300,8 @@ def story_figure(out):
     bottom.invert_yaxis()
     bottom.set_xlabel("seconds since run.sh started (its section stamps)")
     bottom.set_title(
-        "Every story of the run (e2e/cluster/run.sh on the real node), three runs; the black square: llm-evict's container "
-        "stopped", loc="left"
+        f"Every story of the run (e2e/cluster/run.sh on the real node), all {n} committed runs; the black square: "
+        f"llm-evict's container stopped ({stops[0]}–{stops[-1]} s after going over)", loc="left"
     )
     bottom.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False, fontsize=8)
     fig.suptitle(
