@@ -89,6 +89,13 @@ token_kubeconfig() {
 }
 
 # stop_process PID: SIGTERM, then wait (at most 25 s), then SIGKILL. Nothing when PID is empty or gone.
+# delete_release_objects RELEASE [KINDS]: the cluster-scoped objects a test release left (named after it), of
+# KINDS (default: the admission policies and their bindings, ClusterRoles and their bindings); failures ignored.
+delete_release_objects() {
+  local kinds=${2:-validatingadmissionpolicy,validatingadmissionpolicybinding,clusterrole,clusterrolebinding}
+  kubectl get "$kinds" -o name 2>/dev/null | grep "/$1" | xargs -r kubectl delete --ignore-not-found >/dev/null 2>&1 || true
+}
+
 stop_process() {
   local pid=$1
   [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0

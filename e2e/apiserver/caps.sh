@@ -70,8 +70,7 @@ cleanup() {
     say "keeping the namespaces, the cluster objects of $RELEASE and $WORK (GPUBUDGET_E2E_KEEP=1)"
   else
     kubectl delete namespace "$NS" "$NS_A" "$NS_B" "$NS_L1" "$NS_L2" --wait=false --ignore-not-found >/dev/null 2>&1 || true
-    kubectl get mutatingwebhookconfiguration,validatingadmissionpolicy,validatingadmissionpolicybinding,clusterrole,clusterrolebinding -o name 2>/dev/null \
-      | grep "/$RELEASE" | xargs -r kubectl delete --ignore-not-found >/dev/null 2>&1 || true
+    delete_release_objects "$RELEASE" mutatingwebhookconfiguration,validatingadmissionpolicy,validatingadmissionpolicybinding,clusterrole,clusterrolebinding
     [ -n "$CRD_EXISTED" ] || kubectl delete crd "$CRD" --wait=false --ignore-not-found >/dev/null 2>&1 || true
     rm -rf "$WORK"
   fi

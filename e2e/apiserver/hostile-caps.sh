@@ -59,8 +59,7 @@ cleanup() {
   else
     kubectl delete namespace "$NS" "$NS_A" --wait=false --ignore-not-found >/dev/null 2>&1 || true
     kubectl delete node "$NODE" --ignore-not-found >/dev/null 2>&1 || true
-    kubectl get mutatingwebhookconfiguration,validatingwebhookconfiguration,validatingadmissionpolicy,validatingadmissionpolicybinding,clusterrole,clusterrolebinding -o name 2>/dev/null \
-      | grep "/$RELEASE" | xargs -r kubectl delete --ignore-not-found >/dev/null 2>&1 || true
+    delete_release_objects "$RELEASE" mutatingwebhookconfiguration,validatingwebhookconfiguration,validatingadmissionpolicy,validatingadmissionpolicybinding,clusterrole,clusterrolebinding
     rm -rf "$WORK"
   fi
   if [ "$STARTED_REALK8S" = 1 ]; then bash "$REALK8S/down.sh" >/dev/null 2>&1 || true; fi

@@ -73,8 +73,7 @@ cleanup() {
     kubectl delete cgmb "$RELEASE-admin" --ignore-not-found >/dev/null 2>&1 || true
     kubectl delete namespace "$NS" "$NS_T" "$NS_C" --wait=false --ignore-not-found >/dev/null 2>&1 || true
     kubectl delete node "$NODE" --ignore-not-found >/dev/null 2>&1 || true
-    kubectl get validatingadmissionpolicy,validatingadmissionpolicybinding,clusterrole,clusterrolebinding -o name 2>/dev/null \
-      | grep "/$RELEASE" | xargs -r kubectl delete --ignore-not-found >/dev/null 2>&1 || true
+    delete_release_objects "$RELEASE"
     rm -rf "$WORK"
   fi
   if [ "$STARTED_REALK8S" = 1 ]; then bash "$REALK8S/down.sh" >/dev/null 2>&1 || true; fi
