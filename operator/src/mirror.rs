@@ -290,7 +290,7 @@ mod tests {
         mirrors.budgets_end();
         mirrors.record(a.clone(), copied("ua", 1));
         mirrors.record(b.clone(), copied("ub", 1));
-        assert_eq!(mirrors.lagging(), [b.clone()], "b's mirror copies generation 1 of 2");
+        assert_eq!(mirrors.lagging(), std::slice::from_ref(&b), "b's mirror copies generation 1 of 2");
         assert_eq!(mirrors.copied_generation(&b, "ub"), Some(1));
         assert_eq!(mirrors.copied_generation(&b, "another uid"), None, "a budget created again under its name");
 
