@@ -137,9 +137,10 @@ pub struct Index {
     names: Pool<str>,
     /// One copy of each list of selecting budgets the pods carry.
     budget_sets: Pool<[Arc<str>]>,
-    /// Per node, the pods its last usage object listed: a pod it lists no more (pushed off its
-    /// `PODS_MAX` list, or back to nothing) has its figure cleared, not kept.
-    listed_by_node: HashMap<Arc<str>, HashSet<ObjKey>>,
+    /// Per node, the pods its last usage object gave a figure above 0 (the index's shared names, about 40 bytes a
+    /// pod): one it lists no more (pushed off its `PODS_MAX` list, or back to nothing) has its figure cleared,
+    /// not kept.
+    holding_by_node: HashMap<Arc<str>, HashSet<(Arc<str>, Arc<str>)>>,
 }
 
 /// The valid cluster budgets that select a pod of `namespace` (labelled `namespace_labels`) labelled `labels`.
@@ -534,29 +535,8 @@ impl Index {
     /// without such a record yet keeps the usage its record carries (that of its last write).
     pub fn apply_node_usage(&mut self, node: &str, pods: &[gpubudget_common::NodePodUsage]) -> Affected {
         let mut affected = Affected::new();
-        let listed: HashSet<ObjKey> = pods.iter().map(|p| ObjKey::new(&p.namespace, &p.name)).collect();
-        let before = self.listed_by_node.remove(node).unwrap_or_default();
-        // Listed before, not now: its figure is no longer this node's to give; cleared (0), as for a pod
-        // holding nothing, so namespace totals never count a stale figure.
-        for key in before.difference(&listed) {
-            let Some(entry) =
-                self.namespaces.get_mut(key.namespace.as_str()).and_then(|ns| ns.pods.get_mut(key.name.as_str()))
-            else {
-                continue;
-            };
-            let Some(record) = entry.info.record.as_mut().filter(|r| &*r.node == node) else { continue };
-            if entry.measured.is_none() || record.usage_bytes == 0 {
-                continue;
-            }
-            let recorded = entry.measured.map_or(record.usage_bytes, |m| m.recorded);
-            entry.measured = Some(Measured { bytes: 0, recorded });
-            record.usage_bytes = 0;
-            affected.extend(entry.info.recorded_budget());
-            affected.extend(self.resolved(key));
-        }
-        if !listed.is_empty() {
-            self.listed_by_node.insert(Arc::from(node), listed);
-        }
+        // The pods this object gives a figure above 0, by the index's own shared names (no copies).
+        let mut holding: HashSet<(Arc<str>, Arc<str>)> = HashSet::new();
         for pod in pods {
             let bytes = u64::try_from(pod.usage_bytes).unwrap_or(0);
             let Some(entry) =
@@ -568,6 +548,9 @@ impl Index {
                 continue;
             }
             let Some(record) = entry.info.record.as_mut().filter(|r| &*r.node == node) else { continue };
+            if bytes > 0 {
+                holding.insert((entry.info.namespace.clone(), entry.info.name.clone()));
+            }
             // The record's own figure: the one it carried when measured before, else the one it carries.
             let recorded = entry.measured.map_or(record.usage_bytes, |m| m.recorded);
             entry.measured = Some(Measured { bytes, recorded });
@@ -578,6 +561,26 @@ impl Index {
             affected.extend(entry.info.recorded_budget());
             let key = ObjKey::new(&pod.namespace, &pod.name);
             affected.extend(self.resolved(&key));
+        }
+        // Holding memory by the node's last object, not listed now (pushed off its list, or back to nothing):
+        // its figure is no longer this node's to give; cleared (0), so namespace totals never count it stale.
+        let before = self.holding_by_node.remove(node).unwrap_or_default();
+        for (namespace, name) in before.difference(&holding) {
+            let Some(entry) = self.namespaces.get_mut(&**namespace).and_then(|ns| ns.pods.get_mut(&**name)) else {
+                continue;
+            };
+            let Some(record) = entry.info.record.as_mut().filter(|r| &*r.node == node) else { continue };
+            if entry.measured.is_none() || record.usage_bytes == 0 {
+                continue;
+            }
+            let recorded = entry.measured.map_or(record.usage_bytes, |m| m.recorded);
+            entry.measured = Some(Measured { bytes: 0, recorded });
+            record.usage_bytes = 0;
+            affected.extend(entry.info.recorded_budget());
+            affected.extend(self.resolved(&ObjKey::new(&**namespace, &**name)));
+        }
+        if !holding.is_empty() {
+            self.holding_by_node.insert(Arc::from(node), holding);
         }
         affected
     }
