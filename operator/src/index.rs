@@ -106,6 +106,9 @@ impl Namespace {
     }
 }
 
+/// A pod's namespace and name as the index shares them (no copies).
+type SharedKey = (Arc<str>, Arc<str>);
+
 /// The operator's view of budgets and pods. Each pod keeps the names of the budgets of its namespace that
 /// select it; the pods a budget selects, or whose record names it, are found by a pass over its namespace's
 /// pods (every namespace's for a cluster budget), not kept twice: at 150 000 pods the reverse maps cost more
@@ -140,7 +143,7 @@ pub struct Index {
     /// Per node, the pods its last usage object gave a figure above 0 (the index's shared names, about 40 bytes a
     /// pod): one it lists no more (pushed off its `PODS_MAX` list, or back to nothing) has its figure cleared,
     /// not kept.
-    holding_by_node: HashMap<Arc<str>, HashSet<(Arc<str>, Arc<str>)>>,
+    holding_by_node: HashMap<Arc<str>, HashSet<SharedKey>>,
 }
 
 /// The valid cluster budgets that select a pod of `namespace` (labelled `namespace_labels`) labelled `labels`.
@@ -536,7 +539,7 @@ impl Index {
     pub fn apply_node_usage(&mut self, node: &str, pods: &[gpubudget_common::NodePodUsage]) -> Affected {
         let mut affected = Affected::new();
         // The pods this object gives a figure above 0, by the index's own shared names (no copies).
-        let mut holding: HashSet<(Arc<str>, Arc<str>)> = HashSet::new();
+        let mut holding: HashSet<SharedKey> = HashSet::new();
         for pod in pods {
             let bytes = u64::try_from(pod.usage_bytes).unwrap_or(0);
             let Some(entry) =
