@@ -24,10 +24,11 @@ diagnose() {
   for c in agent operator; do
     kubectl logs -n $NS -l app.kubernetes.io/component=$c --tail=30 --all-containers 2>&1 | sed "s/^/  $c: /"
   done
+  for p in $(kubectl get pods -n $APP -o name 2>/dev/null); do kubectl logs -n $APP "$p" --tail=5 2>&1 | sed "s|^|  $p: |"; done
   tail -5 "$G/logs/nvidia-runtime.log" "$G/logs/kubelet.log" 2>/dev/null
 }
 wait_for() { # SECONDS DESCRIPTION CMD...: poll every 0.2 s
-  local limit=$1 what=$2 end; shift 2; end=$(awk -v s="$(date +%s.%N)" -v l="$limit" 'BEGIN {print s + l}')
+  local limit=$1 what=$2 end; shift 2; end=$(awk -v s="$(date +%s.%N)" -v l="$limit" 'BEGIN {printf "%.3f", s + l}')
   until "$@" >/dev/null 2>&1; do
     awk -v e="$end" -v n="$(date +%s.%N)" 'BEGIN {exit !(n > e)}' && fail "$what (not within $limit s)"
     sleep 0.2
@@ -54,6 +55,7 @@ spec:
       image: local/busybox:1
       imagePullPolicy: Never
       command: [/bin/chroot, /host, $PY, -u, $REPO/e2e/gpu/workload.py, $*]
+      env: [{name: LD_LIBRARY_PATH, value: "${LD_LIBRARY_PATH:-}"}]
       resources: {limits: {nvidia.com/gpu: "1"}}
       securityContext: {privileged: true}
       volumeMounts: [{name: host, mountPath: /host}]
@@ -67,6 +69,9 @@ kubectl version 2>/dev/null | sed 's/^/    /'
 kubectl get node gpu-node -o wide | sed 's/^/    /'
 echo "    gpubudget commit: $(cat "$G/commit")  chart: $(basename "$G"/gpubudget-*.tgz)  $(helm version --short)"
 [ -z "$(gpu_pids)" ] || fail "the GPU already has processes: $(gpu_pids | paste -sd' ')"
+# The pods run python3 with an empty environment but for LD_LIBRARY_PATH (the host's): check that it finds CUDA.
+env -i LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}" "$PY" -c 'import torch; torch.cuda.init(); print("    PyTorch", torch.__version__, "sees", torch.cuda.get_device_name(0))' \
+  || fail "the host's python3 does not reach CUDA with LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-} alone"
 
 say "helm install the packaged chart (images built from this checkout's release binaries, pullPolicy Never)"
 kubectl create namespace $NS >/dev/null
@@ -161,7 +166,7 @@ info "serve: $SERVE_PHASE, $UPS allocations of 3 GiB made, CUDA out of memory $O
 
 say "kubectl get gpumemorybudgets; kubectl gpubudget why / top"
 kubectl get gpumemorybudgets -n $APP | sed 's/^/    /'
-kubectl gpubudget why -n $APP serve 2>&1 | sed 's/^/    /'
+kubectl gpubudget why serve -n $APP 2>&1 | sed 's/^/    /'
 kubectl gpubudget top 2>&1 | head -12 | sed 's/^/    /'
 info "agent memory: $(grep -E 'VmHWM|VmRSS' /proc/"$APID"/status | tr -s ' \n' ' '), restarts $(kubectl get pod -n $NS "$AGENT" -o jsonpath='{.status.containerStatuses[0].restartCount}')"
 
