@@ -153,7 +153,7 @@ torch_pod batch batch stepper --step-mib 512 --to-gib 62 --period 0.5 --hold 600
 wait_for 120 "batch Running" sh -c "kubectl get pod -n $APP batch -o jsonpath='{.status.phase}' | grep -qx Running"
 wait_for 120 "batch over its budget: GpuMemoryOverBudget (not evicted: overLimitSeconds 3600)" event_is $APP batch GpuMemoryOverBudget
 wait_for 180 "pressure: EvictingForGpuMemory on batch" event_is $APP batch EvictingForGpuMemory
-info "GPU used at the eviction $(used_gib) GiB of $(nvidia-smi --query-gpu=memory.total --format=csv,noheader)"
+info "GPU used when the script saw that event: $(used_gib) GiB (the event's message has it at the decision)"
 wait_for 60 "batch deleted (the kubelet ended it)" pod_gone $APP batch
 kubectl get events -n $APP --field-selector involvedObject.name=batch --sort-by=.lastTimestamp \
   -o custom-columns=REASON:.reason,FROM:.source.component,MESSAGE:.message | cut -c1-260 | sed 's/^/    /'
@@ -168,7 +168,7 @@ info "serve: $SERVE_PHASE, $UPS allocations of 3 GiB made, CUDA out of memory $O
 say "kubectl get gpumemorybudgets; kubectl gpubudget why / top"
 kubectl get gpumemorybudgets -n $APP | sed 's/^/    /'
 kubectl gpubudget why serve -n $APP 2>&1 | sed 's/^/    /'
-kubectl gpubudget top 2>&1 | head -12 | sed 's/^/    /'
+kubectl gpubudget top -A 2>&1 | head -12 | sed 's/^/    /'
 info "agent memory: $(grep -E 'VmHWM|VmRSS' /proc/"$APID"/status | tr -s ' \n' ' '), restarts $(kubectl get pod -n $NS "$AGENT" -o jsonpath='{.status.containerStatuses[0].restartCount}')"
 
 say "helm uninstall"

@@ -66,6 +66,7 @@ users: [{name: admin, user: {token: admin-token}}]
 contexts: [{name: gpu-node, context: {cluster: gpu-node, user: admin}}]
 current-context: gpu-node
 KC
+chmod 600 "$W/kubeconfig"
 for _ in $(seq 90); do kubectl get --raw /readyz >/dev/null 2>&1 && break; sleep 1; done
 kubectl get --raw /readyz >/dev/null || { echo "FAIL: kube-apiserver not ready"; tail -20 "$G/logs/kube-apiserver.log"; exit 1; }
 start kube-controller-manager kube-controller-manager --kubeconfig="$W/kubeconfig" --bind-address=127.0.0.1 \
