@@ -56,7 +56,12 @@ for comp in agent operator; do
     | sed 's/^/    /'
 done
 
+step "the chart as a release ships it (helm package, as .github/workflows/release.yml does)"
+PKG=$(mktemp -d)
+helm package "$REPO/charts/gpubudget" -d "$PKG" | sed 's/^/    /'
+
 step "e2e/cluster/run.sh on the node"
+GPUBUDGET_E2E_CHART=$(ls "$PKG"/gpubudget-*.tgz) \
 GPUBUDGET_E2E_TAG=$TAG \
   GPUBUDGET_E2E_DRAIN=1 \
   GPUBUDGET_E2E_ADVERTISE_GPU=1 \

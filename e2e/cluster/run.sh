@@ -16,7 +16,8 @@
 # are <registry>/gpubudget-agent:<tag> and <registry>/gpubudget-operator:<tag>. HELM (default: helm in PATH,
 # else the Helm .ci/helm.sh caches). GPUBUDGET_E2E_PAUSE_IMAGE (default registry.k8s.io/pause:3.10): the
 # image of the test pods. GPUBUDGET_E2E_STEP_TIMEOUT (default 180 s per wait). GPUBUDGET_E2E_KEEP=1 keeps
-# the namespaces and release for inspection.
+# the namespaces and release for inspection. GPUBUDGET_E2E_CHART: the chart to install (default charts/gpubudget;
+# realk8s.sh passes the .tgz `helm package` makes, as a release ships it).
 # GPUBUDGET_E2E_HOST_PROC=/proc: the script runs on the cluster's only node (e2e/cluster/realk8s.sh does): the
 # replayed sample then names the host PIDs of the test pods' processes, found from their cgroups, and the
 # attribution story (several containers, forked children, a restarted container) runs; it needs

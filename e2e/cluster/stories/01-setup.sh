@@ -8,12 +8,13 @@ kubectl version 2>/dev/null | sed 's/^/    /'
 SERVER_MINOR=$(kubectl version -o json 2>/dev/null | sed -n 's/.*"minor": *"\([0-9]*\).*/\1/p' | tail -n1)
 # shellcheck disable=SC2015 # both tests must hold
 [ -n "$SERVER_MINOR" ] && [ "$SERVER_MINOR" -ge 32 ] || die "the chart supports Kubernetes 1.32 or newer (server minor: ${SERVER_MINOR:-unknown})"
-# The chart as it is: its kubeVersion admits 1.32, the version every real run used.
-CHART=$REPO/charts/gpubudget
+# The chart as it is: its kubeVersion admits 1.32, the version every real run used. GPUBUDGET_E2E_CHART: a
+# packaged chart (the release's .tgz, as e2e/cluster/realk8s.sh makes it) instead of the directory.
+CHART=${GPUBUDGET_E2E_CHART:-$REPO/charts/gpubudget}
 if kubectl get daemonset -A -l app.kubernetes.io/name=gpubudget,app.kubernetes.io/component=agent -o name 2>/dev/null | grep -q .; then
   die "gpubudget is already installed in this cluster: its agents would enforce the test budgets too; use a cluster without it"
 fi
-info "helm: $("$HELM" version --short)  images: $REGISTRY/gpubudget-{agent,operator}:$TAG  run id: $ID"
+info "helm: $("$HELM" version --short)  chart: ${CHART#"$REPO"/}  images: $REGISTRY/gpubudget-{agent,operator}:$TAG  run id: $ID"
 
 say "namespaces and test pods (pause containers; their GPU usage comes from the replayed sample)"
 kubectl create namespace "$NS" >/dev/null
