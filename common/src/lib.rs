@@ -11,6 +11,7 @@ pub mod pod_record;
 pub mod quantity;
 pub mod quota;
 pub mod selector;
+pub mod share;
 pub mod state;
 pub mod text;
 

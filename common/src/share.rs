@@ -1,0 +1,352 @@
+//! The share of GPU memory a pod was given by the tool that placed it, and what that share is on a node's
+//! GPUs. A budget with `spec.share` takes each pod's limit from here (`Budget::for_share`). Pure: it reads a
+//! pod (and its node's labels) and does arithmetic; nothing here reads a device.
+//!
+//! What is read (each one a [`ShareSource`]):
+//! - **KAI-Scheduler**: the pod annotations `gpu-fraction` (a decimal in (0, 1]: that part of each GPU's
+//!   memory), `gpu-memory` (MiB per GPU) and `gpu-fraction-num-devices` (how many GPUs get that share,
+//!   default 1). Such pods request no GPU resource: KAI's binder hands out the devices.
+//! - **HAMi**: per container, `nvidia.com/gpumem` (MiB per GPU) or `nvidia.com/gpumem-percentage` (percent of
+//!   each GPU), times the container's `nvidia.com/gpu` count (default 1), from limits, else requests.
+//! - **The NVIDIA device plugin's MPS replicas**: on a node labelled `nvidia.com/gpu.sharing-strategy: mps`
+//!   with `nvidia.com/gpu.replicas: R`, each replica of `nvidia.com/gpu` (or `nvidia.com/gpu.shared`) is 1/R
+//!   of a GPU's memory, the MPS daemon's default pinned limit. Time-slicing replicas declare no memory share.
+//!
+//! Every value a tenant writes is bounded before it is read: a malformed or out-of-range one makes the pod's
+//! share [`Declaration::Invalid`] with the reason, never a guess.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use k8s_openapi::api::core::v1::{Container, Pod};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::quantity::HumanBytes;
+
+/// KAI-Scheduler's annotation: the fraction of each GPU's memory the pod was given.
+pub const KAI_FRACTION: &str = "gpu-fraction";
+/// KAI-Scheduler's annotation: the GPU memory the pod was given, MiB per GPU.
+pub const KAI_MEMORY: &str = "gpu-memory";
+/// KAI-Scheduler's annotation: how many GPUs get the fraction (or memory); 1 when absent.
+pub const KAI_NUM_DEVICES: &str = "gpu-fraction-num-devices";
+/// HAMi's resource: GPU memory per GPU, MiB.
+pub const HAMI_MEMORY: &str = "nvidia.com/gpumem";
+/// HAMi's resource: GPU memory per GPU, percent of the GPU.
+pub const HAMI_PERCENTAGE: &str = "nvidia.com/gpumem-percentage";
+/// The NVIDIA device plugin's GPU resource.
+pub const GPU: &str = "nvidia.com/gpu";
+/// The device plugin's resource for replicas of a shared GPU (`renameByDefault`).
+pub const GPU_SHARED: &str = "nvidia.com/gpu.shared";
+/// GPU feature discovery's label: how the device plugin shares each GPU (`none`, `time-slicing`, `mps`).
+pub const SHARING_STRATEGY: &str = "nvidia.com/gpu.sharing-strategy";
+/// GPU feature discovery's label: replicas per GPU.
+pub const REPLICAS: &str = "nvidia.com/gpu.replicas";
+
+/// The longest value read: a longer annotation or quantity is invalid, whatever it says.
+pub const MAX_VALUE_LEN: usize = 32;
+/// The most GPUs one declaration may name (KAI's `gpu-fraction-num-devices`, HAMi's `nvidia.com/gpu`).
+pub const MAX_DEVICES: u32 = 64;
+/// The most MiB per GPU a declaration may name (1 PiB, beyond any GPU).
+pub const MAX_MIB: u64 = 1 << 30;
+/// The most replicas per GPU read from the node's label.
+pub const MAX_REPLICAS: u32 = 1024;
+
+const MIB: u64 = 1 << 20;
+/// A fraction is kept in millionths.
+const MILLION: u64 = 1_000_000;
+
+/// Where a pod's declared share is read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum ShareSource {
+    /// KAI-Scheduler's `gpu-fraction` annotation (with `gpu-fraction-num-devices`).
+    KaiFraction,
+    /// KAI-Scheduler's `gpu-memory` annotation (MiB per GPU, with `gpu-fraction-num-devices`).
+    KaiMemory,
+    /// HAMi's `nvidia.com/gpumem` resource (MiB per GPU, times `nvidia.com/gpu`).
+    HamiMemory,
+    /// HAMi's `nvidia.com/gpumem-percentage` resource (percent of each GPU, times `nvidia.com/gpu`).
+    HamiPercentage,
+    /// The NVIDIA device plugin's MPS replicas: 1/replicas of a GPU per replica requested.
+    MpsReplicas,
+}
+
+impl ShareSource {
+    /// Every source, in the order they are read.
+    pub const ALL: [ShareSource; 5] = [
+        ShareSource::KaiFraction,
+        ShareSource::KaiMemory,
+        ShareSource::HamiMemory,
+        ShareSource::HamiPercentage,
+        ShareSource::MpsReplicas,
+    ];
+}
+
+/// Which sources a budget reads: a set of [`ShareSource`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Sources(u8);
+
+impl Sources {
+    /// Every source.
+    pub const ALL: Sources = Sources(0b1_1111);
+
+    /// The sources listed; an empty list means all of them.
+    pub fn of(listed: &[ShareSource]) -> Self {
+        if listed.is_empty() { Self::ALL } else { Self(listed.iter().fold(0, |m, s| m | Self::bit(*s))) }
+    }
+
+    fn bit(s: ShareSource) -> u8 {
+        1 << (s as u8)
+    }
+
+    /// Whether `s` is read.
+    pub fn has(self, s: ShareSource) -> bool {
+        self.0 & Self::bit(s) != 0
+    }
+}
+
+/// How much of a GPU one term of a declaration names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Amount {
+    /// Millionths of each GPU's memory (a fraction or a percentage).
+    PerMillion(u32),
+    /// MiB per GPU.
+    Mib(u64),
+    /// One replica of a GPU split into this many (MPS).
+    Replica(u32),
+}
+
+/// One term of a declaration: `amount` on each of `devices` GPUs, from `source`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Term {
+    /// Where it was read.
+    pub source: ShareSource,
+    /// How much per GPU (or per replica).
+    pub amount: Amount,
+    /// On how many GPUs (or replicas).
+    pub devices: u32,
+}
+
+/// What a pod declares.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Declaration {
+    /// No share from any source read.
+    None,
+    /// A share: the sum of its terms (one per KAI pod, one per HAMi container, one for MPS replicas).
+    Share(Vec<Term>),
+    /// A value is malformed or out of range: the pod's share is unresolved, for this reason.
+    Invalid(String),
+}
+
+/// A declared share on this node's GPUs.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Resolved {
+    /// Bytes in all.
+    pub bytes: u64,
+    /// How it was reached, for messages: `KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi`.
+    pub text: String,
+}
+
+/// Reads the pod's declared share from the sources in `sources`. `node_labels`: the labels of the pod's node
+/// (for MPS replicas); `None` when unknown (then MPS replicas are not read).
+pub fn declared(pod: &Pod, node_labels: Option<&BTreeMap<String, String>>, sources: Sources) -> Declaration {
+    let mut terms = Vec::new();
+    let annotations = pod.metadata.annotations.as_ref();
+    let annotation = |k: &str| annotations.and_then(|a| a.get(k)).map(String::as_str);
+    let kai_devices = || -> Result<u32, String> {
+        annotation(KAI_NUM_DEVICES).map_or(Ok(1), |v| count(KAI_NUM_DEVICES, v, MAX_DEVICES))
+    };
+    if sources.has(ShareSource::KaiFraction)
+        && let Some(v) = annotation(KAI_FRACTION)
+    {
+        match (fraction(v), kai_devices()) {
+            (Ok(f), Ok(devices)) => {
+                terms.push(Term { source: ShareSource::KaiFraction, amount: Amount::PerMillion(f), devices })
+            }
+            (Err(e), _) | (_, Err(e)) => return Declaration::Invalid(e),
+        }
+    }
+    if sources.has(ShareSource::KaiMemory)
+        && let Some(v) = annotation(KAI_MEMORY)
+    {
+        match (count(KAI_MEMORY, v, u32::MAX).map(u64::from), kai_devices()) {
+            (Ok(mib), Ok(devices)) if mib <= MAX_MIB => {
+                terms.push(Term { source: ShareSource::KaiMemory, amount: Amount::Mib(mib), devices })
+            }
+            (Ok(_), Ok(_)) => return Declaration::Invalid(format!("{KAI_MEMORY}: {v} MiB is more than any GPU")),
+            (Err(e), _) | (_, Err(e)) => return Declaration::Invalid(e),
+        }
+    }
+    let spec = pod.spec.as_ref();
+    for c in spec.map(|s| s.containers.as_slice()).unwrap_or_default() {
+        match hami_term(c, sources) {
+            Ok(Some(t)) => terms.push(t),
+            Ok(None) => {}
+            Err(e) => return Declaration::Invalid(format!("container {}: {e}", bounded(&c.name))),
+        }
+    }
+    if sources.has(ShareSource::MpsReplicas)
+        && let Some(labels) = node_labels
+        && labels.get(SHARING_STRATEGY).map(String::as_str) == Some("mps")
+    {
+        let replicas = match labels.get(REPLICAS).map(|v| count(REPLICAS, v, MAX_REPLICAS)) {
+            Some(Ok(r)) => r,
+            Some(Err(e)) => return Declaration::Invalid(format!("the node's {e}")),
+            None => return Declaration::Invalid(format!("the node shares GPUs by MPS but has no {REPLICAS} label")),
+        };
+        let mut asked = 0u32;
+        for c in spec.map(|s| s.containers.as_slice()).unwrap_or_default() {
+            for r in [GPU, GPU_SHARED] {
+                match resource(c, r).map(|v| count(r, v, MAX_DEVICES)) {
+                    Some(Ok(n)) => asked = asked.saturating_add(n),
+                    Some(Err(e)) => return Declaration::Invalid(format!("container {}: {e}", bounded(&c.name))),
+                    None => {}
+                }
+            }
+        }
+        if asked > 0 {
+            terms.push(Term { source: ShareSource::MpsReplicas, amount: Amount::Replica(replicas), devices: asked });
+        }
+    }
+    if terms.is_empty() { Declaration::None } else { Declaration::Share(terms) }
+}
+
+/// HAMi's share in one container: `nvidia.com/gpumem` or `nvidia.com/gpumem-percentage` times its
+/// `nvidia.com/gpu` (1 when absent).
+fn hami_term(c: &Container, sources: Sources) -> Result<Option<Term>, String> {
+    let devices = || resource(c, GPU).map_or(Ok(1), |v| count(GPU, v, MAX_DEVICES));
+    if sources.has(ShareSource::HamiMemory)
+        && let Some(v) = resource(c, HAMI_MEMORY)
+    {
+        let mib = u64::from(count(HAMI_MEMORY, v, u32::MAX)?);
+        if mib > MAX_MIB {
+            return Err(format!("{HAMI_MEMORY}: {v} MiB is more than any GPU"));
+        }
+        return Ok(Some(Term { source: ShareSource::HamiMemory, amount: Amount::Mib(mib), devices: devices()? }));
+    }
+    if sources.has(ShareSource::HamiPercentage)
+        && let Some(v) = resource(c, HAMI_PERCENTAGE)
+    {
+        let pct = count(HAMI_PERCENTAGE, v, 100)?;
+        let amount = Amount::PerMillion(pct * 10_000);
+        return Ok(Some(Term { source: ShareSource::HamiPercentage, amount, devices: devices()? }));
+    }
+    Ok(None)
+}
+
+/// A container's limit for `name`, else its request, as written.
+fn resource<'a>(c: &'a Container, name: &str) -> Option<&'a str> {
+    let r = c.resources.as_ref()?;
+    let pick = |m: Option<&'a BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>| {
+        m.and_then(|m| m.get(name)).map(|q| q.0.as_str())
+    };
+    pick(r.limits.as_ref()).or_else(|| pick(r.requests.as_ref()))
+}
+
+/// A value as it may appear in a message: at most [`MAX_VALUE_LEN`] characters, quoted.
+fn bounded(v: &str) -> String {
+    if v.chars().count() <= MAX_VALUE_LEN {
+        format!("{v:?}")
+    } else {
+        format!("{:?}… ({} characters)", v.chars().take(MAX_VALUE_LEN).collect::<String>(), v.chars().count())
+    }
+}
+
+/// A whole number in 1..=max, digits only.
+fn count(name: &str, v: &str, max: u32) -> Result<u32, String> {
+    let bad = || format!("{name}: {} is not a whole number from 1 to {max}", bounded(v));
+    if v.is_empty() || v.len() > MAX_VALUE_LEN || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    match v.parse::<u64>() {
+        Ok(n) if n >= 1 && n <= u64::from(max) => Ok(n as u32),
+        _ => Err(bad()),
+    }
+}
+
+/// A decimal fraction in (0, 1] (`0.5`, `.25`, `1`), in millionths: digits with one optional point, at most six
+/// decimals.
+fn fraction(v: &str) -> Result<u32, String> {
+    let bad = || format!("{KAI_FRACTION}: {} is not a decimal greater than 0 and at most 1", bounded(v));
+    if v.is_empty() || v.len() > MAX_VALUE_LEN {
+        return Err(bad());
+    }
+    let (whole, decimals) = v.split_once('.').unwrap_or((v, ""));
+    if !whole.bytes().all(|b| b.is_ascii_digit())
+        || !decimals.bytes().all(|b| b.is_ascii_digit())
+        || (whole.is_empty() && decimals.is_empty())
+        || decimals.len() > 6
+    {
+        return Err(bad());
+    }
+    let whole: u64 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| bad())? };
+    let decimals: u64 = format!("{decimals:0<6}").parse().map_err(|_| bad())?;
+    let millionths = whole.checked_mul(MILLION).and_then(|w| w.checked_add(decimals)).ok_or_else(bad)?;
+    if millionths == 0 || millionths > MILLION {
+        return Err(bad());
+    }
+    Ok(millionths as u32)
+}
+
+impl Term {
+    /// Bytes on a node whose GPUs each hold at least `gpu_bytes` (the smallest GPU there).
+    fn bytes(&self, gpu_bytes: Option<u64>) -> Result<u64, String> {
+        let per = match self.amount {
+            Amount::Mib(mib) => mib * MIB,
+            Amount::PerMillion(pm) => {
+                let total = gpu_bytes.ok_or("the node's GPU memory is not known yet")?;
+                ((u128::from(total) * u128::from(pm)) / u128::from(MILLION)) as u64
+            }
+            Amount::Replica(r) => gpu_bytes.ok_or("the node's GPU memory is not known yet")? / u64::from(r),
+        };
+        Ok(per.saturating_mul(u64::from(self.devices)))
+    }
+}
+
+impl fmt::Display for Term {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let times = if self.devices > 1 { format!(" × {} GPUs", self.devices) } else { String::new() };
+        match (self.source, self.amount) {
+            (ShareSource::KaiFraction, Amount::PerMillion(pm)) => write!(f, "KAI gpu-fraction {}{times}", decimal(pm)),
+            (ShareSource::HamiPercentage, Amount::PerMillion(pm)) => {
+                write!(f, "HAMi gpumem-percentage {}{times}", decimal(pm * 100).trim_end_matches('.'))
+            }
+            (ShareSource::KaiMemory, Amount::Mib(m)) => write!(f, "KAI gpu-memory {m} MiB{times}"),
+            (ShareSource::HamiMemory, Amount::Mib(m)) => write!(f, "HAMi gpumem {m} MiB{times}"),
+            (_, Amount::Replica(r)) => write!(f, "MPS replica{} of {r} per GPU", plural_count(self.devices)),
+            (s, a) => write!(f, "{s:?} {a:?}{times}"),
+        }
+    }
+}
+
+fn plural_count(n: u32) -> String {
+    if n == 1 { String::new() } else { format!("s × {n}") }
+}
+
+/// Millionths as a short decimal: 500000 → `0.5`.
+fn decimal(pm: u32) -> String {
+    let whole = pm / 1_000_000;
+    let frac = format!("{:06}", pm % 1_000_000);
+    let frac = frac.trim_end_matches('0');
+    if frac.is_empty() { whole.to_string() } else { format!("{whole}.{frac}") }
+}
+
+/// What `terms` come to on a node whose GPUs hold `gpu_totals` bytes each (the smallest counts, so that a
+/// fraction is never looser than on the GPU the pod got). Fractions and replicas need the totals; MiB do not.
+pub fn resolve(terms: &[Term], gpu_totals: &[u64]) -> Result<Resolved, String> {
+    let smallest = gpu_totals.iter().copied().filter(|t| *t > 0).min();
+    let mut bytes = 0u64;
+    let mut parts = Vec::with_capacity(terms.len());
+    for t in terms {
+        bytes = bytes.saturating_add(t.bytes(smallest)?);
+        parts.push(t.to_string());
+    }
+    let of = match (terms.iter().any(|t| !matches!(t.amount, Amount::Mib(_))), smallest) {
+        (true, Some(s)) => format!(" of {}", HumanBytes(s)),
+        _ => String::new(),
+    };
+    Ok(Resolved { bytes, text: format!("{}{of} = {}", parts.join(" + "), HumanBytes(bytes)) })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,171 @@
+use super::*;
+use proptest::prelude::*;
+
+const GIB: u64 = 1 << 30;
+/// An H100's memory as NVML reports it (81559 MiB).
+const H100: u64 = 81_559 * MIB;
+
+fn pod(yaml: &str) -> Pod {
+    serde_yaml::from_str(yaml).expect("pod fixture")
+}
+
+fn kai(annotations: &str) -> Pod {
+    pod(&format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: p, namespace: a, annotations: {{{annotations}}}}}\n\
+         spec: {{schedulerName: kai-scheduler, containers: [{{name: c, image: i}}]}}\n"
+    ))
+}
+
+fn hami(resources: &str) -> Pod {
+    pod(&format!(
+        "apiVersion: v1\nkind: Pod\nmetadata: {{name: p, namespace: a}}\n\
+         spec: {{containers: [{{name: c, image: i, resources: {{limits: {{{resources}}}}}}}]}}\n"
+    ))
+}
+
+fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+}
+
+fn share(d: Declaration) -> Vec<Term> {
+    match d {
+        Declaration::Share(t) => t,
+        other => panic!("expected a share, got {other:?}"),
+    }
+}
+
+fn invalid(d: Declaration) -> String {
+    match d {
+        Declaration::Invalid(why) => why,
+        other => panic!("expected invalid, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_kai_fraction_resolves_against_the_gpu_and_says_so() {
+    let terms = share(declared(&kai("gpu-fraction: '0.5'"), None, Sources::ALL));
+    let r = resolve(&terms, &[H100]).expect("resolves");
+    assert_eq!(r.bytes, H100 / 2);
+    assert_eq!(r.text, "KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi");
+    assert_eq!(resolve(&terms, &[]).unwrap_err(), "the node's GPU memory is not known yet");
+}
+
+#[test]
+fn a_fraction_over_several_devices_counts_each_and_the_smallest_gpu() {
+    let terms = share(declared(&kai("gpu-fraction: '0.25', gpu-fraction-num-devices: '2'"), None, Sources::ALL));
+    let r = resolve(&terms, &[H100, 40 * GIB]).expect("resolves");
+    assert_eq!(r.bytes, 20 * GIB, "0.25 of the smaller 40Gi GPU, twice");
+    assert_eq!(r.text, "KAI gpu-fraction 0.25 × 2 GPUs of 40Gi = 20Gi");
+}
+
+#[test]
+fn absolute_shares_need_no_gpu() {
+    let r = resolve(&share(declared(&kai("gpu-memory: '20000'"), None, Sources::ALL)), &[]).expect("resolves");
+    assert_eq!((r.bytes, r.text.as_str()), (20_000 * MIB, "KAI gpu-memory 20000 MiB = 19.5Gi"));
+    let r = resolve(&share(declared(&hami("nvidia.com/gpu: 2, nvidia.com/gpumem: 10240"), None, Sources::ALL)), &[])
+        .expect("resolves");
+    assert_eq!((r.bytes, r.text.as_str()), (20 * GIB, "HAMi gpumem 10240 MiB × 2 GPUs = 20Gi"));
+}
+
+#[test]
+fn hami_percentage_and_every_container_add_up() {
+    let p = pod(r"
+apiVersion: v1
+kind: Pod
+metadata: {name: p, namespace: a}
+spec:
+  containers:
+    - {name: a, image: i, resources: {limits: {nvidia.com/gpu: 1, nvidia.com/gpumem-percentage: 25}}}
+    - {name: b, image: i, resources: {requests: {nvidia.com/gpumem: 1024}}}
+    - {name: c, image: i}
+");
+    let r = resolve(&share(declared(&p, None, Sources::ALL)), &[80 * GIB]).expect("resolves");
+    assert_eq!(r.bytes, 20 * GIB + GIB);
+    assert_eq!(r.text, "HAMi gpumem-percentage 25 + HAMi gpumem 1024 MiB of 80Gi = 21Gi");
+}
+
+#[test]
+fn mps_replicas_read_the_nodes_labels_and_time_slicing_declares_nothing() {
+    let p = hami("nvidia.com/gpu: 1");
+    let mps = labels(&[(SHARING_STRATEGY, "mps"), (REPLICAS, "4")]);
+    let r = resolve(&share(declared(&p, Some(&mps), Sources::ALL)), &[80 * GIB]).expect("resolves");
+    assert_eq!((r.bytes, r.text.as_str()), (20 * GIB, "MPS replica of 4 per GPU of 80Gi = 20Gi"));
+    let slicing = labels(&[(SHARING_STRATEGY, "time-slicing"), (REPLICAS, "4")]);
+    assert_eq!(declared(&p, Some(&slicing), Sources::ALL), Declaration::None);
+    assert_eq!(declared(&p, None, Sources::ALL), Declaration::None, "the node's labels unknown: not read");
+    let no_replicas = labels(&[(SHARING_STRATEGY, "mps")]);
+    assert!(invalid(declared(&p, Some(&no_replicas), Sources::ALL)).contains("no nvidia.com/gpu.replicas label"));
+}
+
+#[test]
+fn only_the_sources_a_budget_names_are_read() {
+    let p = kai("gpu-fraction: '0.5'");
+    assert_eq!(declared(&p, None, Sources::of(&[ShareSource::HamiMemory])), Declaration::None);
+    assert!(matches!(declared(&p, None, Sources::of(&[ShareSource::KaiFraction])), Declaration::Share(_)));
+    assert_eq!(Sources::of(&[]), Sources::ALL);
+}
+
+#[test]
+fn hostile_values_are_invalid_with_a_bounded_reason() {
+    for v in ["abc", "1.5", "-0.5", "0", "0.0", "NaN", "1e400", "", ".", "0.1234567", " 0.5", "0,5", "+0.5"] {
+        let why = invalid(declared(&kai(&format!("gpu-fraction: '{v}'")), None, Sources::ALL));
+        assert!(why.starts_with("gpu-fraction: "), "{v}: {why}");
+    }
+    let long = "9".repeat(10_000);
+    let why = invalid(declared(&kai(&format!("gpu-fraction: '{long}'")), None, Sources::ALL));
+    assert!(why.len() < 200 && why.contains("(10000 characters)"), "{why}");
+    for v in ["-1", "99999999999999999999", "12Gi", "0"] {
+        assert!(invalid(declared(&kai(&format!("gpu-memory: '{v}'")), None, Sources::ALL)).starts_with("gpu-memory"));
+    }
+    for v in ["0", "1000000", "2.5"] {
+        let p = kai(&format!("gpu-fraction: '0.5', gpu-fraction-num-devices: '{v}'"));
+        assert!(invalid(declared(&p, None, Sources::ALL)).starts_with("gpu-fraction-num-devices"), "{v}");
+    }
+    assert!(
+        invalid(declared(&hami("nvidia.com/gpumem-percentage: 150"), None, Sources::ALL)).contains("from 1 to 100")
+    );
+    assert!(
+        invalid(declared(&hami("nvidia.com/gpumem: 2000000000"), None, Sources::ALL)).contains("more than any GPU")
+    );
+}
+
+#[test]
+fn fractions_parse_exactly() {
+    for (v, pm) in [("1", 1_000_000), ("0.5", 500_000), (".25", 250_000), ("0.000001", 1), ("1.000000", 1_000_000)] {
+        assert_eq!(fraction(v), Ok(pm), "{v}");
+    }
+    assert_eq!(decimal(333_333), "0.333333");
+    assert_eq!(decimal(1_000_000), "1");
+}
+
+proptest! {
+    /// A fraction's bytes never exceed its share of the smallest GPU on every device it names, grow with the
+    /// fraction, and the text names the result.
+    #[test]
+    fn fractions_are_monotonic_and_bounded(a in 1u32..=1_000_000, b in 1u32..=1_000_000, devices in 1u32..=8,
+                                           totals in proptest::collection::vec(1u64..=200 * GIB, 1..8)) {
+        let t = |pm| [Term { source: ShareSource::KaiFraction, amount: Amount::PerMillion(pm), devices }];
+        let (ra, rb) = (resolve(&t(a), &totals).unwrap(), resolve(&t(b), &totals).unwrap());
+        let smallest = *totals.iter().min().unwrap();
+        prop_assert!(ra.bytes <= smallest * u64::from(devices));
+        if a <= b {
+            prop_assert!(ra.bytes <= rb.bytes);
+        }
+        prop_assert!(ra.text.ends_with(&HumanBytes(ra.bytes).to_string()));
+    }
+
+    /// Whatever a tenant writes in the annotations, reading it never panics, and an invalid reason stays short.
+    #[test]
+    fn any_annotation_is_read_safely(f in ".{0,64}", m in ".{0,64}", n in ".{0,64}") {
+        let mut p = kai("");
+        let a = p.metadata.annotations.get_or_insert_default();
+        a.insert(KAI_FRACTION.into(), f);
+        a.insert(KAI_MEMORY.into(), m);
+        a.insert(KAI_NUM_DEVICES.into(), n);
+        match declared(&p, None, Sources::ALL) {
+            Declaration::Invalid(why) => prop_assert!(why.len() < 400),
+            Declaration::Share(terms) => { let _ = resolve(&terms, &[H100]); }
+            Declaration::None => prop_assert!(false, "both annotations are set"),
+        }
+    }
+}
