@@ -158,6 +158,12 @@ impl Engine {
 
     /// Whether budgets are enforced on at least one GPU: the sampler is up and a GPU was sampled in the
     /// last tick (the agent's readiness).
+    /// The memory of each GPU and MIG instance of the node, bytes (empty until NVML has answered): what a
+    /// fraction of a GPU declared by a pod's scheduler resolves against.
+    pub fn gpu_totals(&self) -> Vec<u64> {
+        self.snapshot.gpus.iter().map(|g| g.total_bytes).collect()
+    }
+
     pub fn enforcing(&self) -> bool {
         self.slot.healthy() && self.snapshot.sampled_gpus() > 0
     }

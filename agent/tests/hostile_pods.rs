@@ -45,6 +45,7 @@ fn pod(uid: &str, name: &str, cid: &str, labels: &[(&str, &str)]) -> PodView {
         has_annotations: false,
         caps_expected: false,
         mps_cap_mib: None,
+        share: gpubudget_common::share::Declaration::None,
     }
 }
 

@@ -102,6 +102,7 @@ impl BudgetModel {
             eviction_grace_period_seconds: None,
             blocked_eviction_timeout_seconds: None,
             admission_caps: Default::default(),
+            share: None,
         };
         let mut b = GpuMemoryBudget::new(&self.name, spec);
         b.metadata.namespace = Some("team-a".into());
@@ -144,6 +145,7 @@ impl PodModel {
             has_annotations: self.record.is_some(),
             caps_expected: false,
             mps_cap_mib: None,
+            share: gpubudget_common::share::Declaration::None,
         }
     }
 }

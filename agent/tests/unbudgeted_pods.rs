@@ -81,6 +81,7 @@ fn view(spec: &Spec, labels: &[(&str, &str)], critical: bool) -> PodView {
         has_annotations: false,
         caps_expected: false,
         mps_cap_mib: None,
+        share: gpubudget_common::share::Declaration::None,
     }
 }
 

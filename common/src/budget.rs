@@ -141,6 +141,11 @@ pub struct Budget {
     /// selected the pod too and made this budget's rules tighter than its spec (`ClusterGpuMemoryBudget/x
     /// (action, overLimitSeconds)`), for messages. `None`: the rules are this budget's own.
     pub tightened_by: Option<String>,
+    /// `spec.share`: the declarations each pod's limit is taken from ([`crate::share`]). `None`: unset.
+    pub share: Option<crate::share::Sources>,
+    /// Only on the rules made for one pod ([`Budget::for_share`], [`Budget::for_unresolved_share`]): how its
+    /// limit came from its declared share (`KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi`), or why it could not.
+    pub share_note: Option<String>,
 }
 
 impl Budget {
@@ -221,7 +226,49 @@ impl Budget {
             grace_ceiling_seconds: None,
             admission_caps: spec.admission_caps == AdmissionCaps::Enabled,
             tightened_by: None,
+            share: spec.share.as_ref().map(|s| crate::share::Sources::of(&s.sources)),
+            share_note: None,
         })
+    }
+
+    /// This budget's rules for a pod whose declared share came to `share` ([`crate::share::resolve`]): its
+    /// limit is the share, at most the budget's `limit`, and so is its request (the tool that declared the
+    /// share reserved it for the pod, so it is guaranteed under pressure). Everything else is the budget's.
+    pub fn for_share(&self, share: &crate::share::Resolved) -> Budget {
+        let limit = share.bytes.clamp(1, self.limit_bytes);
+        let note = if share.bytes > self.limit_bytes {
+            format!("{}, held to the budget's limit {}", share.text, self.limit_text)
+        } else {
+            share.text.clone()
+        };
+        Budget {
+            limit_bytes: limit,
+            limit_text: crate::quantity::HumanBytes(limit).to_string(),
+            request_bytes: Some(limit),
+            request_text: Some(crate::quantity::HumanBytes(limit).to_string()),
+            share_note: Some(note),
+            ..self.clone()
+        }
+    }
+
+    /// This budget's rules for a pod that declares `declaration`, on a node whose GPUs hold `gpu_totals`
+    /// bytes: `None` where the budget takes no share (`spec.share` unset) or the pod declares none of the
+    /// sources it reads (the budget's own rules apply); else [`for_share`](Self::for_share) or, where the
+    /// declaration cannot be resolved, [`for_unresolved_share`](Self::for_unresolved_share).
+    pub fn for_declared(&self, declaration: &crate::share::Declaration, gpu_totals: &[u64]) -> Option<Budget> {
+        match declaration.under(self.share?, gpu_totals)? {
+            Ok(share) => Some(self.for_share(&share)),
+            Err(why) => Some(self.for_unresolved_share(&why)),
+        }
+    }
+
+    /// This budget's rules for a pod whose declared share could not be read (`why`): the budget's own, with
+    /// the reason in every message, never a guessed share.
+    pub fn for_unresolved_share(&self, why: &str) -> Budget {
+        Budget {
+            share_note: Some(format!("share unresolved: {why}; held to the budget's limit {}", self.limit_text)),
+            ..self.clone()
+        }
     }
 
     /// The grace period (seconds) for evicting a pod whose own `terminationGracePeriodSeconds` is
@@ -375,9 +422,10 @@ impl Budget {
     /// `budget team-a/llm` or `budget team-a/llm, tightened by ClusterGpuMemoryBudget/strict (action)`: how
     /// messages name the rules that apply.
     pub fn described(&self) -> String {
+        let share = self.share_note.as_deref().map(|n| format!(": {n}")).unwrap_or_default();
         match &self.tightened_by {
-            None => format!("budget {}", self.key()),
-            Some(by) => format!("budget {}, tightened by {by}", self.key()),
+            None => format!("budget {}{share}", self.key()),
+            Some(by) => format!("budget {}{share}, tightened by {by}", self.key()),
         }
     }
 

@@ -117,6 +117,30 @@ pub struct GpuMemoryBudgetSpec {
     /// are held to it by eviction. `Disabled` (the default): pods are not changed.
     #[serde(default, skip_serializing_if = "AdmissionCaps::is_disabled")]
     pub admission_caps: AdmissionCaps,
+
+    /// Take each pod's limit from the share of GPU memory the tool that placed it declared, instead of
+    /// restating it here: KAI-Scheduler's `gpu-fraction` (of each GPU the pod got, resolved on the node
+    /// against the GPU's memory as NVML reports it) or `gpu-memory` annotations with
+    /// `gpu-fraction-num-devices`; HAMi's `nvidia.com/gpumem` or `nvidia.com/gpumem-percentage` times
+    /// `nvidia.com/gpu`; the NVIDIA device plugin's MPS replicas (1/replicas of a GPU each, on nodes labelled
+    /// `nvidia.com/gpu.sharing-strategy: mps`). A pod with a share is held to it, at most `limit`, and is
+    /// guaranteed it under pressure (its request); a pod declaring none gets `limit` and `request` as
+    /// written; a pod whose declaration is malformed is held to `limit` and reported unresolved, with why.
+    /// Other budgets selecting the pod still apply: the smallest limit wins. Unset: `limit` for every pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share: Option<ShareSpec>,
+}
+
+/// Where a budget reads each pod's declared share of GPU memory.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, Hash, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ShareSpec {
+    /// The declarations read: `KaiFraction`, `KaiMemory`, `HamiMemory`, `HamiPercentage`, `MpsReplicas`.
+    /// Empty or unset (the default): all of them. Where a pod declares several, their sum is its share.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 5))]
+    #[schemars(extend("x-kubernetes-list-type" = "set"))]
+    pub sources: Vec<crate::share::ShareSource>,
 }
 
 /// A GPU memory budget set by a cluster administrator for pods in any namespace: the same fields as a
@@ -444,6 +468,7 @@ impl ClusterGpuMemoryQuotaSpec {
             eviction_grace_period_seconds: self.eviction_grace_period_seconds,
             blocked_eviction_timeout_seconds: self.blocked_eviction_timeout_seconds,
             admission_caps: AdmissionCaps::Disabled,
+            share: None,
         }
     }
 }

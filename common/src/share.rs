@@ -5,7 +5,9 @@
 //! What is read (each one a [`ShareSource`]):
 //! - **KAI-Scheduler**: the pod annotations `gpu-fraction` (a decimal in (0, 1]: that part of each GPU's
 //!   memory), `gpu-memory` (MiB per GPU) and `gpu-fraction-num-devices` (how many GPUs get that share,
-//!   default 1). Such pods request no GPU resource: KAI's binder hands out the devices.
+//!   default 1), read only on pods whose `schedulerName` is `kai-scheduler`: KAI placed those and reserved
+//!   the share; on any other pod the annotations are anyone's words (a forged share would buy its pod a
+//!   guarantee under pressure). Such pods request no GPU resource: KAI's binder hands out the devices.
 //! - **HAMi**: per container, `nvidia.com/gpumem` (MiB per GPU) or `nvidia.com/gpumem-percentage` (percent of
 //!   each GPU), times the container's `nvidia.com/gpu` count (default 1), from limits, else requests.
 //! - **The NVIDIA device plugin's MPS replicas**: on a node labelled `nvidia.com/gpu.sharing-strategy: mps`
@@ -30,6 +32,8 @@ pub const KAI_FRACTION: &str = "gpu-fraction";
 pub const KAI_MEMORY: &str = "gpu-memory";
 /// KAI-Scheduler's annotation: how many GPUs get the fraction (or memory); 1 when absent.
 pub const KAI_NUM_DEVICES: &str = "gpu-fraction-num-devices";
+/// KAI-Scheduler's scheduler name (its default `schedulerName`): its annotations are read only on such pods.
+pub const KAI_SCHEDULER: &str = "kai-scheduler";
 /// HAMi's resource: GPU memory per GPU, MiB.
 pub const HAMI_MEMORY: &str = "nvidia.com/gpumem";
 /// HAMi's resource: GPU memory per GPU, percent of the GPU.
@@ -151,7 +155,8 @@ pub struct Resolved {
 /// (for MPS replicas); `None` when unknown (then MPS replicas are not read).
 pub fn declared(pod: &Pod, node_labels: Option<&BTreeMap<String, String>>, sources: Sources) -> Declaration {
     let mut terms = Vec::new();
-    let annotations = pod.metadata.annotations.as_ref();
+    let by_kai = pod.spec.as_ref().and_then(|s| s.scheduler_name.as_deref()) == Some(KAI_SCHEDULER);
+    let annotations = pod.metadata.annotations.as_ref().filter(|_| by_kai);
     let annotation = |k: &str| annotations.and_then(|a| a.get(k)).map(String::as_str);
     let kai_devices = || -> Result<u32, String> {
         annotation(KAI_NUM_DEVICES).map_or(Ok(1), |v| count(KAI_NUM_DEVICES, v, MAX_DEVICES))
@@ -346,6 +351,93 @@ pub fn resolve(terms: &[Term], gpu_totals: &[u64]) -> Result<Resolved, String> {
         _ => String::new(),
     };
     Ok(Resolved { bytes, text: format!("{}{of} = {}", parts.join(" + "), HumanBytes(bytes)) })
+}
+
+impl ShareSource {
+    /// The short code a [`Declaration`] is written with in the agent's memory ([`Declaration`]'s `Display`).
+    fn code(self) -> &'static str {
+        match self {
+            ShareSource::KaiFraction => "kf",
+            ShareSource::KaiMemory => "km",
+            ShareSource::HamiMemory => "hm",
+            ShareSource::HamiPercentage => "hp",
+            ShareSource::MpsReplicas => "mr",
+        }
+    }
+}
+
+/// `none`, `invalid:<why>` or `share:kf/500000/1,hm/20000/2`: how the agent keeps a pod's declaration once
+/// the pod's containers and annotations are dropped from its cache; [`str::parse`] reads it back.
+impl fmt::Display for Declaration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Declaration::None => f.write_str("none"),
+            Declaration::Invalid(why) => write!(f, "invalid:{why}"),
+            Declaration::Share(terms) => {
+                f.write_str("share:")?;
+                for (i, t) in terms.iter().enumerate() {
+                    let (kind, n) = match t.amount {
+                        Amount::PerMillion(pm) => ("p", u64::from(pm)),
+                        Amount::Mib(m) => ("m", m),
+                        Amount::Replica(r) => ("r", u64::from(r)),
+                    };
+                    write!(f, "{}{}/{kind}{n}/{}", if i > 0 { "," } else { "" }, t.source.code(), t.devices)?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for Declaration {
+    type Err = ();
+
+    fn from_str(s: &str) -> Result<Self, ()> {
+        if s == "none" {
+            return Ok(Declaration::None);
+        }
+        if let Some(why) = s.strip_prefix("invalid:") {
+            return Ok(Declaration::Invalid(why.to_owned()));
+        }
+        let terms = s.strip_prefix("share:").ok_or(())?;
+        let term = |t: &str| -> Option<Term> {
+            let mut parts = t.split('/');
+            let code = parts.next()?;
+            let source = ShareSource::ALL.into_iter().find(|s| s.code() == code)?;
+            let amount = parts.next()?;
+            let devices = parts.next()?.parse().ok()?;
+            let (kind, n) = amount.split_at_checked(1)?;
+            let amount = match kind {
+                "p" => Amount::PerMillion(n.parse().ok()?),
+                "m" => Amount::Mib(n.parse().ok()?),
+                "r" => Amount::Replica(n.parse().ok().filter(|r| *r > 0)?),
+                _ => return None,
+            };
+            parts.next().is_none().then_some(Term { source, amount, devices })
+        };
+        terms
+            .split(',')
+            .map(term)
+            .collect::<Option<Vec<_>>>()
+            .filter(|t| !t.is_empty())
+            .map(Declaration::Share)
+            .ok_or(())
+    }
+}
+
+impl Declaration {
+    /// The share this declaration gives under a budget reading `sources`, on GPUs of `gpu_totals` bytes:
+    /// `None` when it declares nothing those sources read; `Some(Err(why))` when it cannot be resolved.
+    pub fn under(&self, sources: Sources, gpu_totals: &[u64]) -> Option<Result<Resolved, String>> {
+        match self {
+            Declaration::None => None,
+            Declaration::Invalid(why) => Some(Err(why.clone())),
+            Declaration::Share(terms) => {
+                let read: Vec<Term> = terms.iter().copied().filter(|t| sources.has(t.source)).collect();
+                (!read.is_empty()).then(|| resolve(&read, gpu_totals))
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use gpubudget_common::caps;
 use gpubudget_common::pod_record::{self, PodRecord};
+use gpubudget_common::share::{self, Declaration};
 use gpubudget_common::{Budget, CriticalNamespaces, GpuMemoryBudget, PodLabels, SpecError, is_critical, resolve};
 
 use super::budgets::{BudgetIndex, ClusterIndex};
@@ -98,6 +99,10 @@ pub struct PodView {
     /// GPU container is capped on every device it sees ([`MpsCap`]: the largest cap, MiB, and the devices it
     /// names). The agent checks that such a cap is in force ([`crate::decide::cap_check`]).
     pub mps_cap_mib: Option<MpsCap>,
+    /// The share of GPU memory the tool that placed the pod declared (KAI-Scheduler's annotations, HAMi's
+    /// resources), read once from the whole pod ([`gpubudget_common::share::declared`]); a budget with
+    /// `spec.share` takes the pod's limit from it ([`PodTable::from_index`]).
+    pub share: Declaration,
 }
 
 /// Where [`slim_pod`] keeps [`PodView::mps_cap_mib`] once the containers are dropped: a key of the agent's
@@ -105,6 +110,9 @@ pub struct PodView {
 /// carries under that name is never read (and the records policy keeps anyone but the agent from writing
 /// `gpubudget.io/` keys on pods).
 const SLIM_MPS_CAP: &str = "gpubudget.io/agent-slim-mps-cap-mib";
+/// Where [`slim_pod`] keeps [`PodView::share`] once the annotations and containers it is read from are
+/// dropped; as for [`SLIM_MPS_CAP`], set or removed on every event, never read from what a pod carries.
+const SLIM_SHARE: &str = "gpubudget.io/agent-slim-share";
 
 /// Strips `containerd://`, `cri-o://`, `docker://` (any scheme) and lowercases.
 pub fn strip_container_scheme(id: &str) -> String {
@@ -171,6 +179,13 @@ impl PodView {
                 Some(s) if !s.containers.is_empty() => MpsCap::of_pod(pod),
                 _ => annotations.and_then(|a| a.get(SLIM_MPS_CAP)).and_then(|v| v.parse().ok()),
             },
+            share: match spec {
+                Some(s) if !s.containers.is_empty() => share::declared(pod, None, share::Sources::ALL),
+                _ => annotations
+                    .and_then(|a| a.get(SLIM_SHARE))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(Declaration::None),
+            },
         })
     }
 
@@ -191,9 +206,17 @@ impl PodView {
 /// `kubectl.kubernetes.io/last-applied-configuration`, containers, volumes, env, conditions, container
 /// states) is dropped as the watch delivers it, so a cache of 1 000 pods costs what 1 000 `PodView`s need.
 /// Of the containers' GPU limits and cap variables only the verdict is kept ([`PodView::mps_cap_mib`]).
-pub fn slim_pod(pod: &mut Pod) {
+///
+/// `node_labels`: the labels of the pod's node, for a share the device plugin's MPS replicas declare
+/// ([`gpubudget_common::share::declared`]); `None` when unknown.
+pub fn slim_pod(pod: &mut Pod, node_labels: Option<&BTreeMap<String, String>>) {
     use k8s_openapi::api::core::v1::{ContainerStatus, PodSpec, PodStatus};
     let mps_cap = pod.spec.as_ref().filter(|s| !s.containers.is_empty()).map(|_| MpsCap::of_pod(pod));
+    let declared = pod
+        .spec
+        .as_ref()
+        .filter(|s| !s.containers.is_empty())
+        .map(|_| share::declared(pod, node_labels, share::Sources::ALL));
     let meta = &mut pod.metadata;
     meta.managed_fields = None;
     meta.owner_references = None;
@@ -202,11 +225,17 @@ pub fn slim_pod(pod: &mut Pod) {
     if let Some(annotations) = meta.annotations.as_mut() {
         // A pod with containers has its verdict computed afresh below; a slim pod (none) keeps its own.
         annotations.retain(|k, _| {
-            (k.starts_with("gpubudget.io/") && (k != SLIM_MPS_CAP || mps_cap.is_none())) || k == MIRROR_ANNOTATION
+            (k.starts_with("gpubudget.io/")
+                && (k != SLIM_MPS_CAP || mps_cap.is_none())
+                && (k != SLIM_SHARE || declared.is_none()))
+                || k == MIRROR_ANNOTATION
         });
     }
     if let Some(cap) = mps_cap.flatten() {
         meta.annotations.get_or_insert_default().insert(SLIM_MPS_CAP.to_owned(), cap.to_string());
+    }
+    if let Some(d) = declared.filter(|d| *d != Declaration::None) {
+        meta.annotations.get_or_insert_default().insert(SLIM_SHARE.to_owned(), d.to_string());
     }
     if let Some(spec) = pod.spec.as_mut() {
         *spec = PodSpec {
@@ -264,17 +293,21 @@ impl PodTable {
         budgets: impl IntoIterator<Item = &'a GpuMemoryBudget>,
         node: Option<&str>,
     ) -> Self {
-        Self::from_index(pods, &BudgetIndex::of(budgets), &ClusterIndex::default(), node)
+        Self::from_index(pods, &BudgetIndex::of(budgets), &ClusterIndex::default(), node, &[])
     }
 
     /// Builds the table from budgets already compiled: each pod is resolved among its namespace's budgets
     /// and the cluster budgets (#23), with its namespace's labels. The cluster budgets come first in
-    /// `budgets`, once; then each namespace's, once.
+    /// `budgets`, once; then each namespace's, once. A budget with `spec.share` gives a pod that declares a
+    /// share rules of its own ([`Budget::for_declared`], on GPUs of `gpu_totals` bytes: empty while the
+    /// node's GPUs are not known, which leaves a fraction unresolved), resolved among the others as any budget
+    /// is, so the smallest limit still wins.
     pub fn from_index(
         pods: impl IntoIterator<Item = PodView>,
         index: &BudgetIndex,
         cluster: &ClusterIndex,
         node: Option<&str>,
+        gpu_totals: &[u64],
     ) -> Self {
         let mut pods: Vec<PodView> =
             pods.into_iter().filter(|p| node.is_none() || p.node.is_none() || p.node.as_deref() == node).collect();
@@ -294,23 +327,33 @@ impl PodTable {
             }
             let candidates = (0..clusters).chain(run.1.clone());
             let pod = PodLabels::new(&p.namespace, cluster.labels_of(&p.namespace), &p.labels);
-            let resolved = resolve(candidates.clone().map(|i| &*budgets[i]), &pod).map(|r| {
-                let named = candidates.clone().find(|i| std::ptr::eq(&*budgets[*i], r.budget));
-                (named, r.tightened, r.cluster_selected)
+            // A pod's own rules from its declared share, where a budget takes one: (candidate, rules).
+            let own: Vec<(usize, Budget)> = if p.share == Declaration::None {
+                Vec::new()
+            } else {
+                candidates.clone().filter_map(|i| Some((i, budgets[i].for_declared(&p.share, gpu_totals)?))).collect()
+            };
+            let rules = candidates.clone().map(|i| own.iter().find(|(j, _)| *j == i).map_or(&*budgets[i], |(_, b)| b));
+            let resolved = resolve(rules.clone(), &pod).map(|r| {
+                let named = candidates.clone().zip(rules.clone()).find(|(_, b)| std::ptr::eq(*b, r.budget));
+                let owned = named.and_then(|(i, _)| own.iter().find(|(j, _)| *j == i)).map(|(_, b)| b.clone());
+                (named.map(|(i, _)| i), owned, r.tightened, r.cluster_selected)
             });
-            // Rules a cluster budget tightened (#33) get an entry of their own, after the run, shared by every
-            // pod they apply to (the same named budget tightened by the same cluster budgets).
+            // Rules of their own — a cluster budget tightened them (#33), or a share made them — get an entry
+            // after the run, shared by every pod they apply to (the same named budget, tightened by the same
+            // cluster budgets, with the same share).
+            let mut entry = |named: Option<usize>, rules: Budget| {
+                let key = (named, format!("{:?}|{:?}", rules.tightened_by, rules.share_note));
+                *tightened_index.entry(key).or_insert_with(|| {
+                    budgets.push(Arc::new(rules));
+                    budgets.len() - 1
+                })
+            };
             let applies = match resolved {
                 None => None,
-                Some((named, None, cluster)) => named.map(|i| (i, cluster)),
-                Some((named, Some(tightened), cluster)) => {
-                    let key = (named, tightened.tightened_by.clone().unwrap_or_default());
-                    let i = *tightened_index.entry(key).or_insert_with(|| {
-                        budgets.push(Arc::new(tightened));
-                        budgets.len() - 1
-                    });
-                    Some((i, cluster))
-                }
+                Some((named, None, None, cluster)) => named.map(|i| (i, cluster)),
+                Some((named, Some(owned), None, cluster)) => Some((entry(named, owned), cluster)),
+                Some((named, _, Some(tightened), cluster)) => Some((entry(named, tightened), cluster)),
             };
             budget_of.push(applies.map(|(i, _)| i));
             cluster_selected.push(applies.is_some_and(|(_, cluster)| cluster));
@@ -428,7 +471,7 @@ status:
   - {name: sidecar, image: x, imageID: x, ready: false, restartCount: 0}
 "#);
         let mut slim = full.clone();
-        slim_pod(&mut slim);
+        slim_pod(&mut slim, None);
         assert_eq!(PodView::from_pod(&slim), PodView::from_pod(&full));
         let view = PodView::from_pod(&slim).expect("view");
         assert!(view.critical && view.terminating && view.record.is_some() && view.mirror_of.is_some());
@@ -443,7 +486,7 @@ status:
         // A finished pod stays finished.
         let mut done =
             pod("metadata: {name: d, namespace: a, uid: u}\nspec: {containers: []}\nstatus: {phase: Failed}");
-        slim_pod(&mut done);
+        slim_pod(&mut done, None);
         assert!(PodView::from_pod(&done).is_none());
     }
 
@@ -454,7 +497,7 @@ status:
                 "metadata: {{name: a, namespace: n, uid: u, annotations: {{gpubudget.io/caps: '{caps}'}}}}\nspec: {{containers: []}}"
             ));
             let mut slim = p.clone();
-            slim_pod(&mut slim);
+            slim_pod(&mut slim, None);
             assert_eq!(PodView::from_pod(&slim), PodView::from_pod(&p), "kept by the slim copy");
             PodView::from_pod(&slim).expect("view").caps_expected
         };
@@ -479,7 +522,7 @@ status:
                  spec: {{containers: [{{name: m, image: x, resources: {{limits: {{nvidia.com/gpu: '1'}}}}, env: [{env}]}}]}}"
             ));
             let mut slim = p.clone();
-            slim_pod(&mut slim);
+            slim_pod(&mut slim, None);
             let (full, slim) = (PodView::from_pod(&p).expect("view"), PodView::from_pod(&slim).expect("view"));
             assert_eq!(full.mps_cap_mib, slim.mps_cap_mib, "kept by the slim copy");
             slim.mps_cap_mib
@@ -500,8 +543,8 @@ status:
             "metadata: {name: a, namespace: n, uid: u}\nspec: {containers: [{name: m, image: x, resources: {limits: \
              {nvidia.com/gpu: '1'}}, env: [{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 0=8G}]}]}",
         );
-        slim_pod(&mut twice);
-        slim_pod(&mut twice);
+        slim_pod(&mut twice, None);
+        slim_pod(&mut twice, None);
         assert_eq!(PodView::from_pod(&twice).expect("view").mps_cap_mib, Some(MpsCap { mib: 8192, devices: 1 }));
         // The devices the value names, kept too: the fewest of any GPU container.
         let mut two =
@@ -510,7 +553,7 @@ status:
              CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 0=1G}]}], containers: [{name: m, image: x, resources: {limits: \
              {nvidia.com/gpu: '2'}}, env: [{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: '0=3G,1=3G'}]}]}");
         assert_eq!(PodView::from_pod(&two).expect("view").mps_cap_mib, Some(MpsCap { mib: 3072, devices: 1 }));
-        slim_pod(&mut two);
+        slim_pod(&mut two, None);
         assert_eq!(PodView::from_pod(&two).expect("view").mps_cap_mib, Some(MpsCap { mib: 3072, devices: 1 }));
     }
 
@@ -535,7 +578,7 @@ status:
         };
         let pods = [view("a", "p1", "{tier: batch}"), view("b", "p2", "{tier: batch}"), view("a", "p3", "{}")];
         let table =
-            PodTable::from_index(pods, &BudgetIndex::default(), &ClusterIndex::of([&lax, &admin], []), Some("n1"));
+            PodTable::from_index(pods, &BudgetIndex::default(), &ClusterIndex::of([&lax, &admin], []), Some("n1"), &[]);
         let (p1, p2, p3) = (table.find_name("a", "p1"), table.find_name("b", "p2"), table.find_name("a", "p3"));
         let (p1, p2, p3) = (p1.expect("p1"), p2.expect("p2"), p3.expect("p3"));
         assert_eq!(table.budget_of[p1], table.budget_of[p2], "one shared entry");
@@ -545,6 +588,99 @@ status:
         assert_eq!(table.budget(p3).map(|b| (b.name.as_str(), b.tightened_by.is_none())), Some(("admin", true)));
         assert_eq!(table.budgets.iter().filter(|b| b.tightened_by.is_some()).count(), 1);
         assert!(table.cluster_selects(p1) && table.cluster_selects(p3));
+    }
+
+    #[test]
+    fn a_share_budget_holds_each_pod_to_its_declared_share_and_the_smallest_limit_still_wins() {
+        const H100: u64 = 81_559 << 20;
+        let shares: GpuMemoryBudget = serde_yaml::from_str(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: shares, namespace: a}\n\
+             spec: {selector: {}, limit: 80Gi, share: {}}",
+        )
+        .expect("budget");
+        let tight: GpuMemoryBudget = serde_yaml::from_str(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: tight, namespace: a}\n\
+             spec: {selector: {matchLabels: {team: small}}, limit: 30Gi}",
+        )
+        .expect("budget");
+        let kai = |name: &str, annotations: &str, labels: &str| {
+            let mut p = pod(&format!(
+                "metadata: {{name: {name}, namespace: a, uid: u-{name}, labels: {labels}, annotations: {annotations}}}\n\
+                 spec: {{nodeName: n1, schedulerName: kai-scheduler, containers: [{{name: c, image: i}}]}}"
+            ));
+            slim_pod(&mut p, None); // as the agent's cache keeps it: the share survives the dropped annotations
+            PodView::from_pod(&p).expect("view")
+        };
+        let pods = [
+            kai("half", "{gpu-fraction: '0.5'}", "{}"),
+            kai("quarter", "{gpu-fraction: '0.25'}", "{}"),
+            kai("half-small-team", "{gpu-fraction: '0.5'}", "{team: small}"),
+            kai("none", "{}", "{}"),
+            kai("hostile", "{gpu-fraction: '1e400'}", "{}"),
+        ];
+        let table = PodTable::from_index(
+            pods.clone(),
+            &BudgetIndex::of([&shares, &tight]),
+            &ClusterIndex::default(),
+            Some("n1"),
+            &[H100],
+        );
+        let of = |name: &str| table.budget(table.find_name("a", name).expect(name)).expect("a budget applies");
+        assert_eq!((of("half").limit_bytes, of("half").request_bytes), (H100 / 2, Some(H100 / 2)));
+        assert_eq!(of("half").described(), "budget a/shares: KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi");
+        assert_eq!(of("quarter").limit_bytes, H100 / 4);
+        let small = of("half-small-team");
+        assert_eq!(
+            (small.name.as_str(), small.limit_bytes),
+            ("tight", 30 << 30),
+            "30Gi is smaller than its 39.8Gi share"
+        );
+        assert_eq!((of("none").limit_bytes, of("none").share_note.as_deref()), (80 << 30, None));
+        let hostile = of("hostile");
+        assert_eq!(hostile.limit_bytes, 80 << 30, "never a guessed share: the budget's limit");
+        assert!(
+            hostile.described().contains("share unresolved: gpu-fraction: \"1e400\" is not a decimal"),
+            "{}",
+            hostile.described()
+        );
+        // Before NVML answers, a fraction is unresolved (the limit), never a guess; absolute shares need no GPU.
+        let early =
+            PodTable::from_index(pods, &BudgetIndex::of([&shares, &tight]), &ClusterIndex::default(), Some("n1"), &[]);
+        let half = early.budget(early.find_name("a", "half").expect("half")).expect("applies");
+        assert_eq!(half.limit_bytes, 80 << 30);
+        assert!(half.described().contains("the node's GPU memory is not known yet"));
+        assert_eq!(table.budgets.iter().filter(|b| b.share_note.is_some()).count(), 3, "half, quarter, hostile");
+    }
+
+    #[test]
+    fn a_tenant_share_budget_never_loosens_a_cluster_budget() {
+        const H100: u64 = 81_559 << 20;
+        let tenant: GpuMemoryBudget = serde_yaml::from_str(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: mine, namespace: a}\n\
+             spec: {selector: {}, limit: 80Gi, share: {}}",
+        )
+        .expect("budget");
+        let admin: gpubudget_common::ClusterGpuMemoryBudget = serde_yaml::from_str(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {name: admin}\n\
+             spec: {namespaceSelector: {}, selector: {}, limit: 40Gi, request: 10Gi}",
+        )
+        .expect("cluster budget");
+        let mut p = pod("metadata: {name: q, namespace: a, uid: u-q, annotations: {gpu-fraction: '0.25'}}\n\
+             spec: {nodeName: n1, schedulerName: kai-scheduler, containers: [{name: c, image: i}]}");
+        slim_pod(&mut p, None);
+        let view = PodView::from_pod(&p).expect("view");
+        let table = PodTable::from_index(
+            [view],
+            &BudgetIndex::of([&tenant]),
+            &ClusterIndex::of([&admin], []),
+            Some("n1"),
+            &[H100],
+        );
+        let applied = table.budget(table.find_uid("u-q").expect("pod")).expect("applies");
+        // The share (19.9Gi) is a smaller limit, but its request (19.9Gi) is above the administrator's 10Gi:
+        // the tenant's rules would guarantee more, so the cluster budget's apply.
+        assert_eq!((applied.name.as_str(), applied.guaranteed_bytes()), ("admin", 10 << 30));
+        assert!(table.cluster_selects(0));
     }
 
     #[test]

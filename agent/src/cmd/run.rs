@@ -10,6 +10,7 @@
 //! loop). `/ready` is true once the GPU sampler works and every cache has synced; nothing is enforced
 //! before the caches sync.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -128,6 +129,7 @@ impl Caches {
     pub fn start(
         client: Client,
         node: &str,
+        node_labels: Option<BTreeMap<String, String>>,
         health: Health,
         mirroring: Mirroring,
         shutdown: CancellationToken,
@@ -146,7 +148,7 @@ impl Caches {
                 shutdown.clone(),
                 move |event: watcher::Event<Pod>| {
                     let listed = matches!(event, watcher::Event::InitDone);
-                    writer.apply_watcher_event(&event.modify(slim_pod));
+                    writer.apply_watcher_event(&event.modify(|p| slim_pod(p, node_labels.as_ref())));
                     changes.fetch_add(1, Ordering::AcqRel);
                     if listed && !ready.swap(true, Ordering::AcqRel) {
                         health.set("pods", true);
@@ -274,8 +276,8 @@ impl Caches {
         self.changes.load(Ordering::Acquire)
     }
 
-    /// The pod table of `node` now.
-    pub fn table(&self, node: &str) -> PodTable {
+    /// The pod table of `node` now, its GPUs holding `gpu_totals` bytes each.
+    pub fn table(&self, node: &str, gpu_totals: &[u64]) -> PodTable {
         let pods = self.pods.state();
         let cluster = lock(&self.cluster);
         PodTable::from_index(
@@ -283,6 +285,7 @@ impl Caches {
             self.budgets().index(),
             cluster.index(),
             Some(node),
+            gpu_totals,
         )
     }
 }
@@ -352,15 +355,35 @@ pub fn sampler_factory(sample_file: Option<&std::path::Path>) -> SamplerFactory 
     }
 }
 
+/// The labels of `node`, read once at start: where GPU feature discovery says the device plugin shares the
+/// GPUs by MPS, and in how many replicas (a share budget reads a pod's share from them). `None`, with a
+/// warning, when the Node cannot be read: MPS replicas then declare no share on this node.
+async fn node_labels(client: &Client, node: &str) -> Option<BTreeMap<String, String>> {
+    let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(client.clone());
+    match tokio::time::timeout(Duration::from_secs(10), nodes.get_metadata(node)).await {
+        Ok(Ok(n)) => Some(n.metadata.labels.unwrap_or_default()),
+        Ok(Err(error)) => {
+            tracing::warn!(%node, %error, "cannot read the Node's labels: MPS replicas declare no share here");
+            None
+        }
+        Err(_) => {
+            tracing::warn!(%node, "the Node's labels not read in 10s: MPS replicas declare no share here");
+            None
+        }
+    }
+}
+
 /// The agent's main loop, until `shutdown`.
 pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Metrics, shutdown: CancellationToken) {
     let node = args.node_name.clone();
     // The driver's per-cgroup limits, once per start (not when replaying a sample file: no driver then).
     let detected = args.sample_file.is_none().then(DriverLimits::open);
     let (node_events_tx, mut node_events) = mpsc::unbounded_channel();
+    let node_labels = node_labels(&client, &node).await;
     let caches = Caches::start(
         client.clone(),
         &node,
+        node_labels,
         health.clone(),
         Mirroring {
             lease: args.mirrors_lease.clone(),
@@ -426,7 +449,9 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
     let next = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(next);
     let mut table = PodTable::default();
-    let mut seen: Option<u64> = None;
+    // The caches' generation and the GPUs' sizes the table was built for (a share of a GPU resolves
+    // against them, so the table is built again once NVML has answered, or a GPU changes).
+    let mut seen: Option<(u64, Vec<u64>)> = None;
     tracing::info!(%node, interval = ?args.sample.interval, interval_near = ?args.sample.interval_near, proc_root = %args.sample.proc_root.display(), "agent running");
     loop {
         tokio::select! {
@@ -440,10 +465,10 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
                 let started = tokio::time::Instant::now();
                 let synced = caches.synced();
                 if synced {
-                    let generation = caches.generation();
-                    if seen != Some(generation) {
-                        seen = Some(generation);
-                        table = caches.table(&node);
+                    let built_for = (caches.generation(), engine.gpu_totals());
+                    if seen.as_ref() != Some(&built_for) {
+                        table = caches.table(&node, &built_for.1);
+                        seen = Some(built_for);
                         metrics.table_rebuilds.inc();
                         for (budget, error) in &table.invalid_budgets {
                             tracing::debug!(%budget, %error, "budget not enforced: invalid spec");

@@ -130,12 +130,49 @@ fn hostile_values_are_invalid_with_a_bounded_reason() {
 }
 
 #[test]
+fn kai_annotations_count_only_on_pods_kai_placed() {
+    let mut forged = kai("gpu-fraction: '1'");
+    forged.spec.as_mut().expect("spec").scheduler_name = Some("default-scheduler".into());
+    assert_eq!(declared(&forged, None, Sources::ALL), Declaration::None, "anyone may write an annotation");
+}
+
+#[test]
 fn fractions_parse_exactly() {
     for (v, pm) in [("1", 1_000_000), ("0.5", 500_000), (".25", 250_000), ("0.000001", 1), ("1.000000", 1_000_000)] {
         assert_eq!(fraction(v), Ok(pm), "{v}");
     }
     assert_eq!(decimal(333_333), "0.333333");
     assert_eq!(decimal(1_000_000), "1");
+}
+
+#[test]
+fn a_declaration_survives_the_agents_cache() {
+    for d in [
+        Declaration::None,
+        Declaration::Invalid("gpu-fraction: \"abc\" is not a decimal".into()),
+        declared(&kai("gpu-fraction: '0.25', gpu-fraction-num-devices: '2'"), None, Sources::ALL),
+        declared(&hami("nvidia.com/gpu: 2, nvidia.com/gpumem: 10240"), None, Sources::ALL),
+        declared(
+            &hami("nvidia.com/gpu: 1"),
+            Some(&labels(&[(SHARING_STRATEGY, "mps"), (REPLICAS, "4")])),
+            Sources::ALL,
+        ),
+    ] {
+        assert_eq!(d.to_string().parse::<Declaration>(), Ok(d.clone()), "{d}");
+    }
+    for bad in ["", "share:", "share:xx/m1/1", "share:kf/q1/1", "share:kf/m1", "share:mr/r0/1", "share:kf/m1/1/2"] {
+        assert_eq!(bad.parse::<Declaration>(), Err(()), "{bad}");
+    }
+}
+
+#[test]
+fn a_budget_reads_only_its_sources_and_an_invalid_declaration_is_never_a_share() {
+    let d = share(declared(&kai("gpu-fraction: '0.5'"), None, Sources::ALL));
+    let d = Declaration::Share(d);
+    assert_eq!(d.under(Sources::of(&[ShareSource::HamiMemory]), &[H100]), None);
+    assert_eq!(d.under(Sources::ALL, &[H100]).unwrap().unwrap().bytes, H100 / 2);
+    assert!(d.under(Sources::ALL, &[]).unwrap().is_err(), "no GPU known: unresolved, not guessed");
+    assert_eq!(Declaration::Invalid("x".into()).under(Sources::ALL, &[H100]), Some(Err("x".into())));
 }
 
 proptest! {

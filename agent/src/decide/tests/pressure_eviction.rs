@@ -524,6 +524,7 @@ fn a_tenant_written_budget_buys_no_immunity_under_pressure() {
             &crate::attribute::budgets::BudgetIndex::of([&tenant]),
             &crate::attribute::budgets::ClusterIndex::of([&admin], []),
             Some(NODE),
+            &[],
         )
     };
     // greedy 47Gi under its tenant's 1Ti Warn budget; the neighbour 30Gi of its administrator's 40Gi: 3Gi free.
