@@ -343,7 +343,7 @@ impl PodTable {
             // after the run, shared by every pod they apply to (the same named budget, tightened by the same
             // cluster budgets, with the same share).
             let mut entry = |named: Option<usize>, rules: Budget| {
-                let key = (named, format!("{:?}|{:?}", rules.tightened_by, rules.share_note));
+                let key = (named, format!("{:?}|{:?}|{}", rules.tightened_by, rules.share_note, rules.limit_bytes));
                 *tightened_index.entry(key).or_insert_with(|| {
                     budgets.push(Arc::new(rules));
                     budgets.len() - 1
