@@ -70,8 +70,9 @@ impl Inputs {
         Ok(a || b)
     }
 
-    /// With `filter`, pods of other nodes are left out; the others (and, without it, all) are on `node`.
-    fn table(&self, node: &str, filter: bool) -> anyhow::Result<PodTable> {
+    /// With `filter`, pods of other nodes are left out; the others (and, without it, all) are on `node`, whose
+    /// GPUs hold `gpu_totals` bytes each (a declared share of a GPU resolves against them).
+    fn table(&self, node: &str, filter: bool, gpu_totals: &[u64]) -> anyhow::Result<PodTable> {
         let pods: Vec<Pod> = load_objects(self.pods.path())?;
         let budgets: Vec<GpuMemoryBudget> = load_objects(self.budgets.path())?;
         let views = pods.iter().filter_map(PodView::from_pod).filter_map(|mut v| {
@@ -81,7 +82,8 @@ impl Inputs {
             v.node = Some(node.to_owned());
             Some(v)
         });
-        Ok(PodTable::build(views, &budgets, Some(node)))
+        let index = crate::attribute::budgets::BudgetIndex::of(&budgets);
+        Ok(PodTable::from_index(views, &index, &Default::default(), Some(node), gpu_totals))
     }
 }
 
@@ -117,7 +119,7 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
     inputs.changed()?;
     let filter = args.node_name.is_some();
     let node = args.node_name.clone().unwrap_or_else(|| "standalone".to_owned());
-    let mut table = inputs.table(&node, filter)?;
+    let mut table = inputs.table(&node, filter, &[])?;
     for (budget, error) in &table.invalid_budgets {
         tracing::warn!(%budget, %error, "budget not enforced: invalid spec");
     }
@@ -161,6 +163,7 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
     let next = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(next);
     let (mut ticks, mut sampled, mut fast) = (0u64, 0u64, 0u64);
+    let mut built_for: Vec<u64> = Vec::new();
     let mut sample_us: Vec<u32> = Vec::new();
     let mut tick_us: Vec<u32> = Vec::new();
     let mut last_usage: HashMap<std::sync::Arc<str>, u64> = HashMap::new();
@@ -174,14 +177,20 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
         if deadline.is_some_and(|d| Instant::now() >= d) {
             break;
         }
+        // Built again when the files change, and once NVML has told the GPUs' sizes (or they change).
+        let totals = engine.gpu_totals();
+        let sizes_changed = totals != built_for;
         match inputs.changed() {
-            Ok(true) => match inputs.table(&node, filter) {
-                Ok(t) => table = t,
+            Ok(changed) if changed || sizes_changed => match inputs.table(&node, filter, &totals) {
+                Ok(t) => {
+                    table = t;
+                    built_for = totals;
+                }
                 Err(error) => {
                     tracing::warn!(error = format!("{error:#}"), "cannot reload pods or budgets; keeping the last")
                 }
             },
-            Ok(false) => {}
+            Ok(_) => {}
             Err(error) => tracing::warn!(error = format!("{error:#}"), "cannot check pods or budgets"),
         }
         let report = engine.tick(&table, true);

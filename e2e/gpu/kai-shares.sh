@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Two pods shaped as KAI-Scheduler leaves them, at gpu-fraction 0.5 and 0.25 of one GPU, under one budget with
+# `share: {}` (issue 44), on a real GPU. Run as root on a host with an NVIDIA GPU, cgroup v2, python3 + torch:
+#
+#   cargo build -p gpubudget-agent --release && mkdir -p carry && xz -c target/release/gpubudget-agent > carry/agent.xz
+#   OUT=/tmp/out GPUBUDGET_AGENT_XZ=carry/agent.xz bash e2e/gpu/kai-shares.sh
+#
+# The pods sit in kubelet-shaped cgroups (as e2e/gpu/run.sh makes them); the agent runs standalone at 250 ms
+# and reads the two pods and the budget from files. team-k/half grows 2 GiB a second toward 50 GiB, past its
+# share (0.5 of the GPU as NVML reports it); team-k/quarter holds 12 GiB and allocates 3 GiB more every 2 s,
+# within its share (0.25). Expected: half goes Near, Over and is evicted 10 s after going over (the script
+# plays the kubelet: SIGTERM on the agent's eviction), every message naming the share ("KAI gpu-fraction 0.5
+# of …"); quarter is never over and never meets CUDA OOM. Prints PASS or FAIL; results.txt and logs in $OUT.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+OUT=${OUT:-$(mktemp -d /tmp/gpubudget-kai-out.XXXX)}
+NODE=gpu-e2e
+CG=/sys/fs/cgroup
+WORK=$(mktemp -d /tmp/gpubudget-kai.XXXX)
+AGENT=$WORK/gpubudget-agent
+mkdir -p "$OUT"
+PIDS=()
+CGROUPS=()
+declare -A PID=()
+
+say() { printf '[%s] %s\n' "$(date +%H:%M:%S.%N | cut -c1-12)" "$*" | tee -a "$WORK/results.txt" >&2; }
+fail() { say "FAIL: $*"; exit 1; }
+cleanup() {
+  set +e
+  for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null; done
+  wait 2>/dev/null
+  cp -f "$WORK/results.txt" "$OUT/" 2>/dev/null
+  tar -C "$WORK" --exclude=gpubudget-agent -czf "$OUT/logs.tgz" . 2>/dev/null
+  for dir in $(printf '%s\n' "${CGROUPS[@]}" | sort -r); do rmdir "$dir" 2>/dev/null; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+[ "$(id -u)" = 0 ] || fail "run as root (cgroups are created under $CG)"
+if [ -n "${GPUBUDGET_AGENT_XZ:-}" ]; then xz -dc "$GPUBUDGET_AGENT_XZ" > "$AGENT"; else cp "${GPUBUDGET_AGENT:?}" "$AGENT"; fi
+chmod +x "$AGENT"
+say "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
+say "agent: $("$AGENT" --version)  torch: $(python3 -c 'import torch; print(torch.__version__)')"
+
+cid() { printf '%s' "$1" | sha256sum | cut -c1-64; }
+declare -A UID_OF=([half]=4a1b0000-0000-4000-8000-000000000001 [quarter]=4a1b0000-0000-4000-8000-000000000002)
+declare -A FRACTION=([half]=0.5 [quarter]=0.25)
+BURSTABLE=$CG/kubepods.slice/kubepods-burstable.slice
+for d in $CG/kubepods.slice "$BURSTABLE"; do [ -d "$d" ] || { mkdir "$d"; CGROUPS+=("$d"); }; done
+pod_dir() { local uid=${UID_OF[$1]}; echo "$BURSTABLE/kubepods-burstable-pod${uid//-/_}.slice"; }
+scope() { echo "$(pod_dir "$1")/cri-containerd-$(cid "$1").scope"; }
+: > "$WORK/pods.yaml"
+for pod in half quarter; do
+  for d in "$(pod_dir "$pod")" "$(scope "$pod")"; do [ -d "$d" ] || { mkdir "$d"; CGROUPS+=("$d"); }; done
+  # As KAI leaves a fractional pod (common/tests/fixtures/shares/kai-fraction.yaml): the annotation, its
+  # scheduler, the devices from a ConfigMap, no nvidia.com/gpu.
+  cat >> "$WORK/pods.yaml" <<EOF
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: $pod
+  namespace: team-k
+  uid: ${UID_OF[$pod]}
+  labels: {app: $pod, runai-gpu-group: 3c6e0b8a-1f2d-4c5e-8a9b-0d1e2f3a4b5c}
+  annotations: {gpu-fraction: "${FRACTION[$pod]}", received-resource-type: Fraction}
+spec:
+  schedulerName: kai-scheduler
+  nodeName: $NODE
+  terminationGracePeriodSeconds: 5
+  containers:
+    - name: main
+      image: pytorch
+      env: [{name: NVIDIA_VISIBLE_DEVICES, valueFrom: {configMapKeyRef: {name: $pod-shared-gpu-0, key: NVIDIA_VISIBLE_DEVICES}}}]
+      envFrom: [{configMapRef: {name: $pod-shared-gpu-0-evar, optional: false}}]
+status:
+  phase: Running
+  containerStatuses: [{name: main, containerID: 'containerd://$(cid "$pod")', image: pytorch, imageID: pytorch, ready: true, restartCount: 0}]
+EOF
+done
+cat > "$WORK/budgets.yaml" <<'EOF'
+apiVersion: gpubudget.io/v1alpha1
+kind: GpuMemoryBudget
+metadata: {name: shares, namespace: team-k}
+spec: {selector: {}, limit: 80Gi, share: {}, action: Evict, overLimitSeconds: 10}
+EOF
+
+start() { # name args...: a workload in its pod's cgroup
+  local name=$1; shift
+  sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$(scope "$name")" python3 -u e2e/gpu/workload.py "$@" \
+    > "$WORK/$name.jsonl" 2> "$WORK/$name.err" &
+  PIDS+=($!)
+  PID[$name]=$!
+}
+
+start quarter crosser --base-gib 12 --jump-gib 3 --cycles 100000 --hold 1
+for _ in $(seq 1 120); do grep -q '"up"' "$WORK/quarter.jsonl" 2>/dev/null && break; sleep 0.5; done
+grep -q '"up"' "$WORK/quarter.jsonl" || fail "quarter did not start: $(tail -3 "$WORK/quarter.err")"
+"$AGENT" standalone --budgets "$WORK/budgets.yaml" --pods "$WORK/pods.yaml" --node-name "$NODE" --interval 250ms \
+  --output "$WORK/agent.jsonl" 2> "$WORK/agent.err" &
+PIDS+=($!)
+sleep 2
+start half stepper --step-mib 2048 --to-gib 50 --period 1 --hold 600
+T0=$(date +%s.%N)
+evicted=""
+while python3 -c "import sys,time; sys.exit(0 if time.time() < $T0 + 90 else 1)"; do
+  if [ -z "$evicted" ] && grep -q '"kind":"evict".*team-k/half\|team-k/half.*"kind":"evict"' "$WORK/agent.jsonl" 2>/dev/null; then
+    evicted=$(date +%s.%N)
+    kill -TERM "${PID[half]}" 2>/dev/null || true   # the kubelet's part
+    say "half evicted by the agent after $(python3 -c "print(f'{$evicted - $T0:.1f}')") s of growth; SIGTERM sent"
+  fi
+  if [ -n "$evicted" ] && python3 -c "import sys,time; sys.exit(0 if time.time() > $evicted + 10 else 1)"; then break; fi
+  sleep 0.1
+done
+
+say "the agent's events:"
+python3 - "$WORK" <<'PY' | tee -a "$WORK/results.txt"
+import json, sys
+work = sys.argv[1]
+for line in open(f"{work}/agent.jsonl"):
+    if not line.startswith("{"):
+        continue
+    e = json.loads(line)
+    if e.get("kind") == "event" and e.get("pod", "").startswith("team-k/"):
+        print(f"  {e['ts_unix']:.2f} {e['pod']} {e['reason']}: {e.get('note', '')[:230]}")
+PY
+ups=$(grep -c '"up"' "$WORK/quarter.jsonl" || true)
+ooms=$(grep -ci 'out of memory' "$WORK/quarter.err" || true)
+alive=$(kill -0 "${PID[quarter]}" 2>/dev/null && echo running || echo stopped)
+say "quarter: $ups allocations of 3 GiB, CUDA out of memory $ooms times, $alive"
+top=$(grep '"step"' "$WORK/half.jsonl" | tail -1 | python3 -c 'import json,sys; print(round(json.loads(sys.stdin.read())["reserved"] / 2**30, 1))' 2>/dev/null || echo "?")
+say "half: reserved $top GiB at its last step"
+grep -q 'team-k/half.*GpuMemoryOverBudget.*KAI gpu-fraction 0.5 of' "$WORK/results.txt" || fail "no Over event for half naming its KAI share"
+[ -n "$evicted" ] || fail "half was not evicted"
+if grep -q 'team-k/quarter.*GpuMemoryOverBudget' "$WORK/results.txt"; then fail "quarter went over"; fi
+[ "$ooms" = 0 ] && [ "$alive" = running ] || fail "quarter met CUDA OOM or stopped"
+say "PASS: half held to its KAI share (0.5) and evicted; quarter (0.25) never over, never CUDA OOM"
