@@ -98,6 +98,9 @@ pub enum Scope {
 /// `evictionGracePeriodSeconds`: a pod asking for an hour would hold its memory for that hour.
 pub const DEFAULT_EVICTION_GRACE_CAP_SECONDS: i64 = 30;
 
+/// How [`Budget::share_note`] begins when a pod's declared share could not be read.
+const SHARE_UNRESOLVED: &str = "share unresolved: ";
+
 /// A validated budget, ready for matching and enforcement.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Budget {
@@ -266,9 +269,17 @@ impl Budget {
     /// the reason in every message, never a guessed share.
     pub fn for_unresolved_share(&self, why: &str) -> Budget {
         Budget {
-            share_note: Some(format!("share unresolved: {why}; held to the budget's limit {}", self.limit_text)),
+            share_note: Some(format!("{SHARE_UNRESOLVED}{why}; held to the budget's limit {}", self.limit_text)),
             ..self.clone()
         }
+    }
+
+    /// Where these are a pod's rules from a declared share that could not be read because of the pod (its
+    /// declaration malformed or out of range, not the node's GPUs still unknown): the note saying why.
+    pub fn share_unresolved(&self) -> Option<&str> {
+        self.share_note
+            .as_deref()
+            .filter(|n| n.starts_with(SHARE_UNRESOLVED) && !n.contains(crate::share::NOT_KNOWN_YET))
     }
 
     /// The grace period (seconds) for evicting a pod whose own `terminationGracePeriodSeconds` is

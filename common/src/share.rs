@@ -142,6 +142,10 @@ pub enum Declaration {
     Invalid(String),
 }
 
+/// Why a fraction is unresolved before NVML has told the node's GPU sizes: a moment at an agent's start, not a
+/// fault of the pod (nothing is told about it).
+pub const NOT_KNOWN_YET: &str = "the node's GPU memory is not known yet";
+
 /// A declared share on this node's GPUs.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Resolved {
@@ -299,10 +303,10 @@ impl Term {
         let per = match self.amount {
             Amount::Mib(mib) => mib * MIB,
             Amount::PerMillion(pm) => {
-                let total = gpu_bytes.ok_or("the node's GPU memory is not known yet")?;
+                let total = gpu_bytes.ok_or(NOT_KNOWN_YET)?;
                 ((u128::from(total) * u128::from(pm)) / u128::from(MILLION)) as u64
             }
-            Amount::Replica(r) => gpu_bytes.ok_or("the node's GPU memory is not known yet")? / u64::from(r),
+            Amount::Replica(r) => gpu_bytes.ok_or(NOT_KNOWN_YET)? / u64::from(r),
         };
         Ok(per.saturating_mul(u64::from(self.devices)))
     }
@@ -340,6 +344,7 @@ fn decimal(pm: u32) -> String {
 /// fraction is never looser than on the GPU the pod got). Fractions and replicas need the totals; MiB do not.
 pub fn resolve(terms: &[Term], gpu_totals: &[u64]) -> Result<Resolved, String> {
     let smallest = gpu_totals.iter().copied().filter(|t| *t > 0).min();
+    // (Term::bytes says NOT_KNOWN_YET where a fraction or replica needs the GPUs' sizes.)
     let mut bytes = 0u64;
     let mut parts = Vec::with_capacity(terms.len());
     for t in terms {

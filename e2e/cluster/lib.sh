@@ -27,7 +27,7 @@ cleanup() {
   else
     say "cleanup"
     "$HELM" uninstall "$RELEASE" -n "$NS" --wait --timeout 2m >/dev/null 2>&1 || true
-    kubectl delete namespace "$NS" "$NS_A" "$NS_B" ${HOST_PROC:+"$NS_C"} "$NS_D" --wait=false --ignore-not-found >/dev/null 2>&1 || true
+    kubectl delete namespace "$NS" "$NS_A" "$NS_B" ${HOST_PROC:+"$NS_C"} "$NS_D" "$NS_K" --wait=false --ignore-not-found >/dev/null 2>&1 || true
     if [ -z "$CRD_EXISTED" ]; then
       kubectl delete crd "$CRD" --wait=false --ignore-not-found >/dev/null 2>&1 || true
     fi
@@ -134,6 +134,10 @@ write_sample() {
     entries "$NS_B" other-b main 2Gi
     entries "$NS_A" roll main "$ROLL_BYTES"
     [ "$DRAIN" != 1 ] || entries "$NS_A" countdown main 9Gi
+    if [ -n "${KAI_HALF_BYTES:-}" ]; then
+      entries "$NS_K" kai-half main "$KAI_HALF_BYTES"
+      entries "$NS_K" kai-quarter main "$KAI_QUARTER_BYTES"
+    fi
     if [ -n "$HOST_PROC" ]; then
       entries "$NS_C" multi forker 1Gi
       entries "$NS_C" multi solo "$SOLO_BYTES"

@@ -97,6 +97,7 @@ NS_A=gpubudget-e2e-$ID-a       # the Evict and Warn stories (examples/llm-infere
 NS_B=gpubudget-e2e-$ID-b       # overlapping budgets (examples/namespace-wide.yaml + llm-inference)
 NS_C=gpubudget-e2e-$ID-c       # attribution through real cgroups (GPUBUDGET_E2E_HOST_PROC only)
 NS_D=gpubudget-e2e-$ID-d       # caps at admission
+NS_K=gpubudget-e2e-$ID-k       # declared shares: pods shaped as KAI-Scheduler leaves them
 RELEASE=gpubudget-e2e-$ID
 AGENT_SA=$RELEASE-agent        # the chart's <fullname>-agent (the release name contains "gpubudget")
 SAMPLE_CM=gpubudget-e2e-sample

@@ -23,8 +23,11 @@ pub mod reason {
     pub const DELETING: &str = "DeletingForGpuMemory";
     /// The budget's action or overLimitSeconds changed while the pod was over.
     pub const BUDGET_CHANGED: &str = "GpuMemoryBudgetChanged";
+    /// The pod's declared GPU memory share cannot be read: held to its budget's limit.
+    pub const SHARE_UNRESOLVED: &str = "GpuMemoryShareUnresolved";
     /// Every reason above.
-    pub const ALL: [&str; 8] = [NEAR, OVER, EVICTING, BLOCKED, WITHIN, RECORD_FAILED, DELETING, BUDGET_CHANGED];
+    pub const ALL: [&str; 9] =
+        [NEAR, OVER, EVICTING, BLOCKED, WITHIN, RECORD_FAILED, DELETING, BUDGET_CHANGED, SHARE_UNRESOLVED];
 }
 
 /// One Event about the pod.
@@ -207,6 +210,7 @@ mod tests {
             R::RecordNotWritten,
             R::Deleting,
             R::BudgetChanged,
+            R::ShareUnresolved,
         ]
         .map(R::as_str);
         assert_eq!(agent, reason::ALL);

@@ -103,6 +103,9 @@ pub(in crate::decide) struct PodMemory {
     /// Why the pod's MPS cap is not in force, while the process that showed it lives ([`super::cap_check`]),
     /// and the record's words for it (fixed when seen, so the record is written once per breach).
     pub(in crate::decide) cap_breach: Option<(super::cap_check::Breach, String)>,
+    /// Why the pod's declared share could not be read, as last told (`GpuMemoryShareUnresolved`, once per
+    /// reason).
+    pub(in crate::decide) share_told: Option<String>,
 }
 
 pub(in crate::decide) struct Context<'a> {
@@ -222,6 +225,7 @@ impl Enforcer {
             driver_written: None,
             driver_pending: None,
             cap_breach: None,
+            share_told: None,
         }
     }
 
@@ -284,6 +288,11 @@ impl Enforcer {
             mem.tracker = Tracker { state: mem.tracker.state, ..Tracker::default() };
         }
         mem.policy = Some(policy);
+        if let Some(why) = budget.share_unresolved().filter(|why| mem.share_told.as_deref() != Some(*why)) {
+            mem.share_told = Some(why.to_owned());
+            let note = format!("its declared GPU memory share cannot be read; {}", budget.described());
+            self.event(&mut mem, now.mono_ms, Reason::ShareUnresolved, note, out);
+        }
         self.check_cap(now, &mut mem, cx, out);
         mem.tracker = step(mem.tracker, &thresholds, now.mono_ms, total);
         let cadence = self.settings.cadence;

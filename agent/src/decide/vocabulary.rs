@@ -60,6 +60,9 @@ pub enum Reason {
     DriverLimitsNotApplied,
     /// A capped pod's MPS cap is not in force ([`cap_check`](super::cap_check)); once per offending process.
     CapNotInForce,
+    /// Its budget takes each pod's limit from its declared share, and the pod's declaration cannot be read
+    /// (malformed, out of range): it is held to the budget's limit; once per reason.
+    ShareUnresolved,
 }
 
 impl Reason {
@@ -78,6 +81,7 @@ impl Reason {
             Reason::CapNotInForce => "GpuMemoryCapNotInForce",
             Reason::DriverLimitsApplied => "GpuMemoryDriverLimitsApplied",
             Reason::DriverLimitsNotApplied => "GpuMemoryDriverLimitsNotApplied",
+            Reason::ShareUnresolved => "GpuMemoryShareUnresolved",
         }
     }
 
@@ -94,11 +98,12 @@ impl Reason {
                 | Reason::DriverLimitsDisagree
                 | Reason::CapNotInForce
                 | Reason::DriverLimitsNotApplied
+                | Reason::ShareUnresolved
         )
     }
 
     /// How many reasons there are.
-    pub(super) const COUNT: usize = 12;
+    pub(super) const COUNT: usize = 13;
 
     pub(super) fn slot(self) -> usize {
         self as usize

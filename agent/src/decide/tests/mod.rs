@@ -472,6 +472,36 @@ fn a_restart_repeats_no_event_and_never_evicts_earlier() {
 }
 
 #[test]
+fn an_unreadable_share_is_told_once_and_the_pod_held_to_the_budgets_limit() {
+    use gpubudget_common::share::Declaration;
+    let mut view = pod("", "");
+    view.share = Declaration::Invalid("gpu-fraction: \"1e400\" is not a decimal greater than 0 and at most 1".into());
+    let mut h = Harness::new(view, &[budget(", share: {}")]);
+    let told = |out: &[Action]| {
+        out.iter()
+            .filter_map(|a| match a {
+                Action::Event { reason: Reason::ShareUnresolved, note, .. } => Some(note.clone()),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let first = told(&h.tick(0, GI));
+    assert_eq!(first.len(), 1);
+    assert!(first[0].contains("\"1e400\" is not a decimal") && first[0].contains("held to the budget's limit 8Gi"));
+    assert!((1..40).all(|i| told(&h.tick(i * 250, GI)).is_empty()), "told once");
+    assert_eq!(h.table.budget(0).map(|b| b.limit_bytes), Some(8 * GI), "held to the budget's limit");
+    // Before the node's GPUs are known a fraction is unresolved too, but that is the agent's moment, not the pod's.
+    let mut view = pod("", "");
+    view.share = Declaration::Share(vec![gpubudget_common::share::Term {
+        source: gpubudget_common::share::ShareSource::KaiFraction,
+        amount: gpubudget_common::share::Amount::PerMillion(500_000),
+        devices: 1,
+    }]);
+    let mut h = Harness::new(view, &[budget(", share: {}")]);
+    assert!(told(&h.tick(0, GI)).is_empty());
+}
+
+#[test]
 fn events_are_not_repeated_within_the_cooldown() {
     let mut h = Harness::new(pod("", ""), &[budget(", action: Warn")]);
     let mut out = Vec::new();

@@ -1,0 +1,70 @@
+# shellcheck shell=bash disable=SC2154,SC2034 # sourced by run.sh: its variables and e2e/cluster/lib.sh's are set
+# Declared shares: two pods shaped as KAI-Scheduler leaves them (the gpu-fraction annotation, schedulerName
+# kai-scheduler, devices from ConfigMaps, no nvidia.com/gpu; bound to the node as KAI's binder binds them), one
+# budget with `share: {}` and no per-pod limit. The replayed GPU has 80Gi: kai-half's share is 40Gi, kai-quarter's
+# 20Gi. kai-half goes over its share and is evicted, every message naming the share; kai-quarter, at 15Gi, is not.
+
+say "declared shares: kai-half (gpu-fraction 0.5) and kai-quarter (0.25) under one budget with share: {}"
+kubectl create namespace "$NS_K" >/dev/null
+NODE_K=$(kubectl get nodes -o jsonpath='{.items[0].metadata.name}')
+for pod in kai-half:0.5 kai-quarter:0.25; do
+  name=${pod%%:*}
+  kubectl apply -f - >/dev/null <<YAML
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: $name-shared-gpu-0, namespace: $NS_K}
+data: {NVIDIA_VISIBLE_DEVICES: GPU-e2e00000-0000-0000-0000-000000000000, GPU_PORTION: "${pod#*:}"}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: $name-shared-gpu-0-evar, namespace: $NS_K}
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: $name
+  namespace: $NS_K
+  labels: {e2e.gpubudget.io/run: "$ID", runai-gpu-group: 3c6e0b8a-1f2d-4c5e-8a9b-0d1e2f3a4b5c}
+  annotations: {gpu-fraction: "${pod#*:}", received-resource-type: Fraction}
+spec:
+  schedulerName: kai-scheduler
+  nodeName: $NODE_K
+  terminationGracePeriodSeconds: 5
+  containers:
+    - name: main
+      image: $PAUSE_IMAGE
+      env: [{name: NVIDIA_VISIBLE_DEVICES, valueFrom: {configMapKeyRef: {name: $name-shared-gpu-0, key: NVIDIA_VISIBLE_DEVICES}}}]
+      envFrom: [{configMapRef: {name: $name-shared-gpu-0-evar, optional: false}}]
+      resources: {requests: {cpu: 5m, memory: 8Mi}, limits: {memory: 32Mi}}
+      securityContext:
+        allowPrivilegeEscalation: false
+        runAsNonRoot: true
+        runAsUser: 65535
+        capabilities: {drop: [ALL]}
+        seccompProfile: {type: RuntimeDefault}
+YAML
+done
+kubectl wait --for=condition=Ready pod --all -n "$NS_K" --timeout="${STEP_TIMEOUT}s" >/dev/null \
+  || die "the KAI-shaped pods in $NS_K did not become Ready"
+apply_budget shares "$NS_K" '{selector: {}, limit: 80Gi, share: {}, action: Evict, overLimitSeconds: 10}'
+KAI_HALF_BYTES=30Gi KAI_QUARTER_BYTES=15Gi
+write_sample k1 9Gi 45Gi
+wait_for "shares MATCHED 2" status_is "$NS_K" shares matchedPods 2
+kubectl get gmb -n "$NS_K" | sed 's/^/    /'
+
+say "kai-half goes to 44Gi, over its 40Gi share (the budget's limit is 80Gi); kai-quarter stays at 15Gi"
+KAI_HALF_BYTES=44Gi
+write_sample k2 9Gi 45Gi
+wait_for "GpuMemoryOverBudget on kai-half" has_event "$NS_K" kai-half GpuMemoryOverBudget
+MSG=$(event_messages "$NS_K" kai-half GpuMemoryOverBudget | tail -n1)
+info "kai-half: $MSG"
+[[ "$MSG" == *"KAI gpu-fraction 0.5 of 80Gi = 40Gi"* ]] || die "the Over message does not name kai-half's share: $MSG"
+wait_for "EvictingForGpuMemory on kai-half (10 s over)" has_event "$NS_K" kai-half EvictingForGpuMemory
+wait_for "kai-half evicted (terminating or gone)" pod_gone_or_terminating "$NS_K" kai-half
+has_event "$NS_K" kai-quarter GpuMemoryOverBudget && die "kai-quarter (15Gi of its 20Gi share) went Over"
+has_event "$NS_K" kai-quarter GpuMemoryNearBudget && die "kai-quarter (15Gi of 20Gi, warn at 90 %) went Near"
+[ -z "$(kubectl get pod kai-quarter -n "$NS_K" -o jsonpath='{.metadata.deletionTimestamp}')" ] || die "kai-quarter is being deleted"
+wait_for "shares status: EVICTED 1" status_is "$NS_K" shares evictions 1
+kubectl get gmb -n "$NS_K" | sed 's/^/    /'
+info "kai-quarter: Running, never Near or Over, at 15Gi of its 20Gi share"
+KAI_HALF_BYTES="" KAI_QUARTER_BYTES=""
