@@ -606,6 +606,21 @@ impl<'a> PodLabels<'a> {
     }
 }
 
+/// The rules each of `budgets` gives a pod that declares `declaration`, on GPUs of `gpu_totals` bytes (empty where
+/// they are not known, as at admission: a fraction then stays unresolved, an absolute share does not): a budget
+/// with `spec.share` gives the pod rules of its own ([`Budget::for_declared`]), any other its own. Resolve among
+/// them as among budgets ([`resolve`]).
+pub fn with_declared<'a>(
+    budgets: impl IntoIterator<Item = &'a Budget>,
+    declaration: &crate::share::Declaration,
+    gpu_totals: &[u64],
+) -> Vec<std::borrow::Cow<'a, Budget>> {
+    budgets
+        .into_iter()
+        .map(|b| b.for_declared(declaration, gpu_totals).map_or(std::borrow::Cow::Borrowed(b), std::borrow::Cow::Owned))
+        .collect()
+}
+
 /// Resolves which budget applies to a pod, among the namespaced and cluster budgets given.
 ///
 /// Among namespaced budgets alone, the smallest limit wins, whole (limit, request, action and every other

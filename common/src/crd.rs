@@ -126,7 +126,9 @@ pub struct GpuMemoryBudgetSpec {
     /// `nvidia.com/gpu.sharing-strategy: mps`). A pod with a share is held to it, at most `limit`, and is
     /// guaranteed it under pressure (its request); a pod declaring none gets `limit` and `request` as
     /// written; a pod whose declaration is malformed is held to `limit` and reported unresolved, with why.
-    /// Other budgets selecting the pod still apply: the smallest limit wins. Unset: `limit` for every pod.
+    /// Other budgets selecting the pod still apply: the smallest limit wins. With `admissionCaps: Enabled`, an
+    /// absolute share (MiB) is the cap set at admission; a fraction's size is known on the node only, so its
+    /// pod is capped at `limit`. Unset: `limit` for every pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub share: Option<ShareSpec>,
 }

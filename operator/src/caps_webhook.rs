@@ -118,8 +118,14 @@ pub fn decide(
     };
     let namespace = request.namespace.clone().or_else(|| pod.metadata.namespace.clone()).unwrap_or_default();
     let labels = pod.metadata.labels.clone().unwrap_or_default();
-    let resolution =
-        gpubudget_common::resolve(budgets, &gpubudget_common::PodLabels::new(&namespace, namespace_labels, &labels));
+    // A budget with `share` caps a pod at its declared share where that is absolute (MiB: KAI gpu-memory, HAMi
+    // gpumem); a fraction needs the GPU the pod gets, known on the node only, so it is capped at the limit.
+    let declaration = gpubudget_common::share::declared(&pod, None, gpubudget_common::share::Sources::ALL);
+    let rules = gpubudget_common::budget::with_declared(budgets, &declaration, &[]);
+    let resolution = gpubudget_common::resolve(
+        rules.iter().map(|r| r.as_ref()),
+        &gpubudget_common::PodLabels::new(&namespace, namespace_labels, &labels),
+    );
     let admission = if ephemeral {
         let old = match read_pod(request.old_object.as_ref(), "old pod") {
             Ok(old) => old,

@@ -327,18 +327,29 @@ impl PodTable {
             }
             let candidates = (0..clusters).chain(run.1.clone());
             let pod = PodLabels::new(&p.namespace, cluster.labels_of(&p.namespace), &p.labels);
-            // A pod's own rules from its declared share, where a budget takes one: (candidate, rules).
-            let own: Vec<(usize, Budget)> = if p.share == Declaration::None {
-                Vec::new()
+            // A pod that declares a share gets rules of its own from a budget that takes one
+            // (gpubudget_common::budget::with_declared); any other is resolved among the budgets as they are,
+            // without a copy.
+            let resolved = if p.share == Declaration::None {
+                resolve(candidates.clone().map(|i| &*budgets[i]), &pod).map(|r| {
+                    let named = candidates.clone().find(|i| std::ptr::eq(&*budgets[*i], r.budget));
+                    (named, None, r.tightened, r.cluster_selected)
+                })
             } else {
-                candidates.clone().filter_map(|i| Some((i, budgets[i].for_declared(&p.share, gpu_totals)?))).collect()
+                let rules = gpubudget_common::budget::with_declared(
+                    candidates.clone().map(|i| &*budgets[i]),
+                    &p.share,
+                    gpu_totals,
+                );
+                resolve(rules.iter().map(|r| r.as_ref()), &pod).map(|r| {
+                    let j = rules.iter().position(|b| std::ptr::eq(b.as_ref(), r.budget));
+                    let owned = j.and_then(|j| match &rules[j] {
+                        std::borrow::Cow::Owned(b) => Some(b.clone()),
+                        std::borrow::Cow::Borrowed(_) => None,
+                    });
+                    (j.and_then(|j| candidates.clone().nth(j)), owned, r.tightened, r.cluster_selected)
+                })
             };
-            let rules = candidates.clone().map(|i| own.iter().find(|(j, _)| *j == i).map_or(&*budgets[i], |(_, b)| b));
-            let resolved = resolve(rules.clone(), &pod).map(|r| {
-                let named = candidates.clone().zip(rules.clone()).find(|(_, b)| std::ptr::eq(*b, r.budget));
-                let owned = named.and_then(|(i, _)| own.iter().find(|(j, _)| *j == i)).map(|(_, b)| b.clone());
-                (named.map(|(i, _)| i), owned, r.tightened, r.cluster_selected)
-            });
             // Rules of their own — a cluster budget tightened them (#33), or a share made them — get an entry
             // after the run, shared by every pod they apply to (the same named budget, tightened by the same
             // cluster budgets, with the same share).

@@ -95,6 +95,13 @@ if [ -n "$HOST_PROC" ]; then
 fi
 write_sample 1 6Gi 20Gi
 
+if [ -n "$CRD_EXISTED" ]; then
+  # Left by an earlier run or release: Helm installs crds/ on a first install only and never changes them, so
+  # apply this checkout's CRDs first, as docs/operations.md says an upgrade does.
+  say "the CRDs already exist: applying this checkout's (charts/gpubudget/crds), as an upgrade does"
+  kubectl apply --server-side --force-conflicts -f "$REPO/charts/gpubudget/crds/" | sed 's/^/    /'
+fi
+
 say "helm install (release $RELEASE in $NS)"
 INSTALL_AT=$SECONDS
 "$HELM" install "$RELEASE" "$CHART" -n "$NS" -f "$HERE/values.yaml" \

@@ -72,6 +72,30 @@ fn a_pod_created_under_a_caps_budget_gets_the_variables_and_the_record() {
 }
 
 #[test]
+fn a_share_budget_caps_an_absolute_share_and_a_fraction_at_its_limit() {
+    let spec = serde_yaml::from_str("{selector: {}, limit: 80Gi, share: {}, admissionCaps: Enabled}").expect("spec");
+    let budgets = [Budget::from_spec("team-a", "shares", &spec).expect("valid")];
+    let mut hami = gpu_pod(json!({}), json!({}), json!([]));
+    hami["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpumem"] = json!("10240");
+    let (response, _) = decide(&review("CREATE", "pods", None, hami.clone()), &budgets, &BTreeMap::new());
+    // The share is the pod's request too (its scheduler reserved it).
+    let want: [(String, String); 3] = [
+        (MPS_LIMIT.into(), "0=10240M".into()),
+        (MEMORY_LIMIT.into(), "10240".into()),
+        (gpubudget_common::caps::MEMORY_REQUEST.into(), "10240".into()),
+    ];
+    assert_eq!(env(&patched(&hami, &response)), want);
+    // A KAI fraction's size is the node's to know: capped at the budget's limit, never at a guess.
+    let mut kai = gpu_pod(json!({}), json!({"gpu-fraction": "0.5"}), json!([]));
+    kai["spec"]["schedulerName"] = json!("kai-scheduler");
+    let (response, _) = decide(&review("CREATE", "pods", None, kai.clone()), &budgets, &BTreeMap::new());
+    assert_eq!(
+        env(&patched(&kai, &response)),
+        [(MPS_LIMIT.into(), "0=81920M".into()), (MEMORY_LIMIT.into(), "81920".into())]
+    );
+}
+
+#[test]
 fn the_budget_that_applies_decides_even_without_caps() {
     let object = gpu_pod(json!({"app": "llm"}), json!({}), json!([]));
     // The smaller limit applies (as for eviction); it has caps disabled: nothing is set.
