@@ -137,6 +137,7 @@ write_sample() {
     if [ -n "${KAI_HALF_BYTES:-}" ]; then
       entries "$NS_K" kai-half main "$KAI_HALF_BYTES"
       entries "$NS_K" kai-quarter main "$KAI_QUARTER_BYTES"
+      entries "$NS_K" hami main "$HAMI_BYTES"
     fi
     if [ -n "$HOST_PROC" ]; then
       entries "$NS_C" multi forker 1Gi

@@ -1,5 +1,5 @@
 # shellcheck shell=bash disable=SC2154,SC2034 # sourced by run.sh: its variables and e2e/cluster/lib.sh's are set
-# Declared shares: two pods shaped as KAI-Scheduler leaves them (the gpu-fraction annotation, schedulerName
+# Declared shares: a HAMi pod (nvidia.com/gpumem: 10240) and two pods shaped as KAI-Scheduler leaves them (the gpu-fraction annotation, schedulerName
 # kai-scheduler, devices from ConfigMaps, no nvidia.com/gpu; bound to the node as KAI's binder binds them), one
 # budget with `share: {}` and no per-pod limit. The replayed GPU has 80Gi: kai-half's share is 40Gi, kai-quarter's
 # 20Gi. kai-half goes over its share and is evicted, every message naming the share; kai-quarter, at 15Gi, is not.
@@ -44,27 +44,58 @@ spec:
         seccompProfile: {type: RuntimeDefault}
 YAML
 done
+# A HAMi pod as its scheduler leaves it (common/tests/fixtures/shares/hami-gpumem.yaml): 10240 MiB of one GPU,
+# bound by HAMi (the kubelet admits extended resources its node does not advertise).
+kubectl apply -f - >/dev/null <<YAML
+apiVersion: v1
+kind: Pod
+metadata:
+  name: hami
+  namespace: $NS_K
+  labels: {e2e.gpubudget.io/run: "$ID"}
+  annotations: {hami.io/vgpu-node: $NODE_K, hami.io/bind-phase: success}
+spec:
+  schedulerName: hami-scheduler
+  nodeName: $NODE_K
+  terminationGracePeriodSeconds: 5
+  containers:
+    - name: main
+      image: $PAUSE_IMAGE
+      resources: {requests: {cpu: 5m, memory: 8Mi}, limits: {memory: 32Mi, nvidia.com/gpu: "1", nvidia.com/gpumem: "10240"}}
+      securityContext:
+        allowPrivilegeEscalation: false
+        runAsNonRoot: true
+        runAsUser: 65535
+        capabilities: {drop: [ALL]}
+        seccompProfile: {type: RuntimeDefault}
+YAML
 kubectl wait --for=condition=Ready pod --all -n "$NS_K" --timeout="${STEP_TIMEOUT}s" >/dev/null \
   || die "the KAI-shaped pods in $NS_K did not become Ready"
 apply_budget shares "$NS_K" '{selector: {}, limit: 80Gi, share: {}, action: Evict, overLimitSeconds: 10}'
-KAI_HALF_BYTES=30Gi KAI_QUARTER_BYTES=15Gi
+KAI_HALF_BYTES=30Gi KAI_QUARTER_BYTES=15Gi HAMI_BYTES=8Gi
 write_sample k1 9Gi 45Gi
-wait_for "shares MATCHED 2" status_is "$NS_K" shares matchedPods 2
+wait_for "shares MATCHED 3" status_is "$NS_K" shares matchedPods 3
 kubectl get gmb -n "$NS_K" | sed 's/^/    /'
 
-say "kai-half goes to 44Gi, over its 40Gi share (the budget's limit is 80Gi); kai-quarter stays at 15Gi"
-KAI_HALF_BYTES=44Gi
+say "kai-half goes to 44Gi, over its 40Gi share, hami to 12Gi, over its 10Gi (the budget's limit is 80Gi); kai-quarter stays at 15Gi"
+KAI_HALF_BYTES=44Gi HAMI_BYTES=12Gi
 write_sample k2 9Gi 45Gi
 wait_for "GpuMemoryOverBudget on kai-half" has_event "$NS_K" kai-half GpuMemoryOverBudget
 MSG=$(event_messages "$NS_K" kai-half GpuMemoryOverBudget | tail -n1)
 info "kai-half: $MSG"
 [[ "$MSG" == *"KAI gpu-fraction 0.5 of 80Gi = 40Gi"* ]] || die "the Over message does not name kai-half's share: $MSG"
+wait_for "GpuMemoryOverBudget on hami" has_event "$NS_K" hami GpuMemoryOverBudget
+MSG=$(event_messages "$NS_K" hami GpuMemoryOverBudget | tail -n1)
+info "hami: $MSG"
+[[ "$MSG" == *"HAMi gpumem 10240 MiB = 10Gi"* ]] || die "the Over message does not name hami's share: $MSG"
 wait_for "EvictingForGpuMemory on kai-half (10 s over)" has_event "$NS_K" kai-half EvictingForGpuMemory
+wait_for "EvictingForGpuMemory on hami" has_event "$NS_K" hami EvictingForGpuMemory
 wait_for "kai-half evicted (terminating or gone)" pod_gone_or_terminating "$NS_K" kai-half
 has_event "$NS_K" kai-quarter GpuMemoryOverBudget && die "kai-quarter (15Gi of its 20Gi share) went Over"
 has_event "$NS_K" kai-quarter GpuMemoryNearBudget && die "kai-quarter (15Gi of 20Gi, warn at 90 %) went Near"
 [ -z "$(kubectl get pod kai-quarter -n "$NS_K" -o jsonpath='{.metadata.deletionTimestamp}')" ] || die "kai-quarter is being deleted"
-wait_for "shares status: EVICTED 1" status_is "$NS_K" shares evictions 1
+wait_for "hami evicted (terminating or gone)" pod_gone_or_terminating "$NS_K" hami
+wait_for "shares status: EVICTED 2" status_is "$NS_K" shares evictions 2
 kubectl get gmb -n "$NS_K" | sed 's/^/    /'
 info "kai-quarter: Running, never Near or Over, at 15Gi of its 20Gi share"
-KAI_HALF_BYTES="" KAI_QUARTER_BYTES=""
+KAI_HALF_BYTES="" KAI_QUARTER_BYTES="" HAMI_BYTES=""
