@@ -4,7 +4,7 @@
 # budget with `share: {}` and no per-pod limit. The replayed GPU has 80Gi: kai-half's share is 40Gi, kai-quarter's
 # 20Gi. kai-half goes over its share and is evicted, every message naming the share; kai-quarter, at 15Gi, is not.
 
-say "declared shares: kai-half (gpu-fraction 0.5) and kai-quarter (0.25) under one budget with share: {}"
+say "declared shares: kai-half (gpu-fraction 0.5), kai-quarter (0.25) and hami (gpumem 10240) under one budget with share: {}"
 kubectl create namespace "$NS_K" >/dev/null
 NODE_K=$(kubectl get nodes -o jsonpath='{.items[0].metadata.name}')
 for pod in kai-half:0.5 kai-quarter:0.25; do
