@@ -22,6 +22,9 @@ cleanup() {
   [ "$FAILED" = 0 ] || diagnostics
   if [ -n "$DRAINED" ]; then kubectl uncordon "$DRAINED" >/dev/null 2>&1 || true; fi
   if [ -n "$ADVERTISED" ]; then unadvertise_gpu "$ADVERTISED" >/dev/null 2>&1 || true; fi
+  if [ -n "${MPS_LABELLED:-}" ]; then
+    kubectl label node "$MPS_LABELLED" nvidia.com/gpu.sharing-strategy- nvidia.com/gpu.replicas- >/dev/null 2>&1 || true
+  fi
   if [ "${GPUBUDGET_E2E_KEEP:-0}" = 1 ]; then
     say "keeping namespaces $NS $NS_A $NS_B ${HOST_PROC:+$NS_C }and release $RELEASE (GPUBUDGET_E2E_KEEP=1)"
   else
@@ -139,6 +142,7 @@ write_sample() {
       entries "$NS_K" kai-quarter main "$KAI_QUARTER_BYTES"
       entries "$NS_K" hami main "$HAMI_BYTES"
     fi
+    [ -z "${MPS_BYTES:-}" ] || entries "$NS_K" mps main "$MPS_BYTES"
     if [ -n "$HOST_PROC" ]; then
       entries "$NS_C" multi forker 1Gi
       entries "$NS_C" multi solo "$SOLO_BYTES"

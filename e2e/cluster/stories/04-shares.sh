@@ -1,5 +1,6 @@
 # shellcheck shell=bash disable=SC2154,SC2034 # sourced by run.sh: its variables and e2e/cluster/lib.sh's are set
-# Declared shares: a HAMi pod (nvidia.com/gpumem: 10240) and two pods shaped as KAI-Scheduler leaves them (the gpu-fraction annotation, schedulerName
+# Declared shares: a HAMi pod (nvidia.com/gpumem: 10240), a device-plugin MPS replica, and two pods shaped as
+# KAI-Scheduler leaves them (the gpu-fraction annotation, schedulerName
 # kai-scheduler, devices from ConfigMaps, no nvidia.com/gpu; bound to the node as KAI's binder binds them), one
 # budget with `share: {}` and no per-pod limit. The replayed GPU has 80Gi: kai-half's share is 40Gi, kai-quarter's
 # 20Gi. kai-half goes over its share and is evicted, every message naming the share; kai-quarter, at 15Gi, is not.
@@ -99,3 +100,47 @@ wait_for "shares status: EVICTED 2" status_is "$NS_K" shares evictions 2
 kubectl get gmb -n "$NS_K" | sed 's/^/    /'
 info "kai-quarter: Running, never Near or Over, at 15Gi of its 20Gi share"
 KAI_HALF_BYTES="" KAI_QUARTER_BYTES="" HAMI_BYTES=""
+
+say "MPS replicas: the node labelled as GPU feature discovery labels it when the device plugin shares by MPS (4 replicas)"
+kubectl label node "$NODE_K" nvidia.com/gpu.sharing-strategy=mps nvidia.com/gpu.replicas=4 --overwrite >/dev/null
+MPS_LABELLED=$NODE_K
+# The agent reads its Node's labels when it starts (the sharing strategy changes only with the device plugin's
+# configuration): restart it, as a device plugin reconfiguration would be followed by.
+OLD_AGENT=$AGENT_POD
+kubectl delete pod "$AGENT_POD" -n "$NS" --wait=true >/dev/null
+agent_replaced() {
+  local p
+  p=$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=agent -o jsonpath='{.items[0].metadata.name}')
+  [ -n "$p" ] && [ "$p" != "$OLD_AGENT" ] && kubectl wait --for=condition=Ready "pod/$p" -n "$NS" --timeout=1s >/dev/null 2>&1
+}
+wait_for "the agent replaced, ready" agent_replaced
+AGENT_POD=$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=agent -o jsonpath='{.items[0].metadata.name}')
+kubectl apply -f - >/dev/null <<YAML
+apiVersion: v1
+kind: Pod
+metadata: {name: mps, namespace: $NS_K, labels: {e2e.gpubudget.io/run: "$ID", app: mps}}
+spec:
+  nodeName: $NODE_K
+  terminationGracePeriodSeconds: 5
+  containers:
+    - name: main
+      image: $PAUSE_IMAGE
+      resources: {requests: {cpu: 5m, memory: 8Mi}, limits: {memory: 32Mi, nvidia.com/gpu: "1"}}
+      securityContext:
+        allowPrivilegeEscalation: false
+        runAsNonRoot: true
+        runAsUser: 65535
+        capabilities: {drop: [ALL]}
+        seccompProfile: {type: RuntimeDefault}
+YAML
+kubectl wait --for=condition=Ready pod/mps -n "$NS_K" --timeout="${STEP_TIMEOUT}s" >/dev/null || die "the MPS-replica pod did not become Ready"
+MPS_BYTES=22Gi
+write_sample k3 9Gi 45Gi
+wait_for "GpuMemoryOverBudget on mps (22Gi of its 20Gi replica)" has_event "$NS_K" mps GpuMemoryOverBudget
+MSG=$(event_messages "$NS_K" mps GpuMemoryOverBudget | tail -n1)
+info "mps: $MSG"
+[[ "$MSG" == *"MPS replica of 4 per GPU of 80Gi = 20Gi"* ]] || die "the Over message does not name the replica's share: $MSG"
+wait_for "mps evicted (terminating or gone)" pod_gone_or_terminating "$NS_K" mps
+MPS_BYTES=""
+kubectl label node "$NODE_K" nvidia.com/gpu.sharing-strategy- nvidia.com/gpu.replicas- >/dev/null
+MPS_LABELLED=""
