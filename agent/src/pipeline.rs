@@ -164,6 +164,11 @@ impl Engine {
         self.snapshot.gpus.iter().map(|g| g.total_bytes).collect()
     }
 
+    /// Whether [`gpu_totals`](Self::gpu_totals) are `totals`, without a copy (asked every tick).
+    pub fn gpu_totals_are(&self, totals: &[u64]) -> bool {
+        self.snapshot.gpus.iter().map(|g| g.total_bytes).eq(totals.iter().copied())
+    }
+
     pub fn enforcing(&self) -> bool {
         self.slot.healthy() && self.snapshot.sampled_gpus() > 0
     }

@@ -465,10 +465,11 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
                 let started = tokio::time::Instant::now();
                 let synced = caches.synced();
                 if synced {
-                    let built_for = (caches.generation(), engine.gpu_totals());
-                    if seen.as_ref() != Some(&built_for) {
-                        table = caches.table(&node, &built_for.1);
-                        seen = Some(built_for);
+                    let generation = caches.generation();
+                    if !seen.as_ref().is_some_and(|(g, totals)| *g == generation && engine.gpu_totals_are(totals)) {
+                        let totals = engine.gpu_totals();
+                        table = caches.table(&node, &totals);
+                        seen = Some((generation, totals));
                         metrics.table_rebuilds.inc();
                         for (budget, error) in &table.invalid_budgets {
                             tracing::debug!(%budget, %error, "budget not enforced: invalid spec");

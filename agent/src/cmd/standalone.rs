@@ -178,13 +178,12 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
             break;
         }
         // Built again when the files change, and once NVML has told the GPUs' sizes (or they change).
-        let totals = engine.gpu_totals();
-        let sizes_changed = totals != built_for;
+        let sizes_changed = !engine.gpu_totals_are(&built_for);
         match inputs.changed() {
-            Ok(changed) if changed || sizes_changed => match inputs.table(&node, filter, &totals) {
+            Ok(changed) if changed || sizes_changed => match inputs.table(&node, filter, &engine.gpu_totals()) {
                 Ok(t) => {
                     table = t;
-                    built_for = totals;
+                    built_for = engine.gpu_totals();
                 }
                 Err(error) => {
                     tracing::warn!(error = format!("{error:#}"), "cannot reload pods or budgets; keeping the last")
