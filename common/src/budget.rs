@@ -98,9 +98,6 @@ pub enum Scope {
 /// `evictionGracePeriodSeconds`: a pod asking for an hour would hold its memory for that hour.
 pub const DEFAULT_EVICTION_GRACE_CAP_SECONDS: i64 = 30;
 
-/// How [`Budget::share_note`] begins when a pod's declared share could not be read.
-const SHARE_UNRESOLVED: &str = "share unresolved: ";
-
 /// A validated budget, ready for matching and enforcement.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Budget {
@@ -149,6 +146,9 @@ pub struct Budget {
     /// Only on the rules made for one pod ([`Budget::for_share`], [`Budget::for_unresolved_share`]): how its
     /// limit came from its declared share (`KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi`), or why it could not.
     pub share_note: Option<String>,
+    /// Only on those rules: the share could not be read because of the pod's own declaration (malformed, out of
+    /// range), not because the node's GPUs are not known yet; the agent tells the pod so.
+    pub share_fault: bool,
 }
 
 impl Budget {
@@ -231,6 +231,7 @@ impl Budget {
             tightened_by: None,
             share: spec.share.as_ref().map(|s| crate::share::Sources::of(&s.sources)),
             share_note: None,
+            share_fault: false,
         })
     }
 
@@ -261,15 +262,19 @@ impl Budget {
     pub fn for_declared(&self, declaration: &crate::share::Declaration, gpu_totals: &[u64]) -> Option<Budget> {
         match declaration.under(self.share?, gpu_totals)? {
             Ok(share) => Some(self.for_share(&share)),
-            Err(why) => Some(self.for_unresolved_share(&why)),
+            Err(why) => {
+                let fault = matches!(declaration, crate::share::Declaration::Invalid(_));
+                Some(self.for_unresolved_share(&why, fault))
+            }
         }
     }
 
-    /// This budget's rules for a pod whose declared share could not be read (`why`): the budget's own, with
-    /// the reason in every message, never a guessed share.
-    pub fn for_unresolved_share(&self, why: &str) -> Budget {
+    /// This budget's rules for a pod whose declared share could not be read (`why`; `fault`: because of the
+    /// pod's own declaration): the budget's own, with the reason in every message, never a guessed share.
+    pub fn for_unresolved_share(&self, why: &str, fault: bool) -> Budget {
         Budget {
-            share_note: Some(format!("{SHARE_UNRESOLVED}{why}; held to the budget's limit {}", self.limit_text)),
+            share_note: Some(format!("share unresolved: {why}; held to the budget's limit {}", self.limit_text)),
+            share_fault: fault,
             ..self.clone()
         }
     }
@@ -277,9 +282,7 @@ impl Budget {
     /// Where these are a pod's rules from a declared share that could not be read because of the pod (its
     /// declaration malformed or out of range, not the node's GPUs still unknown): the note saying why.
     pub fn share_unresolved(&self) -> Option<&str> {
-        self.share_note
-            .as_deref()
-            .filter(|n| n.starts_with(SHARE_UNRESOLVED) && !n.contains(crate::share::NOT_KNOWN_YET))
+        self.share_note.as_deref().filter(|_| self.share_fault)
     }
 
     /// The grace period (seconds) for evicting a pod whose own `terminationGracePeriodSeconds` is

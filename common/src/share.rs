@@ -143,8 +143,8 @@ pub enum Declaration {
 }
 
 /// Why a fraction is unresolved before NVML has told the node's GPU sizes: a moment at an agent's start, not a
-/// fault of the pod (nothing is told about it).
-pub const NOT_KNOWN_YET: &str = "the node's GPU memory is not known yet";
+/// fault of the pod (`Budget::share_fault` stays false).
+const NOT_KNOWN_YET: &str = "the node's GPU memory is not known yet";
 
 /// A declared share on this node's GPUs.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -344,7 +344,6 @@ fn decimal(pm: u32) -> String {
 /// fraction is never looser than on the GPU the pod got). Fractions and replicas need the totals; MiB do not.
 pub fn resolve(terms: &[Term], gpu_totals: &[u64]) -> Result<Resolved, String> {
     let smallest = gpu_totals.iter().copied().filter(|t| *t > 0).min();
-    // (Term::bytes says NOT_KNOWN_YET where a fraction or replica needs the GPUs' sizes.)
     let mut bytes = 0u64;
     let mut parts = Vec::with_capacity(terms.len());
     for t in terms {
