@@ -11,74 +11,39 @@
 # within its share (0.25). Expected: half goes Near, Over and is evicted 10 s after going over (the script
 # plays the kubelet: SIGTERM on the agent's eviction), every message naming the share ("KAI gpu-fraction 0.5
 # of …"); quarter is never over and never meets CUDA OOM. Prints PASS or FAIL; results.txt and logs in $OUT.
+# shellcheck disable=SC2154 # PID_<name> are set by start (e2e/gpu/lib.sh)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 OUT=${OUT:-$(mktemp -d /tmp/gpubudget-kai-out.XXXX)}
-NODE=gpu-e2e
-CG=/sys/fs/cgroup
 WORK=$(mktemp -d /tmp/gpubudget-kai.XXXX)
 AGENT=$WORK/gpubudget-agent
 mkdir -p "$OUT"
-PIDS=()
-CGROUPS=()
-declare -A PID=()
-
+# shellcheck source=e2e/gpu/lib.sh
+source e2e/gpu/lib.sh
 say() { printf '[%s] %s\n' "$(date +%H:%M:%S.%N | cut -c1-12)" "$*" | tee -a "$WORK/results.txt" >&2; }
-fail() { say "FAIL: $*"; exit 1; }
 cleanup() {
-  set +e
-  for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null; done
-  wait 2>/dev/null
+  lib_cleanup
   cp -f "$WORK/results.txt" "$OUT/" 2>/dev/null
   tar -C "$WORK" --exclude=gpubudget-agent -czf "$OUT/logs.tgz" . 2>/dev/null
-  for dir in $(printf '%s\n' "${CGROUPS[@]}" | sort -r); do rmdir "$dir" 2>/dev/null; done
   rm -rf "$WORK"
 }
 trap cleanup EXIT
 
-[ "$(id -u)" = 0 ] || fail "run as root (cgroups are created under $CG)"
 if [ -n "${GPUBUDGET_AGENT_XZ:-}" ]; then xz -dc "$GPUBUDGET_AGENT_XZ" > "$AGENT"; else cp "${GPUBUDGET_AGENT:?}" "$AGENT"; fi
 chmod +x "$AGENT"
 say "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
 say "agent: $("$AGENT" --version)  torch: $(python3 -c 'import torch; print(torch.__version__)')"
 
-cid() { printf '%s' "$1" | sha256sum | cut -c1-64; }
-declare -A UID_OF=([half]=4a1b0000-0000-4000-8000-000000000001 [quarter]=4a1b0000-0000-4000-8000-000000000002)
-declare -A FRACTION=([half]=0.5 [quarter]=0.25)
-BURSTABLE=$CG/kubepods.slice/kubepods-burstable.slice
-for d in $CG/kubepods.slice "$BURSTABLE"; do [ -d "$d" ] || { mkdir "$d"; CGROUPS+=("$d"); }; done
-pod_dir() { local uid=${UID_OF[$1]}; echo "$BURSTABLE/kubepods-burstable-pod${uid//-/_}.slice"; }
-scope() { echo "$(pod_dir "$1")/cri-containerd-$(cid "$1").scope"; }
-: > "$WORK/pods.yaml"
-for pod in half quarter; do
-  for d in "$(pod_dir "$pod")" "$(scope "$pod")"; do [ -d "$d" ] || { mkdir "$d"; CGROUPS+=("$d"); }; done
-  # As KAI leaves a fractional pod (common/tests/fixtures/shares/kai-fraction.yaml): the annotation, its
-  # scheduler, the devices from a ConfigMap, no nvidia.com/gpu.
-  cat >> "$WORK/pods.yaml" <<EOF
----
-apiVersion: v1
-kind: Pod
-metadata:
-  name: $pod
-  namespace: team-k
-  uid: ${UID_OF[$pod]}
-  labels: {app: $pod, runai-gpu-group: 3c6e0b8a-1f2d-4c5e-8a9b-0d1e2f3a4b5c}
-  annotations: {gpu-fraction: "${FRACTION[$pod]}", received-resource-type: Fraction}
-spec:
-  schedulerName: kai-scheduler
-  nodeName: $NODE
-  terminationGracePeriodSeconds: 5
-  containers:
-    - name: main
-      image: pytorch
-      env: [{name: NVIDIA_VISIBLE_DEVICES, valueFrom: {configMapKeyRef: {name: $pod-shared-gpu-0, key: NVIDIA_VISIBLE_DEVICES}}}]
-      envFrom: [{configMapRef: {name: $pod-shared-gpu-0-evar, optional: false}}]
-status:
-  phase: Running
-  containerStatuses: [{name: main, containerID: 'containerd://$(cid "$pod")', image: pytorch, imageID: pytorch, ready: true, restartCount: 0}]
-EOF
-done
+# As KAI leaves a fractional pod (common/tests/fixtures/shares/kai-fraction.yaml): the annotation, its
+# scheduler, the devices from a ConfigMap, no nvidia.com/gpu.
+kai_pod() { # NAME UID FRACTION
+  pod "team-k/$1" "$2" "annotations: {gpu-fraction: \"$3\", received-resource-type: Fraction}" \
+    "schedulerName: kai-scheduler" \
+    "env: [{name: NVIDIA_VISIBLE_DEVICES, valueFrom: {configMapKeyRef: {name: $1-shared-gpu-0, key: NVIDIA_VISIBLE_DEVICES}}}], envFrom: [{configMapRef: {name: $1-shared-gpu-0-evar, optional: false}}]"
+}
+kai_pod half 4a1b0000-0000-4000-8000-000000000001 0.5
+kai_pod quarter 4a1b0000-0000-4000-8000-000000000002 0.25
 cat > "$WORK/budgets.yaml" <<'EOF'
 apiVersion: gpubudget.io/v1alpha1
 kind: GpuMemoryBudget
@@ -86,28 +51,19 @@ metadata: {name: shares, namespace: team-k}
 spec: {selector: {}, limit: 80Gi, share: {}, action: Evict, overLimitSeconds: 10}
 EOF
 
-start() { # name args...: a workload in its pod's cgroup
-  local name=$1; shift
-  sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$(scope "$name")" python3 -u e2e/gpu/workload.py "$@" \
-    > "$WORK/$name.jsonl" 2> "$WORK/$name.err" &
-  PIDS+=($!)
-  PID[$name]=$!
-}
-
-start quarter crosser --base-gib 12 --jump-gib 3 --cycles 100000 --hold 1
-for _ in $(seq 1 120); do grep -q '"up"' "$WORK/quarter.jsonl" 2>/dev/null && break; sleep 0.5; done
-grep -q '"up"' "$WORK/quarter.jsonl" || fail "quarter did not start: $(tail -3 "$WORK/quarter.err")"
+start quarter team-k/quarter -- python3 -u e2e/gpu/workload.py crosser --base-gib 12 --jump-gib 3 --cycles 100000 --hold 1
+ready quarter
 "$AGENT" standalone --budgets "$WORK/budgets.yaml" --pods "$WORK/pods.yaml" --node-name "$NODE" --interval 250ms \
   --output "$WORK/agent.jsonl" 2> "$WORK/agent.err" &
 PIDS+=($!)
 sleep 2
-start half stepper --step-mib 2048 --to-gib 50 --period 1 --hold 600
+start half team-k/half -- python3 -u e2e/gpu/workload.py stepper --step-mib 2048 --to-gib 50 --period 1 --hold 600
 T0=$(date +%s.%N)
 evicted=""
 while python3 -c "import sys,time; sys.exit(0 if time.time() < $T0 + 90 else 1)"; do
   if [ -z "$evicted" ] && grep -q '"kind":"evict".*team-k/half\|team-k/half.*"kind":"evict"' "$WORK/agent.jsonl" 2>/dev/null; then
     evicted=$(date +%s.%N)
-    kill -TERM "${PID[half]}" 2>/dev/null || true   # the kubelet's part
+    kill -TERM "$PID_half" 2>/dev/null || true   # the kubelet's part
     say "half evicted by the agent after $(python3 -c "print(f'{$evicted - $T0:.1f}')") s of growth; SIGTERM sent"
   fi
   if [ -n "$evicted" ] && python3 -c "import sys,time; sys.exit(0 if time.time() > $evicted + 10 else 1)"; then break; fi
@@ -127,7 +83,7 @@ for line in open(f"{work}/agent.jsonl"):
 PY
 ups=$(grep -c '"up"' "$WORK/quarter.jsonl" || true)
 ooms=$(grep -ci 'out of memory' "$WORK/quarter.err" || true)
-alive=$(kill -0 "${PID[quarter]}" 2>/dev/null && echo running || echo stopped)
+alive=$(kill -0 "$PID_quarter" 2>/dev/null && echo running || echo stopped)
 say "quarter: $ups allocations of 3 GiB, CUDA out of memory $ooms times, $alive"
 top=$(grep '"step"' "$WORK/half.jsonl" | tail -1 | python3 -c 'import json,sys; print(round(json.loads(sys.stdin.read())["reserved"] / 2**30, 1))' 2>/dev/null || echo "?")
 say "half: reserved $top GiB at its last step"

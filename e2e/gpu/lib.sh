@@ -21,7 +21,9 @@ for d in $CG/kubepods.slice "$BURSTABLE"; do [ -d "$d" ] || { mkdir "$d"; CGROUP
 pod_dir() { local uid=${UID_OF[$1]}; echo "$BURSTABLE/kubepods-burstable-pod${uid//-/_}.slice"; }
 scope() { echo "$(pod_dir "$1")/cri-containerd-$(cid "$1").scope"; }
 
-# pod NAMESPACE/NAME UID: the pod's cgroups and its object (one container, `main`) in $WORK/pods.yaml.
+# pod NAMESPACE/NAME UID [META] [SPEC] [CONTAINER]: the pod's cgroups and its object (one container, `main`) in
+# $WORK/pods.yaml. META, SPEC, CONTAINER: more fields of its metadata, spec and container, flow-style
+# (`annotations: {gpu-fraction: "0.5"}`), to shape it as a scheduler leaves it.
 pod() {
   local key=$1
   UID_OF[$key]=$2
@@ -30,8 +32,8 @@ pod() {
 ---
 apiVersion: v1
 kind: Pod
-metadata: {name: ${key#*/}, namespace: ${key%/*}, uid: $2, labels: {app: ${key#*/}}}
-spec: {nodeName: $NODE, terminationGracePeriodSeconds: 30, containers: [{name: main, image: pytorch}]}
+metadata: {name: ${key#*/}, namespace: ${key%/*}, uid: $2, labels: {app: ${key#*/}}${3:+, $3}}
+spec: {nodeName: $NODE, terminationGracePeriodSeconds: 30, ${4:+$4, }containers: [{name: main, image: pytorch${5:+, $5}}]}
 status:
   phase: Running
   containerStatuses: [{name: main, containerID: 'containerd://$(cid "$key")', image: pytorch, imageID: pytorch, ready: true, restartCount: 0}]
