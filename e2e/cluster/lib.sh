@@ -64,26 +64,33 @@ pod_gone_or_terminating() {
 }
 pod_gone() { [[ "$(kubectl get pod "$2" -n "$1" -o name 2>&1)" == *NotFound* ]]; }
 
-make_pod() { # NAMESPACE NAME LABELS(k=v,...)
+# make_pod NAMESPACE NAME LABELS(k=v,...) [META] [SPEC] [CONTAINER] [LIMITS]: a pause pod; META, SPEC and CONTAINER
+# are more fields of its metadata, spec and container (YAML lines, e.g. "schedulerName: kai-scheduler"), LIMITS
+# more resource limits (flow style, e.g. "nvidia.com/gpu: \"1\""), to shape it as a scheduler leaves it.
+make_pod() {
   local labels="" kv
   IFS=, read -ra kvs <<<"$3"
   for kv in "${kvs[@]}"; do [ -n "$kv" ] && labels+="    ${kv%%=*}: \"${kv#*=}\""$'\n'; done
+  indent() { [ -z "$2" ] || printf '%s\n' "$2" | sed "s/^/$1/"; }
   kubectl apply -f - >/dev/null <<EOF
 apiVersion: v1
 kind: Pod
 metadata:
   name: $2
   namespace: $1
+$(indent "  " "${4:-}")
   labels:
     e2e.gpubudget.io/run: "$ID"
 ${labels}spec:
+$(indent "  " "${5:-}")
   terminationGracePeriodSeconds: 5
   containers:
     - name: main
       image: $PAUSE_IMAGE
+$(indent "      " "${6:-}")
       resources:
         requests: {cpu: 5m, memory: 8Mi}
-        limits: {memory: 32Mi}
+        limits: {memory: 32Mi${7:+, $7}}
       securityContext:
         allowPrivilegeEscalation: false
         runAsNonRoot: true

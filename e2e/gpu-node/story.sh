@@ -39,6 +39,13 @@ event_is() { # NAMESPACE POD REASON: the pod has an event with that reason
   kubectl get events -n "$1" --field-selector "involvedObject.name=$2,reason=$3" -o name | grep -q .
 }
 pod_gone() { ! kubectl get pod -n "$1" "$2" >/dev/null 2>&1; }
+# events_table KUBECTL-ARGS...: the events, oldest first: reason, who reported it (the kubelet's source, or the
+# agent's reportingComponent, which its events.k8s.io/v1 events carry instead) and the message.
+events_table() {
+  kubectl get events "$@" --sort-by=.lastTimestamp \
+    -o custom-columns=REASON:.reason,SOURCE:.source.component,REPORTER:.reportingComponent,MESSAGE:.message \
+    | cut -c1-280 | sed 's/^/    /'
+}
 gpu_pids() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits; }
 used_gib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk '{printf "%.1f", $1 / 1024}'; }
 torch_pod() { # NAME APP GPU-ARGS...: a PyTorch pod running e2e/gpu/workload.py with the host's python3
@@ -143,8 +150,7 @@ wait_for 60 "the kubelet killed the container (Killing event)" event_is $APP llm
 wait_for 60 "llm-grow's process is gone from the GPU" sh -c "! nvidia-smi --query-compute-apps=pid --format=csv,noheader | grep -qw $PID1"
 wait_for 60 "llm-grow deleted" pod_gone $APP llm-grow
 info "figure: Over to the process gone and the pod deleted: $(awk -v a="$OVER_AT" -v b="$(t)" 'BEGIN {printf "%.1f", b - a}') s; GPU used now $(used_gib) GiB"
-kubectl get events -n $APP --field-selector involvedObject.name=llm-grow --sort-by=.lastTimestamp \
-  -o custom-columns=REASON:.reason,FROM:.source.component,MESSAGE:.message | cut -c1-260 | sed 's/^/    /'
+events_table -n $APP --field-selector involvedObject.name=llm-grow
 
 say "story 2: pressure: serve (within its 24Gi) beside batch (16Gi, may stay over for an hour; growing to 62 GiB)"
 torch_pod serve serve crosser --base-gib 18 --jump-gib 3 --cycles 100000 --hold 1
@@ -155,10 +161,8 @@ wait_for 120 "batch over its budget: GpuMemoryOverBudget (not evicted: overLimit
 wait_for 180 "pressure: EvictingForGpuMemory on batch" event_is $APP batch EvictingForGpuMemory
 info "GPU used when the script saw that event: $(used_gib) GiB (the event's message has it at the decision)"
 wait_for 60 "batch deleted (the kubelet ended it)" pod_gone $APP batch
-kubectl get events -n $APP --field-selector involvedObject.name=batch --sort-by=.lastTimestamp \
-  -o custom-columns=REASON:.reason,FROM:.source.component,MESSAGE:.message | cut -c1-260 | sed 's/^/    /'
-kubectl get events -A --field-selector involvedObject.kind=Node --sort-by=.lastTimestamp \
-  -o custom-columns=REASON:.reason,FROM:.source.component,MESSAGE:.message | grep -i pressure | cut -c1-260 | sed 's/^/    /'
+events_table -n $APP --field-selector involvedObject.name=batch
+events_table -A --field-selector involvedObject.kind=Node | grep -i pressure
 sleep 5
 SERVE_PHASE=$(kubectl get pod -n $APP serve -o jsonpath='{.status.phase} restarts={.status.containerStatuses[0].restartCount}')
 UPS=$(kubectl logs -n $APP serve | grep -c '"up"'); OOMS=$(kubectl logs -n $APP serve | grep -ci 'out of memory')

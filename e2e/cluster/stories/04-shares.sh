@@ -19,57 +19,16 @@ data: {NVIDIA_VISIBLE_DEVICES: GPU-e2e00000-0000-0000-0000-000000000000, GPU_POR
 apiVersion: v1
 kind: ConfigMap
 metadata: {name: $name-shared-gpu-0-evar, namespace: $NS_K}
----
-apiVersion: v1
-kind: Pod
-metadata:
-  name: $name
-  namespace: $NS_K
-  labels: {e2e.gpubudget.io/run: "$ID", runai-gpu-group: 3c6e0b8a-1f2d-4c5e-8a9b-0d1e2f3a4b5c}
-  annotations: {gpu-fraction: "${pod#*:}", received-resource-type: Fraction}
-spec:
-  schedulerName: kai-scheduler
-  nodeName: $NODE_K
-  terminationGracePeriodSeconds: 5
-  containers:
-    - name: main
-      image: $PAUSE_IMAGE
-      env: [{name: NVIDIA_VISIBLE_DEVICES, valueFrom: {configMapKeyRef: {name: $name-shared-gpu-0, key: NVIDIA_VISIBLE_DEVICES}}}]
-      envFrom: [{configMapRef: {name: $name-shared-gpu-0-evar, optional: false}}]
-      resources: {requests: {cpu: 5m, memory: 8Mi}, limits: {memory: 32Mi}}
-      securityContext:
-        allowPrivilegeEscalation: false
-        runAsNonRoot: true
-        runAsUser: 65535
-        capabilities: {drop: [ALL]}
-        seccompProfile: {type: RuntimeDefault}
 YAML
+  make_pod "$NS_K" "$name" runai-gpu-group=3c6e0b8a-1f2d-4c5e-8a9b-0d1e2f3a4b5c \
+    "annotations: {gpu-fraction: \"${pod#*:}\", received-resource-type: Fraction}" \
+    "schedulerName: kai-scheduler"$'\n'"nodeName: $NODE_K" \
+    "env: [{name: NVIDIA_VISIBLE_DEVICES, valueFrom: {configMapKeyRef: {name: $name-shared-gpu-0, key: NVIDIA_VISIBLE_DEVICES}}}]"$'\n'"envFrom: [{configMapRef: {name: $name-shared-gpu-0-evar, optional: false}}]"
 done
 # A HAMi pod as its scheduler leaves it (common/tests/fixtures/shares/hami-gpumem.yaml): 10240 MiB of one GPU,
 # bound by HAMi (the kubelet admits extended resources its node does not advertise).
-kubectl apply -f - >/dev/null <<YAML
-apiVersion: v1
-kind: Pod
-metadata:
-  name: hami
-  namespace: $NS_K
-  labels: {e2e.gpubudget.io/run: "$ID"}
-  annotations: {hami.io/vgpu-node: $NODE_K, hami.io/bind-phase: success}
-spec:
-  schedulerName: hami-scheduler
-  nodeName: $NODE_K
-  terminationGracePeriodSeconds: 5
-  containers:
-    - name: main
-      image: $PAUSE_IMAGE
-      resources: {requests: {cpu: 5m, memory: 8Mi}, limits: {memory: 32Mi, nvidia.com/gpu: "1", nvidia.com/gpumem: "10240"}}
-      securityContext:
-        allowPrivilegeEscalation: false
-        runAsNonRoot: true
-        runAsUser: 65535
-        capabilities: {drop: [ALL]}
-        seccompProfile: {type: RuntimeDefault}
-YAML
+make_pod "$NS_K" hami "" "annotations: {hami.io/vgpu-node: $NODE_K, hami.io/bind-phase: success}" \
+  "schedulerName: hami-scheduler"$'\n'"nodeName: $NODE_K" "" 'nvidia.com/gpu: "1", nvidia.com/gpumem: "10240"'
 kubectl wait --for=condition=Ready pod --all -n "$NS_K" --timeout="${STEP_TIMEOUT}s" >/dev/null \
   || die "the KAI-shaped pods in $NS_K did not become Ready"
 apply_budget shares "$NS_K" '{selector: {}, limit: 80Gi, share: {}, action: Evict, overLimitSeconds: 10}'
@@ -115,24 +74,8 @@ agent_replaced() {
 }
 wait_for "the agent replaced, ready" agent_replaced
 AGENT_POD=$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=agent -o jsonpath='{.items[0].metadata.name}')
-kubectl apply -f - >/dev/null <<YAML
-apiVersion: v1
-kind: Pod
-metadata: {name: mps, namespace: $NS_K, labels: {e2e.gpubudget.io/run: "$ID", app: mps}}
-spec:
-  nodeName: $NODE_K
-  terminationGracePeriodSeconds: 5
-  containers:
-    - name: main
-      image: $PAUSE_IMAGE
-      resources: {requests: {cpu: 5m, memory: 8Mi}, limits: {memory: 32Mi, nvidia.com/gpu: "1"}}
-      securityContext:
-        allowPrivilegeEscalation: false
-        runAsNonRoot: true
-        runAsUser: 65535
-        capabilities: {drop: [ALL]}
-        seccompProfile: {type: RuntimeDefault}
-YAML
+# A device-plugin MPS replica: nvidia.com/gpu: 1 on that node (bound, as the scheduler would).
+make_pod "$NS_K" mps app=mps "" "nodeName: $NODE_K" "" 'nvidia.com/gpu: "1"'
 kubectl wait --for=condition=Ready pod/mps -n "$NS_K" --timeout="${STEP_TIMEOUT}s" >/dev/null || die "the MPS-replica pod did not become Ready"
 MPS_BYTES=22Gi
 write_sample k3 9Gi 45Gi
