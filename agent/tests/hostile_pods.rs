@@ -186,6 +186,7 @@ fn a_forged_record_neither_evicts_early_nor_prevents_eviction() {
         node: NODE.into(),
         eviction_requested_at: Some("2020-01-01T00:00:00Z".into()),
         cap_not_in_force: None,
+        share: None,
     };
     let mut a = pod(UID_A, "a", CID_A, &[]);
     a.record = Some(forged.clone());

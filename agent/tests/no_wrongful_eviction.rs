@@ -327,6 +327,7 @@ impl World {
                     node: NODE.into(),
                     eviction_requested_at: Some("2020-01-01T00:00:00Z".into()),
                     cap_not_in_force: None,
+                    share: None,
                 });
                 self.log.push(format!("forge record on {}", pod.uid));
             }

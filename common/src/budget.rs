@@ -145,7 +145,7 @@ pub struct Budget {
     pub share: Option<crate::share::Sources>,
     /// Only on the rules made for one pod ([`Budget::for_share`], [`Budget::for_unresolved_share`]): how its
     /// limit came from its declared share (`KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi`), or why it could not.
-    pub share_note: Option<String>,
+    pub held_share: Option<crate::share::Held>,
     /// Only on those rules: the share could not be read because of the pod's own declaration (malformed, out of
     /// range), not because the node's GPUs are not known yet; the agent tells the pod so.
     pub share_fault: bool,
@@ -230,7 +230,7 @@ impl Budget {
             admission_caps: spec.admission_caps == AdmissionCaps::Enabled,
             tightened_by: None,
             share: spec.share.as_ref().map(|s| crate::share::Sources::of(&s.sources)),
-            share_note: None,
+            held_share: None,
             share_fault: false,
         })
     }
@@ -239,18 +239,34 @@ impl Budget {
     /// limit is the share, at most the budget's `limit`, and so is its request (the tool that declared the
     /// share reserved it for the pod, so it is guaranteed under pressure). Everything else is the budget's.
     pub fn for_share(&self, share: &crate::share::Resolved) -> Budget {
-        let limit = share.bytes.clamp(1, self.limit_bytes);
         let note = if share.bytes > self.limit_bytes {
             format!("{}, held to the budget's limit {}", share.text, self.limit_text)
         } else {
             share.text.clone()
         };
+        self.with_held(crate::share::Held::new(share.bytes, share.sources.clone(), note))
+    }
+
+    /// This budget's rules for a pod held as `held` says (how the agent resolved its share, as its record
+    /// carries it): the limit is the held one, at most the budget's; a resolved share is the pod's request too.
+    pub fn with_held(&self, mut held: crate::share::Held) -> Budget {
+        let limit = held.limit_bytes.clamp(1, self.limit_bytes);
+        held.limit_bytes = limit;
+        let (request_bytes, request_text) = if held.resolved() {
+            (Some(limit), Some(crate::quantity::HumanBytes(limit).to_string()))
+        } else {
+            (self.request_bytes, self.request_text.clone())
+        };
         Budget {
             limit_bytes: limit,
-            limit_text: crate::quantity::HumanBytes(limit).to_string(),
-            request_bytes: Some(limit),
-            request_text: Some(crate::quantity::HumanBytes(limit).to_string()),
-            share_note: Some(note),
+            limit_text: if limit == self.limit_bytes {
+                self.limit_text.clone()
+            } else {
+                crate::quantity::HumanBytes(limit).to_string()
+            },
+            request_bytes,
+            request_text,
+            held_share: Some(held),
             ..self.clone()
         }
     }
@@ -272,17 +288,14 @@ impl Budget {
     /// This budget's rules for a pod whose declared share could not be read (`why`; `fault`: because of the
     /// pod's own declaration): the budget's own, with the reason in every message, never a guessed share.
     pub fn for_unresolved_share(&self, why: &str, fault: bool) -> Budget {
-        Budget {
-            share_note: Some(format!("share unresolved: {why}; held to the budget's limit {}", self.limit_text)),
-            share_fault: fault,
-            ..self.clone()
-        }
+        let note = format!("share unresolved: {why}; held to the budget's limit {}", self.limit_text);
+        Budget { share_fault: fault, ..self.with_held(crate::share::Held::new(self.limit_bytes, Vec::new(), note)) }
     }
 
     /// Where these are a pod's rules from a declared share that could not be read because of the pod (its
     /// declaration malformed or out of range, not the node's GPUs still unknown): the note saying why.
     pub fn share_unresolved(&self) -> Option<&str> {
-        self.share_note.as_deref().filter(|_| self.share_fault)
+        self.held_share.as_ref().map(|h| h.note.as_str()).filter(|_| self.share_fault)
     }
 
     /// The grace period (seconds) for evicting a pod whose own `terminationGracePeriodSeconds` is
@@ -436,7 +449,7 @@ impl Budget {
     /// `budget team-a/llm` or `budget team-a/llm, tightened by ClusterGpuMemoryBudget/strict (action)`: how
     /// messages name the rules that apply.
     pub fn described(&self) -> String {
-        let share = self.share_note.as_deref().map(|n| format!(": {n}")).unwrap_or_default();
+        let share = self.held_share.as_ref().map(|h| format!(": {}", h.note)).unwrap_or_default();
         match &self.tightened_by {
             None => format!("budget {}{share}", self.key()),
             Some(by) => format!("budget {}{share}, tightened by {by}", self.key()),

@@ -38,6 +38,7 @@ pub const COUNTED_EVICTIONS_MAX: usize = 100;
     printcolumn = r#"{"name":"Over","type":"integer","jsonPath":".status.podsOverBudget","description":"Matched pods over the limit now"}"#,
     printcolumn = r#"{"name":"Capped","type":"integer","jsonPath":".status.podsCapped","description":"With admissionCaps: matched pods whose GPU containers carry the driver's caps"}"#,
     printcolumn = r#"{"name":"Uncapped","type":"integer","priority":1,"jsonPath":".status.podsUncapped","description":"With admissionCaps: matched GPU pods created without the caps (webhook down, or before caps were enabled)"}"#,
+    printcolumn = r#"{"name":"Share","type":"string","jsonPath":".status.share","description":"With share: the recorded pods by where their declared share came from"}"#,
     printcolumn = r#"{"name":"Evicted","type":"integer","jsonPath":".status.evictions","description":"Pods this budget has evicted"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
@@ -168,6 +169,7 @@ pub struct ShareSpec {
     printcolumn = r#"{"name":"Over","type":"integer","jsonPath":".status.podsOverBudget","description":"Matched pods over the limit now"}"#,
     printcolumn = r#"{"name":"Capped","type":"integer","jsonPath":".status.podsCapped","description":"With admissionCaps: matched pods whose GPU containers carry the driver's caps"}"#,
     printcolumn = r#"{"name":"Uncapped","type":"integer","priority":1,"jsonPath":".status.podsUncapped","description":"With admissionCaps: matched GPU pods created without the caps (webhook down, or before caps were enabled)"}"#,
+    printcolumn = r#"{"name":"Share","type":"string","jsonPath":".status.share","description":"With share: the recorded pods by where their declared share came from"}"#,
     printcolumn = r#"{"name":"Evicted","type":"integer","jsonPath":".status.evictions","description":"Pods this budget has evicted"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
@@ -304,6 +306,20 @@ pub struct GpuMemoryBudgetStatus {
     /// were created; eviction holds them to the new one). Unset otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pods_capped_above_limit: Option<i64>,
+    /// With `share`: matched pods whose limit is their declared share, as their node's agent resolved it on the
+    /// GPUs they got (counted from the agents' records: a pod counts once its agent has seen it on a GPU).
+    /// Unset otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pods_on_share: Option<i64>,
+    /// With `share`: matched pods whose declared share could not be resolved (a malformed or out-of-range value,
+    /// or a fraction before the node knows its GPUs' sizes), held to `limit` instead; their events say why.
+    /// Unset otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pods_share_unresolved: Option<i64>,
+    /// With `share`: the recorded pods by where their share came from, e.g. `KAI gpu-fraction 2, HAMi gpumem 1,
+    /// unresolved 1` (`none recorded` while no agent has recorded a pod under this budget). Unset otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share: Option<String>,
     /// Pods this budget has evicted since it was created (each pod counted once).
     #[serde(default)]
     pub evictions: i64,
@@ -355,6 +371,10 @@ pub struct TopPod {
     pub usage_bytes: i64,
     /// Where the pod stands against the limit.
     pub state: crate::state::BudgetState,
+    /// With `share`: the pod's own limit and how its share gave it (`39.8Gi: KAI gpu-fraction 0.5 of 79.6Gi =
+    /// 39.8Gi`), as its node's agent recorded it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share: Option<String>,
 }
 
 impl ClusterGpuMemoryBudget {

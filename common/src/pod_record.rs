@@ -30,6 +30,11 @@ pub const EVICTION_REQUESTED_AT: &str = "gpubudget.io/eviction-requested-at";
 /// a pod uncapped (`podsCapNotInForce`), and only the agent may write it (the records policy).
 pub const CAP_NOT_IN_FORCE: &str = "gpubudget.io/cap-not-in-force";
 
+/// How the pod's limit came from its declared share (#44), as JSON ([`crate::share::Held`]): its limit, the sources
+/// read (none where it is unresolved) and the note (`KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi`). Present only where
+/// the budget that applies takes shares (`spec.share`); the operator counts it in status, `why` and `top` show it.
+pub const SHARE: &str = "gpubudget.io/share";
+
 /// What the NVIDIA driver caps the pod at (driver R615 per-cgroup limits, read back by the agent), as JSON
 /// ([`DriverLimitsRecord`]); present only where the node's driver can tell. Informational: the operator does not
 /// read it, so it is not in [`ALL`]; the agent writes it in the same apply as the record (and an apply of none
@@ -37,7 +42,7 @@ pub const CAP_NOT_IN_FORCE: &str = "gpubudget.io/cap-not-in-force";
 pub const DRIVER_LIMITS: &str = "gpubudget.io/driver-limits";
 
 /// Every annotation key of the contract.
-pub const ALL: [&str; 6] = [STATE, USAGE_BYTES, BUDGET, NODE, EVICTION_REQUESTED_AT, CAP_NOT_IN_FORCE];
+pub const ALL: [&str; 7] = [STATE, USAGE_BYTES, BUDGET, NODE, EVICTION_REQUESTED_AT, CAP_NOT_IN_FORCE, SHARE];
 
 /// The field manager an agent uses for everything it writes, one per node (as the kubelet does).
 pub fn agent_field_manager(node: &str) -> String {
@@ -60,6 +65,8 @@ pub struct PodRecord {
     pub eviction_requested_at: Option<String>,
     /// Why the pod's cap is not in force ([`CAP_NOT_IN_FORCE`]), when the agent saw it is not.
     pub cap_not_in_force: Option<String>,
+    /// How the pod's limit came from its declared share ([`SHARE`]), when its budget takes one.
+    pub share: Option<crate::share::Held>,
 }
 
 impl PodRecord {
@@ -72,6 +79,7 @@ impl PodRecord {
             node: annotations.get(NODE).map(|n| n.as_str().into()).unwrap_or_default(),
             eviction_requested_at: annotations.get(EVICTION_REQUESTED_AT).cloned(),
             cap_not_in_force: annotations.get(CAP_NOT_IN_FORCE).cloned(),
+            share: annotations.get(SHARE).and_then(|v| crate::share::Held::from_annotation(v)),
         })
     }
 
@@ -88,6 +96,9 @@ impl PodRecord {
         }
         if let Some(why) = &self.cap_not_in_force {
             out.insert(CAP_NOT_IN_FORCE.to_owned(), why.clone());
+        }
+        if let Some(share) = &self.share {
+            out.insert(SHARE.to_owned(), share.to_annotation());
         }
         out
     }
@@ -139,6 +150,7 @@ mod tests {
             node: "gpu-node-1".into(),
             eviction_requested_at: Some("2026-11-21T18:00:00Z".into()),
             cap_not_in_force: Some("pid 4242 on GPU 0 is not an MPS client".into()),
+            share: None,
         };
         let annotations = record.to_annotations();
         assert_eq!(annotations[STATE], "Evicting");

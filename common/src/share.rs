@@ -76,6 +76,17 @@ pub enum ShareSource {
 }
 
 impl ShareSource {
+    /// The source as messages and `kubectl get` name it: `KAI gpu-fraction`, `HAMi gpumem`, `MPS replicas`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ShareSource::KaiFraction => "KAI gpu-fraction",
+            ShareSource::KaiMemory => "KAI gpu-memory",
+            ShareSource::HamiMemory => "HAMi gpumem",
+            ShareSource::HamiPercentage => "HAMi gpumem-percentage",
+            ShareSource::MpsReplicas => "MPS replicas",
+        }
+    }
+
     /// Every source, in the order they are read.
     pub const ALL: [ShareSource; 5] = [
         ShareSource::KaiFraction,
@@ -118,6 +129,9 @@ pub enum Amount {
     Mib(u64),
     /// One replica of a GPU split into this many (MPS).
     Replica(u32),
+    /// GPU replicas asked for, before the node's labels say whether they are MPS replicas and how many there
+    /// are per GPU ([`Declaration::on_node`]).
+    NodeReplicas,
 }
 
 /// One term of a declaration: `amount` on each of `devices` GPUs, from `source`.
@@ -153,11 +167,71 @@ pub struct Resolved {
     pub bytes: u64,
     /// How it was reached, for messages: `KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi`.
     pub text: String,
+    /// The sources its terms were read from, each once, in [`ShareSource::ALL`]'s order.
+    pub sources: Vec<ShareSource>,
+}
+
+/// How a budget's rules for one pod came from its declared share: what the agent applies, records on the pod
+/// (`gpubudget.io/share`) and says in messages; status, `why` and `top` read it back.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Held {
+    /// The pod's limit, bytes: its share (at most the budget's limit), or the budget's limit where unresolved.
+    pub limit_bytes: u64,
+    /// The sources the share was read from; empty where it is unresolved.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<ShareSource>,
+    /// How, in words: `KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi`, or `share unresolved: <why>; held to …`.
+    pub note: String,
+}
+
+impl Held {
+    /// The longest note kept: longer ones (many HAMi containers) are cut, ending in `…`.
+    pub const NOTE_MAX: usize = 300;
+
+    /// A held share; the note is cut at [`Self::NOTE_MAX`] bytes (on a character boundary).
+    pub fn new(limit_bytes: u64, sources: Vec<ShareSource>, note: String) -> Self {
+        Self { limit_bytes, sources, note: cut(note, Self::NOTE_MAX) }
+    }
+
+    /// Whether the share was resolved (else the budget's own limit holds the pod).
+    pub fn resolved(&self) -> bool {
+        !self.sources.is_empty()
+    }
+
+    /// The annotation's value (JSON).
+    pub fn to_annotation(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Reads the annotation's value; `None` when it is longer than any the agent writes or not this JSON.
+    pub fn from_annotation(value: &str) -> Option<Self> {
+        (value.len() <= 2 * Self::NOTE_MAX).then(|| serde_json::from_str(value).ok()).flatten()
+    }
+}
+
+/// `text` cut to at most `max` bytes on a character boundary, ending in `…` where it was cut.
+fn cut(mut text: String, max: usize) -> String {
+    if text.len() > max {
+        let mut end = max - '…'.len_utf8();
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push('…');
+    }
+    text
 }
 
 /// Reads the pod's declared share from the sources in `sources`. `node_labels`: the labels of the pod's node
 /// (for MPS replicas); `None` when unknown (then MPS replicas are not read).
 pub fn declared(pod: &Pod, node_labels: Option<&BTreeMap<String, String>>, sources: Sources) -> Declaration {
+    declared_by_pod(pod, sources).on_node(node_labels)
+}
+
+/// What the pod itself declares, its GPU replicas kept as [`Amount::NodeReplicas`] until
+/// [`Declaration::on_node`] reads its node's labels: the agent keeps this (its node's labels may change).
+pub fn declared_by_pod(pod: &Pod, sources: Sources) -> Declaration {
     let mut terms = Vec::new();
     let by_kai = pod.spec.as_ref().and_then(|s| s.scheduler_name.as_deref()) == Some(KAI_SCHEDULER);
     let annotations = pod.metadata.annotations.as_ref().filter(|_| by_kai);
@@ -194,30 +268,68 @@ pub fn declared(pod: &Pod, node_labels: Option<&BTreeMap<String, String>>, sourc
             Err(e) => return Declaration::Invalid(format!("container {}: {e}", bounded(&c.name))),
         }
     }
-    if sources.has(ShareSource::MpsReplicas)
-        && let Some(labels) = node_labels
-        && labels.get(SHARING_STRATEGY).map(String::as_str) == Some("mps")
-    {
-        let replicas = match labels.get(REPLICAS).map(|v| count(REPLICAS, v, MAX_REPLICAS)) {
-            Some(Ok(r)) => r,
-            Some(Err(e)) => return Declaration::Invalid(format!("the node's {e}")),
-            None => return Declaration::Invalid(format!("the node shares GPUs by MPS but has no {REPLICAS} label")),
-        };
+    if sources.has(ShareSource::MpsReplicas) {
+        // Whether these are MPS replicas is the node's to say (`on_node`): until then a value that is no whole
+        // number makes the count unreadable (past MAX_DEVICES), which `on_node` tells only on an MPS node.
         let mut asked = 0u32;
         for c in spec.map(|s| s.containers.as_slice()).unwrap_or_default() {
             for r in [GPU, GPU_SHARED] {
-                match resource(c, r).map(|v| count(r, v, MAX_DEVICES)) {
-                    Some(Ok(n)) => asked = asked.saturating_add(n),
-                    Some(Err(e)) => return Declaration::Invalid(format!("container {}: {e}", bounded(&c.name))),
-                    None => {}
+                if let Some(v) = resource(c, r) {
+                    let n = (v.len() <= MAX_VALUE_LEN && !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+                        .then(|| v.parse::<u32>().ok())
+                        .flatten()
+                        .unwrap_or(u32::MAX);
+                    asked = asked.saturating_add(n);
                 }
             }
         }
         if asked > 0 {
-            terms.push(Term { source: ShareSource::MpsReplicas, amount: Amount::Replica(replicas), devices: asked });
+            terms.push(Term { source: ShareSource::MpsReplicas, amount: Amount::NodeReplicas, devices: asked });
         }
     }
     if terms.is_empty() { Declaration::None } else { Declaration::Share(terms) }
+}
+
+impl Declaration {
+    /// This declaration on a node labelled `node_labels` (`None`: not known): GPU replicas asked for are MPS
+    /// replicas only where GPU feature discovery labels the node as sharing its GPUs by MPS, each 1/replicas of
+    /// a GPU; elsewhere they declare no share (time-slicing, whole GPUs).
+    pub fn on_node(self, node_labels: Option<&BTreeMap<String, String>>) -> Declaration {
+        let Declaration::Share(terms) = self else { return self };
+        if !terms.iter().any(|t| t.amount == Amount::NodeReplicas) {
+            return Declaration::Share(terms);
+        }
+        let mps = node_labels.filter(|l| l.get(SHARING_STRATEGY).map(String::as_str) == Some("mps"));
+        let replicas = match mps.map(|l| l.get(REPLICAS).map(|v| count(REPLICAS, v, MAX_REPLICAS))) {
+            None => None,
+            Some(Some(Ok(r))) => Some(r),
+            Some(Some(Err(e))) => return Declaration::Invalid(format!("the node's {e}")),
+            Some(None) => {
+                return Declaration::Invalid(format!("the node shares GPUs by MPS but has no {REPLICAS} label"));
+            }
+        };
+        if replicas.is_some()
+            && let Some(t) = terms.iter().find(|t| t.amount == Amount::NodeReplicas && t.devices > MAX_DEVICES)
+        {
+            return Declaration::Invalid(format!(
+                "{GPU} and {GPU_SHARED}: the replicas asked for are not whole numbers adding up to at most {MAX_DEVICES} \
+                 (read {})",
+                if t.devices == u32::MAX {
+                    "a value that is no whole number".to_owned()
+                } else {
+                    t.devices.to_string()
+                }
+            ));
+        }
+        let terms: Vec<Term> = terms
+            .into_iter()
+            .filter_map(|t| match t.amount {
+                Amount::NodeReplicas => replicas.map(|r| Term { amount: Amount::Replica(r), ..t }),
+                _ => Some(t),
+            })
+            .collect();
+        if terms.is_empty() { Declaration::None } else { Declaration::Share(terms) }
+    }
 }
 
 /// HAMi's share in one container: `nvidia.com/gpumem` or `nvidia.com/gpumem-percentage` times its
@@ -307,6 +419,7 @@ impl Term {
                 ((u128::from(total) * u128::from(pm)) / u128::from(MILLION)) as u64
             }
             Amount::Replica(r) => gpu_bytes.ok_or(NOT_KNOWN_YET)? / u64::from(r),
+            Amount::NodeReplicas => return Err("the node's MPS replicas are not known".to_owned()),
         };
         Ok(per.saturating_mul(u64::from(self.devices)))
     }
@@ -323,6 +436,9 @@ impl fmt::Display for Term {
             (ShareSource::KaiMemory, Amount::Mib(m)) => write!(f, "KAI gpu-memory {m} MiB{times}"),
             (ShareSource::HamiMemory, Amount::Mib(m)) => write!(f, "HAMi gpumem {m} MiB{times}"),
             (_, Amount::Replica(r)) => write!(f, "MPS replica{} of {r} per GPU", plural_count(self.devices)),
+            (_, Amount::NodeReplicas) => {
+                write!(f, "GPU replica{} (MPS if the node says so)", plural_count(self.devices))
+            }
             (s, a) => write!(f, "{s:?} {a:?}{times}"),
         }
     }
@@ -354,7 +470,8 @@ pub fn resolve(terms: &[Term], gpu_totals: &[u64]) -> Result<Resolved, String> {
         (true, Some(s)) => format!(" of {}", HumanBytes(s)),
         _ => String::new(),
     };
-    Ok(Resolved { bytes, text: format!("{}{of} = {}", parts.join(" + "), HumanBytes(bytes)) })
+    let sources = ShareSource::ALL.into_iter().filter(|s| terms.iter().any(|t| t.source == *s)).collect();
+    Ok(Resolved { bytes, text: format!("{}{of} = {}", parts.join(" + "), HumanBytes(bytes)), sources })
 }
 
 impl ShareSource {
@@ -384,6 +501,7 @@ impl fmt::Display for Declaration {
                         Amount::PerMillion(pm) => ("p", u64::from(pm)),
                         Amount::Mib(m) => ("m", m),
                         Amount::Replica(r) => ("r", u64::from(r)),
+                        Amount::NodeReplicas => ("n", 0),
                     };
                     write!(f, "{}{}/{kind}{n}/{}", if i > 0 { "," } else { "" }, t.source.code(), t.devices)?;
                 }
@@ -415,6 +533,7 @@ impl std::str::FromStr for Declaration {
                 "p" => Amount::PerMillion(n.parse().ok()?),
                 "m" => Amount::Mib(n.parse().ok()?),
                 "r" => Amount::Replica(n.parse().ok().filter(|r| *r > 0)?),
+                "n" if n == "0" => Amount::NodeReplicas,
                 _ => return None,
             };
             parts.next().is_none().then_some(Term { source, amount, devices })
@@ -437,7 +556,12 @@ impl Declaration {
             Declaration::None => None,
             Declaration::Invalid(why) => Some(Err(why.clone())),
             Declaration::Share(terms) => {
-                let read: Vec<Term> = terms.iter().copied().filter(|t| sources.has(t.source)).collect();
+                // GPU replicas not yet read against the node's labels declare nothing (as on an unknown node).
+                let read: Vec<Term> = terms
+                    .iter()
+                    .copied()
+                    .filter(|t| sources.has(t.source) && t.amount != Amount::NodeReplicas)
+                    .collect();
                 (!read.is_empty()).then(|| resolve(&read, gpu_totals))
             }
         }

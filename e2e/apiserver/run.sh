@@ -332,12 +332,12 @@ wait_for "llm-inference EVICTED 1" status_is "$NS_A" llm-inference evictions 1
 wait_for "llm-inference lastEviction names llm-evict" status_is "$NS_A" llm-inference lastEviction.pod llm-evict
 gmb_row() { kubectl get gmb "$2" -n "$1" --no-headers | tr -s ' ' | cut -d' ' -f1-6; }
 gmb_row_is() { [ "$(gmb_row "$1" "$2")" = "$3" ]; }
-# No request set, no admissionCaps: kubectl leaves the REQUEST and CAPPED cells empty (tr -s squeezes them out).
+# No request set, no admissionCaps, no share: kubectl leaves the REQUEST, CAPPED and SHARE cells empty (tr -s squeezes them out).
 # MATCHED counts remote-a (app=llm, on the other node): the operator reports every pod a budget selects.
 wait_for "kubectl get gmb: llm-inference 8Gi Evict, MATCHED 1 (remote-a), OVER 0, EVICTED 1" gmb_row_is "$NS_A" llm-inference "llm-inference 8Gi Evict 1 0 1"
 kubectl get gmb -n "$NS_A" | tee "$WORK/gmb-a.txt" | sed 's/^/    /'
 HEADER=$(head -n1 "$WORK/gmb-a.txt" | tr -s ' ')
-[ "$HEADER" = "NAME REQUEST LIMIT ACTION MATCHED OVER CAPPED EVICTED AGE" ] || die "kubectl get gmb columns: $HEADER"
+[ "$HEADER" = "NAME REQUEST LIMIT ACTION MATCHED OVER CAPPED SHARE EVICTED AGE" ] || die "kubectl get gmb columns: $HEADER"
 kubectl get gmb llm-inference -n "$NS_A" -o jsonpath='{.status.lastEviction}' | sed 's/^/    lastEviction: /'; echo
 
 say "Warn: trainer stays over 40Gi past overLimitSeconds (30 s), events only"

@@ -120,9 +120,12 @@ pub fn why_text(r: &WhyReport, now: Timestamp) -> String {
         None => add("Budget:", "none".into()),
     }
     add("Why:", r.why.clone());
+    if let Some(share) = &r.share {
+        add("Share:", share.clone());
+    }
     if let Some(rec) = &r.record {
         let mut text = format!("{}: using {}", rec.state, rec.usage);
-        if let Some(b) = r.budget.as_ref().and_then(|b| b.limit_bytes) {
+        if let Some(b) = rec.limit_bytes.or_else(|| r.budget.as_ref().and_then(|b| b.limit_bytes)) {
             text.push_str(&format!(" of {}", gpubudget_common::quantity::HumanBytes(b)));
         }
         if let Some(pct) = rec.percent {

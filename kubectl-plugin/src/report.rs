@@ -55,6 +55,9 @@ pub struct TopRow {
     /// When the agent asked for the pod's eviction.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eviction_requested_at: Option<String>,
+    /// How the pod's limit came from its declared share, as its node's agent recorded it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub share: Option<String>,
 }
 
 /// `kubectl gpubudget why POD -o json|yaml`.
@@ -71,6 +74,10 @@ pub struct WhyReport {
     pub budget: Option<BudgetInfo>,
     /// Why that budget: which budgets select the pod and how the overlap was resolved.
     pub why: String,
+    /// Where the budget that applies takes shares (`spec.share`): the pod's limit from its declared share, as its
+    /// node's agent resolved it (its record), or what the pod declares before any agent has recorded it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub share: Option<String>,
     /// Every budget in the namespace whose selector picks the pod, the one that applies first.
     pub matched: Vec<MatchedBudget>,
     /// The agent's record on the pod; absent when no agent has written one.
@@ -164,6 +171,9 @@ pub struct RecordInfo {
     /// Why the pod's MPS cap is not in force, as its node's agent saw (`gpubudget.io/cap-not-in-force`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cap_not_in_force: Option<String>,
+    /// The pod's own limit, where it comes from its declared share (`gpubudget.io/share`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit_bytes: Option<u64>,
 }
 
 /// What happens next.

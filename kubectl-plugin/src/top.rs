@@ -48,7 +48,9 @@ pub fn rows(pods: &[Pod], limits: &HashMap<(String, String), u64>, measured: &Ha
             let namespace = meta.namespace.clone().unwrap_or_default();
             let scope =
                 if record.budget.starts_with(CLUSTER_BUDGET_PREFIX) { String::new() } else { namespace.clone() };
-            let limit_bytes = limits.get(&(scope, record.budget.to_string())).copied();
+            // A pod held to its declared share has a limit of its own, as its agent recorded it.
+            let own = record.share.as_ref().map(|s| s.limit_bytes);
+            let limit_bytes = own.or_else(|| limits.get(&(scope, record.budget.to_string())).copied());
             let usage = meta.uid.as_ref().and_then(|uid| measured.get(uid)).copied().unwrap_or(record.usage_bytes);
             Some(TopRow {
                 name: meta.name.clone().unwrap_or_default(),
@@ -63,6 +65,7 @@ pub fn rows(pods: &[Pod], limits: &HashMap<(String, String), u64>, measured: &Ha
                 limit_bytes,
                 budget: record.budget.to_string(),
                 eviction_requested_at: record.eviction_requested_at,
+                share: record.share.map(|s| s.note),
                 namespace,
             })
         })
@@ -104,6 +107,7 @@ mod tests {
                 node: node.into(),
                 eviction_requested_at: None,
                 cap_not_in_force: None,
+                share: None,
             }
             .to_annotations();
         }
@@ -152,6 +156,21 @@ mod tests {
         let budgets =
             [budget("team-a", "llm", "8Gi"), budget("team-a", "audit", "40Gi"), budget("team-b", "llm", "8Gi")];
         rows(&pods, &limits(&budgets, &[]), &HashMap::new())
+    }
+
+    #[test]
+    fn a_pod_held_to_its_share_shows_its_own_limit_and_how() {
+        let mut p = pod("team-a", "kai-0", Some(("Over", 22 << 30, "shares", "n1")));
+        let held = gpubudget_common::share::Held::new(
+            20 << 30,
+            vec![gpubudget_common::share::ShareSource::KaiFraction],
+            "KAI gpu-fraction 0.25 of 80Gi = 20Gi".into(),
+        );
+        let annotations = p.metadata.annotations.get_or_insert_default();
+        annotations.insert(gpubudget_common::pod_record::SHARE.into(), held.to_annotation());
+        let rows = rows(&[p], &limits(&[budget("team-a", "shares", "80Gi")], &[]), &HashMap::new());
+        assert_eq!((rows[0].limit.as_deref(), rows[0].percent), (Some("20Gi"), Some(110.0)));
+        assert_eq!(rows[0].share.as_deref(), Some("KAI gpu-fraction 0.25 of 80Gi = 20Gi"));
     }
 
     #[test]

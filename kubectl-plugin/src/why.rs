@@ -263,6 +263,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
             },
             budget: budget_name.as_deref().map(info),
             why,
+            share: None,
             matched: Vec::new(),
             record: None,
             over_since: None,
@@ -313,8 +314,20 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
     } else {
         labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
     };
-    // The rules enforced: the budget's own, or tightened by the cluster budgets that also select the pod.
-    let applying: Option<&Budget> = resolution.as_ref().map(|r| r.applied());
+    // The rules enforced: the budget's own, or tightened by the cluster budgets that also select the pod; or,
+    // where the agent's record says a budget taking shares applied the pod's own share (only the node knows a
+    // fraction's size), that budget's rules for the pod as recorded.
+    let by_share: Option<Budget> = record.as_ref().and_then(|r| {
+        let held = r.share.clone()?;
+        let all = resolution.iter().flat_map(|res| std::iter::once(res.budget).chain(res.also_matched.iter().copied()));
+        all.into_iter().find(|b| b.share.is_some() && b.is_record_name(&r.budget)).map(|b| b.with_held(held))
+    });
+    if let Some(b) = &by_share {
+        for m in &mut matched {
+            m.applies = m.name == b.record_name();
+        }
+    }
+    let applying: Option<&Budget> = by_share.as_ref().or_else(|| resolution.as_ref().map(|r| r.applied()));
     let mut why = match (budgets, matched.as_slice()) {
         (None, _) => match &record {
             Some(r) => {
@@ -345,7 +358,14 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
             first.name
         ),
     };
-    if let Some(by) = applying.and_then(|b| b.tightened_by.as_deref()) {
+    let share = applying.and_then(|b| share_sentence(b, pod));
+    if let Some(b) = &by_share {
+        why.push_str(&format!(
+            "; {} takes each pod's declared share as its limit, and its node applied it",
+            b.record_name()
+        ));
+    }
+    if let Some(by) = applying.filter(|_| by_share.is_none()).and_then(|b| b.tightened_by.as_deref()) {
         why.push_str(&format!(
             "; no rule applied is looser than any cluster budget that selects the pod, so its rules are tightened by \
              {by}"
@@ -408,6 +428,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
         last_eviction: last_eviction_of(budget_name.as_deref().and_then(resource)),
         budget,
         why,
+        share,
         matched,
         record: record.as_ref().map(|r| (r, measured.unwrap_or(r.usage_bytes))).map(|(r, usage)| RecordInfo {
             state: r.state,
@@ -418,6 +439,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
             percent: limit.and_then(|l| percent(usage, l)),
             eviction_requested_at: r.eviction_requested_at.clone(),
             cap_not_in_force: r.cap_not_in_force.clone(),
+            limit_bytes: r.share.as_ref().map(|s| s.limit_bytes),
         }),
         over_since: over_since.map(round),
         over_for_seconds: over_since.map(|t| now.duration_since(t).as_secs().max(0)),
@@ -425,6 +447,41 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
         next,
         events: last(rows),
         warnings,
+    })
+}
+
+/// What `budget` (the one that applies) makes of the pod's declared share, where it takes shares: as the pod's
+/// node resolved it (the record), or, before any agent has, what the pod declares: an absolute share is known
+/// here; a fraction's size only on the node, against the GPU the pod got.
+fn share_sentence(budget: &Budget, pod: &Pod) -> Option<String> {
+    let sources = budget.share?;
+    if let Some(held) = &budget.held_share {
+        let limit = HumanBytes(budget.limit_bytes);
+        return Some(if held.resolved() {
+            format!("limit {limit} from its declared share: {} (resolved by its node's agent)", held.note)
+        } else {
+            format!("limit {limit}: {} (as its node's agent recorded)", held.note)
+        });
+    }
+    use gpubudget_common::share::Declaration;
+    let declaration = gpubudget_common::share::declared(pod, None, sources);
+    Some(match declaration.under(sources, &[]) {
+        None => format!(
+            "the budget takes shares, but this pod declares none it reads: the budget's limit {} applies",
+            budget.limit_text
+        ),
+        Some(Ok(resolved)) => format!(
+            "its declared share {} is its limit (at most the budget's {}) once its node's agent sees it",
+            resolved.text, budget.limit_text
+        ),
+        Some(Err(why)) if matches!(declaration, Declaration::Invalid(_)) => {
+            format!("its declared share is unresolved: {why}; it is held to the budget's limit {}", budget.limit_text)
+        }
+        Some(Err(_)) => format!(
+            "its declared share is a part of a GPU: its size is resolved on its node, against the GPU it got, once \
+             the agent there sees it (until then: the budget's limit {})",
+            budget.limit_text
+        ),
     })
 }
 

@@ -35,6 +35,7 @@ fn record(state: BudgetState, usage: u64, budget: &str, node: &str) -> Option<Po
         node: node.into(),
         eviction_requested_at: None,
         cap_not_in_force: None,
+        share: None,
     })
 }
 

@@ -223,7 +223,10 @@ mod tests {
             .iter()
             .filter_map(|c| c["name"].as_str())
             .collect();
-        assert_eq!(columns, ["Request", "Limit", "Action", "Matched", "Over", "Capped", "Uncapped", "Evicted", "Age"]);
+        assert_eq!(
+            columns,
+            ["Request", "Limit", "Action", "Matched", "Over", "Capped", "Uncapped", "Share", "Evicted", "Age"]
+        );
         let spec = &schema()["properties"]["spec"];
         assert!(spec["properties"]["limit"]["description"].as_str().expect("doc").contains("NVML"));
         assert_eq!(spec["properties"]["action"]["default"], "Evict");

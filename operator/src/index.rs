@@ -885,6 +885,7 @@ mod tests {
             node: "n1".into(),
             eviction_requested_at: None,
             cap_not_in_force: None,
+            share: None,
         });
         index.apply_pod(p.clone());
         let usage = |bytes: u64, uid: &str| NodePodUsage {
@@ -943,6 +944,7 @@ mod tests {
             node: "n1".into(),
             eviction_requested_at: None,
             cap_not_in_force: None,
+            share: None,
         });
         assert_eq!(index.apply_pod(p.clone()), keys(&["llm"]), "wide selects it too but does not apply");
         // A stale record naming another budget: that one is affected as well (it counts the evictions).
@@ -968,6 +970,7 @@ mod tests {
             node: "n1".into(),
             eviction_requested_at: Some("2027-01-15T08:00:00Z".into()),
             cap_not_in_force: None,
+            share: None,
         });
         index.apply_pod(p);
         index.apply_pod(pod("a", "p2", &[("app", "llm")]));
@@ -985,6 +988,7 @@ mod tests {
                 node: "n1".into(),
                 eviction_requested_at: Some("2027-01-15T09:00:00Z".into()),
                 cap_not_in_force: None,
+                share: None,
             });
             index.apply_pod(q);
             index.delete_pod(&ObjKey::new("a", format!("q{i}")));
@@ -1073,6 +1077,7 @@ mod tests {
                 node: "gpu-node-7".into(),
                 eviction_requested_at: None,
                 cap_not_in_force: None,
+                share: None,
             }),
             caps: gpubudget_common::caps::PodCaps::Capped { max_mib },
             ..pod(ns, name, &[("app", "llm")])
@@ -1170,6 +1175,7 @@ mod tests {
                 node: "n".into(),
                 eviction_requested_at: None,
                 cap_not_in_force: None,
+                share: None,
             });
             p
         }
@@ -1443,6 +1449,7 @@ mod tests {
                                 node: "n".into(),
                                 eviction_requested_at: None,
                                 cap_not_in_force: None,
+                                share: None,
                             });
                             world.pods.insert((ns, id), p.clone());
                             index.apply_pod(p)

@@ -583,6 +583,7 @@ mod tests {
                     node: "n".into(),
                     eviction_requested_at: None,
                     cap_not_in_force: None,
+                    share: None,
                 }
                 .to_annotations(),
             );

@@ -225,31 +225,39 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
     let mut above_request = 0;
     let mut assessed: HashMap<Assessment, i64> = HashMap::new();
     let mut not_in_force = 0;
+    let mut shares = ShareTally::default();
     for selected in &inputs.selected {
         let pod = selected.pod;
         let pod_labels = gpubudget_common::PodLabels::new(&pod.namespace, selected.namespace_labels, &pod.labels);
         // The caps the pod was given: by the rules that apply to it (a cluster budget may have tightened them).
         let mut pod_caps = Caps::of(budget);
+        // A budget taking shares may win on the node with a pod's own limit (its share), which only the node can
+        // know for a fraction: where the agent's record names such a budget that selects the pod, that one applies.
+        let by_share = pod.record.as_ref().and_then(|r| {
+            r.share.as_ref()?;
+            selected.selected_by.iter().copied().find(|b| b.share.is_some() && b.is_record_name(&r.budget))
+        });
         let applies = match gpubudget_common::resolve(selected.selected_by.iter().copied(), &pod_labels) {
             Some(resolution) => {
-                pod_caps = Caps::of(resolution.applied());
+                pod_caps = Caps::of(by_share.unwrap_or(resolution.applied()));
                 if !resolution.also_matched.is_empty() {
                     overlap.pods += 1;
-                    let winner = resolution.budget;
+                    let winner = by_share.unwrap_or(resolution.budget);
                     overlap.cluster |= winner.is_cluster() || resolution.also_matched.iter().any(|b| b.is_cluster());
                     *overlap.winners.entry(seen_from(budget, winner)).or_default() += 1;
                     if same_budget(winner, budget)
+                        && by_share.is_none()
                         && let Some(by) = resolution.applied().tightened_by.as_ref()
                     {
                         overlap.tightened_by.get_or_insert_with(|| by.clone());
                     }
-                    for other in std::iter::once(winner).chain(resolution.also_matched.iter().copied()) {
+                    for other in std::iter::once(resolution.budget).chain(resolution.also_matched.iter().copied()) {
                         if !same_budget(other, budget) {
                             overlap.others.insert(seen_from(budget, other), other.limit_text.clone());
                         }
                     }
                 }
-                same_budget(resolution.budget, budget)
+                same_budget(by_share.unwrap_or(resolution.budget), budget)
             }
             // The index says this budget selects the pod; resolve disagrees only if the inputs are
             // inconsistent. Count it for this budget rather than lose it.
@@ -277,13 +285,22 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
                 state if state.is_over() => status.pods_over_budget += 1,
                 _ => {}
             }
-            if budget.request_bytes.is_some_and(|request| record.usage_bytes > request) {
+            // A pod's request is its share where it has one (the budget's rules for it say so).
+            let request =
+                record.share.as_ref().filter(|s| s.resolved()).map(|s| s.limit_bytes).or(budget.request_bytes);
+            if request.is_some_and(|request| record.usage_bytes > request) {
                 above_request += 1;
+            }
+            if budget.share.is_some() {
+                shares.add(record.share.as_ref());
             }
         }
         top.push((pod, record));
     }
-    status.pods_above_request = budget.request_bytes.map(|_| above_request);
+    status.pods_above_request = (budget.request_bytes.is_some() || budget.share.is_some()).then_some(above_request);
+    if budget.share.is_some() {
+        shares.write(status);
+    }
     if Caps::of(budget).is_some() || !assessed.is_empty() {
         let count = |a| assessed.get(&a).copied().unwrap_or_default();
         status.pods_capped = Some(count(Assessment::Capped));
@@ -306,9 +323,44 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
             usage: HumanBytes(record.usage_bytes).to_string(),
             usage_bytes: i64::try_from(record.usage_bytes).unwrap_or(i64::MAX),
             state: record.state,
+            share: record.share.as_ref().map(|s| format!("{}: {}", HumanBytes(s.limit_bytes), s.note)),
         })
         .collect();
     overlap
+}
+
+/// A share budget's recorded pods by where their share came from ([`GpuMemoryBudgetStatus::share`]).
+#[derive(Default)]
+struct ShareTally {
+    by_source: std::collections::BTreeMap<gpubudget_common::share::ShareSource, i64>,
+    on_share: i64,
+    unresolved: i64,
+}
+
+impl ShareTally {
+    fn add(&mut self, held: Option<&gpubudget_common::share::Held>) {
+        match held {
+            Some(h) if h.resolved() => {
+                self.on_share += 1;
+                for source in &h.sources {
+                    *self.by_source.entry(*source).or_default() += 1;
+                }
+            }
+            Some(_) => self.unresolved += 1,
+            // Recorded under this budget before it took shares, or the pod declares none it reads.
+            None => {}
+        }
+    }
+
+    fn write(self, status: &mut GpuMemoryBudgetStatus) {
+        let mut parts: Vec<String> = self.by_source.iter().map(|(s, n)| format!("{} {n}", s.name())).collect();
+        if self.unresolved > 0 {
+            parts.push(format!("unresolved {}", self.unresolved));
+        }
+        status.pods_on_share = Some(self.on_share);
+        status.pods_share_unresolved = Some(self.unresolved);
+        status.share = Some(if parts.is_empty() { "none recorded".to_owned() } else { parts.join(", ") });
+    }
 }
 
 fn parse_time(text: &str) -> Option<Timestamp> {
@@ -590,6 +642,7 @@ mod tests {
                 node: "gpu-1".into(),
                 eviction_requested_at: None,
                 cap_not_in_force: None,
+                share: None,
             }),
             terminating: false,
             caps: gpubudget_common::caps::PodCaps::NoGpu,
@@ -698,6 +751,7 @@ mod tests {
                 node: "gpu-1".into(),
                 eviction_requested_at: None,
                 cap_not_in_force: why.map(str::to_owned),
+                share: None,
             });
             p
         };
@@ -844,6 +898,49 @@ mod tests {
         );
     }
 
+    /// A budget taking shares counts the pods whose node applied it (their share is smaller than another
+    /// budget's limit, which only the node can know for a fraction), by source, with the unresolved apart.
+    #[test]
+    fn a_share_budget_counts_the_pods_its_node_applied_by_source() {
+        use gpubudget_common::share::{Held, ShareSource};
+        let mut shares = resource("shares", "80Gi", "{}");
+        shares.spec.share = Some(serde_json::from_value(serde_json::json!({})).expect("share spec"));
+        let plain = resource("plain", "30Gi", "{}");
+        let (bs, bp) = (compiled(&shares), compiled(&plain));
+        let with_share = |mut p: PodInfo, held: Held| {
+            p.record.as_mut().expect("record").share = Some(held);
+            p
+        };
+        let pods = [
+            with_share(
+                pod("kai", "x", Some((BudgetState::Near, 19 * GI, "shares"))),
+                Held::new(20 * GI, vec![ShareSource::KaiFraction], "KAI gpu-fraction 0.25 of 80Gi = 20Gi".into()),
+            ),
+            pod("none", "x", Some((BudgetState::Within, GI, "plain"))),
+            with_share(
+                pod("bad", "x", Some((BudgetState::Within, 2 * GI, "shares"))),
+                Held::new(80 * GI, vec![], "share unresolved: gpu-fraction \"lots\" is no decimal".into()),
+            ),
+        ];
+        let selected: Vec<Selected> =
+            pods.iter().map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![&bp, &bs] }).collect();
+        let inputs = Inputs { spec: None, selected, recorded: pods.iter().collect(), nodes: None };
+        let s = compute(&shares, &inputs, None, t(0));
+        assert_eq!((s.matched_pods, s.pods_near_budget), (2, 1), "the node applied shares to kai and bad");
+        assert_eq!((s.pods_on_share, s.pods_share_unresolved), (Some(1), Some(1)));
+        assert_eq!(s.share.as_deref(), Some("KAI gpu-fraction 1, unresolved 1"));
+        assert_eq!(s.pods_above_request, Some(0), "kai holds 19Gi of its 20Gi share, which is its request");
+        assert_eq!(s.top_pods[0].share.as_deref(), Some("20Gi: KAI gpu-fraction 0.25 of 80Gi = 20Gi"));
+        let s = compute(&plain, &inputs, None, t(0));
+        assert_eq!((s.matched_pods, s.pods_on_share, s.share), (1, None, None), "plain applies to none only");
+        // Before any agent has recorded a pod: the operator's own resolution (the smallest spec limit).
+        let fresh: Vec<PodInfo> = ["a", "b"].iter().map(|n| pod(n, "x", None)).collect();
+        let selected =
+            fresh.iter().map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![&bp, &bs] }).collect();
+        let s = compute(&shares, &Inputs { spec: None, selected, recorded: vec![], nodes: None }, None, t(0));
+        assert_eq!((s.matched_pods, s.share.as_deref()), (0, Some("none recorded")));
+    }
+
     #[test]
     fn invalid_specs_are_not_ready_and_keep_their_evictions() {
         let mut bad = resource("llm", "8Gi", "{}");
@@ -868,6 +965,7 @@ mod tests {
             usage: HumanBytes(usage).to_string(),
             usage_bytes: usage as i64,
             state: BudgetState::Within,
+            share: None,
         };
         let full = GpuMemoryBudgetStatus { matched_pods: 1, top_pods: vec![top(GI)], ..Default::default() };
         let cached = GpuMemoryBudgetStatus { top_pods: Vec::new(), ..full.clone() };

@@ -32,6 +32,7 @@ fn forged(namespace: &str, name: &str, terminating: bool) -> PodInfo {
             node: "gpu-node-1".into(),
             eviction_requested_at: Some("2026-11-21T18:00:00Z".into()),
             cap_not_in_force: None,
+            share: None,
         }),
         terminating,
         caps: gpubudget_common::caps::PodCaps::NoGpu,

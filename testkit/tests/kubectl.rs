@@ -132,7 +132,7 @@ async fn kubectl_gets_budgets_with_printer_columns_and_pods() {
     let Some(kubectl) = Kubectl::start(&fake).await else { return };
     let mut header = vec!["NAME".to_owned()];
     header.extend(printer_columns());
-    assert_eq!(header[1..8], ["REQUEST", "LIMIT", "ACTION", "MATCHED", "OVER", "CAPPED", "EVICTED"]);
+    assert_eq!(header[1..9], ["REQUEST", "LIMIT", "ACTION", "MATCHED", "OVER", "CAPPED", "SHARE", "EVICTED"]);
 
     let out = kubectl.run(&["get", "gmb", "-n", "team-a"]).await;
     println!("$ kubectl get gmb -n team-a\n{out}");
@@ -380,13 +380,13 @@ async fn tables_for_custom_resources_pods_events_and_the_rest() {
         table["columnDefinitions"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
     assert_eq!(
         names,
-        ["Name", "Request", "Limit", "Action", "Matched", "Over", "Capped", "Uncapped", "Evicted", "Age"]
+        ["Name", "Request", "Limit", "Action", "Matched", "Over", "Capped", "Uncapped", "Share", "Evicted", "Age"]
     );
     assert_eq!(table["columnDefinitions"][0]["format"], "name");
     assert_eq!(table["columnDefinitions"][4]["type"], "integer");
     let row = &table["rows"][0];
     assert_eq!(
-        row["cells"].as_array().unwrap()[..9],
+        row["cells"].as_array().unwrap()[..10],
         [
             json!("llm"),
             json!(null),
@@ -396,10 +396,11 @@ async fn tables_for_custom_resources_pods_events_and_the_rest() {
             json!(1),
             json!(null),
             json!(null),
+            json!(null),
             json!(2)
         ]
     );
-    assert!(row["cells"][9].as_str().unwrap().ends_with('s'));
+    assert!(row["cells"][10].as_str().unwrap().ends_with('s'));
     assert_eq!(row["object"]["kind"], "PartialObjectMetadata");
     assert_eq!(row["object"]["metadata"]["namespace"], "team-a");
     assert!(row["object"].get("spec").is_none());

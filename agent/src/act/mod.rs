@@ -78,6 +78,7 @@ mod tests {
             node: "n1".into(),
             eviction_requested_at: None,
             cap_not_in_force: None,
+            share: None,
         };
         assert_eq!(super::annotations(&record, None), record.to_annotations());
         let driver =

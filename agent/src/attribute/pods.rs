@@ -180,7 +180,7 @@ impl PodView {
                 _ => annotations.and_then(|a| a.get(SLIM_MPS_CAP)).and_then(|v| v.parse().ok()),
             },
             share: match spec {
-                Some(s) if !s.containers.is_empty() => share::declared(pod, None, share::Sources::ALL),
+                Some(s) if !s.containers.is_empty() => share::declared_by_pod(pod, share::Sources::ALL),
                 _ => annotations
                     .and_then(|a| a.get(SLIM_SHARE))
                     .and_then(|v| v.parse().ok())
@@ -207,16 +207,16 @@ impl PodView {
 /// states) is dropped as the watch delivers it, so a cache of 1 000 pods costs what 1 000 `PodView`s need.
 /// Of the containers' GPU limits and cap variables only the verdict is kept ([`PodView::mps_cap_mib`]).
 ///
-/// `node_labels`: the labels of the pod's node, for a share the device plugin's MPS replicas declare
-/// ([`gpubudget_common::share::declared`]); `None` when unknown.
-pub fn slim_pod(pod: &mut Pod, node_labels: Option<&BTreeMap<String, String>>) {
+/// The pod's declared share is kept as the pod declares it ([`gpubudget_common::share::declared_by_pod`]): the
+/// node's labels, which say whether GPU replicas are MPS replicas, are read when the table is built.
+pub fn slim_pod(pod: &mut Pod) {
     use k8s_openapi::api::core::v1::{ContainerStatus, PodSpec, PodStatus};
     let mps_cap = pod.spec.as_ref().filter(|s| !s.containers.is_empty()).map(|_| MpsCap::of_pod(pod));
     let declared = pod
         .spec
         .as_ref()
         .filter(|s| !s.containers.is_empty())
-        .map(|_| share::declared(pod, node_labels, share::Sources::ALL));
+        .map(|_| share::declared_by_pod(pod, share::Sources::ALL));
     let meta = &mut pod.metadata;
     meta.managed_fields = None;
     meta.owner_references = None;
@@ -354,7 +354,15 @@ impl PodTable {
             // after the run, shared by every pod they apply to (the same named budget, tightened by the same
             // cluster budgets, with the same share).
             let mut entry = |named: Option<usize>, rules: Budget| {
-                let key = (named, format!("{:?}|{:?}|{}", rules.tightened_by, rules.share_note, rules.limit_bytes));
+                let key = (
+                    named,
+                    format!(
+                        "{:?}|{:?}|{}",
+                        rules.tightened_by,
+                        rules.held_share.as_ref().map(|h| &h.note),
+                        rules.limit_bytes
+                    ),
+                );
                 *tightened_index.entry(key).or_insert_with(|| {
                     budgets.push(Arc::new(rules));
                     budgets.len() - 1
@@ -482,7 +490,7 @@ status:
   - {name: sidecar, image: x, imageID: x, ready: false, restartCount: 0}
 "#);
         let mut slim = full.clone();
-        slim_pod(&mut slim, None);
+        slim_pod(&mut slim);
         assert_eq!(PodView::from_pod(&slim), PodView::from_pod(&full));
         let view = PodView::from_pod(&slim).expect("view");
         assert!(view.critical && view.terminating && view.record.is_some() && view.mirror_of.is_some());
@@ -497,7 +505,7 @@ status:
         // A finished pod stays finished.
         let mut done =
             pod("metadata: {name: d, namespace: a, uid: u}\nspec: {containers: []}\nstatus: {phase: Failed}");
-        slim_pod(&mut done, None);
+        slim_pod(&mut done);
         assert!(PodView::from_pod(&done).is_none());
     }
 
@@ -508,7 +516,7 @@ status:
                 "metadata: {{name: a, namespace: n, uid: u, annotations: {{gpubudget.io/caps: '{caps}'}}}}\nspec: {{containers: []}}"
             ));
             let mut slim = p.clone();
-            slim_pod(&mut slim, None);
+            slim_pod(&mut slim);
             assert_eq!(PodView::from_pod(&slim), PodView::from_pod(&p), "kept by the slim copy");
             PodView::from_pod(&slim).expect("view").caps_expected
         };
@@ -533,7 +541,7 @@ status:
                  spec: {{containers: [{{name: m, image: x, resources: {{limits: {{nvidia.com/gpu: '1'}}}}, env: [{env}]}}]}}"
             ));
             let mut slim = p.clone();
-            slim_pod(&mut slim, None);
+            slim_pod(&mut slim);
             let (full, slim) = (PodView::from_pod(&p).expect("view"), PodView::from_pod(&slim).expect("view"));
             assert_eq!(full.mps_cap_mib, slim.mps_cap_mib, "kept by the slim copy");
             slim.mps_cap_mib
@@ -554,8 +562,8 @@ status:
             "metadata: {name: a, namespace: n, uid: u}\nspec: {containers: [{name: m, image: x, resources: {limits: \
              {nvidia.com/gpu: '1'}}, env: [{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 0=8G}]}]}",
         );
-        slim_pod(&mut twice, None);
-        slim_pod(&mut twice, None);
+        slim_pod(&mut twice);
+        slim_pod(&mut twice);
         assert_eq!(PodView::from_pod(&twice).expect("view").mps_cap_mib, Some(MpsCap { mib: 8192, devices: 1 }));
         // The devices the value names, kept too: the fewest of any GPU container.
         let mut two =
@@ -564,7 +572,7 @@ status:
              CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: 0=1G}]}], containers: [{name: m, image: x, resources: {limits: \
              {nvidia.com/gpu: '2'}}, env: [{name: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, value: '0=3G,1=3G'}]}]}");
         assert_eq!(PodView::from_pod(&two).expect("view").mps_cap_mib, Some(MpsCap { mib: 3072, devices: 1 }));
-        slim_pod(&mut two, None);
+        slim_pod(&mut two);
         assert_eq!(PodView::from_pod(&two).expect("view").mps_cap_mib, Some(MpsCap { mib: 3072, devices: 1 }));
     }
 
@@ -619,7 +627,7 @@ status:
                 "metadata: {{name: {name}, namespace: a, uid: u-{name}, labels: {labels}, annotations: {annotations}}}\n\
                  spec: {{nodeName: n1, schedulerName: kai-scheduler, containers: [{{name: c, image: i}}]}}"
             ));
-            slim_pod(&mut p, None); // as the agent's cache keeps it: the share survives the dropped annotations
+            slim_pod(&mut p); // as the agent's cache keeps it: the share survives the dropped annotations
             PodView::from_pod(&p).expect("view")
         };
         let pods = [
@@ -646,7 +654,7 @@ status:
             ("tight", 30 << 30),
             "30Gi is smaller than its 39.8Gi share"
         );
-        assert_eq!((of("none").limit_bytes, of("none").share_note.as_deref()), (80 << 30, None));
+        assert_eq!((of("none").limit_bytes, of("none").held_share.as_ref()), (80 << 30, None));
         let hostile = of("hostile");
         assert_eq!(hostile.limit_bytes, 80 << 30, "never a guessed share: the budget's limit");
         assert!(
@@ -660,7 +668,7 @@ status:
         let half = early.budget(early.find_name("a", "half").expect("half")).expect("applies");
         assert_eq!(half.limit_bytes, 80 << 30);
         assert!(half.described().contains("the node's GPU memory is not known yet"));
-        assert_eq!(table.budgets.iter().filter(|b| b.share_note.is_some()).count(), 3, "half, quarter, hostile");
+        assert_eq!(table.budgets.iter().filter(|b| b.held_share.is_some()).count(), 3, "half, quarter, hostile");
     }
 
     #[test]
@@ -678,7 +686,7 @@ status:
         .expect("cluster budget");
         let mut p = pod("metadata: {name: q, namespace: a, uid: u-q, annotations: {gpu-fraction: '0.25'}}\n\
              spec: {nodeName: n1, schedulerName: kai-scheduler, containers: [{name: c, image: i}]}");
-        slim_pod(&mut p, None);
+        slim_pod(&mut p);
         let view = PodView::from_pod(&p).expect("view");
         let table = PodTable::from_index(
             [view],

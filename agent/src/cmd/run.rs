@@ -20,13 +20,15 @@ use futures::StreamExt as _;
 use gpubudget_common::{ClusterGpuMemoryBudget, ClusterGpuMemoryBudgetMirror, GpuMemoryBudget, GpuMemoryBudgetMirror};
 use gpubudget_daemon::{Health, serve_admin, shutdown_on_signal};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+
+use gpubudget_common::share::Declaration;
 
 use crate::act::WriteLabels;
 use crate::act::kube::KubeExecutor;
@@ -79,6 +81,8 @@ pub struct Caches {
     cluster: Arc<Mutex<ClusterCache>>,
     changes: Arc<AtomicU64>,
     pods_ready: Arc<AtomicBool>,
+    /// The Node's labels that say how the device plugin shares its GPUs ([`node_sharing`]); `None` until read.
+    sharing: Arc<Mutex<Option<BTreeMap<String, String>>>>,
 }
 
 /// Runs a watch with the default backoff until `shutdown`, handing each event to `on`.
@@ -129,7 +133,6 @@ impl Caches {
     pub fn start(
         client: Client,
         node: &str,
-        node_labels: Option<BTreeMap<String, String>>,
         health: Health,
         mirroring: Mirroring,
         shutdown: CancellationToken,
@@ -148,7 +151,7 @@ impl Caches {
                 shutdown.clone(),
                 move |event: watcher::Event<Pod>| {
                     let listed = matches!(event, watcher::Event::InitDone);
-                    writer.apply_watcher_event(&event.modify(|p| slim_pod(p, node_labels.as_ref())));
+                    writer.apply_watcher_event(&event.modify(slim_pod));
                     changes.fetch_add(1, Ordering::AcqRel);
                     if listed && !ready.swap(true, Ordering::AcqRel) {
                         health.set("pods", true);
@@ -156,6 +159,28 @@ impl Caches {
                     }
                 },
             );
+        }
+        let sharing = Arc::new(Mutex::new(None));
+        {
+            let (sharing, changes, shutdown) = (sharing.clone(), changes.clone(), shutdown.clone());
+            let (nodes, node) = (Api::<Node>::all(client.clone()), node.to_owned());
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(NODE_SHARING_EVERY);
+                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        _ = every.tick() => {}
+                    }
+                    let Some(labels) = node_sharing(&nodes, &node).await else { continue };
+                    let mut known = lock(&sharing);
+                    if known.as_ref() != Some(&labels) {
+                        tracing::info!(%node, ?labels, "the Node's GPU sharing labels: the pods' shares follow them");
+                        *known = Some(labels);
+                        changes.fetch_add(1, Ordering::AcqRel);
+                    }
+                }
+            });
         }
         let budgets = Arc::new(Mutex::new(BudgetCache::default()));
         let cluster = Arc::new(Mutex::new(ClusterCache::default()));
@@ -259,7 +284,7 @@ impl Caches {
                 |_| {},
             );
         }
-        Self { pods, budgets, cluster, changes, pods_ready }
+        Self { pods, budgets, cluster, changes, pods_ready, sharing }
     }
 
     fn budgets(&self) -> std::sync::MutexGuard<'_, BudgetCache> {
@@ -280,8 +305,12 @@ impl Caches {
     pub fn table(&self, node: &str, gpu_totals: &[u64]) -> PodTable {
         let pods = self.pods.state();
         let cluster = lock(&self.cluster);
+        let sharing = lock(&self.sharing).clone();
         PodTable::from_index(
-            pods.iter().filter_map(|p| PodView::from_pod(p)),
+            pods.iter().filter_map(|p| PodView::from_pod(p)).map(|mut v| {
+                v.share = std::mem::replace(&mut v.share, Declaration::None).on_node(sharing.as_ref());
+                v
+            }),
             self.budgets().index(),
             cluster.index(),
             Some(node),
@@ -355,19 +384,27 @@ pub fn sampler_factory(sample_file: Option<&std::path::Path>) -> SamplerFactory 
     }
 }
 
-/// The labels of `node`, read once at start: where GPU feature discovery says the device plugin shares the
-/// GPUs by MPS, and in how many replicas (a share budget reads a pod's share from them). `None`, with a
-/// warning, when the Node cannot be read: MPS replicas then declare no share on this node.
-async fn node_labels(client: &Client, node: &str) -> Option<BTreeMap<String, String>> {
-    let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(client.clone());
+/// How often the Node's GPU sharing labels are read again: GPU feature discovery changes them when an
+/// administrator changes the device plugin's sharing (rarely); a `get` of one Node needs no watch on all Nodes.
+const NODE_SHARING_EVERY: Duration = Duration::from_secs(60);
+
+/// The labels of `node` that say how the device plugin shares its GPUs (GPU feature discovery's strategy and
+/// replicas; a share budget reads a pod's MPS replicas from them), or `None`, with a warning, when the Node
+/// cannot be read in 10 s (the last labels read stay).
+async fn node_sharing(nodes: &Api<Node>, node: &str) -> Option<BTreeMap<String, String>> {
+    use gpubudget_common::share::{REPLICAS, SHARING_STRATEGY};
     match tokio::time::timeout(Duration::from_secs(10), nodes.get_metadata(node)).await {
-        Ok(Ok(n)) => Some(n.metadata.labels.unwrap_or_default()),
+        Ok(Ok(n)) => {
+            let mut labels = n.metadata.labels.unwrap_or_default();
+            labels.retain(|k, _| k == SHARING_STRATEGY || k == REPLICAS);
+            Some(labels)
+        }
         Ok(Err(error)) => {
-            tracing::warn!(%node, %error, "cannot read the Node's labels: MPS replicas declare no share here");
+            tracing::warn!(%node, %error, "cannot read the Node's labels: MPS replicas' shares as last read");
             None
         }
         Err(_) => {
-            tracing::warn!(%node, "the Node's labels not read in 10s: MPS replicas declare no share here");
+            tracing::warn!(%node, "the Node's labels not read in 10s: MPS replicas' shares as last read");
             None
         }
     }
@@ -379,11 +416,9 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
     // The driver's per-cgroup limits, once per start (not when replaying a sample file: no driver then).
     let detected = args.sample_file.is_none().then(DriverLimits::open);
     let (node_events_tx, mut node_events) = mpsc::unbounded_channel();
-    let node_labels = node_labels(&client, &node).await;
     let caches = Caches::start(
         client.clone(),
         &node,
-        node_labels,
         health.clone(),
         Mirroring {
             lease: args.mirrors_lease.clone(),

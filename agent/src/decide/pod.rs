@@ -539,6 +539,7 @@ impl Enforcer {
             node: self.settings.node.as_str().into(),
             eviction_requested_at: mem.eviction_requested_at.clone(),
             cap_not_in_force: mem.cap_breach.as_ref().map(|(_, note)| note.clone()),
+            share: cx.budget.held_share.clone(),
         }
     }
 

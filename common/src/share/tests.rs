@@ -97,6 +97,26 @@ fn mps_replicas_read_the_nodes_labels_and_time_slicing_declares_nothing() {
     assert!(invalid(declared(&p, Some(&no_replicas), Sources::ALL)).contains("no nvidia.com/gpu.replicas label"));
 }
 
+/// The agent keeps what the pod declares and reads its node's labels when it builds its table: a node relabelled
+/// by GPU feature discovery changes the pods' shares without their specs (dropped from its cache) being read again.
+#[test]
+fn gpu_replicas_wait_for_the_nodes_labels() {
+    let mps = labels(&[(SHARING_STRATEGY, "mps"), (REPLICAS, "4")]);
+    let kept = declared_by_pod(&hami("nvidia.com/gpu: 2"), Sources::ALL);
+    let slim: Declaration = kept.to_string().parse().expect("kept as text");
+    assert_eq!((kept.to_string().as_str(), &slim), ("share:mr/n0/2", &kept));
+    assert_eq!(kept.clone().on_node(None), Declaration::None, "no labels: no share");
+    let on_mps = kept.on_node(Some(&mps));
+    let r = resolve(&share(on_mps), &[80 * GIB]).expect("resolves");
+    assert_eq!((r.bytes, r.text.as_str()), (40 * GIB, "MPS replicas × 2 of 4 per GPU of 80Gi = 40Gi"));
+    // A count of 0 declares nothing anywhere; one that is no whole number only matters on an MPS node.
+    assert_eq!(declared(&hami("nvidia.com/gpu: 0"), Some(&mps), Sources::ALL), Declaration::None);
+    let odd = hami("nvidia.com/gpu: lots");
+    assert_eq!(declared(&odd, None, Sources::ALL), Declaration::None);
+    assert!(invalid(declared(&odd, Some(&mps), Sources::ALL)).contains("no whole number"));
+    assert!(invalid(declared(&hami("nvidia.com/gpu: 65"), Some(&mps), Sources::ALL)).contains("(read 65)"));
+}
+
 #[test]
 fn only_the_sources_a_budget_names_are_read() {
     let p = kai("gpu-fraction: '0.5'");
@@ -205,4 +225,20 @@ proptest! {
             Declaration::None => prop_assert!(false, "both annotations are set"),
         }
     }
+}
+
+#[test]
+fn a_held_share_round_trips_and_its_note_is_bounded() {
+    let held = Held::new(20 << 30, vec![ShareSource::KaiFraction], "KAI gpu-fraction 0.25 of 80Gi = 20Gi".into());
+    assert!(held.resolved());
+    assert_eq!(Held::from_annotation(&held.to_annotation()), Some(held));
+    // Many HAMi containers make a long note: cut on a character boundary, marked.
+    let long = "HAMi gpumem 10240 MiB × 2 GPUs + ".repeat(40);
+    let cut = Held::new(1, vec![], long.clone());
+    assert!(cut.note.len() <= Held::NOTE_MAX && cut.note.ends_with('…') && long.starts_with(&cut.note[..200]));
+    assert!(!cut.resolved(), "no source: unresolved");
+    assert_eq!(Held::from_annotation(&cut.to_annotation()).map(|h| h.note), Some(cut.note));
+    // Anything else is no record: garbage, or longer than the agent writes.
+    assert_eq!(Held::from_annotation("KAI 0.5"), None);
+    assert_eq!(Held::from_annotation(&format!("{{\"limitBytes\":1,\"note\":\"{}\"}}", "x".repeat(700))), None);
 }

@@ -367,3 +367,61 @@ fn why_says_when_the_nodes_enforce_an_older_spec() {
     let older_operator = status(4, None, None);
     assert_eq!(nodes_generation_warning("llm", Some(4), Some(&older_operator)), None, "an older operator says nothing");
 }
+
+/// A pod held to its declared share: `why` says the budget its node applied (not the smaller spec limit of
+/// another), its own limit and how the share gave it; before any agent has recorded it, what it declares.
+#[test]
+fn why_names_the_share_its_node_applied() {
+    let budgets = vec![
+        budget("shares", "80Gi", json!({}), json!({"share": {}})),
+        budget("team-default", "30Gi", json!({}), json!({})),
+    ];
+    let held = r#"{"limitBytes":21474836480,"sources":["KaiFraction"],"note":"KAI gpu-fraction 0.25 of 80Gi = 20Gi"}"#;
+    let kai = json!({"annotations": {
+        "gpubudget.io/state": "Over", "gpubudget.io/usage-bytes": (22u64 << 30).to_string(),
+        "gpubudget.io/budget": "shares", "gpubudget.io/node": "n1", "gpubudget.io/share": held,
+        "gpu-fraction": "0.25"}});
+    let p = pod(None, kai, json!({"schedulerName": "kai-scheduler", "containers": [{"name": "w", "image": "x"}]}));
+    let r = why(input(Some(&p), Some(&budgets), &[])).unwrap();
+    assert_eq!(r.budget.as_ref().map(|b| b.name.as_str()), Some("shares"));
+    assert_eq!(r.matched.iter().find(|m| m.applies).map(|m| m.name.as_str()), Some("shares"));
+    assert!(
+        r.why.ends_with("shares takes each pod's declared share as its limit, and its node applied it"),
+        "{}",
+        r.why
+    );
+    assert_eq!(
+        r.share.as_deref(),
+        Some("limit 20Gi from its declared share: KAI gpu-fraction 0.25 of 80Gi = 20Gi (resolved by its node's agent)")
+    );
+    assert!(
+        r.warnings.iter().all(|w| !w.contains("resolve to")),
+        "no false 'budgets now resolve to': {:?}",
+        r.warnings
+    );
+    let record = r.record.as_ref().expect("record");
+    assert_eq!((record.limit_bytes, record.percent), (Some(20 << 30), Some(110.0)));
+    assert!(r.next.message.contains("over 20Gi"), "{}", r.next.message);
+    let text = crate::render::why_text(&r, now());
+    assert!(text.contains("using 22Gi of 20Gi (110%)"), "{text}");
+
+    // Not recorded yet: an absolute share is known here, a fraction only on the node, a bad one says why.
+    let said = |meta: serde_json::Value, spec: serde_json::Value| {
+        let p = pod(None, meta, spec);
+        why(input(Some(&p), Some(&budgets[..1]), &[])).unwrap().share.unwrap()
+    };
+    let hami = json!({"containers": [{"name": "w", "image": "x",
+                      "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "10240"}}}]});
+    assert_eq!(
+        said(json!({}), hami),
+        "its declared share HAMi gpumem 10240 MiB = 10Gi is its limit (at most the budget's 80Gi) once its node's \
+         agent sees it"
+    );
+    let kai_spec = json!({"schedulerName": "kai-scheduler", "containers": [{"name": "w", "image": "x"}]});
+    let fraction = said(json!({"annotations": {"gpu-fraction": "0.5"}}), kai_spec.clone());
+    assert!(fraction.starts_with("its declared share is a part of a GPU"), "{fraction}");
+    let bad = said(json!({"annotations": {"gpu-fraction": "NaN"}}), kai_spec);
+    assert!(bad.starts_with("its declared share is unresolved: ") && bad.contains("NaN"), "{bad}");
+    let none = said(json!({}), json!({}));
+    assert!(none.contains("declares none it reads"), "{none}");
+}

@@ -247,6 +247,7 @@ pub fn compute(
                     usage: HumanBytes(p.usage_bytes).to_string(),
                     usage_bytes: bytes_i64(p.usage_bytes),
                     state: p.state,
+                    share: None,
                 })
                 .collect(),
         };

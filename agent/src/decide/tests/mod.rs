@@ -485,20 +485,42 @@ fn an_unreadable_share_is_told_once_and_the_pod_held_to_the_budgets_limit() {
             })
             .collect::<Vec<_>>()
     };
-    let first = told(&h.tick(0, GI));
+    let out = h.tick(0, GI);
+    let first = told(&out);
     assert_eq!(first.len(), 1);
+    // The record says so too: status counts the pod unresolved, `why` and `top` show the reason.
+    let held = out.iter().find_map(|a| if let Action::Apply { record, .. } = a { record.share.clone() } else { None });
+    let held = held.expect("the record carries the share");
+    assert!(!held.resolved() && held.limit_bytes == 8 * GI && held.note.contains("\"1e400\""), "{held:?}");
     assert!(first[0].contains("\"1e400\" is not a decimal") && first[0].contains("held to the budget's limit 8Gi"));
     assert!((1..40).all(|i| told(&h.tick(i * 250, GI)).is_empty()), "told once");
     assert_eq!(h.table.budget(0).map(|b| b.limit_bytes), Some(8 * GI), "held to the budget's limit");
     // Before the node's GPUs are known a fraction is unresolved too, but that is the agent's moment, not the pod's.
+    use gpubudget_common::share::ShareSource;
     let mut view = pod("", "");
     view.share = Declaration::Share(vec![gpubudget_common::share::Term {
-        source: gpubudget_common::share::ShareSource::KaiFraction,
+        source: ShareSource::KaiFraction,
         amount: gpubudget_common::share::Amount::PerMillion(500_000),
         devices: 1,
     }]);
-    let mut h = Harness::new(view, &[budget(", share: {}")]);
+    let mut h = Harness::new(view.clone(), &[budget(", share: {}")]);
     assert!(told(&h.tick(0, GI)).is_empty());
+    // Once the GPU's size is known, the share is the pod's limit, and its record says how it came.
+    let wide: GpuMemoryBudget = serde_yaml::from_str(
+        "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: llm, namespace: team-a}\n\
+         spec: {selector: {}, limit: 80Gi, share: {}}",
+    )
+    .expect("budget");
+    let index = crate::attribute::budgets::BudgetIndex::of([&wide]);
+    h.table = PodTable::from_index([view], &index, &Default::default(), Some(NODE), &[80 * GI]);
+    let out = h.tick(250, 41 * GI);
+    assert_eq!(kinds(&out), ["Within->Over", "GpuMemoryOverBudget"], "written 5 s after the last write");
+    assert!(notes(&out)[0].starts_with("using 41Gi of 40Gi"), "{:?}", notes(&out));
+    let written = h.tick(5_000, 41 * GI);
+    let Some(Action::Apply { record, .. }) = written.last() else { panic!("apply: {:?}", kinds(&written)) };
+    let held = record.share.as_ref().expect("the record carries the share");
+    assert_eq!((held.limit_bytes, held.sources.as_slice()), (40 * GI, &[ShareSource::KaiFraction][..]));
+    assert_eq!(held.note, "KAI gpu-fraction 0.5 of 80Gi = 40Gi");
 }
 
 #[test]
