@@ -97,8 +97,8 @@ for i in $(seq 1 "$PODS"); do pod "with-$i"; ready "with-$i"; done
 probe_stop
 for i in $(seq 1 "$PODS"); do pod "without-$i"; ready "without-$i"; done
 cp "$N/containerd.log" "$WORK/containerd-1.log"
-with=$(for i in $(seq 1 "$PODS"); do create_ms "$WORK/containerd-1.log" $(sandbox "with-$i"); done | median)
-without=$(for i in $(seq 1 "$PODS"); do create_ms "$WORK/containerd-1.log" $(sandbox "without-$i"); done | median)
+with=$(for i in $(seq 1 "$PODS"); do create_ms "$WORK/containerd-1.log" "$(sandbox "with-$i")"; done | median)
+without=$(for i in $(seq 1 "$PODS"); do create_ms "$WORK/containerd-1.log" "$(sandbox "without-$i")"; done | median)
 probe_us=$(grep -o 'adjusted in [0-9]* µs' "$WORK/probe.log" | awk '{print $3}' | median)
 say "   CRI CreateContainer median: ${with} ms with the probe, ${without} ms without; probe handler median ${probe_us} µs"
 
@@ -130,8 +130,9 @@ for _ in $(seq 1 600); do [ "$(registrations)" -gt "$before" ] && break; sleep 0
 if [ "$(registrations)" -gt "$before" ]; then
   say "   the probe re-registered $(echo "$(date +%s.%N) - $t0" | bc) s after containerd was stopped"
 else fail "the probe did not re-register within 60 s"; fi
-pod after-restart && ready after-restart && environ after-restart | grep -qx 'GPUBUDGET_NRI_PROBE=c' ||
+if ! { pod after-restart && ready after-restart && environ after-restart | grep -qx 'GPUBUDGET_NRI_PROBE=c'; }; then
   fail "no adjustment after the containerd restart"
+fi
 grep -E 'connection|NRI|registered' "$WORK/probe.log" | tail -6 >&2
 probe_stop
-[ "$FAILED" = 0 ] && say "PASS" || { say "FAILED"; exit 1; }
+if [ "$FAILED" = 0 ]; then say "PASS"; else say "FAILED"; exit 1; fi
