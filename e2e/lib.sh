@@ -68,16 +68,25 @@ condition_is() {
 }
 uid() { kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.uid}'; }
 
-# apply_crd_and_chart RELEASE NAMESPACE KINDS: the CRDs from crds/ (waited for until established), then the chart
-# as `helm template` renders it for Kubernetes 1.33 into NAMESPACE, only the objects whose kind is one of KINDS
-# (space-separated), applied. HELM is the helm binary; REPO the repository root.
+# apply_crd_and_chart RELEASE NAMESPACE KINDS [WEBHOOK CA_FILE]: the CRDs from crds/ (waited for until established),
+# then the chart as `helm template` renders it for Kubernetes 1.33 into NAMESPACE, only the objects whose kind is one
+# of KINDS (space-separated), applied. With WEBHOOK (HOST:PORT, the operator run on this machine) and CA_FILE, the
+# webhook configurations among them are put in URL mode: https://WEBHOOK<the chart's path>, trusting CA_FILE
+# (webhook_cert's ca.crt). HELM is the helm binary; REPO the repository root.
 apply_crd_and_chart() {
+  local ca=""
+  [ -z "${5:-}" ] || ca=$(base64 -w0 < "$5")
   kubectl apply -f "$REPO/crds/" >/dev/null
   kubectl wait --for=condition=Established crd/gpumemorybudgets.gpubudget.io crd/clustergpumemorybudgets.gpubudget.io \
     crd/clustergpumemoryquotas.gpubudget.io crd/gpumemorybudgetmirrors.gpubudget.io \
     crd/clustergpumemorybudgetmirrors.gpubudget.io --timeout=60s >/dev/null
+  # shellcheck disable=SC2016 # jq's variables
   "$HELM" template "$1" "$REPO/charts/gpubudget" -n "$2" --kube-version 1.33.0 \
-    | yq -y --arg kinds "$3" 'select(.kind as $k | ($kinds | split(" ") | index($k)) != null)' \
+    | yq -y --arg kinds "$3" --arg host "${4:-}" --arg ca "$ca" '
+        select(.kind as $k | ($kinds | split(" ") | index($k)) != null)
+        | if $host != "" and (.kind | endswith("WebhookConfiguration"))
+          then .webhooks |= map(.clientConfig = {url: ("https://" + $host + .clientConfig.service.path), caBundle: $ca})
+          else . end' \
     | kubectl apply -f - >/dev/null
 }
 
@@ -86,6 +95,22 @@ token_kubeconfig() {
   kubectl config view --raw --minify > "$1"
   KUBECONFIG=$1 kubectl config set-credentials "$2" --token="$3" >/dev/null
   KUBECONFIG=$1 kubectl config set-context --current --user="$2" >/dev/null
+}
+
+# since EPOCH: seconds (one decimal) from EPOCH (`date +%s.%N`, fractional) to now.
+since() { awk -v a="$(date +%s.%N)" -v b="$1" 'BEGIN {printf "%.1f", a - b}'; }
+# timed DESCRIPTION FROM COMMAND...: waits (0.25 s polls, STEP_TIMEOUT at most) for COMMAND; prints (to stderr)
+# and echoes the seconds from FROM (an epoch, fractional) to the first poll that saw it.
+timed() {
+  local what=$1 from=$2 deadline=$((SECONDS + STEP_TIMEOUT)) t
+  shift 2
+  until "$@" >/dev/null 2>&1; do
+    [ "$SECONDS" -lt "$deadline" ] || die "timed out after ${STEP_TIMEOUT}s waiting for: $what"
+    sleep 0.25
+  done
+  t=$(since "$from")
+  info "ok after ${t}s: $what" >&2
+  echo "$t"
 }
 
 # stop_process PID: SIGTERM, then wait (at most 25 s), then SIGKILL. Nothing when PID is empty or gone.

@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::act::runtime_caps::Unresolved;
 use crate::decide::Settings;
 use crate::decide::cadence::Cadence;
 use crate::decide::gpus::AccountingSettings;
@@ -347,6 +348,43 @@ pub struct RunArgs {
     pub accounting: AccountingArgs,
     #[command(flatten)]
     pub records: RecordArgs,
+    #[command(flatten)]
+    pub runtime_caps: RuntimeCapsArgs,
+}
+
+/// Caps set where the container is made (#45): the agent as an NRI plugin of the node's container runtime.
+#[derive(Debug, Clone, Args, Default)]
+pub struct RuntimeCapsArgs {
+    /// Register with the container runtime's NRI socket and write each GPU container's caps (its budget's, with
+    /// `admissionCaps: Enabled`) into its environment as the runtime makes it: from the container the runtime
+    /// builds (final environment, device nodes), whichever way the pod was created.
+    #[arg(long = "runtime-caps", env = "GPUBUDGET_RUNTIME_CAPS")]
+    pub enabled: bool,
+    /// The runtime's NRI socket.
+    #[arg(
+        long = "runtime-caps-socket",
+        env = "GPUBUDGET_RUNTIME_CAPS_SOCKET",
+        default_value = "/var/run/nri/nri.sock"
+    )]
+    pub socket: PathBuf,
+    /// How long a GPU container waits for its pod's budget to be known (at most 1.5s: the runtime gives the
+    /// plugin 2 s per request, then drops it and creates the container unadjusted).
+    #[arg(long = "runtime-caps-wait", env = "GPUBUDGET_RUNTIME_CAPS_WAIT", default_value = "1s", value_parser = parse_runtime_wait)]
+    pub wait: Duration,
+    /// What a GPU container whose budget is still not known then gets: `create` (uncapped, reported) or `refuse`
+    /// (the runtime fails it with the reason; the kubelet retries with back-off).
+    #[arg(long = "runtime-caps-unresolved", env = "GPUBUDGET_RUNTIME_CAPS_UNRESOLVED", value_enum, default_value_t = Unresolved::Create)]
+    pub unresolved: Unresolved,
+    /// The node's MPS pipe directory, set in every capped container (where the node runs an MPS daemon there).
+    #[arg(long = "runtime-caps-mps-pipe-directory", env = "GPUBUDGET_RUNTIME_CAPS_MPS_PIPE_DIRECTORY")]
+    pub mps_pipe: Option<String>,
+}
+
+fn parse_runtime_wait(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text)?;
+    (d <= Duration::from_millis(1500)).then_some(d).ok_or_else(|| {
+        format!("{text}: at most 1.5s (the runtime drops a plugin that takes 2 s and creates the container unadjusted)")
+    })
 }
 
 /// `NAMESPACE/NAME`, each a DNS label or subdomain as Kubernetes names them.
@@ -377,6 +415,7 @@ impl RunArgs {
             pressure: PressureArgs::default(),
             accounting: AccountingArgs::default(),
             records: RecordArgs::default(),
+            runtime_caps: RuntimeCapsArgs::default(),
         }
     }
 }

@@ -1175,5 +1175,6 @@ pub fn assess(containers: &[GpuContainer], caps: Caps) -> Assessment {
     PodCaps::of(containers).assess(caps)
 }
 
+pub mod runtime;
 #[cfg(test)]
 mod tests;

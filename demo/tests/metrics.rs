@@ -107,6 +107,7 @@ fn touch_agent(metrics: &AgentMetrics) {
         pod_driver_soft,
         spec_reads,
         specs_from_mirrors,
+        runtime,
     } = metrics;
     let s = |v: &str| v.to_owned();
     let pod = || PodLabels { namespace: s("team-a"), pod: s("llm-0") };
@@ -147,6 +148,10 @@ fn touch_agent(metrics: &AgentMetrics) {
     _ = driver_applied.get_or_create(&ResultLabels { result: s("applied") });
     _ = pod_driver_hard.get_or_create(&pod());
     _ = pod_driver_soft.get_or_create(&pod());
+    let gpubudget_agent::act::runtime_caps::RuntimeMetrics { containers, seconds, registrations } = runtime;
+    _ = containers.get_or_create(&gpubudget_agent::act::runtime_caps::OutcomeLabels { outcome: s("capped") });
+    seconds.observe(0.000_1);
+    registrations.get();
 }
 
 /// One series in every family of the operator's metrics.

@@ -161,19 +161,7 @@ enforced() { kubectl get gmb "$1" -n "$NS_A" -o jsonpath='{.status.enforcedGener
 status_says() { # BUDGET STATUS/REASON: enforcedGeneration is the generation and NodesCurrent says STATUS/REASON
   [ "$(enforced "$1")" = "$(generation "$1")" ] && [ "$(condition "$1")" = "$2" ]
 }
-since() { awk -v a="$(date +%s.%N)" -v b="$1" 'BEGIN {printf "%.1f", a - b}'; }
-# timed DESCRIPTION FROM COMMAND...: waits (0.25 s polls) for COMMAND; prints and echoes the seconds since FROM.
-timed() {
-  local what=$1 from=$2 deadline=$((SECONDS + STEP_TIMEOUT)) t
-  shift 2
-  until "$@" >/dev/null 2>&1; do
-    [ "$SECONDS" -lt "$deadline" ] || die "timed out after ${STEP_TIMEOUT}s waiting for: $what"
-    sleep 0.25
-  done
-  t=$(since "$from")
-  info "ok after ${t}s: $what" >&2
-  echo "$t"
-}
+# since and timed: e2e/lib.sh.
 show_status() { # BUDGET
   info "gmb $1: generation $(generation "$1"), status.enforcedGeneration $(enforced "$1"), NodesCurrent $(condition "$1"): $(condition_message "$1")"
 }

@@ -25,9 +25,24 @@ pub mod reason {
     pub const BUDGET_CHANGED: &str = "GpuMemoryBudgetChanged";
     /// The pod's declared GPU memory share cannot be read: held to its budget's limit.
     pub const SHARE_UNRESOLVED: &str = "GpuMemoryShareUnresolved";
+    /// The container runtime created a GPU container with the budget's caps (`--runtime-caps`).
+    pub const CAPPED_AT_CREATION: &str = "GpuMemoryCappedAtCreation";
+    /// A GPU container was created without an MPS cap (`--runtime-caps`).
+    pub const NOT_CAPPED_AT_CREATION: &str = "GpuMemoryNotCappedAtCreation";
     /// Every reason above.
-    pub const ALL: [&str; 9] =
-        [NEAR, OVER, EVICTING, BLOCKED, WITHIN, RECORD_FAILED, DELETING, BUDGET_CHANGED, SHARE_UNRESOLVED];
+    pub const ALL: [&str; 11] = [
+        NEAR,
+        OVER,
+        EVICTING,
+        BLOCKED,
+        WITHIN,
+        RECORD_FAILED,
+        DELETING,
+        BUDGET_CHANGED,
+        SHARE_UNRESOLVED,
+        CAPPED_AT_CREATION,
+        NOT_CAPPED_AT_CREATION,
+    ];
 }
 
 /// One Event about the pod.
@@ -211,6 +226,8 @@ mod tests {
             R::Deleting,
             R::BudgetChanged,
             R::ShareUnresolved,
+            R::CappedAtCreation,
+            R::NotCappedAtCreation,
         ]
         .map(R::as_str);
         assert_eq!(agent, reason::ALL);

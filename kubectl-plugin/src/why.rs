@@ -322,10 +322,16 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
         let all = resolution.iter().flat_map(|res| std::iter::once(res.budget).chain(res.also_matched.iter().copied()));
         all.into_iter().find(|b| b.share.is_some() && b.is_record_name(&r.budget)).map(|b| b.with_held(held))
     });
+    // The pod's own share is the limit that budget gives it: listed as such, and first, since it won on the node.
     if let Some(b) = &by_share {
         for m in &mut matched {
             m.applies = m.name == b.record_name();
+            if m.applies {
+                m.limit = format!("{}, this pod's share", b.limit_text);
+                m.limit_bytes = b.limit_bytes;
+            }
         }
+        matched.sort_by_key(|m| !m.applies);
     }
     let applying: Option<&Budget> = by_share.as_ref().or_else(|| resolution.as_ref().map(|r| r.applied()));
     let mut why = match (budgets, matched.as_slice()) {
@@ -361,7 +367,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
     let share = applying.and_then(|b| share_sentence(b, pod));
     if let Some(b) = &by_share {
         why.push_str(&format!(
-            "; {} takes each pod's declared share as its limit, and its node applied it",
+            "; {} takes each pod's declared share as its limit, as the pod's node resolved it",
             b.record_name()
         ));
     }

@@ -25,13 +25,14 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use gpubudget_common::share::Declaration;
 
 use crate::act::WriteLabels;
 use crate::act::kube::KubeExecutor;
+use crate::act::runtime_caps::{self, Given};
 use crate::act::usage::UsageWriter;
 use crate::attribute::ProcAttributor;
 use crate::attribute::budgets::{BudgetCache, Change, ClusterCache};
@@ -83,6 +84,8 @@ pub struct Caches {
     pods_ready: Arc<AtomicBool>,
     /// The Node's labels that say how the device plugin shares its GPUs ([`node_sharing`]); `None` until read.
     sharing: Arc<Mutex<Option<BTreeMap<String, String>>>>,
+    /// The MPS caps the runtime gave pods' containers (`--runtime-caps`): the table reads them as the pods' caps.
+    given: Given,
 }
 
 /// Runs a watch with the default backoff until `shutdown`, handing each event to `on`.
@@ -284,7 +287,7 @@ impl Caches {
                 |_| {},
             );
         }
-        Self { pods, budgets, cluster, changes, pods_ready, sharing }
+        Self { pods, budgets, cluster, changes, pods_ready, sharing, given: Given::default() }
     }
 
     fn budgets(&self) -> std::sync::MutexGuard<'_, BudgetCache> {
@@ -301,14 +304,28 @@ impl Caches {
         self.changes.load(Ordering::Acquire)
     }
 
+    /// Where the runtime's caps are remembered (shared with the NRI plugin).
+    pub fn given(&self) -> Given {
+        self.given.clone()
+    }
+
     /// The pod table of `node` now, its GPUs holding `gpu_totals` bytes each.
     pub fn table(&self, node: &str, gpu_totals: &[u64]) -> PodTable {
         let pods = self.pods.state();
         let cluster = lock(&self.cluster);
         let sharing = lock(&self.sharing).clone();
+        let mut given = lock(&self.given);
+        // Caps the runtime gave are what the pods' processes started with (they win over the spec's); those of
+        // pods no longer here are forgotten.
+        given.retain(|uid, _| {
+            pods.iter().any(|p| p.metadata.uid.as_deref().is_some_and(|u| u.eq_ignore_ascii_case(uid)))
+        });
         PodTable::from_index(
             pods.iter().filter_map(|p| PodView::from_pod(p)).map(|mut v| {
                 v.share = std::mem::replace(&mut v.share, Declaration::None).on_node(sharing.as_ref());
+                if let Some(cap) = given.get(&v.uid) {
+                    v.mps_cap_mib = Some(*cap);
+                }
                 v
             }),
             self.budgets().index(),
@@ -384,6 +401,11 @@ pub fn sampler_factory(sample_file: Option<&std::path::Path>) -> SamplerFactory 
     }
 }
 
+/// The agent's name as an NRI plugin, and its index (lower runs first; after most resource plugins, so the
+/// environment it reads is the one the container gets).
+const RUNTIME_PLUGIN_NAME: &str = "gpubudget";
+const RUNTIME_PLUGIN_INDEX: &str = "90";
+
 /// How often the Node's GPU sharing labels are read again: GPU feature discovery changes them when an
 /// administrator changes the device plugin's sharing (rarely); a `get` of one Node needs no watch on all Nodes.
 const NODE_SHARING_EVERY: Duration = Duration::from_secs(60);
@@ -424,10 +446,37 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
             lease: args.mirrors_lease.clone(),
             spec_reads: metrics.spec_reads.clone(),
             specs_from_mirrors: metrics.specs_from_mirrors.clone(),
-            node_events: node_events_tx,
+            node_events: node_events_tx.clone(),
         },
         shutdown.clone(),
     );
+    // The table each decision reads, also published to the runtime's plugin (`--runtime-caps`).
+    let (view, views) = watch::channel(runtime_caps::View::default());
+    if args.runtime_caps.enabled {
+        let a = &args.runtime_caps;
+        let settings = runtime_caps::Settings { wait: a.wait, unresolved: a.unresolved, mps_pipe: a.mps_pipe.clone() };
+        let plugin = Arc::new(runtime_caps::RuntimeCaps::new(
+            views,
+            settings,
+            metrics.runtime.clone(),
+            node_events_tx,
+            caches.given(),
+        ));
+        let (socket, stop) = (a.socket.clone(), shutdown.clone());
+        tracing::info!(socket = %socket.display(), wait = ?a.wait, unresolved = ?a.unresolved, "runtime caps: connecting to the runtime's NRI socket");
+        tokio::spawn(async move {
+            let backoff = gpubudget_nri::Backoff::new(Duration::from_millis(250), Duration::from_secs(2));
+            gpubudget_nri::run_forever(
+                &socket,
+                RUNTIME_PLUGIN_NAME,
+                RUNTIME_PLUGIN_INDEX,
+                plugin,
+                backoff,
+                stop.cancelled_owned(),
+            )
+            .await;
+        });
+    }
     let mut engine = Engine::new(
         SamplerSlot::new(sampler_factory(args.sample_file.as_deref())),
         ProcAttributor::new(&args.sample.proc_root),
@@ -483,7 +532,7 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
     // The first tick at once; each next one when the engine's pace says (decide::cadence).
     let next = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(next);
-    let mut table = PodTable::default();
+    let mut table = Arc::new(PodTable::default());
     // The caches' generation and the GPUs' sizes the table was built for (a share of a GPU resolves
     // against them, so the table is built again once NVML has answered, or a GPU changes).
     let mut seen: Option<(u64, Vec<u64>)> = None;
@@ -503,7 +552,9 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
                     let generation = caches.generation();
                     if !seen.as_ref().is_some_and(|(g, totals)| *g == generation && engine.gpu_totals_are(totals)) {
                         let totals = engine.gpu_totals();
-                        table = caches.table(&node, &totals);
+                        table = Arc::new(caches.table(&node, &totals));
+                        let gpus = u32::try_from(totals.len()).unwrap_or(u32::MAX);
+                        view.send_replace(runtime_caps::View { table: table.clone(), synced, gpus });
                         seen = Some((generation, totals));
                         metrics.table_rebuilds.inc();
                         for (budget, error) in &table.invalid_budgets {

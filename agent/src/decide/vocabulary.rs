@@ -63,6 +63,11 @@ pub enum Reason {
     /// Its budget takes each pod's limit from its declared share, and the pod's declaration cannot be read
     /// (malformed, out of range): it is held to the budget's limit; once per reason.
     ShareUnresolved,
+    /// `--runtime-caps`: the container runtime created a GPU container with the budget's caps in its environment.
+    CappedAtCreation,
+    /// `--runtime-caps`: a GPU container was created without an MPS cap (its device count unknown, or its budget not
+    /// known in time under `--runtime-caps-unresolved=create`).
+    NotCappedAtCreation,
 }
 
 impl Reason {
@@ -82,6 +87,8 @@ impl Reason {
             Reason::DriverLimitsApplied => "GpuMemoryDriverLimitsApplied",
             Reason::DriverLimitsNotApplied => "GpuMemoryDriverLimitsNotApplied",
             Reason::ShareUnresolved => "GpuMemoryShareUnresolved",
+            Reason::CappedAtCreation => "GpuMemoryCappedAtCreation",
+            Reason::NotCappedAtCreation => "GpuMemoryNotCappedAtCreation",
         }
     }
 
@@ -99,11 +106,12 @@ impl Reason {
                 | Reason::CapNotInForce
                 | Reason::DriverLimitsNotApplied
                 | Reason::ShareUnresolved
+                | Reason::NotCappedAtCreation
         )
     }
 
     /// How many reasons there are.
-    pub(super) const COUNT: usize = 13;
+    pub(super) const COUNT: usize = 15;
 
     pub(super) fn slot(self) -> usize {
         self as usize

@@ -130,6 +130,8 @@ pub struct Metrics {
     pub spec_reads: Family<WriteLabels, Counter>,
     /// `gpubudget_budget_specs_from_mirrors{kind}`.
     pub specs_from_mirrors: Family<KindLabels, Gauge>,
+    /// `gpubudget_runtime_caps_*` (`--runtime-caps`).
+    pub runtime: crate::act::runtime_caps::RuntimeMetrics,
 }
 
 /// `{kind}`: `GpuMemoryBudget` or `ClusterGpuMemoryBudget`.
@@ -168,7 +170,23 @@ impl Metrics {
             pod_driver_soft: Family::default(),
             spec_reads: Family::default(),
             specs_from_mirrors: Family::default(),
+            runtime: Default::default(),
         };
+        registry.register(
+            "gpubudget_runtime_caps_containers",
+            "Containers the container runtime asked the agent about at creation (--runtime-caps), by outcome: not_gpu, no_budget, caps_off (the budget has no admissionCaps), capped, devices_unknown (no MPS cap: the device count is unknown), unresolved_created, unresolved_refused (the pod's budget not known within --runtime-caps-wait)",
+            m.runtime.containers.clone(),
+        );
+        registry.register(
+            "gpubudget_runtime_caps_seconds",
+            "Time the agent took to answer the runtime's CreateContainer (--runtime-caps), waiting for an unknown pod's budget included",
+            m.runtime.seconds.clone(),
+        );
+        registry.register(
+            "gpubudget_runtime_caps_registrations",
+            "Registrations with the container runtime's NRI socket (--runtime-caps): one per connection, so more than one means the runtime or the connection restarted",
+            m.runtime.registrations.clone(),
+        );
         registry.register(
             "gpubudget_budget_specs_from_mirrors",
             "1 while the agent reads a budget kind's specs from the operator's mirrors only (every budget mirrored: status writes no longer reach it), 0 while it watches the budgets themselves",

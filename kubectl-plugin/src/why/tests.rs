@@ -385,10 +385,11 @@ fn why_names_the_share_its_node_applied() {
     let r = why(input(Some(&p), Some(&budgets), &[])).unwrap();
     assert_eq!(r.budget.as_ref().map(|b| b.name.as_str()), Some("shares"));
     assert_eq!(r.matched.iter().find(|m| m.applies).map(|m| m.name.as_str()), Some("shares"));
-    assert!(
-        r.why.ends_with("shares takes each pod's declared share as its limit, and its node applied it"),
-        "{}",
-        r.why
+    assert_eq!(
+        r.why,
+        "2 budgets in team-a select this pod: shares (20Gi, this pod's share), team-default (30Gi); the smallest limit \
+         applies (equal limits: the name that sorts first), so shares; shares takes each pod's declared share as its \
+         limit, as the pod's node resolved it"
     );
     assert_eq!(
         r.share.as_deref(),
