@@ -46,6 +46,7 @@ fn pod(uid: &str, name: &str, cid: &str, labels: &[(&str, &str)]) -> PodView {
         caps_expected: false,
         mps_cap_mib: None,
         share: gpubudget_common::share::Declaration::None,
+        runtime_caps: None,
     }
 }
 
@@ -187,6 +188,7 @@ fn a_forged_record_neither_evicts_early_nor_prevents_eviction() {
         eviction_requested_at: Some("2020-01-01T00:00:00Z".into()),
         cap_not_in_force: None,
         share: None,
+        runtime_caps: None,
     };
     let mut a = pod(UID_A, "a", CID_A, &[]);
     a.record = Some(forged.clone());

@@ -146,6 +146,7 @@ impl PodModel {
             caps_expected: false,
             mps_cap_mib: None,
             share: gpubudget_common::share::Declaration::None,
+            runtime_caps: None,
         }
     }
 }
@@ -328,6 +329,7 @@ impl World {
                     eviction_requested_at: Some("2020-01-01T00:00:00Z".into()),
                     cap_not_in_force: None,
                     share: None,
+                    runtime_caps: None,
                 });
                 self.log.push(format!("forge record on {}", pod.uid));
             }

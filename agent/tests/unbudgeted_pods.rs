@@ -82,6 +82,7 @@ fn view(spec: &Spec, labels: &[(&str, &str)], critical: bool) -> PodView {
         caps_expected: false,
         mps_cap_mib: None,
         share: gpubudget_common::share::Declaration::None,
+        runtime_caps: None,
     }
 }
 

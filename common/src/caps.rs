@@ -1039,6 +1039,10 @@ pub enum Uncapped {
     /// A device it sees has no entry.
     #[error("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT has no entry for device {0}")]
     Missing(u32),
+    /// The container runtime made a GPU container without an MPS cap the driver reads (`--runtime-caps`: what
+    /// the agent saw of the container the runtime made; the pod's record says which and why).
+    #[error("a GPU container was made without an MPS cap the driver reads (its gpubudget.io/runtime-caps says which)")]
+    AtCreation,
     /// An entry names a device by UUID.
     #[error(
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT names a device by UUID: whether the container sees it is not in the \
@@ -1140,6 +1144,16 @@ impl PodCaps {
         match self {
             Self::Uncapped(why) => Some(why),
             Self::NoGpu | Self::Capped { .. } => None,
+        }
+    }
+
+    /// The pod's caps as its node's agent saw the runtime make its GPU containers (`--runtime-caps`), where it did:
+    /// they win over the spec's, since the runtime's environment is the one the processes started with.
+    pub fn as_made(self, by_runtime: Option<&crate::pod_record::RuntimeCapsRecord>) -> Self {
+        match by_runtime {
+            Some(crate::pod_record::RuntimeCapsRecord::Capped { max_mib }) => Self::Capped { max_mib: *max_mib },
+            Some(crate::pod_record::RuntimeCapsRecord::Uncapped(_)) => Self::Uncapped(Uncapped::AtCreation),
+            None => self,
         }
     }
 

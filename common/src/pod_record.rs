@@ -35,6 +35,12 @@ pub const CAP_NOT_IN_FORCE: &str = "gpubudget.io/cap-not-in-force";
 /// the budget that applies takes shares (`spec.share`); the operator counts it in status, `why` and `top` show it.
 pub const SHARE: &str = "gpubudget.io/share";
 
+/// What the container runtime gave the pod's GPU containers at creation (`--runtime-caps`, #45), as JSON
+/// ([`RuntimeCapsRecord`]): present only where the node's agent is the runtime's NRI plugin and saw them (made or,
+/// after it (re)connected, listed by the runtime). Part of the record: the operator counts the pod capped or
+/// uncapped from it instead of from the spec (the runtime's value is the one the process started with).
+pub const RUNTIME_CAPS: &str = "gpubudget.io/runtime-caps";
+
 /// What the NVIDIA driver caps the pod at (driver R615 per-cgroup limits, read back by the agent), as JSON
 /// ([`DriverLimitsRecord`]); present only where the node's driver can tell. Informational: the operator does not
 /// read it, so it is not in [`ALL`]; the agent writes it in the same apply as the record (and an apply of none
@@ -42,7 +48,8 @@ pub const SHARE: &str = "gpubudget.io/share";
 pub const DRIVER_LIMITS: &str = "gpubudget.io/driver-limits";
 
 /// Every annotation key of the contract.
-pub const ALL: [&str; 7] = [STATE, USAGE_BYTES, BUDGET, NODE, EVICTION_REQUESTED_AT, CAP_NOT_IN_FORCE, SHARE];
+pub const ALL: [&str; 8] =
+    [STATE, USAGE_BYTES, BUDGET, NODE, EVICTION_REQUESTED_AT, CAP_NOT_IN_FORCE, SHARE, RUNTIME_CAPS];
 
 /// The field manager an agent uses for everything it writes, one per node (as the kubelet does).
 pub fn agent_field_manager(node: &str) -> String {
@@ -67,6 +74,8 @@ pub struct PodRecord {
     pub cap_not_in_force: Option<String>,
     /// How the pod's limit came from its declared share ([`SHARE`]), when its budget takes one.
     pub share: Option<crate::share::Held>,
+    /// The caps the runtime gave its GPU containers ([`RUNTIME_CAPS`]), when the agent saw them made.
+    pub runtime_caps: Option<RuntimeCapsRecord>,
 }
 
 impl PodRecord {
@@ -80,6 +89,7 @@ impl PodRecord {
             eviction_requested_at: annotations.get(EVICTION_REQUESTED_AT).cloned(),
             cap_not_in_force: annotations.get(CAP_NOT_IN_FORCE).cloned(),
             share: annotations.get(SHARE).and_then(|v| crate::share::Held::from_annotation(v)),
+            runtime_caps: annotations.get(RUNTIME_CAPS).and_then(|v| RuntimeCapsRecord::from_annotation(v)),
         })
     }
 
@@ -100,7 +110,44 @@ impl PodRecord {
         if let Some(share) = &self.share {
             out.insert(SHARE.to_owned(), share.to_annotation());
         }
+        if let Some(caps) = &self.runtime_caps {
+            out.insert(RUNTIME_CAPS.to_owned(), caps.to_annotation());
+        }
         out
+    }
+}
+
+/// The value of [`RUNTIME_CAPS`]: every GPU container of the pod the runtime made with an MPS cap the driver reads
+/// (the largest, MiB), or the first that it made without one, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", rename_all_fields = "camelCase")]
+pub enum RuntimeCapsRecord {
+    /// Every GPU container seen is capped; the largest cap, MiB.
+    Capped {
+        /// The largest cap of any container and device.
+        max_mib: u64,
+    },
+    /// Some GPU container is not: `container <name>: <why>`.
+    Uncapped(String),
+}
+
+impl RuntimeCapsRecord {
+    /// The longest reason kept.
+    const WHY_MAX: usize = 300;
+
+    /// The annotation's value.
+    pub fn to_annotation(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Reads the annotation's value; `None` when it is not this record's JSON or longer than the agent writes.
+    pub fn from_annotation(value: &str) -> Option<Self> {
+        (value.len() <= Self::WHY_MAX + 40).then(|| serde_json::from_str(value).ok()).flatten()
+    }
+
+    /// An uncapped record whose reason is cut to what is kept.
+    pub fn uncapped(why: String) -> Self {
+        Self::Uncapped(why.chars().take(Self::WHY_MAX).collect())
     }
 }
 
@@ -151,6 +198,7 @@ mod tests {
             eviction_requested_at: Some("2026-11-21T18:00:00Z".into()),
             cap_not_in_force: Some("pid 4242 on GPU 0 is not an MPS client".into()),
             share: None,
+            runtime_caps: None,
         };
         let annotations = record.to_annotations();
         assert_eq!(annotations[STATE], "Evicting");
@@ -163,6 +211,17 @@ mod tests {
         bad.insert(STATE.into(), "Fine".into());
         assert_eq!(PodRecord::from_annotations(&bad), None);
         assert_eq!(agent_field_manager("n1"), "gpubudget-agent/n1");
+    }
+
+    #[test]
+    fn runtime_caps_round_trip_in_camel_case_and_garbage_is_no_record() {
+        let capped = RuntimeCapsRecord::Capped { max_mib: 8192 };
+        assert_eq!(capped.to_annotation(), r#"{"capped":{"maxMib":8192}}"#);
+        assert_eq!(RuntimeCapsRecord::from_annotation(&capped.to_annotation()), Some(capped));
+        let long = RuntimeCapsRecord::uncapped("x".repeat(1000));
+        assert_eq!(RuntimeCapsRecord::from_annotation(&long.to_annotation()), Some(long));
+        assert_eq!(RuntimeCapsRecord::from_annotation("capped"), None);
+        assert_eq!(RuntimeCapsRecord::from_annotation(&format!("{{\"uncapped\":\"{}\"}}", "x".repeat(400))), None);
     }
 
     #[test]

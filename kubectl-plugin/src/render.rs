@@ -146,6 +146,9 @@ pub fn why_text(r: &WhyReport, now: Timestamp) -> String {
         add("Protected:", never.clone());
     }
     add("Cap:", r.admission.summary.clone());
+    if let Some(made) = r.record.as_ref().and_then(|rec| rec.runtime_caps.clone()) {
+        add("Made:", made);
+    }
     if let Some(why) = r.record.as_ref().and_then(|rec| rec.cap_not_in_force.as_ref()) {
         add("Cap in force:", format!("NO, the agent on the node saw: {why}"));
     }

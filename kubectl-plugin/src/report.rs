@@ -174,6 +174,9 @@ pub struct RecordInfo {
     /// The pod's own limit, where it comes from its declared share (`gpubudget.io/share`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limit_bytes: Option<u64>,
+    /// What the container runtime gave its GPU containers at creation (`gpubudget.io/runtime-caps`), in words.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub runtime_caps: Option<String>,
 }
 
 /// What happens next.

@@ -108,6 +108,7 @@ mod tests {
                 eviction_requested_at: None,
                 cap_not_in_force: None,
                 share: None,
+                runtime_caps: None,
             }
             .to_annotations();
         }

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use gpubudget_common::pod_record::CLUSTER_BUDGET_PREFIX;
-use gpubudget_common::pod_record::PodRecord;
+use gpubudget_common::pod_record::{PodRecord, RuntimeCapsRecord};
 use gpubudget_common::quantity::HumanBytes;
 use gpubudget_common::{
     Budget, BudgetAction, BudgetState, ClusterGpuMemoryBudget, CriticalNamespaces, GpuMemoryBudget, is_critical,
@@ -446,6 +446,13 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
             eviction_requested_at: r.eviction_requested_at.clone(),
             cap_not_in_force: r.cap_not_in_force.clone(),
             limit_bytes: r.share.as_ref().map(|s| s.limit_bytes),
+            runtime_caps: r.runtime_caps.as_ref().map(|c| match c {
+                RuntimeCapsRecord::Capped { max_mib } => format!(
+                    "every GPU container made by the container runtime with an MPS cap the driver reads, at most {max_mib} \
+                     MiB (the runtime's environment is the one its processes started with; it wins over the spec's)"
+                ),
+                RuntimeCapsRecord::Uncapped(why) => format!("made by the container runtime without a cap: {why}"),
+            }),
         }),
         over_since: over_since.map(round),
         over_for_seconds: over_since.map(|t| now.duration_since(t).as_secs().max(0)),

@@ -36,6 +36,7 @@ fn record(state: BudgetState, usage: u64, budget: &str, node: &str) -> Option<Po
         eviction_requested_at: None,
         cap_not_in_force: None,
         share: None,
+        runtime_caps: None,
     })
 }
 

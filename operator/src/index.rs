@@ -886,6 +886,7 @@ mod tests {
             eviction_requested_at: None,
             cap_not_in_force: None,
             share: None,
+            runtime_caps: None,
         });
         index.apply_pod(p.clone());
         let usage = |bytes: u64, uid: &str| NodePodUsage {
@@ -945,6 +946,7 @@ mod tests {
             eviction_requested_at: None,
             cap_not_in_force: None,
             share: None,
+            runtime_caps: None,
         });
         assert_eq!(index.apply_pod(p.clone()), keys(&["llm"]), "wide selects it too but does not apply");
         // A stale record naming another budget: that one is affected as well (it counts the evictions).
@@ -971,6 +973,7 @@ mod tests {
             eviction_requested_at: Some("2027-01-15T08:00:00Z".into()),
             cap_not_in_force: None,
             share: None,
+            runtime_caps: None,
         });
         index.apply_pod(p);
         index.apply_pod(pod("a", "p2", &[("app", "llm")]));
@@ -989,6 +992,7 @@ mod tests {
                 eviction_requested_at: Some("2027-01-15T09:00:00Z".into()),
                 cap_not_in_force: None,
                 share: None,
+                runtime_caps: None,
             });
             index.apply_pod(q);
             index.delete_pod(&ObjKey::new("a", format!("q{i}")));
@@ -1078,6 +1082,7 @@ mod tests {
                 eviction_requested_at: None,
                 cap_not_in_force: None,
                 share: None,
+                runtime_caps: None,
             }),
             caps: gpubudget_common::caps::PodCaps::Capped { max_mib },
             ..pod(ns, name, &[("app", "llm")])
@@ -1176,6 +1181,7 @@ mod tests {
                 eviction_requested_at: None,
                 cap_not_in_force: None,
                 share: None,
+                runtime_caps: None,
             });
             p
         }
@@ -1450,6 +1456,7 @@ mod tests {
                                 eviction_requested_at: None,
                                 cap_not_in_force: None,
                                 share: None,
+                                runtime_caps: None,
                             });
                             world.pods.insert((ns, id), p.clone());
                             index.apply_pod(p)

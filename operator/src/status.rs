@@ -269,7 +269,8 @@ fn tally(budget: &Budget, inputs: &Inputs<'_>, status: &mut GpuMemoryBudgetStatu
         status.matched_pods += 1;
         if let Some(caps) = pod_caps {
             // The environment says capped; the node may have seen otherwise (#32): then it counts uncapped.
-            let assessment = match pod.caps.assess(caps) {
+            let made = pod.caps.as_made(pod.record.as_ref().and_then(|r| r.runtime_caps.as_ref()));
+            let assessment = match made.assess(caps) {
                 Assessment::Capped | Assessment::AboveLimit if cap_not_in_force(pod) => {
                     not_in_force += 1;
                     Assessment::Uncapped
@@ -643,6 +644,7 @@ mod tests {
                 eviction_requested_at: None,
                 cap_not_in_force: None,
                 share: None,
+                runtime_caps: None,
             }),
             terminating: false,
             caps: gpubudget_common::caps::PodCaps::NoGpu,
@@ -752,6 +754,7 @@ mod tests {
                 eviction_requested_at: None,
                 cap_not_in_force: why.map(str::to_owned),
                 share: None,
+                runtime_caps: None,
             });
             p
         };
@@ -939,6 +942,28 @@ mod tests {
             fresh.iter().map(|p| Selected { pod: p, namespace_labels: &NO_NS, selected_by: vec![&bp, &bs] }).collect();
         let s = compute(&shares, &Inputs { spec: None, selected, recorded: vec![], nodes: None }, None, t(0));
         assert_eq!((s.matched_pods, s.share.as_deref()), (0, Some("none recorded")));
+    }
+
+    /// With runtime caps the node's record of what the runtime made wins over the spec: a pod created while the
+    /// webhook was down (nothing in its spec) counts capped once its containers were made capped, and one whose
+    /// container was made uncapped counts uncapped whatever its spec says.
+    #[test]
+    fn what_the_runtime_made_wins_over_the_spec() {
+        use gpubudget_common::pod_record::RuntimeCapsRecord;
+        let made = |name: &str, mps: Option<&str>, by_runtime: RuntimeCapsRecord| {
+            let mut p = with_env(name, mps);
+            p.record = pod(name, "llm", Some((BudgetState::Within, GI, "llm"))).record;
+            p.record.as_mut().expect("record").runtime_caps = Some(by_runtime);
+            p
+        };
+        let pods = [
+            made("webhook-down", None, RuntimeCapsRecord::Capped { max_mib: 8192 }),
+            made("spec-says-capped", Some("0=8192M"), RuntimeCapsRecord::uncapped("container main: no cap".into())),
+            made("above", None, RuntimeCapsRecord::Capped { max_mib: 16384 }),
+            with_env("spec-only", Some("0=4096M")),
+        ];
+        let s = caps_status(&pods, true);
+        assert_eq!((s.pods_capped, s.pods_uncapped, s.pods_capped_above_limit), (Some(2), Some(1), Some(1)));
     }
 
     #[test]

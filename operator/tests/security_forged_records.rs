@@ -33,6 +33,7 @@ fn forged(namespace: &str, name: &str, terminating: bool) -> PodInfo {
             eviction_requested_at: Some("2026-11-21T18:00:00Z".into()),
             cap_not_in_force: None,
             share: None,
+            runtime_caps: None,
         }),
         terminating,
         caps: gpubudget_common::caps::PodCaps::NoGpu,

@@ -81,6 +81,7 @@ mod tests {
             eviction_requested_at: None,
             cap_not_in_force: None,
             share: None,
+            runtime_caps: None,
         };
         assert_eq!(super::annotations(&record, None), record.to_annotations());
         let driver =

@@ -16,7 +16,10 @@ use std::time::Duration;
 
 use gpubudget_common::Budget;
 use gpubudget_common::caps::runtime::{self, Adjustment};
-use gpubudget_common::caps::{Caps, Devices, MPS_LIMIT};
+use std::collections::{BTreeMap, HashMap};
+
+use gpubudget_common::caps::{Caps, Devices, Held};
+use gpubudget_common::pod_record::RuntimeCapsRecord;
 use gpubudget_nri::api::{self, Container, ContainerAdjustment, EventMask, PodSandbox};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -132,9 +135,27 @@ pub fn decide(view: &View, pod: &PodSandbox, container: &Container, mps_pipe: Op
     Decision::Adjust(Box::new(adjustment), pod_ref, how)
 }
 
-/// The MPS caps the runtime gave each pod's containers, by pod UID (the largest, MiB, and the devices): the
-/// table reads them as the pod's caps, so the cap-in-force check judges what the process started with.
-pub type Given = Arc<std::sync::Mutex<std::collections::HashMap<Arc<str>, MpsCap>>>;
+/// What the runtime made of each pod's GPU containers, by pod UID and container name: how the driver holds each one
+/// (read from its final environment) and how many devices it sees. Filled from the containers the plugin adjusts
+/// and from those the runtime lists when the plugin (re)connects; the table reads it ([`summary`]).
+pub type Made = Arc<std::sync::Mutex<HashMap<Arc<str>, BTreeMap<String, (Held, u32)>>>>;
+
+/// What a pod's GPU containers as the runtime made them come to: the record (capped at the largest, or the first
+/// uncapped one and why) and, when every one is capped, the cap the agent's cap-in-force check judges.
+pub fn summary(containers: &BTreeMap<String, (Held, u32)>) -> (RuntimeCapsRecord, Option<MpsCap>) {
+    let mut cap: Option<MpsCap> = None;
+    for (name, (held, devices)) in containers {
+        match held {
+            Held::Uncapped(why) => return (RuntimeCapsRecord::uncapped(format!("container {name}: {why}")), None),
+            Held::Capped { max_mib } => {
+                let c = cap.get_or_insert(MpsCap { mib: *max_mib, devices: *devices });
+                c.mib = c.mib.max(*max_mib);
+                c.devices = c.devices.min(*devices);
+            }
+        }
+    }
+    (RuntimeCapsRecord::Capped { max_mib: cap.map_or(0, |c| c.mib) }, cap)
+}
 
 /// The NRI plugin: see the module's documentation.
 #[derive(Debug)]
@@ -143,7 +164,7 @@ pub struct RuntimeCaps {
     settings: Settings,
     metrics: RuntimeMetrics,
     events: mpsc::UnboundedSender<Action>,
-    given: Given,
+    made: Made,
 }
 
 impl RuntimeCaps {
@@ -153,20 +174,18 @@ impl RuntimeCaps {
         settings: Settings,
         metrics: RuntimeMetrics,
         events: mpsc::UnboundedSender<Action>,
-        given: Given,
+        made: Made,
     ) -> Self {
-        Self { view, settings, metrics, events, given }
+        Self { view, settings, metrics, events, made }
     }
 
-    /// Remembers the MPS cap given to a container of `pod` (the pod's largest).
-    fn remember(&self, pod: &PodRef, a: &Adjustment) {
-        let Some((_, value)) = a.set.iter().find(|(k, _)| *k == MPS_LIMIT) else { return };
-        let Ok(read) = gpubudget_common::caps::read_mps(value, a.record.devices) else { return };
-        let mib = read.per_device.iter().flatten().map(|d| d.high_mib).max().unwrap_or(0);
-        let mut given = self.given.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let cap = given.entry(pod.uid.clone()).or_insert(MpsCap { mib, devices: a.record.devices });
-        cap.mib = cap.mib.max(mib);
-        cap.devices = cap.devices.min(a.record.devices);
+    /// Remembers how the driver holds a GPU container of the pod with UID `uid`, as made with `env`.
+    fn remember(&self, uid: &str, name: &str, env: &[String], devices: Devices) {
+        let held = runtime::held_in(name, env, devices);
+        let mut made = self.made.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        made.entry(Arc::from(uid.to_ascii_lowercase()))
+            .or_default()
+            .insert(name.to_owned(), (held, devices.known().unwrap_or(0)));
     }
 
     fn count(&self, outcome: &str) {
@@ -213,29 +232,57 @@ impl gpubudget_nri::Plugin for RuntimeCaps {
         EventMask::of(&[api::Event::CreateContainer])
     }
 
+    async fn synchronize(&self, pods: Vec<PodSandbox>, containers: Vec<Container>) -> Vec<api::ContainerUpdate> {
+        // The containers that exist when the plugin (re)connects, made while it was away or before: judged as they
+        // are, so a pod with one made uncapped meanwhile is not counted capped.
+        let gpus = self.view.borrow().gpus;
+        let uid_of: HashMap<&str, &str> = pods.iter().map(|p| (p.id.as_str(), p.uid.as_str())).collect();
+        let mut seen = 0;
+        for c in &containers {
+            let paths = c.linux.iter().flat_map(|l| l.devices.iter().map(|d| d.path.as_str()));
+            if let (Some(devices), Some(uid)) =
+                (runtime::devices_seen(&c.env, paths, gpus), uid_of.get(c.pod_sandbox_id.as_str()))
+            {
+                self.remember(uid, &c.name, &c.env, devices);
+                seen += 1;
+            }
+        }
+        tracing::info!(
+            pods = pods.len(),
+            containers = containers.len(),
+            gpu_containers = seen,
+            "runtime caps: the runtime's existing containers read"
+        );
+        Vec::new()
+    }
+
     async fn create_container(&self, pod: PodSandbox, container: Container) -> Result<ContainerAdjustment, String> {
         let started = tokio::time::Instant::now();
         let decision = self.decide_in_time(&pod, &container).await;
+        let paths = container.linux.iter().flat_map(|l| l.devices.iter().map(|d| d.path.as_str()));
+        let devices = runtime::devices_seen(&container.env, paths, self.view.borrow().gpus);
         let answer = match decision {
             Decision::NotGpu => {
                 self.count("not_gpu");
                 Ok(ContainerAdjustment::default())
             }
-            Decision::NoBudget => {
-                self.count("no_budget");
-                Ok(ContainerAdjustment::default())
-            }
-            Decision::CapsOff => {
-                self.count("caps_off");
+            Decision::NoBudget | Decision::CapsOff => {
+                self.count(if decision == Decision::NoBudget { "no_budget" } else { "caps_off" });
+                if let Some(devices) = devices {
+                    self.remember(&pod.uid, &container.name, &container.env, devices);
+                }
                 Ok(ContainerAdjustment::default())
             }
             Decision::Adjust(adjustment, pod_ref, how) => {
                 let record = &adjustment.record;
+                let made = adjustment.applied_to(&container.env);
+                if let Some(devices) = devices {
+                    self.remember(&pod.uid, &container.name, &made, devices);
+                }
                 let set: Vec<String> = adjustment.set.iter().map(|(k, v)| format!("{k}={v}")).collect();
                 match &record.uncapped {
                     None => {
                         self.count("capped");
-                        self.remember(&pod_ref, &adjustment);
                         let note = format!(
                             "container {} capped by the runtime at creation, {how}: {}",
                             container.name,
@@ -258,6 +305,9 @@ impl gpubudget_nri::Plugin for RuntimeCaps {
             Decision::Unknown(why) => match self.settings.unresolved {
                 Unresolved::Create => {
                     self.count("unresolved_created");
+                    if let Some(devices) = devices {
+                        self.remember(&pod.uid, &container.name, &container.env, devices);
+                    }
                     let pod_ref = PodRef {
                         uid: pod.uid.to_ascii_lowercase().into(),
                         namespace: pod.namespace.as_str().into(),

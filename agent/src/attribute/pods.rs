@@ -103,6 +103,9 @@ pub struct PodView {
     /// resources), read once from the whole pod ([`gpubudget_common::share::declared`]); a budget with
     /// `spec.share` takes the pod's limit from it ([`PodTable::from_index`]).
     pub share: Declaration,
+    /// What the container runtime gave its GPU containers (`--runtime-caps`): set by the agent's own table build
+    /// from what its NRI plugin saw, never read from the pod; when set, `mps_cap_mib` is the runtime's cap.
+    pub runtime_caps: Option<gpubudget_common::pod_record::RuntimeCapsRecord>,
 }
 
 /// Where [`slim_pod`] keeps [`PodView::mps_cap_mib`] once the containers are dropped: a key of the agent's
@@ -186,6 +189,7 @@ impl PodView {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(Declaration::None),
             },
+            runtime_caps: None,
         })
     }
 

@@ -32,13 +32,13 @@ use gpubudget_common::share::Declaration;
 
 use crate::act::WriteLabels;
 use crate::act::kube::KubeExecutor;
-use crate::act::runtime_caps::{self, Given};
+use crate::act::runtime_caps::{self, Made};
 use crate::act::usage::UsageWriter;
 use crate::attribute::ProcAttributor;
 use crate::attribute::budgets::{BudgetCache, Change, ClusterCache};
 use crate::attribute::driver_limits::DriverReader;
 use crate::attribute::mirror_watch;
-use crate::attribute::pods::{PodTable, PodView, slim_pod};
+use crate::attribute::pods::{MIRROR_ANNOTATION, PodTable, PodView, slim_pod};
 use crate::attribute::spec_watch::{Scoped, Source, SpecEvent};
 use crate::cli::RunArgs;
 use crate::decide::{Action, NodeReason, Settings, driver_limits};
@@ -84,8 +84,8 @@ pub struct Caches {
     pods_ready: Arc<AtomicBool>,
     /// The Node's labels that say how the device plugin shares its GPUs ([`node_sharing`]); `None` until read.
     sharing: Arc<Mutex<Option<BTreeMap<String, String>>>>,
-    /// The MPS caps the runtime gave pods' containers (`--runtime-caps`): the table reads them as the pods' caps.
-    given: Given,
+    /// What the runtime made of pods' GPU containers (`--runtime-caps`): the table reads it as the pods' caps.
+    made: Made,
 }
 
 /// Runs a watch with the default backoff until `shutdown`, handing each event to `on`.
@@ -287,7 +287,7 @@ impl Caches {
                 |_| {},
             );
         }
-        Self { pods, budgets, cluster, changes, pods_ready, sharing, given: Given::default() }
+        Self { pods, budgets, cluster, changes, pods_ready, sharing, made: Made::default() }
     }
 
     fn budgets(&self) -> std::sync::MutexGuard<'_, BudgetCache> {
@@ -304,9 +304,9 @@ impl Caches {
         self.changes.load(Ordering::Acquire)
     }
 
-    /// Where the runtime's caps are remembered (shared with the NRI plugin).
-    pub fn given(&self) -> Given {
-        self.given.clone()
+    /// Where what the runtime made is remembered (shared with the NRI plugin).
+    pub fn made(&self) -> Made {
+        self.made.clone()
     }
 
     /// The pod table of `node` now, its GPUs holding `gpu_totals` bytes each.
@@ -314,17 +314,28 @@ impl Caches {
         let pods = self.pods.state();
         let cluster = lock(&self.cluster);
         let sharing = lock(&self.sharing).clone();
-        let mut given = lock(&self.given);
-        // Caps the runtime gave are what the pods' processes started with (they win over the spec's); those of
-        // pods no longer here are forgotten.
-        given.retain(|uid, _| {
-            pods.iter().any(|p| p.metadata.uid.as_deref().is_some_and(|u| u.eq_ignore_ascii_case(uid)))
-        });
+        let mut made = lock(&self.made);
+        // The runtime's containers are what the pods' processes started with (their caps win over the spec's);
+        // those of pods no longer here are forgotten (a static pod's by its mirror's annotation).
+        if !made.is_empty() {
+            let here: std::collections::HashSet<String> = pods
+                .iter()
+                .flat_map(|p| {
+                    let meta = &p.metadata;
+                    let mirror = meta.annotations.as_ref().and_then(|a| a.get(MIRROR_ANNOTATION));
+                    meta.uid.iter().chain(mirror).map(|u| u.to_ascii_lowercase())
+                })
+                .collect();
+            made.retain(|uid, _| here.contains(&**uid));
+        }
         PodTable::from_index(
             pods.iter().filter_map(|p| PodView::from_pod(p)).map(|mut v| {
                 v.share = std::mem::replace(&mut v.share, Declaration::None).on_node(sharing.as_ref());
-                if let Some(cap) = given.get(&v.uid) {
-                    v.mps_cap_mib = Some(*cap);
+                let by_runtime = made.get(&v.uid).or_else(|| v.mirror_of.as_deref().and_then(|m| made.get(m)));
+                if let Some(containers) = by_runtime {
+                    let (record, cap) = runtime_caps::summary(containers);
+                    v.mps_cap_mib = cap;
+                    v.runtime_caps = Some(record);
                 }
                 v
             }),
@@ -460,7 +471,7 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
             settings,
             metrics.runtime.clone(),
             node_events_tx,
-            caches.given(),
+            caches.made(),
         ));
         let (socket, stop) = (a.socket.clone(), shutdown.clone());
         tracing::info!(socket = %socket.display(), wait = ?a.wait, unresolved = ?a.unresolved, "runtime caps: connecting to the runtime's NRI socket");

@@ -540,6 +540,7 @@ impl Enforcer {
             eviction_requested_at: mem.eviction_requested_at.clone(),
             cap_not_in_force: mem.cap_breach.as_ref().map(|(_, note)| note.clone()),
             share: cx.budget.held_share.clone(),
+            runtime_caps: cx.view.runtime_caps.clone(),
         }
     }
 

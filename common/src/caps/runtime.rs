@@ -9,8 +9,8 @@
 //! replaced, never trusted: the runtime's value is the one the process starts with.
 
 use super::{
-    Caps, ContainerRecord, Devices, EnvValue, MAX_DEVICES, MAX_ENV_VALUE, MEMORY_LIMIT, MEMORY_REQUEST, MPS_LIMIT,
-    Outcome, Unknown, VISIBLE_DEVICES, Visible, merge_mib, merge_mps_outcome, visible,
+    Caps, ContainerRecord, Devices, EnvValue, GpuContainer, Held, MAX_DEVICES, MAX_ENV_VALUE, MEMORY_LIMIT,
+    MEMORY_REQUEST, MPS_LIMIT, Outcome, Unknown, VISIBLE_DEVICES, Visible, held, merge_mib, merge_mps_outcome, visible,
 };
 use std::collections::BTreeMap;
 
@@ -55,6 +55,20 @@ pub fn devices_seen<'a>(
     }
 }
 
+/// How the driver holds a container the runtime makes (or made), from its final environment: the same reading as
+/// for a pod's spec ([`held`]), so a container counts capped only where the driver reads its cap on every device it
+/// sees.
+pub fn held_in(name: &str, env: &[String], devices: Devices) -> Held {
+    let literal = |n: &str| env_get(env, n).map(|v| EnvValue::Literal(v.to_owned()));
+    held(&GpuContainer {
+        name: name.to_owned(),
+        devices,
+        mps_limit: literal(MPS_LIMIT),
+        memory_limit: literal(MEMORY_LIMIT),
+        memory_request: literal(MEMORY_REQUEST),
+    })
+}
+
 /// What the runtime does to one GPU container: variables to set and to remove, and the record of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Adjustment {
@@ -64,6 +78,20 @@ pub struct Adjustment {
     pub remove: Vec<&'static str>,
     /// What was done, as admission records it ([`ContainerRecord`]; `uncapped` when the device count is unknown).
     pub record: ContainerRecord,
+}
+
+impl Adjustment {
+    /// The environment the container starts with: `env` with this adjustment applied (set entries replace every entry
+    /// of their name, removed ones are dropped).
+    pub fn applied_to(&self, env: &[String]) -> Vec<String> {
+        let touched = |kv: &str| {
+            let key = kv.split_once('=').map_or(kv, |(k, _)| k);
+            self.set.iter().any(|(k, _)| *k == key) || self.remove.contains(&key)
+        };
+        let mut out: Vec<String> = env.iter().filter(|kv| !touched(kv)).cloned().collect();
+        out.extend(self.set.iter().map(|(k, v)| format!("{k}={v}")));
+        out
+    }
 }
 
 /// The caps `caps` give a container named `name` whose final environment is `env` and which sees `devices`;
@@ -179,6 +207,24 @@ mod tests {
         assert_eq!(a.remove, [MPS_LIMIT]);
         assert_eq!(a.set, [(MEMORY_LIMIT, "10240".to_owned())]);
         assert_eq!(a.record.uncapped.as_deref(), Some(Unknown::All.to_string().as_str()));
+    }
+
+    #[test]
+    fn a_container_counts_capped_only_as_the_driver_reads_its_final_environment() {
+        let hostile = env(&["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=80G,1=1G", "PATH=/bin"]);
+        assert!(matches!(held_in("c", &hostile, Devices::Known(1)), Held::Uncapped(_)), "an unseen ordinal voids it");
+        let a = adjust("c", &hostile, Devices::Known(1), CAPS, None);
+        let made = a.applied_to(&hostile);
+        assert_eq!(
+            made,
+            env(&["PATH=/bin", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M", "NVIDIA_GPU_MEMORY_LIMIT=10240"])
+        );
+        assert_eq!(held_in("c", &made, Devices::Known(1)), Held::Capped { max_mib: 10240 });
+        let unknown = adjust("c", &hostile, Devices::Unknown(Unknown::All), CAPS, None);
+        assert!(matches!(
+            held_in("c", &unknown.applied_to(&hostile), Devices::Unknown(Unknown::All)),
+            Held::Uncapped(_)
+        ));
     }
 
     proptest! {

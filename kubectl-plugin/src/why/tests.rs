@@ -426,3 +426,20 @@ fn why_names_the_share_its_node_applied() {
     let none = said(json!({}), json!({}));
     assert!(none.contains("declares none it reads"), "{none}");
 }
+
+/// With runtime caps, `why` says what the runtime made of the pod's GPU containers, from its agent's record.
+#[test]
+fn why_says_what_the_runtime_made() {
+    let budgets = vec![budget("llm", "8Gi", json!({}), json!({"admissionCaps": "Enabled"}))];
+    let made = |value: &str| {
+        let meta = json!({"annotations": {
+            "gpubudget.io/state": "Within", "gpubudget.io/usage-bytes": "0", "gpubudget.io/budget": "llm",
+            "gpubudget.io/node": "n1", "gpubudget.io/runtime-caps": value}});
+        let p = pod(None, meta, json!({}));
+        crate::render::why_text(&why(input(Some(&p), Some(&budgets), &[])).unwrap(), now())
+    };
+    let capped = made(r#"{"capped":{"maxMib":8192}}"#);
+    assert!(capped.contains("Made:") && capped.contains("at most 8192 MiB"), "{capped}");
+    let uncapped = made(r#"{"uncapped":"container main: no CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"}"#);
+    assert!(uncapped.contains("made by the container runtime without a cap: container main"), "{uncapped}");
+}

@@ -62,16 +62,16 @@ struct Rig {
     plugin: RuntimeCaps,
     publish: watch::Sender<View>,
     events: mpsc::UnboundedReceiver<Action>,
-    given: Given,
+    made: Made,
 }
 
 fn rig(first: View, unresolved: Unresolved) -> Rig {
     let (publish, views) = watch::channel(first);
     let (tx, events) = mpsc::unbounded_channel();
-    let given = Given::default();
+    let made = Made::default();
     let settings = Settings { wait: Duration::from_secs(1), unresolved, mps_pipe: None };
-    let plugin = RuntimeCaps::new(views, settings, RuntimeMetrics::default(), tx, given.clone());
-    Rig { plugin, publish, events, given }
+    let plugin = RuntimeCaps::new(views, settings, RuntimeMetrics::default(), tx, made.clone());
+    Rig { plugin, publish, events, made }
 }
 
 fn told(events: &mut mpsc::UnboundedReceiver<Action>) -> Vec<(Reason, String)> {
@@ -108,7 +108,8 @@ async fn a_gpu_container_gets_its_budgets_caps_whatever_the_pod_wrote() {
         "{}",
         events[0].1
     );
-    assert_eq!(r.given.lock().unwrap().get("uid-1").map(|c| (c.mib, c.devices)), Some((8192, 1)));
+    let made = r.made.lock().unwrap().get("uid-1").cloned().expect("remembered");
+    assert_eq!(summary(&made), (RuntimeCapsRecord::Capped { max_mib: 8192 }, Some(MpsCap { mib: 8192, devices: 1 })));
     assert_eq!(outcome(&r.plugin.metrics, "capped"), 1);
 }
 
@@ -193,4 +194,24 @@ async fn an_unknown_pod_waits_for_its_budget_then_is_created_or_refused_as_confi
     let events = told(&mut r.events);
     assert_eq!(events[0].0, Reason::NotCappedAtCreation);
     assert!(events[0].1.contains("caches have not synced"), "{}", events[0].1);
+}
+
+/// The containers the runtime lists when the agent (re)connects are judged as they are: one made uncapped while the
+/// agent was away makes its pod uncapped, whatever its other containers got.
+#[tokio::test]
+async fn containers_made_while_the_agent_was_away_are_judged_as_they_are() {
+    let caps = budget(", admissionCaps: Enabled");
+    let r = rig(view(vec![pod("uid-1", "")], &[caps], &[80 * GI]), Unresolved::Create);
+    let mut away = container(&["NVIDIA_VISIBLE_DEVICES=0"], &[]);
+    away.name = "sidecar".into();
+    away.pod_sandbox_id = "sb-1".into();
+    let sandbox = PodSandbox { id: "sb-1".into(), ..sandbox("uid-1") };
+    assert!(r.plugin.synchronize(vec![sandbox.clone()], vec![away]).await.is_empty());
+    let later = container(&["NVIDIA_VISIBLE_DEVICES=0"], &[]);
+    r.plugin.create_container(sandbox, later).await.expect("created");
+    let made = r.made.lock().unwrap().get("uid-1").cloned().expect("remembered");
+    let (record, cap) = summary(&made);
+    assert_eq!(cap, None, "not every GPU container is capped: no cap for the pod");
+    let RuntimeCapsRecord::Uncapped(why) = record else { panic!("{record:?}") };
+    assert!(why.starts_with("container sidecar: no CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "{why}");
 }
