@@ -77,6 +77,7 @@ declare -A SETS=(
   [no-node-restriction]="--set nodeRestriction.enabled=false --set operator.leaderElection.mode=always"
   [no-webhooks]="--set nodeRestriction.enabled=false --set admissionCaps.enabled=false"
   [apply-driver-limits]="--set agent.applyDriverLimits=true"
+  [runtime-caps]="--set agent.runtimeCaps.enabled=true --set agent.runtimeCaps.unresolved=refuse --set agent.runtimeCaps.mpsPipeDirectory=/run/nvidia/mps"
   [no-mirrors]="--set operator.budgetMirrors=false"
 )
 
@@ -160,7 +161,9 @@ AGENT_ENV = {"NODE_NAME", "GPUBUDGET_PROC_ROOT", "GPUBUDGET_INTERVAL", "GPUBUDGE
              "GPUBUDGET_PRESSURE_TRANSITION", "GPUBUDGET_PRESSURE_GRACE_SECONDS", "GPUBUDGET_UNBUDGETED_PODS",
              "GPUBUDGET_PRESSURE_BLOCKED_TIMEOUT", "GPUBUDGET_NAMESPACED_BUDGETS", "GPUBUDGET_CRITICAL_NAMESPACES",
              "GPUBUDGET_USAGE_WRITE_INTERVAL", "GPUBUDGET_USAGE_WRITE_CHANGE_PERCENT", "GPUBUDGET_APPLY_DRIVER_LIMITS",
-             "GPUBUDGET_MIRRORS_LEASE", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"}
+             "GPUBUDGET_MIRRORS_LEASE", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES",
+             "GPUBUDGET_RUNTIME_CAPS", "GPUBUDGET_RUNTIME_CAPS_SOCKET", "GPUBUDGET_RUNTIME_CAPS_WAIT",
+             "GPUBUDGET_RUNTIME_CAPS_UNRESOLVED", "GPUBUDGET_RUNTIME_CAPS_MPS_PIPE_DIRECTORY"}
 OPERATOR_ENV = {"POD_NAME", "POD_NAMESPACE", "GPUBUDGET_ADMIN_ADDR", "GPUBUDGET_LEADER_ELECTION",
                 "GPUBUDGET_LEASE_NAME", "GPUBUDGET_CRITICAL_NAMESPACES", "GPUBUDGET_WEBHOOK_ADDR", "GPUBUDGET_BUDGET_MIRRORS", "GPUBUDGET_WEBHOOK_CERT_DIR",
                 "GPUBUDGET_MIRRORS_LEASE_NAME",
@@ -339,6 +342,25 @@ psc, sc = apod["securityContext"], agent["securityContext"]
 check(psc.get("runAsUser") == 0 and psc.get("runAsNonRoot") is False, "apply-driver-limits: the agent runs as root")
 check(sc.get("allowPrivilegeEscalation") is False and sc.get("capabilities", {}).get("drop") == ["ALL"]
       and "add" not in sc.get("capabilities", {}) and "privileged" not in sc, "apply-driver-limits: no capability, no escalation")
+
+# #45: the NRI socket is root's: only with runtime caps on does the agent run as root, with the socket's directory
+# mounted and every setting reaching it; nothing else loosens.
+apod = one(load("runtime-caps"), "DaemonSet")["spec"]["template"]["spec"]
+agent = apod["containers"][0]
+aenv = {k: e.get("value") for k, e in env(agent).items()}
+check(aenv.get("GPUBUDGET_RUNTIME_CAPS") == "true" and aenv.get("GPUBUDGET_RUNTIME_CAPS_SOCKET") == "/var/run/nri/nri.sock"
+      and aenv.get("GPUBUDGET_RUNTIME_CAPS_UNRESOLVED") == "refuse"
+      and aenv.get("GPUBUDGET_RUNTIME_CAPS_MPS_PIPE_DIRECTORY") == "/run/nvidia/mps", "runtime-caps: the settings reach the agent")
+mounts = {m["name"]: m["mountPath"] for m in agent.get("volumeMounts", [])}
+volumes = {v["name"]: v for v in apod.get("volumes", [])}
+check(mounts.get("nri") == "/var/run/nri" and volumes.get("nri", {}).get("hostPath", {}).get("path") == "/var/run/nri",
+      "runtime-caps: the socket's directory is mounted from the host")
+psc, sc = apod["securityContext"], agent["securityContext"]
+check(psc.get("runAsUser") == 0 and psc.get("runAsNonRoot") is False, "runtime-caps: the agent runs as root")
+check(sc.get("allowPrivilegeEscalation") is False and sc.get("capabilities", {}).get("drop") == ["ALL"]
+      and "add" not in sc.get("capabilities", {}) and "privileged" not in sc, "runtime-caps: no capability, no escalation")
+default_agent = one(load("default"), "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+check("GPUBUDGET_RUNTIME_CAPS" not in env(default_agent), "default: runtime caps off")
 
 # #34: the operator writes the budgets' mirrors unless told not to (an empty value, as --reuse-values from an
 # older chart leaves it, still reads as on).
