@@ -60,31 +60,12 @@ spec:
 YAML
 }
 ready() { kubectl -n "$NS" wait --for=condition=Ready "pod/$1" --timeout="${2:-60}s" >/dev/null; }
-environ() { # environ POD: the container's environment, read on the host
-  local cid pid
-  cid=$(kubectl -n "$NS" get pod "$1" -o jsonpath='{.status.containerStatuses[0].containerID}'); cid=${cid#containerd://}
-  pid=$(ctr -n k8s.io task ls | awk -v c="$cid" '$1 == c {print $2}')
-  tr '\0' '\n' < "/proc/$pid/environ"
-}
-create_ms() { # create_ms LOG SANDBOX_ID...: CRI CreateContainer durations (ms) from containerd's log
-  python3 - "$@" <<'PY'
-import re, sys, datetime
-log, sandboxes = sys.argv[1], set(sys.argv[2:])
-t = lambda l: datetime.datetime.fromisoformat(re.search(r'time="([^"]+)"', l).group(1)[:26])
-start = {}
-for line in open(log):
-    m = re.search(r'CreateContainer within sandbox \\"(\w+)\\" for (container|name)', line)
-    if not m or m.group(1) not in sandboxes: continue
-    if 'returns container id' in line and m.group(1) in start:
-        print(round((t(line) - start.pop(m.group(1))).total_seconds() * 1000, 1))
-    elif 'returns' not in line:
-        start[m.group(1)] = t(line)
-PY
-}
-sandbox() { # the pod's sandbox id
-  ctr -n k8s.io containers ls -q "labels.\"io.cri-containerd.kind\"==sandbox,labels.\"io.kubernetes.pod.name\"==$1,labels.\"io.kubernetes.pod.namespace\"==$NS"
-}
-median() { sort -n | awk '{a[NR]=$1} END {print (NR ? a[int((NR+1)/2)] : "n/a")}'; }
+# shellcheck source=nri-lib.sh
+. "$ROOT/e2e/cluster/nri-lib.sh"
+environ() { nri_environ "$NS" "$1"; }   # environ POD: the container's environment, read on the host
+sandbox() { nri_sandbox "$NS" "$1"; }   # the pod's sandbox id
+create_ms() { nri_create_ms "$@"; }     # create_ms LOG SANDBOX_ID...: CRI CreateContainer durations (ms)
+median() { nri_pct 0.5; }
 
 say "1. adjust"
 probe_start

@@ -235,7 +235,11 @@ impl gpubudget_nri::Plugin for RuntimeCaps {
     async fn synchronize(&self, pods: Vec<PodSandbox>, containers: Vec<Container>) -> Vec<api::ContainerUpdate> {
         // The containers that exist when the plugin (re)connects, made while it was away or before: judged as they
         // are, so a pod with one made uncapped meanwhile is not counted capped.
-        let gpus = self.view.borrow().gpus;
+        // `NVIDIA_VISIBLE_DEVICES=all` is the node's GPUs: at the agent's start they are known once its first table
+        // is built (within the runtime's 2 s, or judged with what is known then).
+        let mut view = self.view.clone();
+        let _ = tokio::time::timeout(self.settings.wait, view.wait_for(|v| v.synced)).await;
+        let gpus = view.borrow().gpus;
         let uid_of: HashMap<&str, &str> = pods.iter().map(|p| (p.id.as_str(), p.uid.as_str())).collect();
         let mut seen = 0;
         for c in &containers {

@@ -464,6 +464,10 @@ impl Enforcer {
                         || *w.node != *self.settings.node
                         || w.eviction_requested_at != mem.eviction_requested_at
                         || cap_due(w, &mem, since_write >= self.settings.state_min_interval_ms)
+                        // What status counts besides the state: the pod's share and what the runtime made of its
+                        // containers; they change rarely (a budget, a GPU, a container made), spaced as a move is.
+                        || ((w.share != budget.held_share || w.runtime_caps != view.runtime_caps)
+                            && since_write >= self.settings.state_min_interval_ms)
                 }
             };
             // What the driver caps the pod at: rewritten when it changed, at most as often as usage.

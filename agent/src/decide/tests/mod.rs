@@ -944,3 +944,20 @@ fn applied_driver_limits_are_told_and_refusals_are_warnings() {
     assert_eq!((told[1].0, told[1].1), ("GpuMemoryDriverLimitsNotApplied", true));
     assert!(told[1].2.contains("nvmlReturn_t 4") && told[1].2.contains("enforced by eviction"), "{}", told[1].2);
 }
+
+/// What status counts besides the state is written too once it changes (a container made by the runtime after the
+/// pod's first record), spaced as a move is.
+#[test]
+fn what_the_runtime_made_reaches_the_record_after_the_first_write() {
+    use gpubudget_common::pod_record::RuntimeCapsRecord;
+    let mut h = Harness::new(pod("", ""), &[budget("")]);
+    assert_eq!(kinds(&h.tick(0, GI)), ["apply:Within"]);
+    let mut view = h.table.pods[0].clone();
+    view.runtime_caps = Some(RuntimeCapsRecord::Capped { max_mib: 8192 });
+    h.table = table(view, &[budget("")]);
+    assert!(h.run(250, 4_750, GI).is_empty(), "not before 5 s after the last write");
+    let out = h.tick(5_000, GI);
+    let Some(Action::Apply { record, .. }) = out.first() else { panic!("{:?}", kinds(&out)) };
+    assert_eq!(record.runtime_caps, Some(RuntimeCapsRecord::Capped { max_mib: 8192 }));
+    assert!(h.run(5_250, 20_000, GI).is_empty(), "written once");
+}
