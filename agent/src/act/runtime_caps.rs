@@ -112,10 +112,15 @@ fn rules<'t>(table: &'t PodTable, pod: &PodSandbox) -> Option<(PodRef, Option<&'
     Some((pod_ref, table.budget(i)))
 }
 
+/// The devices `container` will see as the runtime makes it, on a node of `gpus` GPUs (`None`: no GPU).
+fn devices_of(container: &Container, gpus: u32) -> Option<Devices> {
+    let paths = container.linux.iter().flat_map(|l| l.devices.iter().map(|d| d.path.as_str()));
+    runtime::devices_seen(&container.env, paths, gpus)
+}
+
 /// What to do with `container` of `pod`, from `view`. Linear in the container's environment and devices.
 pub fn decide(view: &View, pod: &PodSandbox, container: &Container, mps_pipe: Option<&str>) -> Decision {
-    let paths = container.linux.iter().flat_map(|l| l.devices.iter().map(|d| d.path.as_str()));
-    let Some(devices) = runtime::devices_seen(&container.env, paths, view.gpus) else { return Decision::NotGpu };
+    let Some(devices) = devices_of(container, view.gpus) else { return Decision::NotGpu };
     if !view.synced {
         return Decision::Unknown("the agent's caches have not synced yet".to_owned());
     }
@@ -243,10 +248,7 @@ impl gpubudget_nri::Plugin for RuntimeCaps {
         let uid_of: HashMap<&str, &str> = pods.iter().map(|p| (p.id.as_str(), p.uid.as_str())).collect();
         let mut seen = 0;
         for c in &containers {
-            let paths = c.linux.iter().flat_map(|l| l.devices.iter().map(|d| d.path.as_str()));
-            if let (Some(devices), Some(uid)) =
-                (runtime::devices_seen(&c.env, paths, gpus), uid_of.get(c.pod_sandbox_id.as_str()))
-            {
+            if let (Some(devices), Some(uid)) = (devices_of(c, gpus), uid_of.get(c.pod_sandbox_id.as_str())) {
                 self.remember(uid, &c.name, &c.env, devices);
                 seen += 1;
             }
@@ -263,8 +265,7 @@ impl gpubudget_nri::Plugin for RuntimeCaps {
     async fn create_container(&self, pod: PodSandbox, container: Container) -> Result<ContainerAdjustment, String> {
         let started = tokio::time::Instant::now();
         let decision = self.decide_in_time(&pod, &container).await;
-        let paths = container.linux.iter().flat_map(|l| l.devices.iter().map(|d| d.path.as_str()));
-        let devices = runtime::devices_seen(&container.env, paths, self.view.borrow().gpus);
+        let devices = devices_of(&container, self.view.borrow().gpus);
         let answer = match decision {
             Decision::NotGpu => {
                 self.count("not_gpu");
