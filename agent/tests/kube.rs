@@ -364,7 +364,7 @@ async fn warn_critical_and_other_nodes_pods_are_never_evicted() {
     assert_eq!(f.count(Verb::Create, "pods/eviction"), 0);
     let audit = f.events_for("team-w", "audit-0");
     assert_eq!(audit.len(), 1, "{audit:?}");
-    assert!(audit[0].message.contains("action is Warn: the pod is not evicted"), "{}", audit[0].message);
+    assert!(audit[0].message.contains("action is Warn: not evicted for being over its limit"), "{}", audit[0].message);
     let dns = f.events_for("kube-system", "dns-0");
     assert!(dns[0].message.contains("the pod is critical and is never evicted"), "{}", dns[0].message);
     assert_eq!(annotations(f, "team-w", "audit-0")["gpubudget.io/state"], "Over");

@@ -239,7 +239,12 @@ fn a_namespace_without_a_budget_filling_the_gpu_is_evicted_before_the_budgeted_n
     assert_eq!(node.evicted(), ["free/filler"], "once, the filler only");
     let note = node.pod_note("filler", Reason::Evicting).expect("told");
     assert!(note.starts_with("no budget selects this pod; node policy unbudgetedPods=Ranked"), "{note}");
-    assert!(note.contains("GPU 0 is under memory pressure (3Gi free of 80Gi)"), "{note}");
+    assert!(
+        note.contains(
+            "GPU 0 is under memory pressure (3Gi free of 80Gi; pods within their guarantee there are owed 10Gi)"
+        ),
+        "{note}"
+    );
     assert!(note.contains("held by main (pid 200, GPU 0) 45Gi"), "{note}");
     // Nothing written on the filler (no budget counts the eviction); the neighbour is told nothing but its
     // own record.

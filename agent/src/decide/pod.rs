@@ -87,10 +87,10 @@ pub(in crate::decide) struct PodMemory {
     pub(in crate::decide) seen: u64,
     /// The GPU whose memory pressure this pod is being evicted for.
     pub(in crate::decide) pressure: Option<usize>,
-    /// A pressure eviction of this pod was refused on this GPU, first at this time (monotonic ms): kept
-    /// across the turns the refusals give back, so a PodDisruptionBudget holds pressure relief back a
-    /// bounded time only (#33). Cleared when that GPU's pressure ends.
-    pub(in crate::decide) pressure_refused: Option<(usize, u64)>,
+    /// A pressure eviction of this pod was refused: kept across the turns the refusals give back and across
+    /// pressure episodes, so a PodDisruptionBudget holds pressure relief back a bounded time of pressure only
+    /// (#33, #52). Cleared when the pod is back within its guarantee, or its GPU harms no one for a while.
+    pub(in crate::decide) pressure_refused: Option<super::pressure::step::Refused>,
     /// How the driver's limits disagree with the budget now ([`super::driver_limits`]).
     pub(in crate::decide) driver: Option<super::driver_limits::Disagreement>,
     /// The kinds of disagreement told already (bit per [`super::driver_limits::Disagreement::kind`]).
@@ -124,11 +124,6 @@ impl Context<'_> {
     /// when only a tenant-written budget selects it.
     pub(in crate::decide) fn pressure_guarantee(&self) -> u64 {
         if self.tenant_only { 0 } else { self.budget.guaranteed_bytes() }
-    }
-
-    /// Whether pressure may evict it: its budget says `Evict`, or only a tenant-written budget selects it.
-    pub(in crate::decide) fn pressure_evicts(&self) -> bool {
-        self.budget.action == BudgetAction::Evict || self.tenant_only
     }
 
     pub(in crate::decide) fn used_of(&self) -> String {
@@ -329,7 +324,9 @@ impl Enforcer {
                 )),
                 (BudgetState::Within | BudgetState::Near, BudgetState::Over) => {
                     let then = if budget.action == BudgetAction::Warn {
-                        "action is Warn: the pod is not evicted".to_owned()
+                        "action is Warn: not evicted for being over its limit (only, as any pod above its \
+                         guarantee, where its GPU fills and a neighbour is short of its own)"
+                            .to_owned()
                     } else if let Some(why) = view.never_evicted(&self.settings.critical_namespaces) {
                         why.to_owned()
                     } else if budget.over_limit_seconds == 0 {
@@ -367,7 +364,8 @@ impl Enforcer {
         let due = state == BudgetState::Evicting || mem.pressure.is_some();
         let evictable = due
             && (thresholds.may_evict || mem.pressure.is_some())
-            && (budget.action == BudgetAction::Evict || (mem.pressure.is_some() && cx.pressure_evicts()))
+            // Pressure relief whatever the action: `Warn` is about the pod's own limit (#52).
+            && (budget.action == BudgetAction::Evict || mem.pressure.is_some())
             && view.never_evicted(&self.settings.critical_namespaces).is_none()
             && !view.terminating
             && view.node.as_deref() == Some(self.settings.node.as_str());
@@ -601,8 +599,12 @@ impl Enforcer {
                             if let Some(gpu) = self.gpus.get_mut(g) {
                                 gpu.retry_at = now.mono_ms + backoff;
                             }
-                            let first = mem.pressure_refused.filter(|(on, _)| *on == g).map_or(refused_since, |r| r.1);
-                            mem.pressure_refused = Some((g, first));
+                            mem.pressure_refused = Some(super::pressure::step::Refused::on(
+                                mem.pressure_refused,
+                                g,
+                                refused_since,
+                                now.mono_ms,
+                            ));
                             mem.eviction = Eviction::Idle;
                             mem.eviction_requested_at = None;
                         }

@@ -125,6 +125,9 @@ pub enum NodeReason {
     Pressure,
     /// It is no longer.
     PressureEnded,
+    /// Under pressure, but nobody is harmed: one pod holds the memory alone, or what the pods within their
+    /// guarantee are owed fits in what is free (once per episode). Nothing is evicted for it.
+    FullNoneHarmed,
     /// Under pressure, but no pod on the GPU is over its budget: the budgets add up to more than it holds.
     Overcommitted,
     /// A GPU's sample failed: nothing is decided from it until it is back ([`gpus`](super::gpus)).
@@ -149,6 +152,7 @@ impl NodeReason {
         match self {
             Self::Pressure => "GpuMemoryPressure",
             Self::PressureEnded => "GpuMemoryPressureEnded",
+            Self::FullNoneHarmed => "GpuMemoryFullNoneHarmed",
             Self::Overcommitted => "GpuMemoryBudgetsOvercommitted",
             Self::GpuSampleFailed => "GpuSampleFailed",
             Self::GpuSampleRecovered => "GpuSampleRecovered",
@@ -162,7 +166,10 @@ impl NodeReason {
 
     /// Warning (true) or Normal.
     pub fn is_warning(self) -> bool {
-        !matches!(self, Self::PressureEnded | Self::GpuSampleRecovered | Self::DriverLimitsUnavailable)
+        !matches!(
+            self,
+            Self::PressureEnded | Self::FullNoneHarmed | Self::GpuSampleRecovered | Self::DriverLimitsUnavailable
+        )
     }
 }
 

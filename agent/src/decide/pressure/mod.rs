@@ -1,19 +1,28 @@
-//! GPU memory pressure, per GPU: the signal and the choice of the pod to evict. Pure: the caller gives the
-//! device's free and total bytes, the time, and the pods using the GPU; nothing here reads a device or logs.
+//! GPU memory pressure, per GPU: the signal, whether anyone is harmed, and the choice of the pod to evict.
+//! Pure: the caller gives the device's free and total bytes, the time, and the pods using the GPU; nothing here
+//! reads a device or logs.
 //!
-//! The model is the kubelet's node-pressure eviction for RAM (`memory.available`):
+//! The model is the kubelet's node-pressure eviction for RAM (`memory.available`), narrowed to where it
+//! protects someone (#52):
 //! - a **hard** threshold: free memory under it is pressure at once;
 //! - an optional **soft** threshold: free memory under it for its grace period is pressure;
 //! - a **transition period**: the signal ends only once free memory has stayed above the thresholds that
 //!   long, so it does not flap;
-//! - while under pressure, **one** pod at a time per GPU is evicted, the one most above its guarantee:
-//!   its budget's request when the budget sets one (as the kubelet ranks pods by usage above their memory
-//!   request), else its limit. Only pods above it are candidates: a pod within its request (or, without
-//!   one, within its limit) is the neighbour being protected and is never evicted for pressure;
+//! - a full GPU is **relieved only where a neighbour is harmed** ([`harm`]): the pods holding memory on it that
+//!   are within their guarantee (request, else limit) are still owed the rest of it, and relief happens only
+//!   while what they are owed is more than is free. A pod alone on its GPU, or a framework that preallocates
+//!   most of the card (vLLM, TensorFlow, JAX) beside neighbours whose guarantees still fit, is left alone:
+//!   nobody is short of anything the budgets promised;
+//! - while a neighbour is harmed, **one** pod at a time per GPU is evicted, the one most above its guarantee
+//!   (as the kubelet ranks pods by usage above their memory request); at equal excess an `Evict` budget's pod
+//!   before a `Warn` one. Only pods above their guarantee are candidates: a pod within its request (or,
+//!   without one, within its limit) is the neighbour being protected and is never evicted for pressure.
+//!   `action: Warn` does not exempt a pod from it: Warn is about the pod's own limit, not about memory a
+//!   neighbour is guaranteed;
 //! - a pod **no budget selects** is ranked by the node's [`Unbudgeted`] policy: by default
 //!   ([`Unbudgeted::Ranked`]) it is guaranteed nothing, so its whole usage counts as above its guarantee and
-//!   it goes before any pod within its budget; with [`Unbudgeted::Never`] it is never evicted for pressure
-//!   (the behaviour before the policy existed), and may fill the GPU and starve a budgeted neighbour.
+//!   it goes before any pod within its budget (where a budgeted neighbour is harmed); with
+//!   [`Unbudgeted::Never`] it is never evicted for pressure.
 //!
 //! The step of a tick that acts on them, [`Enforcer::pressure`](crate::decide::Enforcer::pressure), is in
 //! `step.rs` beside this.
@@ -238,9 +247,11 @@ pub struct Candidate {
     pub request: Option<u64>,
     /// Its bytes on this GPU (what evicting it frees here).
     pub on_gpu: u64,
-    /// May be evicted at all: not critical, not static, its budget's action is `Evict`, not already
-    /// terminating.
+    /// May be evicted at all: not critical, not static, not already terminating (a budget's `action` does not
+    /// matter here: `Warn` only ranks it after an `Evict` pod at equal excess).
     pub evictable: bool,
+    /// Its budget's action is `Warn`: at equal bytes above the guarantee, chosen after a pod whose budget evicts.
+    pub warn: bool,
 }
 
 impl Candidate {
@@ -259,21 +270,79 @@ impl Candidate {
     pub fn over(&self, unbudgeted: Unbudgeted) -> u64 {
         self.guaranteed(unbudgeted).map_or(0, |line| self.usage.saturating_sub(line))
     }
+
+    /// Bytes the pod is guaranteed and does not hold: its guarantee minus its usage, 0 at or above it (and
+    /// for a pod no budget selects, which is guaranteed nothing).
+    pub fn owed(&self, unbudgeted: Unbudgeted) -> u64 {
+        self.guaranteed(unbudgeted).map_or(0, |line| line.saturating_sub(self.usage))
+    }
+}
+
+/// Whether a GPU under pressure harms anyone ([`harm`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Harm {
+    /// One pod holds all the memory pods hold on it (a framework that preallocates, alone): relieving it would
+    /// protect no one.
+    Alone,
+    /// Several pods hold memory on it, and what those within their guarantee are still owed (`owed` bytes)
+    /// fits in what is free, with [`CLAIM_SLACK`] to spare: nobody is short of what the budgets promised.
+    Fits {
+        /// Bytes the pods within their guarantee may still claim.
+        owed: u64,
+    },
+    /// The pods within their guarantee are owed more than is free (less [`CLAIM_SLACK`]): the neighbour the
+    /// budgets protect is short.
+    Short {
+        /// Bytes they may still claim (more than is free).
+        owed: u64,
+    },
+}
+
+impl Harm {
+    /// Whether pressure relief may evict a pod on this GPU.
+    pub fn relieves(self) -> bool {
+        matches!(self, Self::Short { .. })
+    }
+}
+
+/// The room a pod needs beyond the bytes it is owed to claim them: a CUDA context for a process that starts
+/// (about 0.5 GiB on an H100) and the caching allocator's rounding. On the H100 a neighbour 2 GiB short of its
+/// guarantee met CUDA OOM with 2.47 GiB free (docs/agent.md, Pressure).
+pub const CLAIM_SLACK: u64 = 1 << 30;
+
+/// Whether pressure on a GPU with `free` bytes harms the pods holding memory on it (`candidates`, each with its
+/// bytes here): [`Harm::Short`] when the pods within their guarantee (request, else limit; a pod no budget selects
+/// is guaranteed nothing) are owed something, and it does not fit in what is free with [`CLAIM_SLACK`] to
+/// spare; [`Harm::Alone`] when one pod holds memory here.
+pub fn harm(candidates: &[Candidate], free: u64, unbudgeted: Unbudgeted) -> Harm {
+    let mut holders = candidates.iter().filter(|c| c.on_gpu > 0);
+    if holders.clone().nth(1).is_none() {
+        return Harm::Alone;
+    }
+    let owed = holders.try_fold(0u64, |sum, c| sum.checked_add(c.owed(unbudgeted))).unwrap_or(u64::MAX);
+    if owed > 0 && owed.saturating_add(CLAIM_SLACK) > free { Harm::Short { owed } } else { Harm::Fits { owed } }
 }
 
 /// The pod to evict for pressure on one GPU: among the evictable pods above their guarantee (request, else
 /// limit; a pod no budget selects is guaranteed nothing under [`Unbudgeted::Ranked`] and is never a candidate
 /// under [`Unbudgeted::Never`]) that hold memory on it, the one most above it; ties: more bytes on this GPU,
-/// then the key that sorts first (a budgeted pod and an unbudgeted one are ranked alike: the bytes above the
-/// guarantee decide, not whether there is a budget). `None` when no pod qualifies: the guarantees on this GPU
-/// add up to more than it holds, or the memory is held by pods that may not be evicted.
+/// then a pod whose budget evicts before a `Warn` one, then more bytes on this GPU, then the key that sorts first
+/// (a budgeted pod and an unbudgeted one are ranked alike: the bytes above the guarantee decide, not whether
+/// there is a budget). `None` when no pod qualifies: the guarantees on this GPU add up to more than it holds,
+/// or the memory is held by pods that may not be evicted. Whether anyone needs the relief is [`harm`]'s call.
 pub fn choose(candidates: &[Candidate], unbudgeted: Unbudgeted) -> Option<usize> {
     let over = |c: &Candidate| c.over(unbudgeted);
     candidates
         .iter()
         .enumerate()
         .filter(|(_, c)| c.evictable && over(c) > 0 && c.on_gpu > 0)
-        .max_by(|(_, a), (_, b)| over(a).cmp(&over(b)).then(a.on_gpu.cmp(&b.on_gpu)).then_with(|| b.key.cmp(&a.key)))
+        .max_by(|(_, a), (_, b)| {
+            over(a)
+                .cmp(&over(b))
+                .then(b.warn.cmp(&a.warn))
+                .then(a.on_gpu.cmp(&b.on_gpu))
+                .then_with(|| b.key.cmp(&a.key))
+        })
         .map(|(i, _)| i)
 }
 
@@ -335,7 +404,7 @@ mod tests {
     }
 
     fn candidate(key: &str, usage: u64, limit: Option<u64>, on_gpu: u64, evictable: bool) -> Candidate {
-        Candidate { key: key.into(), usage, limit, request: None, on_gpu, evictable }
+        Candidate { key: key.into(), usage, limit, request: None, on_gpu, evictable, warn: false }
     }
 
     #[test]
@@ -445,6 +514,74 @@ mod tests {
         })
     }
 
+    #[test]
+    fn a_pod_alone_is_never_harmed_whatever_it_holds() {
+        // vLLM at 0.95 of the card, no budget, Ranked: alone on its GPU, with 4Gi free.
+        let alone = [candidate("serve/vllm", 76 * GI, None, 76 * GI, true)];
+        assert_eq!(harm(&alone, 4 * GI, RANKED), Harm::Alone);
+        // A budgeted pod far over its limit, alone: nobody to protect either.
+        let over = [candidate("a/grower", 79 * GI, Some(8 * GI), 79 * GI, true)];
+        assert_eq!(harm(&over, GI / 2, RANKED), Harm::Alone);
+        // Pods listed without memory on this GPU are not neighbours here.
+        let idle = candidate("a/idle", 0, Some(40 * GI), 0, true);
+        assert_eq!(harm(&[alone[0].clone(), idle], GI, RANKED), Harm::Alone);
+        assert_eq!(harm(&[], 0, RANKED), Harm::Alone);
+    }
+
+    #[test]
+    fn a_neighbour_is_harmed_only_when_what_it_is_owed_no_longer_fits_in_what_is_free() {
+        // A preallocator (no budget) at 70Gi beside a pod within its 6Gi limit at 5Gi: owed 1Gi, 3Gi free.
+        let pre = candidate("serve/tf", 70 * GI, None, 70 * GI, true);
+        let small = candidate("a/small", 5 * GI, Some(6 * GI), 5 * GI, true);
+        assert_eq!(harm(&[pre.clone(), small.clone()], 3 * GI, RANKED), Harm::Fits { owed: GI });
+        // Owed 1Gi with 2Gi free is still room, but not with less than the claim slack to spare.
+        assert_eq!(harm(&[pre.clone(), small.clone()], 2 * GI, RANKED), Harm::Fits { owed: GI });
+        assert_eq!(harm(&[pre.clone(), small.clone()], 2 * GI - 1, RANKED), Harm::Short { owed: GI });
+        // Owed nothing: never harmed, however little is free.
+        let full = candidate("a/small", 6 * GI, Some(6 * GI), 6 * GI, true);
+        assert_eq!(harm(&[pre.clone(), full], 0, RANKED), Harm::Fits { owed: 0 });
+        // The same neighbour with a 20Gi limit: owed 15Gi, more than the 3Gi free.
+        let short = candidate("a/small", 5 * GI, Some(20 * GI), 5 * GI, true);
+        assert_eq!(harm(&[pre.clone(), short.clone()], 3 * GI, RANKED), Harm::Short { owed: 15 * GI });
+        assert_eq!(choose(&[pre.clone(), short], RANKED), Some(0));
+        // With a request, the request is what is owed: 1Gi request, 5Gi held: owed nothing.
+        let request = with_request(candidate("a/small", 5 * GI, Some(20 * GI), 5 * GI, true), GI);
+        assert_eq!(harm(&[pre.clone(), request], 0, RANKED), Harm::Fits { owed: 0 });
+        // Two pods no budget selects: neither is guaranteed anything, so neither is harmed.
+        let other = candidate("serve/jax", 8 * GI, None, 8 * GI, true);
+        assert_eq!(harm(&[pre, other], 0, RANKED), Harm::Fits { owed: 0 });
+    }
+
+    #[test]
+    fn warn_does_not_exempt_but_ranks_after_evict_at_equal_excess() {
+        let mut warn = candidate("a/warn", 50 * GI, Some(10 * GI), 50 * GI, true);
+        warn.warn = true;
+        let within = with_request(candidate("a/serve", 28 * GI, Some(30 * GI), 28 * GI, true), 30 * GI);
+        // The case: a Warn grower at 50Gi beside a pod within its 30Gi request, 2Gi free.
+        assert!(harm(&[warn.clone(), within.clone()], 2 * GI, RANKED).relieves());
+        assert_eq!(choose(&[warn.clone(), within.clone()], RANKED), Some(0));
+        // At equal excess (40Gi each) the Evict pod goes first, whatever the order and the bytes here.
+        let evict = candidate("z/evict", 48 * GI, Some(8 * GI), 40 * GI, true);
+        assert_eq!(
+            chosen_after_rotating(&[warn.clone(), evict.clone(), within.clone()], 0, RANKED).as_deref(),
+            Some("z/evict")
+        );
+        assert_eq!(chosen_after_rotating(&[warn.clone(), evict, within], 1, RANKED).as_deref(), Some("z/evict"));
+        // More above its guarantee: the Warn pod goes first.
+        let less = candidate("z/evict", 20 * GI, Some(8 * GI), 20 * GI, true);
+        assert_eq!(choose(&[less, warn], RANKED), Some(1));
+    }
+
+    /// Up to 12 pods as [`pods_with_requests`], each with a `Warn` budget or not.
+    fn pods_with_actions() -> impl Strategy<Value = Vec<Candidate>> {
+        (pods_with_requests(), proptest::collection::vec(any::<bool>(), 12)).prop_map(|(mut pods, warn)| {
+            for (p, w) in pods.iter_mut().zip(warn) {
+                p.warn = w && p.limit.is_some();
+            }
+            pods
+        })
+    }
+
     proptest! {
         /// Under `Ranked`: a pod within its guarantee is never chosen, whenever an evictable unbudgeted pod holds
         /// memory here something is chosen, the chosen pod is the most above its guarantee (an unbudgeted pod's
@@ -470,6 +607,37 @@ mod tests {
             // Budgeted pods alone: the policy changes nothing.
             let budgeted: Vec<Candidate> = pods.iter().filter(|p| p.limit.is_some()).cloned().collect();
             prop_assert_eq!(choose(&budgeted, RANKED), choose(&budgeted, NEVER));
+        }
+
+        /// Harm: nobody is harmed where one pod holds the memory; otherwise harmed exactly when what the pods
+        /// within their guarantee are owed exceeds what is free; and when relief is due, the pod chosen is never
+        /// one that is owed anything (so someone else is), Warn pods are candidates, and a Warn pod is chosen
+        /// only where no evictable `Evict` pod is as far above its guarantee.
+        #[test]
+        fn harm_rules(pods in pods_with_actions(), free in 0u64..16, rotate in 0usize..12) {
+            let free = free * GI;
+            let holders: Vec<&Candidate> = pods.iter().filter(|p| p.on_gpu > 0).collect();
+            let owed: u64 = holders.iter().map(|p| p.owed(RANKED)).sum();
+            let h = harm(&pods, free, RANKED);
+            match holders.len() {
+                0 | 1 => prop_assert_eq!(h, Harm::Alone),
+                _ if owed > 0 && owed + CLAIM_SLACK > free => prop_assert_eq!(h, Harm::Short { owed }),
+                _ => prop_assert_eq!(h, Harm::Fits { owed }),
+            }
+            let chosen = choose(&pods, RANKED);
+            prop_assert_eq!(chosen_after_rotating(&pods, rotate, RANKED), chosen.map(|i| pods[i].key.clone()));
+            if let (true, Some(i)) = (h.relieves(), chosen) {
+                let c = &pods[i];
+                prop_assert_eq!(c.owed(RANKED), 0);
+                prop_assert!(pods.iter().any(|p| p.key != c.key && p.on_gpu > 0 && p.owed(RANKED) > 0));
+                if c.warn {
+                    prop_assert!(!pods.iter().any(|p| !p.warn && p.evictable && p.on_gpu > 0 && p.over(RANKED) >= c.over(RANKED)));
+                }
+            }
+            // A Warn pod above its guarantee is as much a candidate as any.
+            if pods.iter().any(|p| p.evictable && p.on_gpu > 0 && p.over(RANKED) > 0) {
+                prop_assert!(chosen.is_some());
+            }
         }
 
         /// With requests: the chosen pod is above its request, no pod within its request is ever chosen,

@@ -5,7 +5,7 @@
 use gpubudget_common::BudgetAction;
 use gpubudget_common::quantity::HumanBytes;
 
-use super::{Candidate, Cause, Change, Signal, Unbudgeted, choose};
+use super::{Candidate, Cause, Change, Harm, Signal, Unbudgeted, choose, harm};
 use crate::attribute::PodUsage;
 use crate::attribute::pods::PodTable;
 use crate::decide::notes::{bounded, holders_summary, seconds};
@@ -19,10 +19,47 @@ pub(in crate::decide) struct GpuPressure {
     pub(in crate::decide) signal: Signal,
     /// The "budgets add up to more than the GPU" event was sent for this episode.
     pub(in crate::decide) told_overcommitted: bool,
+    /// The "full, but nobody is harmed" event was sent for this episode.
+    pub(in crate::decide) told_unharmed: bool,
+    /// The last tick at which a neighbour was harmed on this GPU, if the tick before this one was such a tick
+    /// (what refused pods' [`Refused::pressed_ms`] grows by).
+    pub(in crate::decide) last_harm_ms: Option<u64>,
     /// A pressure eviction on this GPU was refused: the next choice waits until then (monotonic ms).
     pub(in crate::decide) retry_at: u64,
     /// Free bytes at the last sample (the rate they fall at, for the [`cadence`]).
     pub(in crate::decide) last_free: Option<u64>,
+}
+
+/// How long a pod's refused pressure evictions are remembered after its GPU last harmed a neighbour: pressure
+/// that comes and goes within this window adds up towards the node's bound (#52).
+pub(in crate::decide) const REFUSAL_WINDOW_MS: u64 = 10 * 60 * 1000;
+
+/// A pod's pressure evictions were refused (a PodDisruptionBudget): how long its GPU has harmed a neighbour
+/// since, in all, so the node's bound ends the stall however often the pressure comes and goes (a neighbour
+/// that meets CUDA OOM, frees and restarts). Kept until the pod is back within its guarantee, or its GPU has
+/// harmed no one for [`REFUSAL_WINDOW_MS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::decide) struct Refused {
+    /// The GPU it was refused on.
+    pub(in crate::decide) gpu: usize,
+    /// First refused at (monotonic ms).
+    pub(in crate::decide) first_ms: u64,
+    /// How long that GPU has harmed a neighbour since, in all (monotonic ms).
+    pub(in crate::decide) pressed_ms: u64,
+    /// When it last did (monotonic ms).
+    pub(in crate::decide) last_pressed_ms: u64,
+}
+
+impl Refused {
+    /// First refused on `gpu` at `first_ms`, seen at `now_ms`.
+    pub(in crate::decide) fn new(gpu: usize, first_ms: u64, now_ms: u64) -> Self {
+        Self { gpu, first_ms, pressed_ms: 0, last_pressed_ms: now_ms }
+    }
+
+    /// `old` if it is for `gpu`, else a first refusal there.
+    pub(in crate::decide) fn on(old: Option<Self>, gpu: usize, first_ms: u64, now_ms: u64) -> Self {
+        old.filter(|r| r.gpu == gpu).unwrap_or_else(|| Self::new(gpu, first_ms, now_ms))
+    }
 }
 
 /// How long refused pressure evictions hold a pod before it is deleted ([`Budget::pressure_blocked_timeout_ms`]
@@ -44,7 +81,70 @@ fn gpu_told(gpu: &mut GpuPressure) -> bool {
     std::mem::replace(&mut gpu.told_overcommitted, true)
 }
 
+/// The Node event of a GPU under pressure where nobody is harmed ([`Harm::Alone`], [`Harm::Fits`]): which it
+/// is, and who holds the memory (at most 5 pods named).
+fn unharmed_note(label: &str, free: u64, total: u64, harm: Harm, candidates: &[Candidate]) -> String {
+    let mut holders: Vec<String> =
+        candidates.iter().take(5).map(|c| format!("{} {}", c.key, HumanBytes(c.on_gpu))).collect();
+    if candidates.len() > 5 {
+        holders.push(format!("and {} more", candidates.len() - 5));
+    }
+    let why = match harm {
+        Harm::Alone => "one pod holds it alone (a framework that preallocates, such as vLLM or TensorFlow?), so \
+                        there is no neighbour to protect"
+            .to_owned(),
+        Harm::Fits { owed } | Harm::Short { owed } => format!(
+            "the pods within their guarantee (request, else limit) are owed {} and that fits in what is free",
+            HumanBytes(owed)
+        ),
+    };
+    format!(
+        "GPU {label}: {} free of {}, but no pod is harmed: {why}; nothing is evicted for pressure until a pod within \
+         its guarantee is owed more than is free; held by {}",
+        HumanBytes(free),
+        HumanBytes(total),
+        holders.join(", ")
+    )
+}
+
 impl Enforcer {
+    /// Pod `i` of the table as the pressure decisions see it: `usage` in all, `on_gpu` bytes on the GPU at hand.
+    /// Only a tenant-written budget selects it (`--namespaced-budgets ClusterBound`): guaranteed nothing (#33).
+    fn candidate(&self, table: &PodTable, i: usize, usage: u64, on_gpu: u64, evictable: bool) -> Candidate {
+        let view = &table.pods[i];
+        let budget = table.budget(i);
+        let tenant_only = self.tenant_only(table, i);
+        Candidate {
+            key: format!("{}/{}", view.namespace, view.name),
+            usage,
+            limit: budget.map(|b| b.limit_bytes),
+            request: if tenant_only { Some(0) } else { budget.and_then(|b| b.request_bytes) },
+            on_gpu,
+            evictable,
+            warn: budget.is_some_and(|b| b.action == BudgetAction::Warn) && !tenant_only,
+        }
+    }
+
+    /// Forgets a pod's refused pressure evictions ([`Refused`]) once it is back within its guarantee, or its GPU
+    /// has harmed no one for [`REFUSAL_WINDOW_MS`].
+    fn forget_refusals(&mut self, now_ms: u64, table: &PodTable, usage: &[PodUsage]) {
+        if !self.pods.values().any(|m| m.pressure_refused.is_some()) {
+            return;
+        }
+        let unbudgeted = self.settings.unbudgeted_pods;
+        for (i, view) in table.pods.iter().enumerate() {
+            let Some(refused) = self.pods.get(&view.uid).and_then(|m| m.pressure_refused) else { continue };
+            let total = usage.get(i).map_or(0, |u| u.total);
+            let within = self.candidate(table, i, total, 0, false).over(unbudgeted) == 0;
+            let quiet = now_ms.saturating_sub(refused.last_pressed_ms) >= REFUSAL_WINDOW_MS;
+            if (within || quiet)
+                && let Some(m) = self.pods.get_mut(&view.uid)
+            {
+                m.pressure_refused = None;
+            }
+        }
+    }
+
     /// Whether GPU `gpu` (index in the snapshot) is under memory pressure.
     pub fn under_pressure(&self, gpu: usize) -> bool {
         self.gpus.get(gpu).is_some_and(|g| g.signal.active())
@@ -73,6 +173,7 @@ impl Enforcer {
             return;
         }
         self.gpus.resize_with(snapshot.gpus.len(), GpuPressure::default);
+        self.forget_refusals(now.mono_ms, table, usage);
         let empty = PodUsage::default();
         for (g, info) in snapshot.gpus.iter().enumerate() {
             // A GPU whose sample failed has no figures: no pressure is decided from it.
@@ -101,7 +202,7 @@ impl Enforcer {
                         Unbudgeted::Never => " (pods no budget selects are never evicted for it: unbudgetedPods=Never)",
                     };
                     let note = format!(
-                        "GPU {}: {} free of {}, under the {name} threshold ({}); evicting pods over their budgets on it{unbudgeted}, the most over first, one at a time",
+                        "GPU {}: {} free of {}, under the {name} threshold ({}); while pods on it within their guarantee (request, else limit) are owed more than is free, evicting the pod most above its guarantee{unbudgeted}, one at a time",
                         info.label,
                         HumanBytes(free),
                         HumanBytes(total),
@@ -110,12 +211,9 @@ impl Enforcer {
                     out.push(Action::NodeEvent { reason: NodeReason::Pressure, note });
                 }
                 Change::Ended => {
+                    // A pod's refusals are kept (#52): the bound counts the pressure it has caused in all.
                     gpu.told_overcommitted = false;
-                    for m in self.pods.values_mut() {
-                        if m.pressure_refused.is_some_and(|(on, _)| on == g) {
-                            m.pressure_refused = None;
-                        }
-                    }
+                    gpu.told_unharmed = false;
                     let note = format!(
                         "GPU {}: {} free of {}, above the thresholds for {}s",
                         info.label,
@@ -128,12 +226,62 @@ impl Enforcer {
                 Change::None => {}
             }
             if !gpu.signal.breached() {
+                gpu.last_harm_ms = None;
                 continue;
             }
             let on_gpu = |i: usize| -> u64 {
                 usage.get(i).unwrap_or(&empty).holders.iter().filter(|h| h.gpu == g).map(|h| h.bytes).sum()
             };
-            if now.mono_ms < gpu.retry_at {
+            // The pods holding memory here (table indexes) and what the choice needs of them.
+            let (mut on_this_gpu, mut candidates) = (Vec::new(), Vec::new());
+            for (i, view) in table.pods.iter().enumerate() {
+                let bytes = on_gpu(i);
+                if bytes == 0 {
+                    continue;
+                }
+                // A pod no budget selects is evictable only as the node policy says (`--unbudgeted-pods`); a
+                // budget's `Warn` does not keep its pod (#52): it only ranks it after an `Evict` one.
+                let evictable = (table.budget(i).is_some() || unbudgeted == Unbudgeted::Ranked)
+                    && view.never_evicted(&self.settings.critical_namespaces).is_none()
+                    && !view.terminating
+                    && view.node.as_deref() == Some(self.settings.node.as_str())
+                    // Not one whose eviction is under way; one whose eviction by its budget was refused (a
+                    // PodDisruptionBudget) is a candidate like any other, so the node's bound ends its stall.
+                    && self.pods.get(&view.uid).is_some_and(|m| matches!(m.eviction, Eviction::Idle | Eviction::Blocked { .. }));
+                on_this_gpu.push(i);
+                candidates.push(self.candidate(table, i, usage.get(i).unwrap_or(&empty).total, bytes, evictable));
+            }
+            // Relief only where a neighbour is harmed (#52): a pod alone, or neighbours whose guarantees still fit
+            // in what is free, are a full card, not pressure on anyone.
+            let harm = harm(&candidates, free, unbudgeted);
+            let gpu = &mut self.gpus[g];
+            if !harm.relieves() {
+                gpu.last_harm_ms = None;
+                if !std::mem::replace(&mut gpu.told_unharmed, true) {
+                    let note = unharmed_note(&info.label, free, total, harm, &candidates);
+                    out.push(Action::NodeEvent { reason: NodeReason::FullNoneHarmed, note: bounded(note) });
+                }
+                continue;
+            }
+            // The pressure refused pods have held out against grows by the time since the last such tick.
+            let dt = gpu.last_harm_ms.map_or(0, |at| now.mono_ms.saturating_sub(at));
+            gpu.last_harm_ms = Some(now.mono_ms);
+            for r in self.pods.values_mut().filter_map(|m| m.pressure_refused.as_mut()).filter(|r| r.gpu == g) {
+                r.pressed_ms = r.pressed_ms.saturating_add(dt);
+                r.last_pressed_ms = now.mono_ms;
+            }
+            // A pod whose refusals have held out for the node's bound of pressure is deleted now, not after the
+            // eviction backoff (which may outlast an episode of pressure that comes and goes).
+            let node_bound = self.settings.pressure_blocked_timeout_ms;
+            let due =
+                on_this_gpu.iter().zip(&candidates).position(|(&i, c)| {
+                    c.evictable
+                        && c.over(unbudgeted) > 0
+                        && self.pods.get(&table.pods[i].uid).and_then(|m| m.pressure_refused).is_some_and(|r| {
+                            r.gpu == g && r.pressed_ms >= pressure_bound_ms(node_bound, table.budget(i)).0
+                        })
+                });
+            if due.is_none() && now.mono_ms < gpu.retry_at {
                 continue;
             }
             // Wait for reclaim: a pod this agent is evicting still holds memory here.
@@ -149,37 +297,8 @@ impl Enforcer {
             if reclaiming {
                 continue;
             }
-            // The pods holding memory here (table indexes) and what the choice needs of them.
-            let (mut on_this_gpu, mut candidates) = (Vec::new(), Vec::new());
-            for (i, view) in table.pods.iter().enumerate() {
-                let bytes = on_gpu(i);
-                if bytes == 0 {
-                    continue;
-                }
-                let budget = table.budget(i);
-                // Only a tenant-written budget selects it (`--namespaced-budgets ClusterBound`): guaranteed
-                // nothing, and its `Warn` does not keep it (#33).
-                let tenant_only = self.tenant_only(table, i);
-                // A pod no budget selects is evictable only as the node policy says (`--unbudgeted-pods`).
-                let evictable = budget
-                    .map_or(unbudgeted == Unbudgeted::Ranked, |b| b.action == BudgetAction::Evict || tenant_only)
-                    && view.never_evicted(&self.settings.critical_namespaces).is_none()
-                    && !view.terminating
-                    && view.node.as_deref() == Some(self.settings.node.as_str())
-                    // Not one whose eviction is under way; one whose eviction by its budget was refused (a
-                    // PodDisruptionBudget) is a candidate like any other, so the node's bound ends its stall.
-                    && self.pods.get(&view.uid).is_some_and(|m| matches!(m.eviction, Eviction::Idle | Eviction::Blocked { .. }));
-                on_this_gpu.push(i);
-                candidates.push(Candidate {
-                    key: format!("{}/{}", view.namespace, view.name),
-                    usage: usage.get(i).unwrap_or(&empty).total,
-                    limit: budget.map(|b| b.limit_bytes),
-                    request: if tenant_only { Some(0) } else { budget.and_then(|b| b.request_bytes) },
-                    on_gpu: bytes,
-                    evictable,
-                });
-            }
-            match choose(&candidates, unbudgeted) {
+            let Harm::Short { owed } = harm else { continue };
+            match due.or_else(|| choose(&candidates, unbudgeted)) {
                 Some(c) => {
                     let i = on_this_gpu[c];
                     let (view, budget) = (&table.pods[i], table.budget(i));
@@ -187,25 +306,23 @@ impl Enforcer {
                     // Its eviction by its budget was refused: the stall under pressure counts from now (the
                     // pressure eviction below is refused in its turn and keeps this first time).
                     if let Eviction::Blocked { .. } = mem.eviction {
-                        mem.pressure_refused =
-                            mem.pressure_refused.filter(|(on, _)| *on == g).or(Some((g, now.mono_ms)));
+                        mem.pressure_refused = Some(Refused::on(mem.pressure_refused, g, now.mono_ms, now.mono_ms));
                         mem.eviction = Eviction::Idle;
                     }
                     // Refused (a PodDisruptionBudget) for the bound: deleted with its grace, as the kubelet's
                     // node-pressure eviction does ([`pressure_bound_ms`]).
                     let (timeout_ms, whose) = pressure_bound_ms(self.settings.pressure_blocked_timeout_ms, budget);
-                    if let Some((_, since)) = mem
-                        .pressure_refused
-                        .filter(|(on, since)| *on == g && now.mono_ms.saturating_sub(*since) >= timeout_ms)
-                    {
+                    if let Some(refused) = mem.pressure_refused.filter(|r| r.gpu == g && r.pressed_ms >= timeout_ms) {
+                        let since = refused.first_ms;
                         let grace = self.pressure_grace(budget);
                         let pod_usage = usage.get(i).unwrap_or(&empty);
                         let note = format!(
-                            "evictions for GPU memory pressure on GPU {} refused for {}s ({whose}: {}s): deleting \
-                             the pod with {grace}s grace, as the kubelet's node-pressure eviction does; using {}; \
-                             held by {}",
+                            "evictions for GPU memory pressure on GPU {} refused since {}s ago, while a neighbour \
+                             there was short of its guarantee for {}s in all ({whose}: {}s): deleting the pod with \
+                             {grace}s grace, as the kubelet's node-pressure eviction does; using {}; held by {}",
                             info.label,
                             seconds(now.mono_ms.saturating_sub(since)),
+                            seconds(refused.pressed_ms),
                             seconds(timeout_ms),
                             HumanBytes(pod_usage.total),
                             holders_summary(&pod_usage.holders, &snapshot.gpus)
@@ -233,13 +350,14 @@ impl Enforcer {
                         let note = format!(
                             "no budget selects this pod; node policy unbudgetedPods={}: a pod without a budget is \
                              guaranteed nothing, so all its {} count as above its guarantee; GPU {} is under memory \
-                             pressure ({} free of {}) and this pod is the most above its guarantee there: evicting \
-                             with {grace}s grace; held by {}",
+                             pressure ({} free of {}; pods within their guarantee there are owed {}) and this pod is \
+                             the most above its guarantee there: evicting with {grace}s grace; held by {}",
                             unbudgeted.as_str(),
                             HumanBytes(pod_usage.total),
                             info.label,
                             HumanBytes(free),
                             HumanBytes(total),
+                            HumanBytes(owed),
                             holders_summary(&pod_usage.holders, &snapshot.gpus)
                         );
                         mem.last_event_ms[Reason::Evicting.slot()] = Some(now.mono_ms);
@@ -278,11 +396,19 @@ impl Enforcer {
                         Some(above) => (format!("{}, {above}", cx.used_of()), "most above its request"),
                         None => (cx.used_of(), "most over its budget"),
                     };
+                    // Warn keeps a pod from eviction for its own limit, not from giving back a neighbour's
+                    // guarantee (#52).
+                    let warn = if budget.action == BudgetAction::Warn && !cx.tenant_only {
+                        " (its budget's action is Warn, which does not keep memory a neighbour is guaranteed)"
+                    } else {
+                        ""
+                    };
                     let note = format!(
-                        "{used}; GPU {} is under memory pressure ({} free of {}) and this pod is the {most} there: evicting with {}s grace; {}{}",
+                        "{used}; GPU {} is under memory pressure ({} free of {}; pods within their guarantee there are owed {}) and this pod is the {most} there{warn}: evicting with {}s grace; {}{}",
                         info.label,
                         HumanBytes(free),
                         HumanBytes(total),
+                        HumanBytes(owed),
                         self.grace(&mem, &cx).unwrap_or_default(),
                         cx.held_by(),
                         budget.under_generation()
@@ -310,11 +436,11 @@ impl Enforcer {
                     }
                     let why = if candidates.iter().any(|c| c.request.is_some() && c.limit.is_some()) {
                         "none is above its request (or, where its budget sets none, over its limit), or those that \
-                         are are critical, static or Warn; what the budgets of the pods using it guarantee adds up \
-                         to more than it holds"
+                         are are critical or static; what the budgets of the pods using it guarantee adds up to more \
+                         than it holds"
                     } else {
-                        "none is over its budget (or those over it are critical, static or Warn); the budgets of the \
-                         pods using it add up to more than it holds"
+                        "none is over its budget (or those over it are critical or static); the budgets of the pods \
+                         using it add up to more than it holds"
                     };
                     let note = format!(
                         "GPU {}: {} free of {} and no pod on it may be evicted for pressure: {why}: {}",

@@ -257,7 +257,7 @@ fn warn_critical_terminating_and_foreign_pods_are_never_evicted() {
     assert_eq!(evicts(&out), 0);
     // Warn and critical messages say so.
     let mut h = Harness::new(pod("", ""), &[budget(", action: Warn")]);
-    assert!(notes(&h.tick(0, 9 * GI))[0].contains("action is Warn: the pod is not evicted"));
+    assert!(notes(&h.tick(0, 9 * GI))[0].contains("action is Warn: not evicted for being over its limit"));
     let mut h = Harness::new(pod("", ", priorityClassName: system-cluster-critical"), &[budget("")]);
     h.enforcer.settings.critical_namespaces = "team-a".parse().expect("valid");
     assert!(notes(&h.tick(0, 9 * GI))[0].contains("critical and is never evicted"));

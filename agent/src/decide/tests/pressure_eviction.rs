@@ -157,24 +157,26 @@ fn the_most_over_pod_is_evicted_at_once_with_the_pressure_grace_and_the_record_s
 
 #[test]
 fn one_at_a_time_per_gpu_while_the_first_still_holds_memory() {
-    let mut node = Node::new(vec![view("grower", "grower", "", ""), view("second", "grower", "", "")]);
-    // Two pods over the 8Gi budget: 40Gi (32 over) and 37Gi (29 over); 77Gi used.
-    let a = node.tick(0, &[40 * GI, 37 * GI], 0);
-    let b = node.tick(250, &[40 * GI, 37 * GI], 0);
+    let views =
+        vec![view("grower", "grower", "", ""), view("neighbour", "n", "", ""), view("second", "grower", "", "")];
+    let mut node = Node::new(views);
+    // Two pods over the 8Gi budget: 40Gi (32 over) and 36Gi (28 over) beside a neighbour at 1Gi of its 40Gi;
+    // 77Gi used.
+    let a = node.tick(0, &[40 * GI, GI, 36 * GI], 0);
+    let b = node.tick(250, &[40 * GI, GI, 36 * GI], 0);
     assert_eq!(evicted(&[a, b].concat()), [("grower".to_owned(), Some(5))]);
     // The first still terminates (holds its memory): no second eviction however long it takes.
-    let waiting: Vec<Action> = (2..40).flat_map(|k| node.tick(k * 250, &[40 * GI, 37 * GI], 0)).collect();
+    let waiting: Vec<Action> = (2..40).flat_map(|k| node.tick(k * 250, &[40 * GI, GI, 36 * GI], 0)).collect();
     assert!(evicted(&waiting).is_empty(), "{waiting:#?}");
-    // Its memory is reclaimed but the GPU is still short (the second grows to 77Gi): now the second.
-    let next: Vec<Action> = (40..43).flat_map(|k| node.tick(k * 250, &[0, 77 * GI], 0)).collect();
+    // Its memory is reclaimed but the GPU is still short (the second grows to 76Gi): now the second.
+    let next: Vec<Action> = (40..43).flat_map(|k| node.tick(k * 250, &[0, GI, 76 * GI], 0)).collect();
     assert_eq!(evicted(&next), [("second".to_owned(), Some(5))]);
 }
 
 #[test]
-fn within_budget_warn_critical_static_and_under_never_unbudgeted_pods_are_never_evicted_and_the_node_is_told_once() {
+fn within_budget_critical_static_and_under_never_unbudgeted_pods_are_never_evicted_and_the_node_is_told_once() {
     let views = vec![
         view("neighbour", "n", "", ""),
-        view("audit", "w", "", ""),
         view("critical", "grower", "", ", priorityClassName: system-node-critical"),
         view("static", "grower", ", annotations: {kubernetes.io/config.mirror: abc}", ""),
         view("nobudget", "none", "", ""),
@@ -183,7 +185,8 @@ fn within_budget_warn_critical_static_and_under_never_unbudgeted_pods_are_never_
     node.enforcer.settings.unbudgeted_pods = Unbudgeted::Never;
     // Critical priority exempts in the namespaces the administrator lists (#33): here, the pod's.
     node.enforcer.settings.critical_namespaces = "team-a".parse().expect("valid");
-    let bytes = [39 * GI, 10 * GI, 10 * GI, 10 * GI, 9 * GI];
+    // In table order: critical 10Gi, neighbour 10Gi of its 40Gi (owed 30Gi), nobudget 38Gi, static 20Gi.
+    let bytes = [10 * GI, 10 * GI, 38 * GI, 20 * GI];
     let all: Vec<Action> = (0..20).flat_map(|k| node.tick(k * 250, &bytes, 0)).collect();
     assert!(evicted(&all).is_empty(), "{all:#?}");
     assert_eq!(node_events(&all), [NodeReason::Pressure, NodeReason::Overcommitted]);
@@ -195,7 +198,7 @@ fn within_budget_warn_critical_static_and_under_never_unbudgeted_pods_are_never_
         })
         .expect("told");
     assert!(note.contains("add up to more than it holds") && note.contains("team-a/neighbour"), "{note}");
-    assert!(note.contains("team-a/nobudget 10Gi (no budget, unbudgetedPods=Never)"), "{note}");
+    assert!(note.contains("team-a/nobudget 38Gi (no budget, unbudgetedPods=Never)"), "{note}");
 }
 
 #[test]
@@ -216,7 +219,12 @@ fn under_ranked_the_pod_no_budget_selects_goes_first_at_once_without_a_record_an
     );
     let note = note_of(&first, Reason::Evicting).expect("told");
     assert!(note.starts_with("no budget selects this pod; node policy unbudgetedPods=Ranked"), "{note}");
-    assert!(note.contains("GPU 0 is under memory pressure (3Gi free of 80Gi)"), "{note}");
+    assert!(
+        note.contains(
+            "GPU 0 is under memory pressure (3Gi free of 80Gi; pods within their guarantee there are owed 10Gi)"
+        ),
+        "{note}"
+    );
     let began = first
         .iter()
         .find_map(|a| match a {
@@ -246,13 +254,13 @@ fn under_ranked_a_refused_eviction_of_an_unbudgeted_pod_gives_the_turn_back_and_
 
 #[test]
 fn a_pod_relabelled_out_of_every_selector_is_ranked_as_unbudgeted() {
-    // grower is within its 8Gi budget at 6Gi; the neighbour 39Gi of its 40Gi.
+    // grower is within its 8Gi budget at 6Gi; the neighbour 30Gi of its 40Gi.
     let mut node = Node::new(vec![view("grower", "grower", "", ""), view("neighbour", "n", "", "")]);
-    assert!(evicted(&node.tick(0, &[6 * GI, 39 * GI], 0)).is_empty());
-    // Relabelled out of its budget's selector, it grows to 38Gi: 77Gi used, 3Gi free.
+    assert!(evicted(&node.tick(0, &[6 * GI, 30 * GI], 0)).is_empty());
+    // Relabelled out of its budget's selector, it grows to 47Gi: 77Gi used, 3Gi free, the neighbour owed 10Gi.
     node.table =
         PodTable::build(vec![view("grower", "gone", "", ""), view("neighbour", "n", "", "")], &budgets(), Some(NODE));
-    let all: Vec<Action> = (1..4).flat_map(|k| node.tick(k * 250, &[38 * GI, 39 * GI], 0)).collect();
+    let all: Vec<Action> = (1..4).flat_map(|k| node.tick(k * 250, &[47 * GI, 30 * GI], 0)).collect();
     assert_eq!(evicted(&all), [("grower".to_owned(), Some(5))]);
     assert!(note_of(&all, Reason::Evicting).is_some_and(|n| n.starts_with("no budget selects this pod")));
 }
@@ -268,12 +276,13 @@ fn off_by_default() {
 
 #[test]
 fn a_budget_grace_caps_the_pressure_grace() {
-    let mut node = Node::new(vec![view("grower", "grower", "", "")]);
+    let mut node = Node::new(vec![]);
     node.enforcer.settings.pressure_grace_seconds = 30;
     let mut b = budgets();
     b[0].spec.eviction_grace_period_seconds = Some(2);
-    node.table = PodTable::build(vec![view("grower", "grower", "", "")], &b, Some(NODE));
-    let all: Vec<Action> = (0..3).flat_map(|k| node.tick(k * 250, &[78 * GI], 0)).collect();
+    node.table =
+        PodTable::build(vec![view("grower", "grower", "", ""), view("neighbour", "n", "", "")], &b, Some(NODE));
+    let all: Vec<Action> = (0..3).flat_map(|k| node.tick(k * 250, &[48 * GI, 30 * GI], 0)).collect();
     assert_eq!(evicted(&all), [("grower".to_owned(), Some(2))]);
 }
 
@@ -329,11 +338,13 @@ fn with_requests_the_pod_most_above_its_request_is_evicted_and_one_within_it_nev
 
 #[test]
 fn a_pod_back_within_its_request_before_the_request_goes_out_is_not_evicted() {
-    let mut node = Node::with_budgets(vec![view("burst", "burst", "", "")], &request_budgets());
-    let first = node.tick(0, &[10 * GI], 67 * GI);
+    let views = vec![view("burst", "burst", "", ""), view("steady", "steady", "", "")];
+    let mut node = Node::with_budgets(views, &request_budgets());
+    // burst 6Gi above its request, steady 10Gi short of its 20Gi request, 3Gi free.
+    let first = node.tick(0, &[10 * GI, 10 * GI], 57 * GI);
     assert!(note_of(&first, Reason::Evicting).is_some(), "{first:#?}");
     // Its record landed, but it is back at 4Gi (its request) before the eviction request goes out.
-    let after: Vec<Action> = (1..10).flat_map(|k| node.tick(k * 250, &[4 * GI], 73 * GI)).collect();
+    let after: Vec<Action> = (1..10).flat_map(|k| node.tick(k * 250, &[4 * GI, 10 * GI], 63 * GI)).collect();
     assert!(evicted(&after).is_empty(), "{after:#?}");
     let record = after.iter().rev().find_map(|a| match a {
         Action::Apply { record, .. } => Some(record.clone()),
@@ -377,10 +388,11 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
     /// Random usage, device totals and refusals: a pressure eviction is only ever decided for a pod over its
-    /// budget under `action: Evict` (never the pod within its budget, never the `Warn` one), and never while
-    /// another pod's eviction on the GPU is in flight (decided and not refused, its memory not yet back).
+    /// budget (never the pod within its budget; a `Warn` one as any other, #52), only where the pods within
+    /// their budget are owed more than is free (less the claim slack), and never while another pod's eviction on
+    /// the GPU is in flight (decided and not refused, its memory not yet back).
     #[test]
-    fn never_within_never_warn_one_in_flight(
+    fn never_within_never_unharmed_one_in_flight(
         steps in proptest::collection::vec((proptest::collection::vec(0u64..48, 4), 0u64..8, any::<bool>()), 1..80)
     ) {
         let names = ["g1", "g2", "n", "w"];
@@ -406,7 +418,10 @@ proptest! {
                     Action::Event { pod, reason: Reason::Evicting, .. } => {
                         let i = names.iter().position(|n| **n == *pod.name).expect("a pod of the test");
                         prop_assert!(bytes[i] > limits[i], "{} chosen within its budget", pod.name);
-                        prop_assert!(names[i] != "w", "the Warn pod was chosen");
+                        let owed: u64 = (0..4).filter(|&j| bytes[j] > 0).map(|j| limits[j].saturating_sub(bytes[j])).sum();
+                        let free = TOTAL.saturating_sub(bytes.iter().sum::<u64>() + extra * GI);
+                        prop_assert!(owed > 0 && owed + crate::decide::pressure::CLAIM_SLACK > free,
+                            "{} chosen with nobody harmed: owed {owed}, free {free}", pod.name);
                         prop_assert!(in_flight.is_none(), "{} chosen while {:?} is in flight", pod.name, in_flight.map(|(j, _)| names[j]));
                         in_flight = Some((i, false));
                     }
@@ -486,8 +501,8 @@ fn a_budgeted_pods_refused_pressure_eviction_ends_after_its_own_timeout_or_the_n
         let mut b = budgets();
         b[0].spec.blocked_eviction_timeout_seconds = own;
         let mut node = Node::with_budgets(vec![view("grower", "grower", "", ""), view("neighbour", "n", "", "")], &b);
-        // grower 38Gi of its 8Gi; the neighbour 39Gi of its 40Gi: 3Gi free.
-        let all = refused_run(&mut node, 0, 90_000, &[38 * GI, 39 * GI]);
+        // grower 47Gi of its 8Gi; the neighbour 30Gi of its 40Gi: 3Gi free.
+        let all = refused_run(&mut node, 0, 90_000, &[47 * GI, 30 * GI]);
         let gone = deletes(&all);
         assert_eq!(gone.len(), 1, "{own:?}: {gone:?}");
         assert_eq!(gone[0].1, "grower");
@@ -581,7 +596,7 @@ fn a_budgets_own_long_timeout_never_lengthens_the_nodes_pressure_bound() {
     let mut b = budgets();
     b[0].spec.blocked_eviction_timeout_seconds = Some(86_400);
     let mut node = Node::with_budgets(vec![view("grower", "grower", "", ""), view("neighbour", "n", "", "")], &b);
-    let all = refused_run(&mut node, 0, 90_000, &[38 * GI, 39 * GI]);
+    let all = refused_run(&mut node, 0, 90_000, &[47 * GI, 30 * GI]);
     let gone = deletes(&all);
     assert_eq!(gone.len(), 1, "{gone:?}");
     assert_eq!(gone[0].1, "grower");
@@ -603,8 +618,8 @@ fn a_pod_whose_budget_eviction_is_refused_is_still_relieved_under_pressure() {
     let calm = refused_run(&mut node, 0, 20_000, &[9 * GI, 30 * GI]);
     assert!(!evicted(&calm.iter().map(|(_, a)| a.clone()).collect::<Vec<_>>()).is_empty());
     assert!(deletes(&calm).is_empty(), "no bound of its own: never deleted for the budget");
-    // It grows until the card is short (3 GiB free): pressure, the node's 60 s bound.
-    let all = refused_run(&mut node, 20_250, 120_000, &[38 * GI, 39 * GI]);
+    // It grows until the card is short (3 GiB free, the neighbour owed 10 GiB): pressure, the node's 60 s bound.
+    let all = refused_run(&mut node, 20_250, 120_000, &[47 * GI, 30 * GI]);
     let gone = deletes(&all);
     assert_eq!(gone.len(), 1, "{gone:?}");
     assert_eq!(gone[0].1, "grower");
@@ -625,4 +640,146 @@ fn an_eviction_names_the_spec_generation_it_acted_under() {
     let all: Vec<Action> = (0..4).flat_map(|k| node.tick(k * 250, &[9 * GI], 0)).collect();
     let note = note_of(&all, Reason::Evicting).expect("evicting");
     assert!(note.ends_with("; under generation 7 of budget team-a/grower"), "{note}");
+}
+
+fn node_notes(actions: &[Action], wanted: NodeReason) -> Vec<String> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::NodeEvent { reason, note } if *reason == wanted => Some(note.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// #52: a pod alone on its GPU holding 95 % of it (vLLM at `--gpu-memory-utilization 0.95`, TensorFlow) is never
+/// evicted for pressure, whatever its budget or none (the default `Ranked` policy): there is no neighbour to
+/// protect. Ten minutes of ticks; the Node is told once, and why.
+#[test]
+fn a_pod_alone_holding_most_of_its_gpu_is_never_relieved() {
+    for (app, name) in [("none", "vllm"), ("grower", "grower")] {
+        let mut node = Node::new(vec![view(name, app, "", "")]);
+        assert_eq!(node.enforcer.settings.unbudgeted_pods, Unbudgeted::Ranked);
+        let all: Vec<Action> = (0..2_400).flat_map(|k| node.tick(k * 250, &[77 * GI], 0)).collect();
+        assert!(evicted(&all).is_empty(), "{name}: {:#?}", evicted(&all));
+        assert!(!all.iter().any(|a| matches!(a, Action::Delete { .. })));
+        assert!(node.enforcer.under_pressure(0), "3Gi free of 80Gi is pressure, but harms no one");
+        let told = node_notes(&all, NodeReason::FullNoneHarmed);
+        assert_eq!(told.len(), 1, "{told:?}");
+        assert!(told[0].contains("one pod holds it alone") && told[0].contains(&format!("team-a/{name} 77Gi")));
+        assert!(note_of(&all, Reason::Evicting).is_none());
+    }
+}
+
+/// #52: a preallocating pod (no budget) beside a neighbour whose guarantee still fits in what is free (it holds
+/// its 8Gi limit, or is 1Gi short with 3Gi free) is left alone; beside a neighbour that does not fit (owed 10Gi,
+/// 3Gi free) it is relieved.
+#[test]
+fn a_preallocator_beside_a_neighbour_that_fits_is_left_alone_and_one_that_does_not_gets_relief() {
+    let budgets: Vec<GpuMemoryBudget> = ["small: 8Gi", "large: 40Gi"]
+        .iter()
+        .map(|s| {
+            let (name, limit) = s.split_once(": ").expect("spec");
+            serde_yaml::from_str(&format!(
+                "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: {name}, namespace: team-a}}\n\
+                 spec: {{selector: {{matchLabels: {{app: {name}}}}}, limit: {limit}, overLimitSeconds: 600}}"
+            ))
+            .expect("budget")
+        })
+        .collect();
+    for (app, held, want_evicted) in [("small", 8 * GI, false), ("small", 7 * GI, false), ("large", 30 * GI, true)] {
+        let views = vec![view("neighbour", app, "", ""), view("vllm", "none", "", "")];
+        let mut node = Node::with_budgets(views, &budgets);
+        let vllm = 77 * GI - held;
+        let all: Vec<Action> = (0..40).flat_map(|k| node.tick(k * 250, &[held, vllm], 0)).collect();
+        let gone = evicted(&all);
+        if want_evicted {
+            assert_eq!(gone, [("vllm".to_owned(), Some(5))]);
+        } else {
+            assert!(gone.is_empty(), "{app} at {held}: {gone:?}");
+            let told = node_notes(&all, NodeReason::FullNoneHarmed);
+            assert!(told.len() == 1 && told[0].contains("fits in what is free"), "{told:?}");
+        }
+    }
+}
+
+/// #52: `action: Warn` keeps a pod from eviction for its own limit, not from pressure relief: a Warn grower
+/// (limit 10Gi, request 1Gi) at 50Gi beside a pod within its Evict budget (limit and request 30Gi) at 28Gi, 2Gi
+/// free, is evicted; the neighbour never is. The event says why Warn did not keep it.
+#[test]
+fn a_warn_grower_is_relieved_when_its_neighbour_is_short() {
+    let budgets: Vec<GpuMemoryBudget> =
+        [("warn", "limit: 10Gi, request: 1Gi, action: Warn"), ("serve", "limit: 30Gi, request: 30Gi")]
+            .iter()
+            .map(|(name, spec)| {
+                serde_yaml::from_str(&format!(
+            "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {{name: {name}, namespace: team-a}}\n\
+                 spec: {{selector: {{matchLabels: {{app: {name}}}}}, {spec}, overLimitSeconds: 600}}"
+        ))
+        .expect("budget")
+            })
+            .collect();
+    let mut node = Node::with_budgets(vec![view("grower", "warn", "", ""), view("serve", "serve", "", "")], &budgets);
+    let all: Vec<Action> = (0..20).flat_map(|k| node.tick(k * 250, &[50 * GI, 28 * GI], 0)).collect();
+    assert_eq!(evicted(&all), [("grower".to_owned(), Some(5))]);
+    let note = note_of(&all, Reason::Evicting).expect("told");
+    assert!(
+        note.contains("its budget's action is Warn, which does not keep memory a neighbour is guaranteed"),
+        "{note}"
+    );
+    assert!(note.contains("pods within their guarantee there are owed 2Gi"), "{note}");
+    // Alone (the neighbour gone), the same Warn pod is left alone however full the card.
+    let mut alone = Node::with_budgets(vec![view("grower", "warn", "", "")], &budgets);
+    let all: Vec<Action> = (0..20).flat_map(|k| alone.tick(k * 250, &[78 * GI], 0)).collect();
+    assert!(evicted(&all).is_empty(), "{all:#?}");
+}
+
+/// The flapping neighbour of #52: an administrator's 40Gi budget (overLimitSeconds far away) over a pod holding
+/// 70Gi behind a PodDisruptionBudget (every eviction refused), node bound 20 s; the neighbour (its own 40Gi
+/// budget) alternates 12 s at 8Gi (2Gi free) and 14 s at nothing, as one that meets CUDA OOM, frees and
+/// restarts. The bound counts the pressure in all: deleted in the second episode, once 20 s of pressure have
+/// passed, not never (the clock no longer restarts with each episode).
+#[test]
+fn the_bound_counts_pressure_across_episodes_of_a_flapping_neighbour() {
+    let mut node = Node::new(vec![view("hog", "n", "", ""), view("neighbour", "n", "", "")]);
+    node.enforcer.settings.pressure_blocked_timeout_ms = 20_000;
+    let mut all = Vec::new();
+    for cycle in 0..5u64 {
+        let start = cycle * 26_000;
+        all.extend(refused_run(&mut node, start, start + 11_750, &[70 * GI, 8 * GI]));
+        all.extend(refused_run(&mut node, start + 12_000, start + 25_750, &[70 * GI, 0]));
+        if !deletes(&all).is_empty() {
+            break;
+        }
+    }
+    let gone = deletes(&all);
+    assert_eq!(gone.len(), 1, "{gone:?}");
+    assert_eq!(gone[0].1, "hog");
+    // 11.75 s of pressure in the first episode (counted from the first refusal), 8.25 s more from 26 s.
+    assert!((34_000..=35_000).contains(&gone[0].0), "deleted at {} ms", gone[0].0);
+    let note = deleting_note(&all);
+    assert!(note.contains("short of its guarantee for 20s in all"), "{note}");
+    assert!(all.iter().all(|(_, a)| !matches!(a, Action::Evict { pod, .. } if &*pod.name == "neighbour")));
+}
+
+/// The refusals are forgotten when the pod is back within its guarantee, or after ten minutes in which its GPU
+/// harmed no one: then the bound counts afresh.
+#[test]
+fn refused_pressure_is_forgotten_within_the_guarantee_or_after_a_quiet_window() {
+    for (quiet_bytes, quiet_ms) in [([30 * GI, 8 * GI], 30_000), ([70 * GI, 0], 601_000)] {
+        let mut node = Node::new(vec![view("hog", "n", "", ""), view("neighbour", "n", "", "")]);
+        node.enforcer.settings.pressure_blocked_timeout_ms = 20_000;
+        let mut all = refused_run(&mut node, 0, 11_750, &[70 * GI, 8 * GI]);
+        // Within its 40Gi (and no pressure), or over it with nobody harmed, for a while.
+        all.extend(refused_run(&mut node, 12_000, 12_000 + quiet_ms, &quiet_bytes));
+        let again = 12_250 + quiet_ms;
+        all.extend(refused_run(&mut node, again, again + 30_000, &[70 * GI, 8 * GI]));
+        let gone = deletes(&all);
+        assert_eq!(gone.len(), 1, "{gone:?}");
+        assert!(
+            gone[0].0 >= again + 20_000,
+            "{quiet_bytes:?}: deleted {} ms after pressure came back",
+            gone[0].0 - again
+        );
+    }
 }
