@@ -479,7 +479,10 @@ impl World {
                     let outcome = self.rng.below(4) as u8;
                     self.pending.push(Pending::Evict { uid: pod.uid.clone(), due, outcome });
                 }
-                Action::Transition { .. } | Action::Event { .. } | Action::NodeEvent { .. } => {}
+                Action::Transition { .. }
+                | Action::Event { .. }
+                | Action::ContainerEvent { .. }
+                | Action::NodeEvent { .. } => {}
             }
         }
         Ok(())

@@ -185,6 +185,25 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
             }
             None
         }
+        Action::ContainerEvent { pod, container, reason, note } => {
+            let event = Event {
+                type_: if reason.is_warning() { EventType::Warning } else { EventType::Normal },
+                reason: reason.as_str().into(),
+                note: Some(note),
+                action: "Measure".into(),
+                secondary: None,
+            };
+            let regarding =
+                ObjectReference { field_path: Some(format!("spec.containers{{{container}}}")), ..object_ref(&pod) };
+            match shared.recorder.publish(&event, &regarding).await {
+                Ok(()) => m.write("event", "ok"),
+                Err(error) => {
+                    m.write("event", "error");
+                    tracing::warn!(%pod, %container, %error, "event not recorded");
+                }
+            }
+            None
+        }
         Action::NodeEvent { reason, note } => {
             let event = Event {
                 type_: if reason.is_warning() { EventType::Warning } else { EventType::Normal },

@@ -34,6 +34,10 @@ pub fn action_line(action: &Action, now: jiff::Timestamp) -> Value {
             "kind": "event", "reason": reason.as_str(),
             "type": if reason.is_warning() { "Warning" } else { "Normal" }, "note": note,
         }),
+        Action::ContainerEvent { container, reason, note, .. } => json!({
+            "kind": "event", "container": container, "reason": reason.as_str(),
+            "type": if reason.is_warning() { "Warning" } else { "Normal" }, "note": note,
+        }),
         Action::Evict { grace_seconds, .. } => json!({"kind": "evict", "grace_period_seconds": grace_seconds}),
         Action::NodeEvent { reason, note } => json!({
             "kind": "node_event", "reason": reason.as_str(),
@@ -83,7 +87,10 @@ impl<W: Write> LogExecutor<W> {
                 Action::Evict { pod, .. } | Action::Delete { pod, .. } => {
                     feedback.push(Feedback::Evicted { uid: pod.uid, outcome: EvictOutcome::Accepted });
                 }
-                Action::Transition { .. } | Action::Event { .. } | Action::NodeEvent { .. } => {}
+                Action::Transition { .. }
+                | Action::Event { .. }
+                | Action::ContainerEvent { .. }
+                | Action::NodeEvent { .. } => {}
             }
         }
         Ok(feedback)

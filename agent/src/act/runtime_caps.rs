@@ -197,8 +197,9 @@ impl RuntimeCaps {
         self.metrics.containers.get_or_create(&OutcomeLabels { outcome: outcome.to_owned() }).inc();
     }
 
-    fn tell(&self, pod: PodRef, reason: Reason, note: String) {
-        let _ = self.events.send(Action::Event { pod, reason, note });
+    /// An event on `container` of `pod`: each container its own (a pod's several GPU containers are each told).
+    fn tell(&self, pod: PodRef, container: &str, reason: Reason, note: String) {
+        let _ = self.events.send(Action::ContainerEvent { pod, container: container.to_owned(), reason, note });
     }
 
     /// [`decide`], waiting up to the settings' `wait` for a new table while the pod's budget is unknown.
@@ -245,12 +246,25 @@ impl gpubudget_nri::Plugin for RuntimeCaps {
         let mut view = self.view.clone();
         let _ = tokio::time::timeout(self.settings.wait, view.wait_for(|v| v.synced)).await;
         let gpus = view.borrow().gpus;
-        let uid_of: HashMap<&str, &str> = pods.iter().map(|p| (p.id.as_str(), p.uid.as_str())).collect();
+        let pod_of: HashMap<&str, &PodSandbox> = pods.iter().map(|p| (p.id.as_str(), p)).collect();
         let mut seen = 0;
         for c in &containers {
-            if let (Some(devices), Some(uid)) = (devices_of(c, gpus), uid_of.get(c.pod_sandbox_id.as_str())) {
-                self.remember(uid, &c.name, &c.env, devices);
-                seen += 1;
+            let Some(pod) = pod_of.get(c.pod_sandbox_id.as_str()) else { continue };
+            let Some(devices) = devices_of(c, gpus) else { continue };
+            self.remember(&pod.uid, &c.name, &c.env, devices);
+            seen += 1;
+            // Made uncapped while the plugin was away, where its budget sets caps: told on the container (#53), not
+            // only in the record.
+            if let (Held::Uncapped(why), Decision::Adjust(_, pod_ref, how)) = (
+                runtime::held_in(&c.name, &c.env, devices),
+                decide(&view.borrow(), pod, c, self.settings.mps_pipe.as_deref()),
+            ) {
+                let note = format!(
+                    "container {} was made while the agent was not connected to the runtime: not capped at creation \
+                     ({why}); {how}; eviction still holds the pod to its budget",
+                    c.name
+                );
+                self.tell(pod_ref, &c.name, Reason::NotCappedAtCreation, note);
             }
         }
         tracing::info!(
@@ -293,7 +307,7 @@ impl gpubudget_nri::Plugin for RuntimeCaps {
                             container.name,
                             set.join(" ")
                         );
-                        self.tell(pod_ref, Reason::CappedAtCreation, note);
+                        self.tell(pod_ref, &container.name, Reason::CappedAtCreation, note);
                     }
                     Some(why) => {
                         self.count("devices_unknown");
@@ -302,7 +316,7 @@ impl gpubudget_nri::Plugin for RuntimeCaps {
                             container.name,
                             set.join(" ")
                         );
-                        self.tell(pod_ref, Reason::NotCappedAtCreation, note);
+                        self.tell(pod_ref, &container.name, Reason::NotCappedAtCreation, note);
                     }
                 }
                 Ok(to_nri(&adjustment))
@@ -322,7 +336,7 @@ impl gpubudget_nri::Plugin for RuntimeCaps {
                         "container {} created without caps: {why} (--runtime-caps-unresolved=create)",
                         container.name
                     );
-                    self.tell(pod_ref, Reason::NotCappedAtCreation, note);
+                    self.tell(pod_ref, &container.name, Reason::NotCappedAtCreation, note);
                     tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), container = %container.name, %why, "runtime caps: GPU container created uncapped (--runtime-caps-unresolved=create)");
                     Ok(ContainerAdjustment::default())
                 }

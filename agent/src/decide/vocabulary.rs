@@ -215,6 +215,19 @@ pub enum Action {
         /// The message.
         note: String,
     },
+    /// Emit an event on one container of the pod (`regarding.fieldPath` `spec.containers{NAME}`, the API's form
+    /// for a container within a pod): each container its own event, not one series per pod whose note is the
+    /// first container's (#53: the caps set when each container is made).
+    ContainerEvent {
+        /// The pod.
+        pod: PodRef,
+        /// The container's name.
+        container: String,
+        /// Why.
+        reason: Reason,
+        /// The message.
+        note: String,
+    },
     /// Emit an event on this node's Node object (GPU memory pressure, a GPU's health and accounting).
     NodeEvent {
         /// Why.
@@ -254,6 +267,7 @@ impl Action {
             | Action::Apply { pod, .. }
             | Action::Clear { pod }
             | Action::Event { pod, .. }
+            | Action::ContainerEvent { pod, .. }
             | Action::Evict { pod, .. }
             | Action::Delete { pod, .. } => Some(pod),
             Action::NodeEvent { .. } => None,

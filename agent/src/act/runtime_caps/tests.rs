@@ -75,9 +75,15 @@ fn rig(first: View, unresolved: Unresolved) -> Rig {
 }
 
 fn told(events: &mut mpsc::UnboundedReceiver<Action>) -> Vec<(Reason, String)> {
+    told_on(events).into_iter().map(|(_, reason, note)| (reason, note)).collect()
+}
+
+/// The events told, each with the container it is on.
+fn told_on(events: &mut mpsc::UnboundedReceiver<Action>) -> Vec<(String, Reason, String)> {
     let mut out = Vec::new();
-    while let Ok(Action::Event { reason, note, .. }) = events.try_recv() {
-        out.push((reason, note));
+    while let Ok(action) = events.try_recv() {
+        let Action::ContainerEvent { container, reason, note, .. } = action else { panic!("{action:?}") };
+        out.push((container, reason, note));
     }
     out
 }
@@ -201,12 +207,21 @@ async fn an_unknown_pod_waits_for_its_budget_then_is_created_or_refused_as_confi
 #[tokio::test]
 async fn containers_made_while_the_agent_was_away_are_judged_as_they_are() {
     let caps = budget(", admissionCaps: Enabled");
-    let r = rig(view(vec![pod("uid-1", "")], &[caps], &[80 * GI]), Unresolved::Create);
+    let mut r = rig(view(vec![pod("uid-1", "")], &[caps], &[80 * GI]), Unresolved::Create);
     let mut away = container(&["NVIDIA_VISIBLE_DEVICES=0"], &[]);
     away.name = "sidecar".into();
     away.pod_sandbox_id = "sb-1".into();
+    // One made capped by an earlier run of the agent: nothing to tell.
+    let mut before = container(&["NVIDIA_VISIBLE_DEVICES=0", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M"], &[]);
+    before.name = "before".into();
+    before.pod_sandbox_id = "sb-1".into();
     let sandbox = PodSandbox { id: "sb-1".into(), ..sandbox("uid-1") };
-    assert!(r.plugin.synchronize(vec![sandbox.clone()], vec![away]).await.is_empty());
+    assert!(r.plugin.synchronize(vec![sandbox.clone()], vec![away, before]).await.is_empty());
+    // #53: the uncapped one is told on its container, where users look, not only in the record.
+    let told = told_on(&mut r.events);
+    assert_eq!(told.len(), 1, "{told:?}");
+    assert_eq!((told[0].0.as_str(), told[0].1), ("sidecar", Reason::NotCappedAtCreation));
+    assert!(told[0].2.starts_with("container sidecar was made while the agent was not connected"), "{}", told[0].2);
     let later = container(&["NVIDIA_VISIBLE_DEVICES=0"], &[]);
     r.plugin.create_container(sandbox, later).await.expect("created");
     let made = r.made.lock().unwrap().get("uid-1").cloned().expect("remembered");
@@ -214,4 +229,23 @@ async fn containers_made_while_the_agent_was_away_are_judged_as_they_are() {
     assert_eq!(cap, None, "not every GPU container is capped: no cap for the pod");
     let RuntimeCapsRecord::Uncapped(why) = record else { panic!("{record:?}") };
     assert!(why.starts_with("container sidecar: no CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"), "{why}");
+}
+
+/// #53: a pod with several GPU containers gets one event per container, each naming its own caps (an init
+/// container's cap no longer hides the main container's: the events API groups a pod's events by reason).
+#[tokio::test]
+async fn each_gpu_container_is_told_on_itself_with_its_own_caps() {
+    let caps = budget(", admissionCaps: Enabled");
+    let mut r = rig(view(vec![pod("uid-1", "")], &[caps], &[80 * GI, 80 * GI]), Unresolved::Create);
+    let mut g1 = container(&["NVIDIA_VISIBLE_DEVICES=0"], &[]);
+    g1.name = "g1".into();
+    let mut g2 = container(&["NVIDIA_VISIBLE_DEVICES=0,1"], &[]);
+    g2.name = "g2".into();
+    r.plugin.create_container(sandbox("uid-1"), g1).await.expect("created");
+    r.plugin.create_container(sandbox("uid-1"), g2).await.expect("created");
+    let told = told_on(&mut r.events);
+    let on: Vec<(&str, Reason)> = told.iter().map(|(c, reason, _)| (c.as_str(), *reason)).collect();
+    assert_eq!(on, [("g1", Reason::CappedAtCreation), ("g2", Reason::CappedAtCreation)]);
+    assert!(told[0].2.contains("container g1 capped") && told[0].2.contains("=0=8192M "), "{}", told[0].2);
+    assert!(told[1].2.contains("container g2 capped") && told[1].2.contains("=0=8192M,1=8192M "), "{}", told[1].2);
 }

@@ -121,6 +121,7 @@ fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Apply { record, .. } => format!("apply:{}", record.state),
             Action::Clear { .. } => "clear".into(),
             Action::Event { reason, .. } => reason.as_str().into(),
+            Action::ContainerEvent { container, reason, .. } => format!("{container}:{}", reason.as_str()),
             Action::Evict { grace_seconds, .. } => format!("evict:{grace_seconds:?}"),
             Action::NodeEvent { reason, .. } => format!("node:{}", reason.as_str()),
             Action::Delete { grace_seconds, .. } => format!("delete:{grace_seconds:?}"),
