@@ -276,12 +276,10 @@ impl Budget {
     /// sources it reads (the budget's own rules apply); else [`for_share`](Self::for_share) or, where the
     /// declaration cannot be resolved, [`for_unresolved_share`](Self::for_unresolved_share).
     pub fn for_declared(&self, declaration: &crate::share::Declaration, gpu_totals: &[u64]) -> Option<Budget> {
-        match declaration.under(self.share?, gpu_totals)? {
+        let sources = self.share?;
+        match declaration.under(sources, gpu_totals)? {
             Ok(share) => Some(self.for_share(&share)),
-            Err(why) => {
-                let fault = matches!(declaration, crate::share::Declaration::Invalid(_));
-                Some(self.for_unresolved_share(&why, fault))
-            }
+            Err(why) => Some(self.for_unresolved_share(&why, declaration.fault(sources).is_some())),
         }
     }
 

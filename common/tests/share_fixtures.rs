@@ -38,7 +38,7 @@ fn share_of(file: &str) -> Result<(u64, String), String> {
     match declared(pod, node.as_ref(), Sources::ALL) {
         Declaration::Share(terms) => resolve(&terms, &[H100]).map(|r| (r.bytes, r.text)),
         Declaration::None => Err("none".into()),
-        Declaration::Invalid(why) => Err(format!("invalid: {why}")),
+        Declaration::Invalid { faults, .. } => Err(format!("invalid: {}", faults[0].1)),
     }
 }
 
@@ -82,7 +82,7 @@ fn hostile_values_are_unresolved_and_forged_ones_ignored() {
             // Annotations on a pod KAI did not place, and HAMi's allocation annotations: nobody's share.
             "hostile-kai-bypass" | "hostile-hami-forged-alloc" => assert_eq!(d, Declaration::None, "{name}"),
             _ => {
-                let Declaration::Invalid(why) = &d else { panic!("{name}: {d:?}") };
+                let why = d.fault(Sources::ALL).unwrap_or_else(|| panic!("{name}: {d:?}"));
                 assert!(why.len() < 200, "{name}: a bounded reason: {why}");
             }
         }

@@ -476,7 +476,6 @@ fn share_sentence(budget: &Budget, pod: &Pod) -> Option<String> {
             format!("limit {limit}: {} (as its node's agent recorded)", held.note)
         });
     }
-    use gpubudget_common::share::Declaration;
     let declaration = gpubudget_common::share::declared(pod, None, sources);
     Some(match declaration.under(sources, &[]) {
         None => format!(
@@ -487,7 +486,7 @@ fn share_sentence(budget: &Budget, pod: &Pod) -> Option<String> {
             "its declared share {} is its limit (at most the budget's {}) once its node's agent sees it",
             resolved.text, budget.limit_text
         ),
-        Some(Err(why)) if matches!(declaration, Declaration::Invalid(_)) => {
+        Some(Err(why)) if declaration.fault(sources).is_some() => {
             format!("its declared share is unresolved: {why}; it is held to the budget's limit {}", budget.limit_text)
         }
         Some(Err(_)) => format!(

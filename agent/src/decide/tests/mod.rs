@@ -475,7 +475,10 @@ fn a_restart_repeats_no_event_and_never_evicts_earlier() {
 fn an_unreadable_share_is_told_once_and_the_pod_held_to_the_budgets_limit() {
     use gpubudget_common::share::Declaration;
     let mut view = pod("", "");
-    view.share = Declaration::Invalid("gpu-fraction: \"1e400\" is not a decimal greater than 0 and at most 1".into());
+    view.share = Declaration::invalid(
+        gpubudget_common::share::ShareSource::KaiFraction,
+        "gpu-fraction: \"1e400\" is not a decimal greater than 0 and at most 1",
+    );
     let mut h = Harness::new(view, &[budget(", share: {}")]);
     let told = |out: &[Action]| {
         out.iter()
