@@ -580,8 +580,9 @@ pub struct Resolution<'a> {
     pub budget: &'a Budget,
     /// Other budgets that select the pod, in the same order.
     pub also_matched: Vec<&'a Budget>,
-    /// `budget` made no looser than every cluster budget that selects the pod, when one of them is tighter
-    /// in some field than `budget` ([`Budget::tighten`]); `None`: `budget`'s own rules apply.
+    /// `budget` made no looser than every other budget of its kind that selects the pod (and, for a cluster
+    /// budget, than the cluster floor), when one of them is tighter in some field than `budget`
+    /// ([`Budget::tighten`]); `None`: `budget`'s own rules apply.
     pub tightened: Option<Budget>,
     /// Whether a cluster budget (an administrator's) selects the pod: then every rule applied is no looser
     /// than that one's.
@@ -637,15 +638,17 @@ pub fn with_declared<'a>(
 
 /// Resolves which budget applies to a pod, among the namespaced and cluster budgets given.
 ///
-/// Among namespaced budgets alone, the smallest limit wins, whole (limit, request, action and every other
-/// field come from one budget); ties go to the name that sorts first. When cluster budgets select the pod,
-/// no rule applied is looser than any of theirs, whatever labels the pod carries (#33):
+/// Among namespaced budgets, the smallest limit names the budget (ties go to the name that sorts first), and
+/// its rules are made no looser in any field than each other namespaced budget selecting the pod
+/// ([`Budget::tighten`]: the smaller request, `Evict` over `Warn`, the shorter timers…; #51): a budget with a
+/// smaller limit, a share's among them, never loosens another's action or timers. When cluster budgets select
+/// the pod, no rule applied is looser than any of theirs, whatever labels the pod carries (#33):
 /// - their *floor* is the smallest-limit cluster budget (ties: the name that sorts first) made no looser in
 ///   any field than each other cluster budget selecting the pod ([`Budget::tighten`]);
-/// - a namespaced budget with a smaller limit wins only if it is [no looser](Budget::no_looser_than) than
-///   the floor in every field: a namespace can tighten a cluster budget (a smaller limit, a smaller
-///   request, a shorter `overLimitSeconds`…) but never loosen it (`action: Warn`, a longer
-///   `overLimitSeconds`…);
+/// - the namespaced budgets' rules (above) win with a smaller limit only if they are
+///   [no looser](Budget::no_looser_than) than the floor in every field: a namespace can tighten a cluster
+///   budget (a smaller limit, a smaller request, a shorter `overLimitSeconds`…) but never loosen it
+///   (`action: Warn`, a longer `overLimitSeconds`…);
 /// - otherwise the smallest-limit cluster budget applies, with the floor's rules
 ///   ([`Resolution::tightened`] when they differ from its own).
 ///
@@ -661,9 +664,31 @@ pub fn resolve<'a>(budgets: impl IntoIterator<Item = &'a Budget>, pod: &PodLabel
             .then_with(|| b.is_cluster().cmp(&a.is_cluster()))
             .then_with(|| a.name.cmp(&b.name))
     });
+    // The namespaced budgets' rules: the smallest limit's, made no looser than each other namespaced budget's. Copied
+    // only where another one tightens them.
+    let first_namespaced = matched.iter().position(|b| !b.is_cluster());
+    let mut namespaced = first_namespaced.map(|n| std::borrow::Cow::Borrowed(matched[n]));
+    let mut namespaced_by = Vec::new();
+    if let (Some(n), Some(rules)) = (first_namespaced, namespaced.as_mut()) {
+        for other in matched.iter().enumerate().filter(|(i, b)| *i != n && !b.is_cluster()).map(|(_, b)| *b) {
+            if rules.no_looser_than(other) && rules.warn_at_percent <= other.warn_at_percent {
+                continue;
+            }
+            let fields = rules.to_mut().tighten(other);
+            namespaced_by.push(format!("GpuMemoryBudget/{} ({})", other.key(), fields.join(", ")));
+        }
+    }
+    let own = |rules: std::borrow::Cow<'a, Budget>, by: Vec<String>| match rules {
+        std::borrow::Cow::Borrowed(_) => None,
+        std::borrow::Cow::Owned(mut rules) => {
+            rules.tightened_by = Some(by.join("; "));
+            Some(rules)
+        }
+    };
     let Some(first_cluster) = matched.iter().position(|b| b.is_cluster()) else {
+        let tightened = namespaced.and_then(|rules| own(rules, namespaced_by));
         let budget = matched.remove(0);
-        return Some(Resolution { budget, also_matched: matched, tightened: None, cluster_selected: false });
+        return Some(Resolution { budget, also_matched: matched, tightened, cluster_selected: false });
     };
     // The floor is copied only when another cluster budget tightens it: resolution runs for every pod on every
     // table build and status pass, and most pods meet one cluster budget or several that agree.
@@ -676,14 +701,11 @@ pub fn resolve<'a>(budgets: impl IntoIterator<Item = &'a Budget>, pod: &PodLabel
         let fields = floor.to_mut().tighten(other);
         by.push(format!("ClusterGpuMemoryBudget/{} ({})", other.name, fields.join(", ")));
     }
-    let namespaced = matched[..first_cluster].iter().position(|b| b.no_looser_than(&floor));
-    let (winner, tightened) = match (namespaced, floor) {
-        (Some(n), _) => (n, None),
-        (None, std::borrow::Cow::Borrowed(_)) => (first_cluster, None),
-        (None, std::borrow::Cow::Owned(mut floor)) => {
-            floor.tightened_by = Some(by.join("; "));
-            (first_cluster, Some(floor))
-        }
+    // A namespaced budget names the rules only with a smaller limit than the floor's (it sorts first) and rules no
+    // looser than the floor's.
+    let (winner, tightened) = match (first_namespaced, namespaced) {
+        (Some(n), Some(rules)) if n < first_cluster && rules.no_looser_than(&floor) => (n, own(rules, namespaced_by)),
+        _ => (first_cluster, own(floor, by)),
     };
     let budget = matched.remove(winner);
     Some(Resolution { budget, also_matched: matched, tightened, cluster_selected: true })
@@ -1009,6 +1031,56 @@ mod tests {
         assert_eq!(b.limit_bytes, 6 << 30, "the smaller limit is tighter, and kept");
     }
 
+    /// #51, the issue's case: a `share` budget with `action: Warn` whose resolved share (20Gi) is below a stricter
+    /// `Evict` budget's 40Gi no longer makes the pod Warn-only: the share's limit with the strict budget's action,
+    /// timers and request.
+    #[test]
+    fn a_share_never_loosens_another_namespaced_budget() {
+        let share = namespaced("share", "limit: 80Gi, action: Warn, overLimitSeconds: 600, share: {}");
+        let strict =
+            namespaced("strict", "limit: 40Gi, request: 10Gi, overLimitSeconds: 5, blockedEvictionTimeoutSeconds: 30");
+        let pod: k8s_openapi::api::core::v1::Pod = serde_yaml::from_str(
+            "metadata: {name: p, namespace: team-a, annotations: {gpu-fraction: '0.25'}}\n\
+             spec: {schedulerName: kai-scheduler, containers: [{name: c, image: i}]}",
+        )
+        .expect("pod");
+        let declared = crate::share::declared(&pod, None, crate::share::Sources::ALL);
+        let rules = with_declared([&share, &strict], &declared, &[80 << 30]);
+        let r = resolve(rules.iter().map(|r| r.as_ref()), &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS))
+            .expect("matched");
+        let applied = r.applied();
+        assert_eq!(r.budget.name, "share", "the smaller limit names the rules");
+        assert_eq!(
+            (applied.limit_bytes, applied.action, applied.over_limit_seconds, applied.guaranteed_bytes()),
+            (20 << 30, BudgetAction::Evict, 5, 10 << 30)
+        );
+        assert_eq!(applied.blocked_eviction_timeout_seconds, Some(30));
+        assert!(applied.no_looser_than(&strict) && !r.cluster_selected);
+        assert_eq!(
+            applied.described(),
+            "budget team-a/share: KAI gpu-fraction 0.25 of 80Gi = 20Gi, tightened by GpuMemoryBudget/team-a/strict \
+             (request, action, overLimitSeconds, blockedEvictionTimeoutSeconds)"
+        );
+        // Budgets that agree leave the rules the named budget's own, uncopied.
+        let same = [namespaced("a", "limit: 4Gi"), namespaced("b", "limit: 8Gi")];
+        let r = resolve(&same, &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("matched");
+        assert_eq!((r.budget.name.as_str(), r.tightened.is_none()), ("a", true));
+        // Tightened namespaced rules still lose to a cluster floor they would loosen, and win where they do not.
+        let admin = cluster("admin", "{}", "{}", "limit: 60Gi, overLimitSeconds: 10");
+        let with_admin = [share.clone(), strict.clone(), admin.clone()];
+        let rules = with_declared(&with_admin, &declared, &[80 << 30]);
+        let r = resolve(rules.iter().map(|r| r.as_ref()), &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS))
+            .expect("matched");
+        assert_eq!(
+            (r.budget.name.as_str(), r.applied().action, r.cluster_selected),
+            ("share", BudgetAction::Evict, true)
+        );
+        let lax = namespaced("lax", "limit: 50Gi, action: Warn");
+        let lax_and_admin = [lax, admin];
+        let r = resolve(&lax_and_admin, &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("matched");
+        assert_eq!((r.budget.name.as_str(), r.applied().action), ("admin", BudgetAction::Evict));
+    }
+
     const LABELS: [&str; 3] = ["a", "b", "c"];
 
     fn label_selector(which: Option<usize>) -> String {
@@ -1110,6 +1182,47 @@ mod tests {
             }
         }
 
+        /// #51: whatever budgets select a pod, a namespaced budget's rules, when they apply, are no looser in any
+        /// field (limit, request, action, every timer, caps) than any namespaced budget that selects the pod, nor
+        /// than any cluster budget that does; rules a cluster budget names are no looser than every cluster
+        /// budget's; and the order budgets come in changes nothing.
+        #[test]
+        fn no_budget_of_the_same_kind_is_loosened(
+            clusters in proptest::collection::vec(budget_fields(), 0..3),
+            namespaced_ones in proptest::collection::vec(budget_fields(), 1..5),
+            pod_labels in proptest::collection::btree_set(0usize..3, 0..3),
+            rotate in any::<usize>(),
+        ) {
+            let mut budgets: Vec<Budget> = Vec::new();
+            for (i, (selector, rest)) in clusters.iter().enumerate() {
+                budgets.push(cluster(&format!("c{i}"), "{}", &label_selector(*selector), rest));
+            }
+            for (i, (selector, rest)) in namespaced_ones.iter().enumerate() {
+                let mut b = namespaced(&format!("n{i}"), rest);
+                b.selector = Selector::compile(&serde_yaml::from_str(&label_selector(*selector)).expect("sel")).expect("valid");
+                budgets.push(b);
+            }
+            let pod = labels(&pod_labels.iter().map(|l| (LABELS[*l], "x")).collect::<Vec<_>>());
+            let at = PodLabels::new("team-a", &NO_LABELS, &pod);
+            let Some(r) = resolve(&budgets, &at) else {
+                prop_assert!(budgets.iter().all(|b| !b.selects(&at)));
+                return Ok(());
+            };
+            let applied = r.applied();
+            let kind = r.budget.is_cluster();
+            for b in budgets.iter().filter(|b| b.selects(&at)) {
+                if b.is_cluster() || !kind {
+                    prop_assert!(applied.no_looser_than(b), "{:?} looser than {}", applied, b.key());
+                }
+            }
+            prop_assert!(applied.request_bytes.unwrap_or(0) <= applied.limit_bytes);
+            let mut rotated: Vec<&Budget> = budgets.iter().collect();
+            rotated.rotate_left(rotate % budgets.len());
+            let again = resolve(rotated, &at).expect("matched");
+            prop_assert_eq!(again.budget.key(), r.budget.key());
+            prop_assert_eq!(again.applied().no_looser_than(applied) && applied.no_looser_than(again.applied()), true);
+        }
+
         #[test]
         fn resolution_is_order_independent(limits in proptest::collection::vec(1u64..5, 1..6), seed in any::<u64>()) {
             let budgets: Vec<Budget> = limits.iter().enumerate()
@@ -1142,12 +1255,16 @@ mod tests {
             budgets.push(admin.clone());
             let r = resolve(&budgets, &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("the cluster budget selects");
             prop_assert!(r.budget.limit_bytes <= admin.limit_bytes);
-            prop_assert!(r.budget.no_looser_than(&admin));
-            prop_assert!(cluster_warn || r.budget.action == BudgetAction::Evict);
-            let tighter = budgets.iter().filter(|b| !b.is_cluster() && b.limit_bytes < admin.limit_bytes && b.no_looser_than(&admin));
-            match tighter.min_by(|a, b| a.limit_bytes.cmp(&b.limit_bytes).then_with(|| a.name.cmp(&b.name))) {
-                Some(best) => prop_assert_eq!(&r.budget.key(), &best.key()),
-                None => prop_assert_eq!(r.budget.key(), "admin"),
+            prop_assert!(r.applied().no_looser_than(&admin));
+            prop_assert!(cluster_warn || r.applied().action == BudgetAction::Evict);
+            // A namespaced budget tighter than the cluster budget in limit and no looser in any field: the namespaced
+            // rules apply, named by the smallest namespaced limit (ties: the name) and tightened by the others (#51).
+            let smallest = budgets.iter().filter(|b| !b.is_cluster()).min_by(|a, b| a.limit_bytes.cmp(&b.limit_bytes).then_with(|| a.name.cmp(&b.name)));
+            if budgets.iter().any(|b| !b.is_cluster() && b.limit_bytes < admin.limit_bytes && b.no_looser_than(&admin)) {
+                prop_assert_eq!(Some(r.budget.key()), smallest.map(Budget::key));
+            }
+            if !r.budget.is_cluster() {
+                prop_assert!(budgets.iter().filter(|b| !b.is_cluster()).all(|b| r.applied().no_looser_than(b)));
             }
         }
 

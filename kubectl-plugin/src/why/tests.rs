@@ -72,7 +72,9 @@ static TEAM_A_CRITICAL: std::sync::LazyLock<gpubudget_common::CriticalNamespaces
 
 fn overlapping() -> Vec<GpuMemoryBudget> {
     vec![
-        budget("team-default", "20Gi", json!({}), json!({})),
+        // The wider budget waits longer: the smaller limit's rules are tightened by every budget selecting the
+        // pod (#51), and these fixtures are about the overlap, not the tightening.
+        budget("team-default", "20Gi", json!({}), json!({"overLimitSeconds": 60})),
         budget("llm-inference", "8Gi", json!({"matchLabels": {"app": "llm"}}), json!({"overLimitSeconds": 30})),
         budget("web", "1Gi", json!({"matchLabels": {"app": "web"}}), json!({})),
     ]
