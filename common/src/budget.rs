@@ -149,6 +149,10 @@ pub struct Budget {
     /// Only on those rules: the share could not be read because of the pod's own declaration (malformed, out of
     /// range), not because the node's GPUs are not known yet; the agent tells the pod so.
     pub share_fault: bool,
+    /// Only on the rules made for one pod ([`Budget::for_declared_since`]): the share the pod declares now (or
+    /// its removal, or an unreadable one) would loosen the share it was first held to, and is ignored; why, in
+    /// words (#51: a share is fixed when the pod is placed and only tightens).
+    pub share_kept: Option<String>,
 }
 
 impl Budget {
@@ -232,6 +236,7 @@ impl Budget {
             share: spec.share.as_ref().map(|s| crate::share::Sources::of(&s.sources)),
             held_share: None,
             share_fault: false,
+            share_kept: None,
         })
     }
 
@@ -281,6 +286,61 @@ impl Budget {
             Ok(share) => Some(self.for_share(&share)),
             Err(why) => Some(self.for_unresolved_share(&why, declaration.fault(sources).is_some())),
         }
+    }
+
+    /// This budget's rules for a pod that declares `declaration` now, and whose record holds `first`, the share
+    /// the agent first held it to (#51): a share is fixed when the pod is placed (the scheduler reserved it then
+    /// and never reads the declaration again) and can only tighten. A declaration that resolves to no more than
+    /// `first` applies ([`for_declared`](Self::for_declared)); one that resolves to more, that cannot be read, or
+    /// that is gone keeps `first` (at most this budget's limit), with [`share_kept`](Self::share_kept) saying so;
+    /// its request is then `first` at most this budget's own guaranteed bytes, so that nothing written on the
+    /// pod (its declaration, or a record written by anyone but the agent) raises it. `first` counts only where it
+    /// was resolved from a source this budget reads.
+    pub fn for_declared_since(
+        &self,
+        declaration: &crate::share::Declaration,
+        gpu_totals: &[u64],
+        first: Option<&crate::share::Held>,
+    ) -> Option<Budget> {
+        let now = self.for_declared(declaration, gpu_totals);
+        let sources = self.share?;
+        let Some(first) = first.filter(|h| h.resolved() && h.sources.iter().any(|s| sources.has(*s))) else {
+            return now;
+        };
+        let held_now = now.as_ref().and_then(|r| r.held_share.as_ref());
+        let ignored = match held_now {
+            Some(h) if h.resolved() && h.limit_bytes <= first.limit_bytes => return now,
+            Some(h) if h.resolved() => format!("the share declared now ({}) is more", h.note),
+            Some(_) => match declaration.under(sources, gpu_totals) {
+                // The node's GPUs not known yet (an agent's restart): the first share holds, nothing to tell.
+                Some(Err(_)) if declaration.fault(sources).is_none() => String::new(),
+                Some(Err(why)) => format!("the share declared now cannot be read ({why})"),
+                _ => String::new(),
+            },
+            None => "the share was removed".to_owned(),
+        };
+        let held = if ignored.is_empty() { first.clone() } else { first.clone().kept_over(ignored.clone()) };
+        let mut kept = self.with_held(held);
+        let request = kept.limit_bytes.min(self.guaranteed_bytes());
+        if kept.request_bytes != Some(request) {
+            kept.request_bytes = Some(request);
+            kept.request_text = Some(crate::quantity::HumanBytes(request).to_string());
+        }
+        kept.share_kept = (!ignored.is_empty()).then(|| {
+            let why = format!(
+                "{ignored} and is ignored: a share is fixed when the pod is placed and only tightens; held to the \
+                 first, {}",
+                first.note
+            );
+            crate::share::Held::new(0, Vec::new(), why).note
+        });
+        Some(kept)
+    }
+
+    /// Where these are a pod's rules that kept its first share over a later declaration that would loosen it
+    /// ([`for_declared_since`](Self::for_declared_since)): why, in words.
+    pub fn share_change_ignored(&self) -> Option<&str> {
+        self.share_kept.as_deref()
     }
 
     /// This budget's rules for a pod whose declared share could not be read (`why`; `fault`: because of the
@@ -630,9 +690,23 @@ pub fn with_declared<'a>(
     declaration: &crate::share::Declaration,
     gpu_totals: &[u64],
 ) -> Vec<std::borrow::Cow<'a, Budget>> {
+    with_declared_since(budgets, declaration, gpu_totals, None)
+}
+
+/// [`with_declared`] for a pod whose record holds `first`, the share the agent first held it to
+/// ([`Budget::for_declared_since`]: a later declaration never loosens it).
+pub fn with_declared_since<'a>(
+    budgets: impl IntoIterator<Item = &'a Budget>,
+    declaration: &crate::share::Declaration,
+    gpu_totals: &[u64],
+    first: Option<&crate::share::Held>,
+) -> Vec<std::borrow::Cow<'a, Budget>> {
     budgets
         .into_iter()
-        .map(|b| b.for_declared(declaration, gpu_totals).map_or(std::borrow::Cow::Borrowed(b), std::borrow::Cow::Owned))
+        .map(|b| {
+            b.for_declared_since(declaration, gpu_totals, first)
+                .map_or(std::borrow::Cow::Borrowed(b), std::borrow::Cow::Owned)
+        })
         .collect()
 }
 
@@ -1081,6 +1155,71 @@ mod tests {
         assert_eq!((r.budget.name.as_str(), r.applied().action), ("admin", BudgetAction::Evict));
     }
 
+    fn kai_fraction(pm: u32) -> crate::share::Declaration {
+        use crate::share::{Amount, ShareSource, Term};
+        crate::share::Declaration::Share(vec![Term {
+            source: ShareSource::KaiFraction,
+            amount: Amount::PerMillion(pm),
+            devices: 1,
+        }])
+    }
+
+    /// #51: a tenant's rewrite (`gpu-fraction=1` after KAI placed the pod at 0.25), removal or garbage never raises
+    /// the pod's limit or request: the first share holds, and the rules say why; a tighter one takes effect.
+    #[test]
+    fn a_share_is_fixed_at_placement_and_only_tightens() {
+        use crate::share::{Declaration, ShareSource, Sources};
+        let b = namespaced("shares", "limit: 80Gi, request: 10Gi, share: {}");
+        let gpu = [80u64 << 30];
+        let first = b.for_declared(&kai_fraction(250_000), &gpu).and_then(|r| r.held_share).expect("held");
+        assert_eq!((first.limit_bytes, first.note.as_str()), (20 << 30, "KAI gpu-fraction 0.25 of 80Gi = 20Gi"));
+        let since = |d: &Declaration, gpu: &[u64]| b.for_declared_since(d, gpu, Some(&first)).expect("share rules");
+        let rewritten = since(&kai_fraction(1_000_000), &gpu);
+        assert_eq!((rewritten.limit_bytes, rewritten.guaranteed_bytes()), (20 << 30, 10 << 30));
+        let recorded = rewritten.held_share.as_ref().expect("held");
+        assert_eq!(
+            (recorded.limit_bytes, &recorded.note),
+            (first.limit_bytes, &first.note),
+            "the record keeps the first"
+        );
+        assert_eq!(
+            recorded.ignored.as_deref(),
+            Some("the share declared now (KAI gpu-fraction 1 of 80Gi = 80Gi) is more")
+        );
+        // Read back from that record after a restart, before the node's GPUs are known: the same rules.
+        let again = b.for_declared_since(&kai_fraction(1_000_000), &[], Some(recorded)).expect("share rules");
+        assert_eq!((again.limit_bytes, again.held_share.as_ref()), (20 << 30, Some(recorded)));
+        assert_eq!(
+            rewritten.share_change_ignored(),
+            Some(
+                "the share declared now (KAI gpu-fraction 1 of 80Gi = 80Gi) is more and is ignored: a share is fixed \
+                 when the pod is placed and only tightens; held to the first, KAI gpu-fraction 0.25 of 80Gi = 20Gi"
+            )
+        );
+        let removed = since(&Declaration::None, &gpu);
+        assert_eq!((removed.limit_bytes, removed.guaranteed_bytes()), (20 << 30, 10 << 30));
+        assert!(removed.share_change_ignored().is_some_and(|w| w.starts_with("the share was removed and is ignored")));
+        let garbage = since(&Declaration::invalid(ShareSource::KaiFraction, "gpu-fraction: \"lots\""), &gpu);
+        assert_eq!(garbage.limit_bytes, 20 << 30);
+        assert!(garbage.share_change_ignored().is_some_and(|w| w.contains("cannot be read (gpu-fraction: \"lots\")")));
+        assert!(!garbage.share_fault, "held to the first share, not to the budget's limit");
+        // A tighter share takes effect, with nothing to tell; so does the same one.
+        let tighter = since(&kai_fraction(125_000), &gpu);
+        assert_eq!((tighter.limit_bytes, tighter.guaranteed_bytes(), tighter.share_kept), (10 << 30, 10 << 30, None));
+        assert_eq!(since(&kai_fraction(250_000), &gpu), b.for_declared(&kai_fraction(250_000), &gpu).expect("rules"));
+        // The node's GPUs not known yet (the agent restarted): the first share holds, silently.
+        let restarted = since(&kai_fraction(1_000_000), &[]);
+        assert_eq!((restarted.limit_bytes, restarted.share_kept), (20 << 30, None));
+        // A budget that reads other sources, or no first share resolved: the declaration as it is.
+        let hami_only = Budget { share: Some(Sources::of(&[ShareSource::HamiMemory])), ..b.clone() };
+        assert_eq!(hami_only.for_declared_since(&kai_fraction(1_000_000), &gpu, Some(&first)), None);
+        let unresolved = crate::share::Held::new(80 << 30, Vec::new(), "share unresolved".into());
+        assert_eq!(
+            b.for_declared_since(&kai_fraction(1_000_000), &gpu, Some(&unresolved)),
+            b.for_declared(&kai_fraction(1_000_000), &gpu)
+        );
+    }
+
     const LABELS: [&str; 3] = ["a", "b", "c"];
 
     fn label_selector(which: Option<usize>) -> String {
@@ -1180,6 +1319,33 @@ mod tests {
                     }
                 }
             }
+        }
+
+        /// #51: whatever share a pod was first held to and whatever it declares now, its limit is the smaller of
+        /// the two (at most the budget's), its request never more than the first share or the one declared now,
+        /// and a change is told exactly when it is ignored.
+        #[test]
+        fn a_later_declaration_never_loosens_the_first_share(
+            first_pm in 1u32..=1_000_000,
+            now in proptest::option::of(1u32..=1_000_000),
+            limit_gi in 1u64..100,
+            request_gi in proptest::option::of(0u64..100),
+        ) {
+            let mut rest = format!("limit: {limit_gi}Gi, share: {{}}");
+            if let Some(r) = request_gi {
+                rest += &format!(", request: {}Gi", r.min(limit_gi));
+            }
+            let b = namespaced("shares", &rest);
+            let gpu = [80u64 << 30];
+            let first = b.for_declared(&kai_fraction(first_pm), &gpu).and_then(|r| r.held_share).expect("held");
+            let declaration = now.map_or(crate::share::Declaration::None, kai_fraction);
+            let r = b.for_declared_since(&declaration, &gpu, Some(&first)).expect("share rules");
+            let now_limit = b.for_declared(&declaration, &gpu).map(|r| r.limit_bytes);
+            let want = now_limit.map_or(first.limit_bytes, |n| n.min(first.limit_bytes));
+            prop_assert_eq!(r.limit_bytes, want);
+            prop_assert!(r.guaranteed_bytes() <= r.limit_bytes && r.guaranteed_bytes() <= first.limit_bytes);
+            prop_assert!(r.limit_bytes <= b.limit_bytes);
+            prop_assert_eq!(r.share_kept.is_some(), now_limit.is_none_or(|n| n > first.limit_bytes));
         }
 
         /// #51: whatever budgets select a pod, a namespaced budget's rules, when they apply, are no looser in any

@@ -192,15 +192,21 @@ pub struct Held {
     pub sources: Vec<ShareSource>,
     /// How, in words: `KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi`, or `share unresolved: <why>; held to …`.
     pub note: String,
+    /// Where the pod's declaration changed after this share was first held and would loosen it (#51): how, in
+    /// words (`the share declared now (KAI gpu-fraction 1 of 80Gi = 80Gi) is more`); the change is ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ignored: Option<String>,
 }
 
 impl Held {
     /// The longest note kept: longer ones (many HAMi containers) are cut, ending in `…`.
     pub const NOTE_MAX: usize = 300;
+    /// The longest annotation read back: more than any the agent writes (two notes, every character escaped).
+    pub const ANNOTATION_MAX: usize = 6 * Self::NOTE_MAX;
 
     /// A held share; the note is cut at [`Self::NOTE_MAX`] bytes (on a character boundary).
     pub fn new(limit_bytes: u64, sources: Vec<ShareSource>, note: String) -> Self {
-        Self { limit_bytes, sources, note: cut(note, Self::NOTE_MAX) }
+        Self { limit_bytes, sources, note: cut(note, Self::NOTE_MAX), ignored: None }
     }
 
     /// Whether the share was resolved (else the budget's own limit holds the pod).
@@ -213,9 +219,15 @@ impl Held {
         serde_json::to_string(self).unwrap_or_default()
     }
 
+    /// This share, kept over a later declaration that would loosen it (`why`, cut at [`Self::NOTE_MAX`]).
+    pub fn kept_over(mut self, why: String) -> Self {
+        self.ignored = Some(cut(why, Self::NOTE_MAX));
+        self
+    }
+
     /// Reads the annotation's value; `None` when it is longer than any the agent writes or not this JSON.
     pub fn from_annotation(value: &str) -> Option<Self> {
-        (value.len() <= 2 * Self::NOTE_MAX).then(|| serde_json::from_str(value).ok()).flatten()
+        (value.len() <= Self::ANNOTATION_MAX).then(|| serde_json::from_str(value).ok()).flatten()
     }
 }
 

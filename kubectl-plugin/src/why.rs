@@ -471,7 +471,13 @@ fn share_sentence(budget: &Budget, pod: &Pod) -> Option<String> {
     if let Some(held) = &budget.held_share {
         let limit = HumanBytes(budget.limit_bytes);
         return Some(if held.resolved() {
-            format!("limit {limit} from its declared share: {} (resolved by its node's agent)", held.note)
+            let ignored = held.ignored.as_ref().map_or_else(String::new, |i| {
+                format!(
+                    "; its declaration changed since and is ignored ({i}): a share is fixed when the pod is placed \
+                     and only tightens"
+                )
+            });
+            format!("limit {limit} from its declared share: {} (resolved by its node's agent){ignored}", held.note)
         } else {
             format!("limit {limit}: {} (as its node's agent recorded)", held.note)
         });

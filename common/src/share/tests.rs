@@ -270,7 +270,11 @@ fn a_held_share_round_trips_and_its_note_is_bounded() {
     assert_eq!(Held::from_annotation(&cut.to_annotation()).map(|h| h.note), Some(cut.note));
     // Anything else is no record: garbage, or longer than the agent writes.
     assert_eq!(Held::from_annotation("KAI 0.5"), None);
-    assert_eq!(Held::from_annotation(&format!("{{\"limitBytes\":1,\"note\":\"{}\"}}", "x".repeat(700))), None);
+    assert_eq!(Held::from_annotation(&format!("{{\"limitBytes\":1,\"note\":\"{}\"}}", "x".repeat(1800))), None);
+    // The longest the agent writes, a kept share's included, is read back.
+    let quotes = "\"".repeat(400);
+    let longest = Held::new(1, vec![ShareSource::KaiMemory], quotes.clone()).kept_over(quotes);
+    assert_eq!(Held::from_annotation(&longest.to_annotation()), Some(longest));
 }
 
 /// #51: the API server stores `nvidia.com/gpumem: 20000` as `20k` (every multiple of 1 000 is shortened): each
