@@ -84,6 +84,7 @@ declare -A SETS=(
   [no-mirrors]="--set operator.budgetMirrors=false"
   [cert-manager]="-f $CHART/ci/cert-manager-values.yaml"
   [existing-secret]="-f $CHART/ci/existing-secret-values.yaml"
+  [no-shares]="--set shares.protect=false"
 )
 
 step "helm template (${!SETS[*]}) for Kubernetes ${K8S_VERSIONS[*]}"
@@ -199,7 +200,7 @@ def tight(name, pod, container):
     check(env(container)["GPUBUDGET_ADMIN_ADDR"]["value"] == f"0.0.0.0:{ports['admin']}", f"{name}: admin address = admin port")
     return ports
 
-for name in ("default", "all-features", "no-node-restriction", "no-webhooks", "cert-manager", "existing-secret"):
+for name in ("default", "all-features", "no-node-restriction", "no-webhooks", "cert-manager", "existing-secret", "no-shares"):
     docs = load(name)
     ds, dep = one(docs, "DaemonSet"), one(docs, "Deployment")
     apod, opod = ds["spec"]["template"]["spec"], dep["spec"]["template"]["spec"]
@@ -261,11 +262,14 @@ for name in ("default", "all-features", "no-node-restriction", "no-webhooks", "c
     # Node restriction: webhook → operator Service → container port; cert files; agent username.
     webhooks = [d for d in docs if d["kind"] == "ValidatingWebhookConfiguration"]
     mutating = [d for d in docs if d["kind"] == "MutatingWebhookConfiguration"]
-    caps_policy = lambda d: d["metadata"]["name"].endswith("-caps-record")
+    shares_policy = lambda d: d["metadata"]["name"].endswith(("-shares", "-shares-binding"))
+    caps_policy = lambda d: d["metadata"]["name"].endswith("-caps-record") or shares_policy(d)
     policies = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and not caps_policy(d)]
     bindings = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding" and not caps_policy(d)]
-    caps_policies = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and caps_policy(d)]
-    caps_bindings = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding" and caps_policy(d)]
+    caps_policies = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and caps_policy(d) and not shares_policy(d)]
+    caps_bindings = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding" and caps_policy(d) and not shares_policy(d)]
+    shares_policies = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy" and shares_policy(d)]
+    shares_bindings = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding" and shares_policy(d)]
     # Every door to a pod's annotations (issue 43, docs/security.md "Records through another door").
     doors = {("UPDATE", "pods"), ("UPDATE", "pods/status"), ("UPDATE", "pods/ephemeralcontainers"),
              ("UPDATE", "pods/resize"), ("CREATE", "pods/binding"), ("CREATE", "bindings")}
@@ -312,6 +316,21 @@ for name in ("default", "all-features", "no-node-restriction", "no-webhooks", "c
         check(doors <= matched(caps_policies[0]), f"{name}: the caps record policy guards every door to a pod's annotations")
     else:
         check(not caps_policies and not caps_bindings, f"{name}: no caps objects")
+    # Shares fixed at placement (#51): every door to a bound KAI pod's annotations, pods created already bound,
+    # Bindings; KAI's identities exempt; on unless shares.protect is false.
+    if name == "no-shares":
+        check(not shares_policies and not shares_bindings, f"{name}: no shares policy")
+    else:
+        check(len(shares_policies) == 2 and {b["spec"]["policyName"] for b in shares_bindings} == {p["metadata"]["name"] for p in shares_policies}, f"{name}: the shares policies and their bindings")
+        pods_p = [p for p in shares_policies if p["metadata"]["name"].endswith("-shares")][0]
+        bind_p = [p for p in shares_policies if p["metadata"]["name"].endswith("-shares-binding")][0]
+        check((doors - {("CREATE", "pods/binding"), ("CREATE", "bindings")}) | {("CREATE", "pods")} <= matched(pods_p), f"{name}: the shares policy guards every door to a pod's annotations")
+        check({("CREATE", "pods/binding"), ("CREATE", "bindings")} <= matched(bind_p), f"{name}: the shares policy guards Bindings")
+        for p in shares_policies:
+            check(p["spec"]["failurePolicy"] == "Fail" and ".?" not in json.dumps(p), f"{name}: shares policy fails closed, plain CEL")
+            exempt = [c["expression"] for c in p["spec"]["matchConditions"] if c["name"] == "not-an-exempt-identity"]
+            check(len(exempt) == 1 and "'system:serviceaccount:kai-scheduler:binder'" in exempt[0], f"{name}: KAI's binder exempt from {p['metadata']['name']}")
+        check(all(b["spec"]["validationActions"] == ["Deny"] for b in shares_bindings), f"{name}: shares policies deny")
     for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
         if sm["metadata"]["name"].endswith("-agent"):
             check(sm["spec"]["endpoints"][0].get("honorLabels") is True, f"{name}: agent ServiceMonitor honors labels")
@@ -454,7 +473,7 @@ for name, lease in (("default", "gpubudget-operator"), ("all-features", "gpubudg
     if name == "all-features":
         missing = rows - got
         check(not missing, f"{name}: docs/operations.md documents rows the chart does not grant: {sorted(missing)}")
-print(f"  {len(rows)} documented RBAC rows; contract checked on default, all-features, no-node-restriction, no-webhooks, cert-manager, existing-secret; webhook certificate from helm, cert-manager, an existing Secret")
+print(f"  {len(rows)} documented RBAC rows; contract checked on default, all-features, no-node-restriction, no-webhooks, cert-manager, existing-secret, no-shares; webhook certificate from helm, cert-manager, an existing Secret")
 if errors:
     print("\n".join("  FAIL " + e for e in errors), flush=True)
     sys.exit(1)

@@ -10,7 +10,8 @@
 //!
 //! - the pod is bound to this node, not critical in a namespace the administrator lists (#33: half the traces
 //!   list the pods' namespace), not terminating, and its budget (the smallest limit
-//!   among those selecting it, computed by the oracle) says `action: Evict`;
+//!   among those selecting it, computed by the oracle) says `action: Evict`, or another budget selecting it
+//!   does (#51: the rules are no looser than any selecting budget's, `overLimitSeconds` the shortest);
 //! - the promise of `common::state` (#11: dips no longer reset the timer): the sample the eviction follows
 //!   was over the limit in force, and for some earlier sample `s` of the running agent, the time over the
 //!   limit in `[s, now]` minus half the time at or under it is at least `overLimitSeconds` (each sample
@@ -110,9 +111,16 @@ impl BudgetModel {
     }
 }
 
-/// The oracle's resolution: the smallest limit among the budgets that select the pod, ties by name.
-fn applicable<'a>(budgets: &'a [BudgetModel], labels: &BTreeMap<String, String>) -> Option<&'a BudgetModel> {
-    budgets.iter().filter(|b| b.selects(labels)).min_by(|a, b| a.limit.cmp(&b.limit).then(a.name.cmp(&b.name)))
+/// The oracle's resolution: the smallest limit among the budgets that select the pod, ties by name, with rules
+/// no looser than any of them (#51): `Evict` if any says so, the shortest `overLimitSeconds`.
+fn applicable(budgets: &[BudgetModel], labels: &BTreeMap<String, String>) -> Option<BudgetModel> {
+    let selecting = || budgets.iter().filter(|b| b.selects(labels));
+    let named = selecting().min_by(|a, b| a.limit.cmp(&b.limit).then(a.name.cmp(&b.name)))?;
+    Some(BudgetModel {
+        evict: selecting().any(|b| b.evict),
+        over_limit_s: selecting().map(|b| b.over_limit_s).min().unwrap_or(named.over_limit_s),
+        ..named.clone()
+    })
 }
 
 #[derive(Debug, Clone)]
@@ -508,7 +516,7 @@ impl World {
             });
             let seen = self.seen.entry(pod.uid.clone()).or_default();
             let budget = applicable(&self.budgets, &pod.labels);
-            let over = budget.is_some_and(|b| pod.usage > b.limit);
+            let over = budget.as_ref().is_some_and(|b| pod.usage > b.limit);
             seen.samples.push((self.mono, over));
             let verdict = match budget {
                 None => Err("no budget selects it".to_owned()),

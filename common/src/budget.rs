@@ -149,6 +149,10 @@ pub struct Budget {
     /// Only on those rules: the share could not be read because of the pod's own declaration (malformed, out of
     /// range), not because the node's GPUs are not known yet; the agent tells the pod so.
     pub share_fault: bool,
+    /// Only on the rules made for one pod ([`Budget::for_declared_since`]): the share the pod declares now (or
+    /// its removal, or an unreadable one) would loosen the share it was first held to, and is ignored; why, in
+    /// words (#51: a share is fixed when the pod is placed and only tightens).
+    pub share_kept: Option<String>,
 }
 
 impl Budget {
@@ -232,6 +236,7 @@ impl Budget {
             share: spec.share.as_ref().map(|s| crate::share::Sources::of(&s.sources)),
             held_share: None,
             share_fault: false,
+            share_kept: None,
         })
     }
 
@@ -276,13 +281,66 @@ impl Budget {
     /// sources it reads (the budget's own rules apply); else [`for_share`](Self::for_share) or, where the
     /// declaration cannot be resolved, [`for_unresolved_share`](Self::for_unresolved_share).
     pub fn for_declared(&self, declaration: &crate::share::Declaration, gpu_totals: &[u64]) -> Option<Budget> {
-        match declaration.under(self.share?, gpu_totals)? {
+        let sources = self.share?;
+        match declaration.under(sources, gpu_totals)? {
             Ok(share) => Some(self.for_share(&share)),
-            Err(why) => {
-                let fault = matches!(declaration, crate::share::Declaration::Invalid(_));
-                Some(self.for_unresolved_share(&why, fault))
-            }
+            Err(why) => Some(self.for_unresolved_share(&why, declaration.fault(sources).is_some())),
         }
+    }
+
+    /// This budget's rules for a pod that declares `declaration` now, and whose record holds `first`, the share
+    /// the agent first held it to (#51): a share is fixed when the pod is placed (the scheduler reserved it then
+    /// and never reads the declaration again) and can only tighten. A declaration that resolves to no more than
+    /// `first` applies ([`for_declared`](Self::for_declared)); one that resolves to more, that cannot be read, or
+    /// that is gone keeps `first` (at most this budget's limit), with [`share_kept`](Self::share_kept) saying so;
+    /// its request is then `first` at most this budget's own guaranteed bytes, so that nothing written on the
+    /// pod (its declaration, or a record written by anyone but the agent) raises it. `first` counts only where it
+    /// was resolved from a source this budget reads.
+    pub fn for_declared_since(
+        &self,
+        declaration: &crate::share::Declaration,
+        gpu_totals: &[u64],
+        first: Option<&crate::share::Held>,
+    ) -> Option<Budget> {
+        let now = self.for_declared(declaration, gpu_totals);
+        let sources = self.share?;
+        let Some(first) = first.filter(|h| h.resolved() && h.sources.iter().any(|s| sources.has(*s))) else {
+            return now;
+        };
+        let held_now = now.as_ref().and_then(|r| r.held_share.as_ref());
+        let ignored = match held_now {
+            Some(h) if h.resolved() && h.limit_bytes <= first.limit_bytes => return now,
+            Some(h) if h.resolved() => format!("the share declared now ({}) is more", h.note),
+            Some(_) => match declaration.under(sources, gpu_totals) {
+                // The node's GPUs not known yet (an agent's restart): the first share holds, nothing to tell.
+                Some(Err(_)) if declaration.fault(sources).is_none() => String::new(),
+                Some(Err(why)) => format!("the share declared now cannot be read ({why})"),
+                _ => String::new(),
+            },
+            None => "the share was removed".to_owned(),
+        };
+        let held = if ignored.is_empty() { first.clone() } else { first.clone().kept_over(ignored.clone()) };
+        let mut kept = self.with_held(held);
+        let request = kept.limit_bytes.min(self.guaranteed_bytes());
+        if kept.request_bytes != Some(request) {
+            kept.request_bytes = Some(request);
+            kept.request_text = Some(crate::quantity::HumanBytes(request).to_string());
+        }
+        kept.share_kept = (!ignored.is_empty()).then(|| {
+            let why = format!(
+                "{ignored} and is ignored: a share is fixed when the pod is placed and only tightens; held to the \
+                 first, {}",
+                first.note
+            );
+            crate::share::Held::new(0, Vec::new(), why).note
+        });
+        Some(kept)
+    }
+
+    /// Where these are a pod's rules that kept its first share over a later declaration that would loosen it
+    /// ([`for_declared_since`](Self::for_declared_since)): why, in words.
+    pub fn share_change_ignored(&self) -> Option<&str> {
+        self.share_kept.as_deref()
     }
 
     /// This budget's rules for a pod whose declared share could not be read (`why`; `fault`: because of the
@@ -582,8 +640,9 @@ pub struct Resolution<'a> {
     pub budget: &'a Budget,
     /// Other budgets that select the pod, in the same order.
     pub also_matched: Vec<&'a Budget>,
-    /// `budget` made no looser than every cluster budget that selects the pod, when one of them is tighter
-    /// in some field than `budget` ([`Budget::tighten`]); `None`: `budget`'s own rules apply.
+    /// `budget` made no looser than every other budget of its kind that selects the pod (and, for a cluster
+    /// budget, than the cluster floor), when one of them is tighter in some field than `budget`
+    /// ([`Budget::tighten`]); `None`: `budget`'s own rules apply.
     pub tightened: Option<Budget>,
     /// Whether a cluster budget (an administrator's) selects the pod: then every rule applied is no looser
     /// than that one's.
@@ -631,23 +690,39 @@ pub fn with_declared<'a>(
     declaration: &crate::share::Declaration,
     gpu_totals: &[u64],
 ) -> Vec<std::borrow::Cow<'a, Budget>> {
+    with_declared_since(budgets, declaration, gpu_totals, None)
+}
+
+/// [`with_declared`] for a pod whose record holds `first`, the share the agent first held it to
+/// ([`Budget::for_declared_since`]: a later declaration never loosens it).
+pub fn with_declared_since<'a>(
+    budgets: impl IntoIterator<Item = &'a Budget>,
+    declaration: &crate::share::Declaration,
+    gpu_totals: &[u64],
+    first: Option<&crate::share::Held>,
+) -> Vec<std::borrow::Cow<'a, Budget>> {
     budgets
         .into_iter()
-        .map(|b| b.for_declared(declaration, gpu_totals).map_or(std::borrow::Cow::Borrowed(b), std::borrow::Cow::Owned))
+        .map(|b| {
+            b.for_declared_since(declaration, gpu_totals, first)
+                .map_or(std::borrow::Cow::Borrowed(b), std::borrow::Cow::Owned)
+        })
         .collect()
 }
 
 /// Resolves which budget applies to a pod, among the namespaced and cluster budgets given.
 ///
-/// Among namespaced budgets alone, the smallest limit wins, whole (limit, request, action and every other
-/// field come from one budget); ties go to the name that sorts first. When cluster budgets select the pod,
-/// no rule applied is looser than any of theirs, whatever labels the pod carries (#33):
+/// Among namespaced budgets, the smallest limit names the budget (ties go to the name that sorts first), and
+/// its rules are made no looser in any field than each other namespaced budget selecting the pod
+/// ([`Budget::tighten`]: the smaller request, `Evict` over `Warn`, the shorter timers…; #51): a budget with a
+/// smaller limit, a share's among them, never loosens another's action or timers. When cluster budgets select
+/// the pod, no rule applied is looser than any of theirs, whatever labels the pod carries (#33):
 /// - their *floor* is the smallest-limit cluster budget (ties: the name that sorts first) made no looser in
 ///   any field than each other cluster budget selecting the pod ([`Budget::tighten`]);
-/// - a namespaced budget with a smaller limit wins only if it is [no looser](Budget::no_looser_than) than
-///   the floor in every field: a namespace can tighten a cluster budget (a smaller limit, a smaller
-///   request, a shorter `overLimitSeconds`…) but never loosen it (`action: Warn`, a longer
-///   `overLimitSeconds`…);
+/// - the namespaced budgets' rules (above) win with a smaller limit only if they are
+///   [no looser](Budget::no_looser_than) than the floor in every field: a namespace can tighten a cluster
+///   budget (a smaller limit, a smaller request, a shorter `overLimitSeconds`…) but never loosen it
+///   (`action: Warn`, a longer `overLimitSeconds`…);
 /// - otherwise the smallest-limit cluster budget applies, with the floor's rules
 ///   ([`Resolution::tightened`] when they differ from its own).
 ///
@@ -663,9 +738,31 @@ pub fn resolve<'a>(budgets: impl IntoIterator<Item = &'a Budget>, pod: &PodLabel
             .then_with(|| b.is_cluster().cmp(&a.is_cluster()))
             .then_with(|| a.name.cmp(&b.name))
     });
+    // The namespaced budgets' rules: the smallest limit's, made no looser than each other namespaced budget's. Copied
+    // only where another one tightens them.
+    let first_namespaced = matched.iter().position(|b| !b.is_cluster());
+    let mut namespaced = first_namespaced.map(|n| std::borrow::Cow::Borrowed(matched[n]));
+    let mut namespaced_by = Vec::new();
+    if let (Some(n), Some(rules)) = (first_namespaced, namespaced.as_mut()) {
+        for other in matched.iter().enumerate().filter(|(i, b)| *i != n && !b.is_cluster()).map(|(_, b)| *b) {
+            if rules.no_looser_than(other) && rules.warn_at_percent <= other.warn_at_percent {
+                continue;
+            }
+            let fields = rules.to_mut().tighten(other);
+            namespaced_by.push(format!("GpuMemoryBudget/{} ({})", other.key(), fields.join(", ")));
+        }
+    }
+    let own = |rules: std::borrow::Cow<'a, Budget>, by: Vec<String>| match rules {
+        std::borrow::Cow::Borrowed(_) => None,
+        std::borrow::Cow::Owned(mut rules) => {
+            rules.tightened_by = Some(by.join("; "));
+            Some(rules)
+        }
+    };
     let Some(first_cluster) = matched.iter().position(|b| b.is_cluster()) else {
+        let tightened = namespaced.and_then(|rules| own(rules, namespaced_by));
         let budget = matched.remove(0);
-        return Some(Resolution { budget, also_matched: matched, tightened: None, cluster_selected: false });
+        return Some(Resolution { budget, also_matched: matched, tightened, cluster_selected: false });
     };
     // The floor is copied only when another cluster budget tightens it: resolution runs for every pod on every
     // table build and status pass, and most pods meet one cluster budget or several that agree.
@@ -678,14 +775,11 @@ pub fn resolve<'a>(budgets: impl IntoIterator<Item = &'a Budget>, pod: &PodLabel
         let fields = floor.to_mut().tighten(other);
         by.push(format!("ClusterGpuMemoryBudget/{} ({})", other.name, fields.join(", ")));
     }
-    let namespaced = matched[..first_cluster].iter().position(|b| b.no_looser_than(&floor));
-    let (winner, tightened) = match (namespaced, floor) {
-        (Some(n), _) => (n, None),
-        (None, std::borrow::Cow::Borrowed(_)) => (first_cluster, None),
-        (None, std::borrow::Cow::Owned(mut floor)) => {
-            floor.tightened_by = Some(by.join("; "));
-            (first_cluster, Some(floor))
-        }
+    // A namespaced budget names the rules only with a smaller limit than the floor's (it sorts first) and rules no
+    // looser than the floor's.
+    let (winner, tightened) = match (first_namespaced, namespaced) {
+        (Some(n), Some(rules)) if n < first_cluster && rules.no_looser_than(&floor) => (n, own(rules, namespaced_by)),
+        _ => (first_cluster, own(floor, by)),
     };
     let budget = matched.remove(winner);
     Some(Resolution { budget, also_matched: matched, tightened, cluster_selected: true })
@@ -1011,6 +1105,121 @@ mod tests {
         assert_eq!(b.limit_bytes, 6 << 30, "the smaller limit is tighter, and kept");
     }
 
+    /// #51, the issue's case: a `share` budget with `action: Warn` whose resolved share (20Gi) is below a stricter
+    /// `Evict` budget's 40Gi no longer makes the pod Warn-only: the share's limit with the strict budget's action,
+    /// timers and request.
+    #[test]
+    fn a_share_never_loosens_another_namespaced_budget() {
+        let share = namespaced("share", "limit: 80Gi, action: Warn, overLimitSeconds: 600, share: {}");
+        let strict =
+            namespaced("strict", "limit: 40Gi, request: 10Gi, overLimitSeconds: 5, blockedEvictionTimeoutSeconds: 30");
+        let pod: k8s_openapi::api::core::v1::Pod = serde_yaml::from_str(
+            "metadata: {name: p, namespace: team-a, annotations: {gpu-fraction: '0.25'}}\n\
+             spec: {schedulerName: kai-scheduler, containers: [{name: c, image: i}]}",
+        )
+        .expect("pod");
+        let declared = crate::share::declared(&pod, None, crate::share::Sources::ALL);
+        let rules = with_declared([&share, &strict], &declared, &[80 << 30]);
+        let r = resolve(rules.iter().map(|r| r.as_ref()), &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS))
+            .expect("matched");
+        let applied = r.applied();
+        assert_eq!(r.budget.name, "share", "the smaller limit names the rules");
+        assert_eq!(
+            (applied.limit_bytes, applied.action, applied.over_limit_seconds, applied.guaranteed_bytes()),
+            (20 << 30, BudgetAction::Evict, 5, 10 << 30)
+        );
+        assert_eq!(applied.blocked_eviction_timeout_seconds, Some(30));
+        assert!(applied.no_looser_than(&strict) && !r.cluster_selected);
+        assert_eq!(
+            applied.described(),
+            "budget team-a/share: KAI gpu-fraction 0.25 of 80Gi = 20Gi, tightened by GpuMemoryBudget/team-a/strict \
+             (request, action, overLimitSeconds, blockedEvictionTimeoutSeconds)"
+        );
+        // Budgets that agree leave the rules the named budget's own, uncopied.
+        let same = [namespaced("a", "limit: 4Gi"), namespaced("b", "limit: 8Gi")];
+        let r = resolve(&same, &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("matched");
+        assert_eq!((r.budget.name.as_str(), r.tightened.is_none()), ("a", true));
+        // Tightened namespaced rules still lose to a cluster floor they would loosen, and win where they do not.
+        let admin = cluster("admin", "{}", "{}", "limit: 60Gi, overLimitSeconds: 10");
+        let with_admin = [share.clone(), strict.clone(), admin.clone()];
+        let rules = with_declared(&with_admin, &declared, &[80 << 30]);
+        let r = resolve(rules.iter().map(|r| r.as_ref()), &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS))
+            .expect("matched");
+        assert_eq!(
+            (r.budget.name.as_str(), r.applied().action, r.cluster_selected),
+            ("share", BudgetAction::Evict, true)
+        );
+        let lax = namespaced("lax", "limit: 50Gi, action: Warn");
+        let lax_and_admin = [lax, admin];
+        let r = resolve(&lax_and_admin, &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("matched");
+        assert_eq!((r.budget.name.as_str(), r.applied().action), ("admin", BudgetAction::Evict));
+    }
+
+    fn kai_fraction(pm: u32) -> crate::share::Declaration {
+        use crate::share::{Amount, ShareSource, Term};
+        crate::share::Declaration::Share(vec![Term {
+            source: ShareSource::KaiFraction,
+            amount: Amount::PerMillion(pm),
+            devices: 1,
+        }])
+    }
+
+    /// #51: a tenant's rewrite (`gpu-fraction=1` after KAI placed the pod at 0.25), removal or garbage never raises
+    /// the pod's limit or request: the first share holds, and the rules say why; a tighter one takes effect.
+    #[test]
+    fn a_share_is_fixed_at_placement_and_only_tightens() {
+        use crate::share::{Declaration, ShareSource, Sources};
+        let b = namespaced("shares", "limit: 80Gi, request: 10Gi, share: {}");
+        let gpu = [80u64 << 30];
+        let first = b.for_declared(&kai_fraction(250_000), &gpu).and_then(|r| r.held_share).expect("held");
+        assert_eq!((first.limit_bytes, first.note.as_str()), (20 << 30, "KAI gpu-fraction 0.25 of 80Gi = 20Gi"));
+        let since = |d: &Declaration, gpu: &[u64]| b.for_declared_since(d, gpu, Some(&first)).expect("share rules");
+        let rewritten = since(&kai_fraction(1_000_000), &gpu);
+        assert_eq!((rewritten.limit_bytes, rewritten.guaranteed_bytes()), (20 << 30, 10 << 30));
+        let recorded = rewritten.held_share.as_ref().expect("held");
+        assert_eq!(
+            (recorded.limit_bytes, &recorded.note),
+            (first.limit_bytes, &first.note),
+            "the record keeps the first"
+        );
+        assert_eq!(
+            recorded.ignored.as_deref(),
+            Some("the share declared now (KAI gpu-fraction 1 of 80Gi = 80Gi) is more")
+        );
+        // Read back from that record after a restart, before the node's GPUs are known: the same rules.
+        let again = b.for_declared_since(&kai_fraction(1_000_000), &[], Some(recorded)).expect("share rules");
+        assert_eq!((again.limit_bytes, again.held_share.as_ref()), (20 << 30, Some(recorded)));
+        assert_eq!(
+            rewritten.share_change_ignored(),
+            Some(
+                "the share declared now (KAI gpu-fraction 1 of 80Gi = 80Gi) is more and is ignored: a share is fixed \
+                 when the pod is placed and only tightens; held to the first, KAI gpu-fraction 0.25 of 80Gi = 20Gi"
+            )
+        );
+        let removed = since(&Declaration::None, &gpu);
+        assert_eq!((removed.limit_bytes, removed.guaranteed_bytes()), (20 << 30, 10 << 30));
+        assert!(removed.share_change_ignored().is_some_and(|w| w.starts_with("the share was removed and is ignored")));
+        let garbage = since(&Declaration::invalid(ShareSource::KaiFraction, "gpu-fraction: \"lots\""), &gpu);
+        assert_eq!(garbage.limit_bytes, 20 << 30);
+        assert!(garbage.share_change_ignored().is_some_and(|w| w.contains("cannot be read (gpu-fraction: \"lots\")")));
+        assert!(!garbage.share_fault, "held to the first share, not to the budget's limit");
+        // A tighter share takes effect, with nothing to tell; so does the same one.
+        let tighter = since(&kai_fraction(125_000), &gpu);
+        assert_eq!((tighter.limit_bytes, tighter.guaranteed_bytes(), tighter.share_kept), (10 << 30, 10 << 30, None));
+        assert_eq!(since(&kai_fraction(250_000), &gpu), b.for_declared(&kai_fraction(250_000), &gpu).expect("rules"));
+        // The node's GPUs not known yet (the agent restarted): the first share holds, silently.
+        let restarted = since(&kai_fraction(1_000_000), &[]);
+        assert_eq!((restarted.limit_bytes, restarted.share_kept), (20 << 30, None));
+        // A budget that reads other sources, or no first share resolved: the declaration as it is.
+        let hami_only = Budget { share: Some(Sources::of(&[ShareSource::HamiMemory])), ..b.clone() };
+        assert_eq!(hami_only.for_declared_since(&kai_fraction(1_000_000), &gpu, Some(&first)), None);
+        let unresolved = crate::share::Held::new(80 << 30, Vec::new(), "share unresolved".into());
+        assert_eq!(
+            b.for_declared_since(&kai_fraction(1_000_000), &gpu, Some(&unresolved)),
+            b.for_declared(&kai_fraction(1_000_000), &gpu)
+        );
+    }
+
     const LABELS: [&str; 3] = ["a", "b", "c"];
 
     fn label_selector(which: Option<usize>) -> String {
@@ -1112,6 +1321,74 @@ mod tests {
             }
         }
 
+        /// #51: whatever share a pod was first held to and whatever it declares now, its limit is the smaller of
+        /// the two (at most the budget's), its request never more than the first share or the one declared now,
+        /// and a change is told exactly when it is ignored.
+        #[test]
+        fn a_later_declaration_never_loosens_the_first_share(
+            first_pm in 1u32..=1_000_000,
+            now in proptest::option::of(1u32..=1_000_000),
+            limit_gi in 1u64..100,
+            request_gi in proptest::option::of(0u64..100),
+        ) {
+            let mut rest = format!("limit: {limit_gi}Gi, share: {{}}");
+            if let Some(r) = request_gi {
+                rest += &format!(", request: {}Gi", r.min(limit_gi));
+            }
+            let b = namespaced("shares", &rest);
+            let gpu = [80u64 << 30];
+            let first = b.for_declared(&kai_fraction(first_pm), &gpu).and_then(|r| r.held_share).expect("held");
+            let declaration = now.map_or(crate::share::Declaration::None, kai_fraction);
+            let r = b.for_declared_since(&declaration, &gpu, Some(&first)).expect("share rules");
+            let now_limit = b.for_declared(&declaration, &gpu).map(|r| r.limit_bytes);
+            let want = now_limit.map_or(first.limit_bytes, |n| n.min(first.limit_bytes));
+            prop_assert_eq!(r.limit_bytes, want);
+            prop_assert!(r.guaranteed_bytes() <= r.limit_bytes && r.guaranteed_bytes() <= first.limit_bytes);
+            prop_assert!(r.limit_bytes <= b.limit_bytes);
+            prop_assert_eq!(r.share_kept.is_some(), now_limit.is_none_or(|n| n > first.limit_bytes));
+        }
+
+        /// #51: whatever budgets select a pod, a namespaced budget's rules, when they apply, are no looser in any
+        /// field (limit, request, action, every timer, caps) than any namespaced budget that selects the pod, nor
+        /// than any cluster budget that does; rules a cluster budget names are no looser than every cluster
+        /// budget's; and the order budgets come in changes nothing.
+        #[test]
+        fn no_budget_of_the_same_kind_is_loosened(
+            clusters in proptest::collection::vec(budget_fields(), 0..3),
+            namespaced_ones in proptest::collection::vec(budget_fields(), 1..5),
+            pod_labels in proptest::collection::btree_set(0usize..3, 0..3),
+            rotate in any::<usize>(),
+        ) {
+            let mut budgets: Vec<Budget> = Vec::new();
+            for (i, (selector, rest)) in clusters.iter().enumerate() {
+                budgets.push(cluster(&format!("c{i}"), "{}", &label_selector(*selector), rest));
+            }
+            for (i, (selector, rest)) in namespaced_ones.iter().enumerate() {
+                let mut b = namespaced(&format!("n{i}"), rest);
+                b.selector = Selector::compile(&serde_yaml::from_str(&label_selector(*selector)).expect("sel")).expect("valid");
+                budgets.push(b);
+            }
+            let pod = labels(&pod_labels.iter().map(|l| (LABELS[*l], "x")).collect::<Vec<_>>());
+            let at = PodLabels::new("team-a", &NO_LABELS, &pod);
+            let Some(r) = resolve(&budgets, &at) else {
+                prop_assert!(budgets.iter().all(|b| !b.selects(&at)));
+                return Ok(());
+            };
+            let applied = r.applied();
+            let kind = r.budget.is_cluster();
+            for b in budgets.iter().filter(|b| b.selects(&at)) {
+                if b.is_cluster() || !kind {
+                    prop_assert!(applied.no_looser_than(b), "{:?} looser than {}", applied, b.key());
+                }
+            }
+            prop_assert!(applied.request_bytes.unwrap_or(0) <= applied.limit_bytes);
+            let mut rotated: Vec<&Budget> = budgets.iter().collect();
+            rotated.rotate_left(rotate % budgets.len());
+            let again = resolve(rotated, &at).expect("matched");
+            prop_assert_eq!(again.budget.key(), r.budget.key());
+            prop_assert_eq!(again.applied().no_looser_than(applied) && applied.no_looser_than(again.applied()), true);
+        }
+
         #[test]
         fn resolution_is_order_independent(limits in proptest::collection::vec(1u64..5, 1..6), seed in any::<u64>()) {
             let budgets: Vec<Budget> = limits.iter().enumerate()
@@ -1144,12 +1421,16 @@ mod tests {
             budgets.push(admin.clone());
             let r = resolve(&budgets, &PodLabels::new("team-a", &NO_LABELS, &NO_LABELS)).expect("the cluster budget selects");
             prop_assert!(r.budget.limit_bytes <= admin.limit_bytes);
-            prop_assert!(r.budget.no_looser_than(&admin));
-            prop_assert!(cluster_warn || r.budget.action == BudgetAction::Evict);
-            let tighter = budgets.iter().filter(|b| !b.is_cluster() && b.limit_bytes < admin.limit_bytes && b.no_looser_than(&admin));
-            match tighter.min_by(|a, b| a.limit_bytes.cmp(&b.limit_bytes).then_with(|| a.name.cmp(&b.name))) {
-                Some(best) => prop_assert_eq!(&r.budget.key(), &best.key()),
-                None => prop_assert_eq!(r.budget.key(), "admin"),
+            prop_assert!(r.applied().no_looser_than(&admin));
+            prop_assert!(cluster_warn || r.applied().action == BudgetAction::Evict);
+            // A namespaced budget tighter than the cluster budget in limit and no looser in any field: the namespaced
+            // rules apply, named by the smallest namespaced limit (ties: the name) and tightened by the others (#51).
+            let smallest = budgets.iter().filter(|b| !b.is_cluster()).min_by(|a, b| a.limit_bytes.cmp(&b.limit_bytes).then_with(|| a.name.cmp(&b.name)));
+            if budgets.iter().any(|b| !b.is_cluster() && b.limit_bytes < admin.limit_bytes && b.no_looser_than(&admin)) {
+                prop_assert_eq!(Some(r.budget.key()), smallest.map(Budget::key));
+            }
+            if !r.budget.is_cluster() {
+                prop_assert!(budgets.iter().filter(|b| !b.is_cluster()).all(|b| r.applied().no_looser_than(b)));
             }
         }
 

@@ -22,6 +22,9 @@ pub enum QuantityError {
     /// The quantity is larger than any GPU memory could be (over 2^63 bytes).
     #[error("{0:?} is too large")]
     TooLarge(String),
+    /// The quantity is not a whole number where one is required ([`parse_whole`]).
+    #[error("{0:?} is not a whole number")]
+    NotWhole(String),
 }
 
 /// Parses a Kubernetes quantity into whole bytes (fractions of a byte round up).
@@ -34,6 +37,56 @@ pub enum QuantityError {
 /// assert!(parse_bytes("8 GiB").is_err());
 /// ```
 pub fn parse_bytes(text: &str) -> Result<u64, QuantityError> {
+    let (shifted, scale) = parse_scaled(text)?;
+    let value = if scale >= 0 {
+        scaled_up(shifted, scale, text)?
+    } else {
+        match 10u128.checked_pow(scale.unsigned_abs()) {
+            Some(p) => shifted.div_ceil(p),
+            // Dividing by more than 10^38 leaves at most one byte.
+            None => u128::from(shifted != 0),
+        }
+    };
+    at_most_i64(value, text)
+}
+
+/// Parses a Kubernetes quantity that must be a whole number (`20k`, `1e4`, `20000`, `3Ki`, `1500m` is not):
+/// how the API server stores a count or a size an extended resource names (it writes `20000` as `20k`).
+///
+/// ```
+/// use gpubudget_common::quantity::parse_whole;
+/// assert_eq!(parse_whole("20k").unwrap(), 20_000);
+/// assert_eq!(parse_whole("1e4").unwrap(), 10_000);
+/// assert_eq!(parse_whole("2Ki").unwrap(), 2048);
+/// assert!(parse_whole("1500m").is_err());
+/// ```
+pub fn parse_whole(text: &str) -> Result<u64, QuantityError> {
+    let (shifted, scale) = parse_scaled(text)?;
+    let value = if scale >= 0 {
+        scaled_up(shifted, scale, text)?
+    } else {
+        match 10u128.checked_pow(scale.unsigned_abs()) {
+            Some(p) if shifted.is_multiple_of(p) => shifted / p,
+            None if shifted == 0 => 0,
+            _ => return Err(QuantityError::NotWhole(text.to_owned())),
+        }
+    };
+    at_most_i64(value, text)
+}
+
+fn scaled_up(shifted: u128, scale: i32, text: &str) -> Result<u128, QuantityError> {
+    10u128
+        .checked_pow(scale.unsigned_abs())
+        .and_then(|p| shifted.checked_mul(p))
+        .ok_or_else(|| QuantityError::TooLarge(text.to_owned()))
+}
+
+fn at_most_i64(value: u128, text: &str) -> Result<u64, QuantityError> {
+    u64::try_from(value).ok().filter(|v| *v <= i64::MAX as u64).ok_or_else(|| QuantityError::TooLarge(text.to_owned()))
+}
+
+/// A quantity as `shifted × 10^scale`: its digits times its binary suffix, and the decimal exponent left.
+fn parse_scaled(text: &str) -> Result<(u128, i32), QuantityError> {
     if text.is_empty() {
         return Err(QuantityError::Empty);
     }
@@ -92,16 +145,7 @@ pub fn parse_bytes(text: &str) -> Result<u64, QuantityError> {
     let scale = exp10 - i32::try_from(frac_part.len()).map_err(|_| malformed())?;
     let too_large = || QuantityError::TooLarge(text.to_owned());
     let shifted = mantissa.checked_shl(exp2).filter(|v| v >> exp2 == mantissa).ok_or_else(too_large)?;
-    let value = if scale >= 0 {
-        10u128.checked_pow(scale.unsigned_abs()).and_then(|p| shifted.checked_mul(p)).ok_or_else(too_large)?
-    } else {
-        match 10u128.checked_pow(scale.unsigned_abs()) {
-            Some(p) => shifted.div_ceil(p),
-            // Dividing by more than 10^38 leaves at most one byte.
-            None => u128::from(shifted != 0),
-        }
-    };
-    u64::try_from(value).ok().filter(|v| *v <= i64::MAX as u64).ok_or_else(too_large)
+    Ok((shifted, scale))
 }
 
 /// Prints bytes the way Kubernetes canonicalises a binary quantity: the largest binary suffix that
@@ -195,6 +239,25 @@ mod tests {
         assert!(matches!(parse_bytes("99999999999999999999999999999999"), Err(QuantityError::TooLarge(_))));
     }
 
+    /// The API server stores an extended resource's `20000` as `20k`: each form of a whole number reads the
+    /// same, and a fraction is refused, never rounded.
+    #[test]
+    fn whole_numbers_read_in_every_stored_form() {
+        for (text, want) in
+            [("20000", 20_000), ("20k", 20_000), ("2e4", 20_000), ("1E+4", 10_000), ("3k", 3_000), ("20Ki", 20_480)]
+        {
+            assert_eq!(parse_whole(text), Ok(want), "{text}");
+        }
+        for (text, want) in [("0", 0), ("0.0", 0), ("1.5k", 1_500), ("1000m", 1), ("1e0", 1), ("0e-99", 0)] {
+            assert_eq!(parse_whole(text), Ok(want), "{text}");
+        }
+        for text in ["1500m", "0.5", "1e-1", "1n", "20.5"] {
+            assert_eq!(parse_whole(text), Err(QuantityError::NotWhole(text.into())), "{text}");
+        }
+        assert!(matches!(parse_whole("-1k"), Err(QuantityError::Negative(_))));
+        assert!(matches!(parse_whole("20 k"), Err(QuantityError::Malformed(_))));
+    }
+
     #[test]
     fn formats_canonically_and_for_people() {
         assert_eq!(format_exact(0), "0");
@@ -216,6 +279,21 @@ mod tests {
         #[test]
         fn never_panics(text in "\\PC{0,24}") {
             let _ = parse_bytes(&text);
+        }
+
+        /// Every decimal form the API server may store a whole number in reads back as that number, and
+        /// a whole reading is the byte reading (only fractions differ: refused here, rounded up there).
+        #[test]
+        fn whole_numbers_in_any_form(n in 0u64..1_000_000_000, text in "[0-9]{1,6}(\\.[0-9]{1,4})?([kMGm]|e-?[0-9])?") {
+            for form in [n.to_string(), format!("{n}k"), format!("{n}e3"), format!("{n}000m"), format!("{n}.000")] {
+                let want = if form.ends_with('k') || form.ends_with("e3") { n * 1000 } else { n };
+                prop_assert_eq!(parse_whole(&form), Ok(want), "{}", form);
+            }
+            match parse_whole(&text) {
+                Ok(v) => prop_assert_eq!(parse_bytes(&text), Ok(v)),
+                Err(QuantityError::NotWhole(_)) => prop_assert!(parse_bytes(&text).is_ok()),
+                Err(e) => prop_assert_eq!(parse_bytes(&text), Err(e)),
+            }
         }
 
         #[test]

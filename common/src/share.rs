@@ -9,13 +9,16 @@
 //!   the share; on any other pod the annotations are anyone's words (a forged share would buy its pod a
 //!   guarantee under pressure). Such pods request no GPU resource: KAI's binder hands out the devices.
 //! - **HAMi**: per container, `nvidia.com/gpumem` (MiB per GPU) or `nvidia.com/gpumem-percentage` (percent of
-//!   each GPU), times the container's `nvidia.com/gpu` count (default 1), from limits, else requests.
+//!   each GPU), times the container's `nvidia.com/gpu` count (default 1), from limits, else requests. They are
+//!   Kubernetes quantities, read in every form the API server stores (it writes `20000` as `20k`) and required
+//!   to be whole numbers.
 //! - **The NVIDIA device plugin's MPS replicas**: on a node labelled `nvidia.com/gpu.sharing-strategy: mps`
 //!   with `nvidia.com/gpu.replicas: R`, each replica of `nvidia.com/gpu` (or `nvidia.com/gpu.shared`) is 1/R
 //!   of a GPU's memory, the MPS daemon's default pinned limit. Time-slicing replicas declare no memory share.
 //!
 //! Every value a tenant writes is bounded before it is read: a malformed or out-of-range one makes the pod's
-//! share [`Declaration::Invalid`] with the reason, never a guess.
+//! share [`Declaration::Invalid`] with the reason, never a guess, for the budgets that read that source; a
+//! budget that reads only other sources still gets their share.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -152,8 +155,14 @@ pub enum Declaration {
     None,
     /// A share: the sum of its terms (one per KAI pod, one per HAMi container, one for MPS replicas).
     Share(Vec<Term>),
-    /// A value is malformed or out of range: the pod's share is unresolved, for this reason.
-    Invalid(String),
+    /// A value is malformed or out of range: under a budget that reads a faulty source the pod's share is
+    /// unresolved, for that source's reason; a budget reading only other sources gets their `terms`.
+    Invalid {
+        /// The first fault of each faulty source, in the order read (at most one per source).
+        faults: Vec<(ShareSource, String)>,
+        /// The terms read well from the sources without a fault.
+        terms: Vec<Term>,
+    },
 }
 
 /// Why a fraction is unresolved before NVML has told the node's GPU sizes: a moment at an agent's start, not a
@@ -183,15 +192,21 @@ pub struct Held {
     pub sources: Vec<ShareSource>,
     /// How, in words: `KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi`, or `share unresolved: <why>; held to …`.
     pub note: String,
+    /// Where the pod's declaration changed after this share was first held and would loosen it (#51): how, in
+    /// words (`the share declared now (KAI gpu-fraction 1 of 80Gi = 80Gi) is more`); the change is ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ignored: Option<String>,
 }
 
 impl Held {
     /// The longest note kept: longer ones (many HAMi containers) are cut, ending in `…`.
     pub const NOTE_MAX: usize = 300;
+    /// The longest annotation read back: more than any the agent writes (two notes, every character escaped).
+    pub const ANNOTATION_MAX: usize = 6 * Self::NOTE_MAX;
 
     /// A held share; the note is cut at [`Self::NOTE_MAX`] bytes (on a character boundary).
     pub fn new(limit_bytes: u64, sources: Vec<ShareSource>, note: String) -> Self {
-        Self { limit_bytes, sources, note: cut(note, Self::NOTE_MAX) }
+        Self { limit_bytes, sources, note: cut(note, Self::NOTE_MAX), ignored: None }
     }
 
     /// Whether the share was resolved (else the budget's own limit holds the pod).
@@ -204,9 +219,15 @@ impl Held {
         serde_json::to_string(self).unwrap_or_default()
     }
 
+    /// This share, kept over a later declaration that would loosen it (`why`, cut at [`Self::NOTE_MAX`]).
+    pub fn kept_over(mut self, why: String) -> Self {
+        self.ignored = Some(cut(why, Self::NOTE_MAX));
+        self
+    }
+
     /// Reads the annotation's value; `None` when it is longer than any the agent writes or not this JSON.
     pub fn from_annotation(value: &str) -> Option<Self> {
-        (value.len() <= 2 * Self::NOTE_MAX).then(|| serde_json::from_str(value).ok()).flatten()
+        (value.len() <= Self::ANNOTATION_MAX).then(|| serde_json::from_str(value).ok()).flatten()
     }
 }
 
@@ -233,6 +254,12 @@ pub fn declared(pod: &Pod, node_labels: Option<&BTreeMap<String, String>>, sourc
 /// [`Declaration::on_node`] reads its node's labels: the agent keeps this (its node's labels may change).
 pub fn declared_by_pod(pod: &Pod, sources: Sources) -> Declaration {
     let mut terms = Vec::new();
+    let mut faults: Vec<(ShareSource, String)> = Vec::new();
+    let mut fault = |source: ShareSource, why: String| {
+        if !faults.iter().any(|(s, _)| *s == source) {
+            faults.push((source, why));
+        }
+    };
     let by_kai = pod.spec.as_ref().and_then(|s| s.scheduler_name.as_deref()) == Some(KAI_SCHEDULER);
     let annotations = pod.metadata.annotations.as_ref().filter(|_| by_kai);
     let annotation = |k: &str| annotations.and_then(|a| a.get(k)).map(String::as_str);
@@ -246,7 +273,7 @@ pub fn declared_by_pod(pod: &Pod, sources: Sources) -> Declaration {
             (Ok(f), Ok(devices)) => {
                 terms.push(Term { source: ShareSource::KaiFraction, amount: Amount::PerMillion(f), devices })
             }
-            (Err(e), _) | (_, Err(e)) => return Declaration::Invalid(e),
+            (Err(e), _) | (_, Err(e)) => fault(ShareSource::KaiFraction, e),
         }
     }
     if sources.has(ShareSource::KaiMemory)
@@ -256,8 +283,8 @@ pub fn declared_by_pod(pod: &Pod, sources: Sources) -> Declaration {
             (Ok(mib), Ok(devices)) if mib <= MAX_MIB => {
                 terms.push(Term { source: ShareSource::KaiMemory, amount: Amount::Mib(mib), devices })
             }
-            (Ok(_), Ok(_)) => return Declaration::Invalid(format!("{KAI_MEMORY}: {v} MiB is more than any GPU")),
-            (Err(e), _) | (_, Err(e)) => return Declaration::Invalid(e),
+            (Ok(_), Ok(_)) => fault(ShareSource::KaiMemory, format!("{KAI_MEMORY}: {v} MiB is more than any GPU")),
+            (Err(e), _) | (_, Err(e)) => fault(ShareSource::KaiMemory, e),
         }
     }
     let spec = pod.spec.as_ref();
@@ -265,7 +292,7 @@ pub fn declared_by_pod(pod: &Pod, sources: Sources) -> Declaration {
         match hami_term(c, sources) {
             Ok(Some(t)) => terms.push(t),
             Ok(None) => {}
-            Err(e) => return Declaration::Invalid(format!("container {}: {e}", bounded(&c.name))),
+            Err((source, e)) => fault(source, format!("container {}: {e}", bounded(&c.name))),
         }
     }
     if sources.has(ShareSource::MpsReplicas) {
@@ -275,10 +302,7 @@ pub fn declared_by_pod(pod: &Pod, sources: Sources) -> Declaration {
         for c in spec.map(|s| s.containers.as_slice()).unwrap_or_default() {
             for r in [GPU, GPU_SHARED] {
                 if let Some(v) = resource(c, r) {
-                    let n = (v.len() <= MAX_VALUE_LEN && !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
-                        .then(|| v.parse::<u32>().ok())
-                        .flatten()
-                        .unwrap_or(u32::MAX);
+                    let n = whole(v).map_or(u32::MAX, |n| u32::try_from(n).unwrap_or(u32::MAX - 1).min(u32::MAX - 1));
                     asked = asked.saturating_add(n);
                 }
             }
@@ -287,7 +311,34 @@ pub fn declared_by_pod(pod: &Pod, sources: Sources) -> Declaration {
             terms.push(Term { source: ShareSource::MpsReplicas, amount: Amount::NodeReplicas, devices: asked });
         }
     }
-    if terms.is_empty() { Declaration::None } else { Declaration::Share(terms) }
+    Declaration::of(terms, faults)
+}
+
+impl Declaration {
+    /// `terms` and `faults` as one declaration: [`Declaration::Invalid`] with any fault, else a share or none.
+    fn of(terms: Vec<Term>, faults: Vec<(ShareSource, String)>) -> Declaration {
+        match (terms.is_empty(), faults.is_empty()) {
+            (_, false) => Declaration::Invalid { faults, terms },
+            (true, true) => Declaration::None,
+            (false, true) => Declaration::Share(terms),
+        }
+    }
+
+    /// A declaration whose only value, from `source`, is malformed for this reason.
+    pub fn invalid(source: ShareSource, why: impl Into<String>) -> Declaration {
+        Declaration::Invalid { faults: vec![(source, why.into())], terms: Vec::new() }
+    }
+
+    /// The reason a budget reading `sources` cannot resolve this declaration because of the pod's own values
+    /// (the first faulty source it reads); `None` when every source it reads is well formed.
+    pub fn fault(&self, sources: Sources) -> Option<&str> {
+        match self {
+            Declaration::Invalid { faults, .. } => {
+                faults.iter().find(|(s, _)| sources.has(*s)).map(|(_, why)| why.as_str())
+            }
+            _ => None,
+        }
+    }
 }
 
 impl Declaration {
@@ -295,31 +346,39 @@ impl Declaration {
     /// replicas only where GPU feature discovery labels the node as sharing its GPUs by MPS, each 1/replicas of
     /// a GPU; elsewhere they declare no share (time-slicing, whole GPUs).
     pub fn on_node(self, node_labels: Option<&BTreeMap<String, String>>) -> Declaration {
-        let Declaration::Share(terms) = self else { return self };
+        let (terms, faults) = match self {
+            Declaration::Share(terms) => (terms, Vec::new()),
+            Declaration::Invalid { faults, terms } => (terms, faults),
+            Declaration::None => return Declaration::None,
+        };
         if !terms.iter().any(|t| t.amount == Amount::NodeReplicas) {
-            return Declaration::Share(terms);
+            return Declaration::of(terms, faults);
         }
+        // A fault of the replicas leaves the other sources' terms standing.
+        let mps_fault = |terms: Vec<Term>, mut faults: Vec<(ShareSource, String)>, why: String| {
+            faults.push((ShareSource::MpsReplicas, why));
+            Declaration::of(terms.into_iter().filter(|t| t.amount != Amount::NodeReplicas).collect(), faults)
+        };
         let mps = node_labels.filter(|l| l.get(SHARING_STRATEGY).map(String::as_str) == Some("mps"));
         let replicas = match mps.map(|l| l.get(REPLICAS).map(|v| count(REPLICAS, v, MAX_REPLICAS))) {
             None => None,
             Some(Some(Ok(r))) => Some(r),
-            Some(Some(Err(e))) => return Declaration::Invalid(format!("the node's {e}")),
+            Some(Some(Err(e))) => return mps_fault(terms, faults, format!("the node's {e}")),
             Some(None) => {
-                return Declaration::Invalid(format!("the node shares GPUs by MPS but has no {REPLICAS} label"));
+                let why = format!("the node shares GPUs by MPS but has no {REPLICAS} label");
+                return mps_fault(terms, faults, why);
             }
         };
         if replicas.is_some()
             && let Some(t) = terms.iter().find(|t| t.amount == Amount::NodeReplicas && t.devices > MAX_DEVICES)
         {
-            return Declaration::Invalid(format!(
+            let devices = t.devices;
+            let why = format!(
                 "{GPU} and {GPU_SHARED}: the replicas asked for are not whole numbers adding up to at most {MAX_DEVICES} \
                  (read {})",
-                if t.devices == u32::MAX {
-                    "a value that is no whole number".to_owned()
-                } else {
-                    t.devices.to_string()
-                }
-            ));
+                if devices == u32::MAX { "a value that is no whole number".to_owned() } else { devices.to_string() }
+            );
+            return mps_fault(terms, faults, why);
         }
         let terms: Vec<Term> = terms
             .into_iter()
@@ -328,29 +387,32 @@ impl Declaration {
                 _ => Some(t),
             })
             .collect();
-        if terms.is_empty() { Declaration::None } else { Declaration::Share(terms) }
+        Declaration::of(terms, faults)
     }
 }
 
 /// HAMi's share in one container: `nvidia.com/gpumem` or `nvidia.com/gpumem-percentage` times its
-/// `nvidia.com/gpu` (1 when absent).
-fn hami_term(c: &Container, sources: Sources) -> Result<Option<Term>, String> {
-    let devices = || resource(c, GPU).map_or(Ok(1), |v| count(GPU, v, MAX_DEVICES));
+/// `nvidia.com/gpu` (1 when absent); a fault names the source it spoils.
+fn hami_term(c: &Container, sources: Sources) -> Result<Option<Term>, (ShareSource, String)> {
+    let devices = || resource(c, GPU).map_or(Ok(1), |v| quantity_count(GPU, v, MAX_DEVICES));
     if sources.has(ShareSource::HamiMemory)
         && let Some(v) = resource(c, HAMI_MEMORY)
     {
-        let mib = u64::from(count(HAMI_MEMORY, v, u32::MAX)?);
+        let at = |e| (ShareSource::HamiMemory, e);
+        let mib = u64::from(quantity_count(HAMI_MEMORY, v, u32::MAX).map_err(at)?);
         if mib > MAX_MIB {
-            return Err(format!("{HAMI_MEMORY}: {v} MiB is more than any GPU"));
+            return Err(at(format!("{HAMI_MEMORY}: {} MiB is more than any GPU", bounded(v))));
         }
-        return Ok(Some(Term { source: ShareSource::HamiMemory, amount: Amount::Mib(mib), devices: devices()? }));
+        let devices = devices().map_err(at)?;
+        return Ok(Some(Term { source: ShareSource::HamiMemory, amount: Amount::Mib(mib), devices }));
     }
     if sources.has(ShareSource::HamiPercentage)
         && let Some(v) = resource(c, HAMI_PERCENTAGE)
     {
-        let pct = count(HAMI_PERCENTAGE, v, 100)?;
+        let at = |e| (ShareSource::HamiPercentage, e);
+        let pct = quantity_count(HAMI_PERCENTAGE, v, 100).map_err(at)?;
         let amount = Amount::PerMillion(pct * 10_000);
-        return Ok(Some(Term { source: ShareSource::HamiPercentage, amount, devices: devices()? }));
+        return Ok(Some(Term { source: ShareSource::HamiPercentage, amount, devices: devices().map_err(at)? }));
     }
     Ok(None)
 }
@@ -382,6 +444,20 @@ fn count(name: &str, v: &str, max: u32) -> Result<u32, String> {
     match v.parse::<u64>() {
         Ok(n) if n >= 1 && n <= u64::from(max) => Ok(n as u32),
         _ => Err(bad()),
+    }
+}
+
+/// A Kubernetes quantity that is a whole number (`20000`, `20k`, `2e4`: the API server stores an extended
+/// resource's `20000` as `20k`), at most [`MAX_VALUE_LEN`] characters; `None` otherwise.
+fn whole(v: &str) -> Option<u64> {
+    (v.len() <= MAX_VALUE_LEN).then(|| crate::quantity::parse_whole(v).ok()).flatten()
+}
+
+/// A whole number in 1..=max written as a Kubernetes quantity ([`whole`]).
+fn quantity_count(name: &str, v: &str, max: u32) -> Result<u32, String> {
+    match whole(v) {
+        Some(n) if n >= 1 && n <= u64::from(max) => Ok(n as u32),
+        _ => Err(format!("{name}: {} is not a whole number from 1 to {max}", bounded(v))),
     }
 }
 
@@ -487,28 +563,62 @@ impl ShareSource {
     }
 }
 
-/// `none`, `invalid:<why>` or `share:kf/500000/1,hm/20000/2`: how the agent keeps a pod's declaration once
-/// the pod's containers and annotations are dropped from its cache; [`str::parse`] reads it back.
+/// `none`, `share:kf/p500000/1,hm/m20000/2`, or `invalid:` with one line per faulty source (`kf:<why>`) and,
+/// where other sources were read well, a last line `share:…`: how the agent keeps a pod's declaration once the
+/// pod's containers and annotations are dropped from its cache; [`str::parse`] reads it back. A reason holds no
+/// line break: every value in it is quoted with its escapes.
 impl fmt::Display for Declaration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let write_terms = |f: &mut fmt::Formatter<'_>, terms: &[Term]| -> fmt::Result {
+            f.write_str("share:")?;
+            for (i, t) in terms.iter().enumerate() {
+                let (kind, n) = match t.amount {
+                    Amount::PerMillion(pm) => ("p", u64::from(pm)),
+                    Amount::Mib(m) => ("m", m),
+                    Amount::Replica(r) => ("r", u64::from(r)),
+                    Amount::NodeReplicas => ("n", 0),
+                };
+                write!(f, "{}{}/{kind}{n}/{}", if i > 0 { "," } else { "" }, t.source.code(), t.devices)?;
+            }
+            Ok(())
+        };
         match self {
             Declaration::None => f.write_str("none"),
-            Declaration::Invalid(why) => write!(f, "invalid:{why}"),
-            Declaration::Share(terms) => {
-                f.write_str("share:")?;
-                for (i, t) in terms.iter().enumerate() {
-                    let (kind, n) = match t.amount {
-                        Amount::PerMillion(pm) => ("p", u64::from(pm)),
-                        Amount::Mib(m) => ("m", m),
-                        Amount::Replica(r) => ("r", u64::from(r)),
-                        Amount::NodeReplicas => ("n", 0),
-                    };
-                    write!(f, "{}{}/{kind}{n}/{}", if i > 0 { "," } else { "" }, t.source.code(), t.devices)?;
+            Declaration::Share(terms) => write_terms(f, terms),
+            Declaration::Invalid { faults, terms } => {
+                f.write_str("invalid:")?;
+                for (i, (source, why)) in faults.iter().enumerate() {
+                    let why = why.replace(['\n', '\r'], " ");
+                    write!(f, "{}{}:{why}", if i > 0 { "\n" } else { "" }, source.code())?;
+                }
+                if !terms.is_empty() {
+                    f.write_str("\n")?;
+                    write_terms(f, terms)?;
                 }
                 Ok(())
             }
         }
     }
+}
+
+fn parse_terms(terms: &str) -> Option<Vec<Term>> {
+    let term = |t: &str| -> Option<Term> {
+        let mut parts = t.split('/');
+        let code = parts.next()?;
+        let source = ShareSource::ALL.into_iter().find(|s| s.code() == code)?;
+        let amount = parts.next()?;
+        let devices = parts.next()?.parse().ok()?;
+        let (kind, n) = amount.split_at_checked(1)?;
+        let amount = match kind {
+            "p" => Amount::PerMillion(n.parse().ok()?),
+            "m" => Amount::Mib(n.parse().ok()?),
+            "r" => Amount::Replica(n.parse().ok().filter(|r| *r > 0)?),
+            "n" if n == "0" => Amount::NodeReplicas,
+            _ => return None,
+        };
+        parts.next().is_none().then_some(Term { source, amount, devices })
+    };
+    terms.split(',').map(term).collect::<Option<Vec<_>>>().filter(|t| !t.is_empty())
 }
 
 impl std::str::FromStr for Declaration {
@@ -518,53 +628,40 @@ impl std::str::FromStr for Declaration {
         if s == "none" {
             return Ok(Declaration::None);
         }
-        if let Some(why) = s.strip_prefix("invalid:") {
-            return Ok(Declaration::Invalid(why.to_owned()));
+        if let Some(lines) = s.strip_prefix("invalid:") {
+            let (mut faults, mut terms) = (Vec::new(), Vec::new());
+            for line in lines.split('\n') {
+                if let Some(t) = line.strip_prefix("share:") {
+                    terms = parse_terms(t).ok_or(())?;
+                    continue;
+                }
+                let (code, why) = line.split_once(':').ok_or(())?;
+                let source = ShareSource::ALL.into_iter().find(|s| s.code() == code).ok_or(())?;
+                faults.push((source, why.to_owned()));
+            }
+            return if faults.is_empty() { Err(()) } else { Ok(Declaration::Invalid { faults, terms }) };
         }
-        let terms = s.strip_prefix("share:").ok_or(())?;
-        let term = |t: &str| -> Option<Term> {
-            let mut parts = t.split('/');
-            let code = parts.next()?;
-            let source = ShareSource::ALL.into_iter().find(|s| s.code() == code)?;
-            let amount = parts.next()?;
-            let devices = parts.next()?.parse().ok()?;
-            let (kind, n) = amount.split_at_checked(1)?;
-            let amount = match kind {
-                "p" => Amount::PerMillion(n.parse().ok()?),
-                "m" => Amount::Mib(n.parse().ok()?),
-                "r" => Amount::Replica(n.parse().ok().filter(|r| *r > 0)?),
-                "n" if n == "0" => Amount::NodeReplicas,
-                _ => return None,
-            };
-            parts.next().is_none().then_some(Term { source, amount, devices })
-        };
-        terms
-            .split(',')
-            .map(term)
-            .collect::<Option<Vec<_>>>()
-            .filter(|t| !t.is_empty())
-            .map(Declaration::Share)
-            .ok_or(())
+        s.strip_prefix("share:").and_then(parse_terms).map(Declaration::Share).ok_or(())
     }
 }
 
 impl Declaration {
     /// The share this declaration gives under a budget reading `sources`, on GPUs of `gpu_totals` bytes:
-    /// `None` when it declares nothing those sources read; `Some(Err(why))` when it cannot be resolved.
+    /// `None` when it declares nothing those sources read; `Some(Err(why))` when it cannot be resolved (a
+    /// source it reads is faulty, [`Declaration::fault`], or the node's GPUs are not known yet). A faulty
+    /// source the budget does not read spoils nothing.
     pub fn under(&self, sources: Sources, gpu_totals: &[u64]) -> Option<Result<Resolved, String>> {
-        match self {
-            Declaration::None => None,
-            Declaration::Invalid(why) => Some(Err(why.clone())),
-            Declaration::Share(terms) => {
-                // GPU replicas not yet read against the node's labels declare nothing (as on an unknown node).
-                let read: Vec<Term> = terms
-                    .iter()
-                    .copied()
-                    .filter(|t| sources.has(t.source) && t.amount != Amount::NodeReplicas)
-                    .collect();
-                (!read.is_empty()).then(|| resolve(&read, gpu_totals))
-            }
+        if let Some(why) = self.fault(sources) {
+            return Some(Err(why.to_owned()));
         }
+        let terms = match self {
+            Declaration::None => return None,
+            Declaration::Share(terms) | Declaration::Invalid { terms, .. } => terms,
+        };
+        // GPU replicas not yet read against the node's labels declare nothing (as on an unknown node).
+        let read: Vec<Term> =
+            terms.iter().copied().filter(|t| sources.has(t.source) && t.amount != Amount::NodeReplicas).collect();
+        (!read.is_empty()).then(|| resolve(&read, gpu_totals))
     }
 }
 

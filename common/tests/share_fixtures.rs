@@ -38,7 +38,7 @@ fn share_of(file: &str) -> Result<(u64, String), String> {
     match declared(pod, node.as_ref(), Sources::ALL) {
         Declaration::Share(terms) => resolve(&terms, &[H100]).map(|r| (r.bytes, r.text)),
         Declaration::None => Err("none".into()),
-        Declaration::Invalid(why) => Err(format!("invalid: {why}")),
+        Declaration::Invalid { faults, .. } => Err(format!("invalid: {}", faults[0].1)),
     }
 }
 
@@ -82,9 +82,40 @@ fn hostile_values_are_unresolved_and_forged_ones_ignored() {
             // Annotations on a pod KAI did not place, and HAMi's allocation annotations: nobody's share.
             "hostile-kai-bypass" | "hostile-hami-forged-alloc" => assert_eq!(d, Declaration::None, "{name}"),
             _ => {
-                let Declaration::Invalid(why) = &d else { panic!("{name}: {d:?}") };
+                let why = d.fault(Sources::ALL).unwrap_or_else(|| panic!("{name}: {d:?}"));
                 assert!(why.len() < 200, "{name}: a bounded reason: {why}");
             }
         }
     }
+}
+
+/// #51: every fixture's pods as a real API server stored them (`stored/`, kube-apiserver 1.32: `20000` became `20k`)
+/// declare exactly what they declare as written, hostile ones included (unresolved both ways).
+#[test]
+fn the_api_servers_stored_form_declares_the_same_share() {
+    let dir = format!("{}/tests/fixtures/shares", env!("CARGO_MANIFEST_DIR"));
+    let mut compared = 0;
+    for entry in std::fs::read_dir(format!("{dir}/stored")).expect("stored fixtures") {
+        let path = entry.expect("entry").path();
+        let name = path.file_stem().and_then(|s| s.to_str()).expect("name").to_owned();
+        let list: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+        let (written, node) = fixture(&format!("{name}.yaml"));
+        let items = list["items"].as_array().expect("items");
+        assert_eq!(items.len(), written.len(), "{name}: every pod stored");
+        for item in items {
+            let stored: Pod = serde_json::from_value(item.clone()).expect("pod");
+            let pod_name = stored.metadata.name.clone().expect("name");
+            let as_written = declared(&written[&pod_name], node.as_ref(), Sources::ALL);
+            let as_stored = declared(&stored, node.as_ref(), Sources::ALL);
+            match (&as_written, &as_stored) {
+                (Declaration::Invalid { .. }, Declaration::Invalid { .. }) => {
+                    assert_eq!(as_written.fault(Sources::ALL).is_some(), as_stored.fault(Sources::ALL).is_some())
+                }
+                _ => assert_eq!(as_written, as_stored, "{name}/{pod_name}"),
+            }
+            compared += 1;
+        }
+    }
+    assert!(compared >= 24, "{compared} pods compared");
 }

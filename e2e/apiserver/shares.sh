@@ -152,7 +152,8 @@ sample
 
 # kai_pod NAME FRACTION: a pod as KAI-Scheduler's webhook and binder leave it (common/tests/fixtures/shares/
 # kai-fraction.yaml: the annotation, schedulerName kai-scheduler, env from the "-0" ConfigMap the binder fills,
-# envFrom the empty "-evar" one, the volume, no GPU resource), bound to the node; the ConfigMaps first.
+# envFrom the empty "-evar" one, the volume, no GPU resource), created unbound and bound to the node by a Binding
+# (#51); the ConfigMaps first.
 kai_pod() {
   local cm=$1-x7k2mqz-shared-gpu
   tenant create -f - >/dev/null <<EOF
@@ -173,7 +174,6 @@ metadata:
   annotations: {gpu-fraction: "$2", pod-group-name: pg-$1, runai/shared-gpu-configmap: $cm, received-resource-type: Fraction}
 spec:
   schedulerName: kai-scheduler
-  nodeName: $NODE
   containers:
   - name: main
     image: nvidia/cuda:12.4.1-base-ubuntu22.04
@@ -186,6 +186,9 @@ spec:
     resources: {}
   volumes: [{name: $cm-0-vol, configMap: {name: $cm-0}}]
 EOF
+  # Bound as KAI's binder binds it (a Binding; #51: the chart refuses a KAI pod created already bound with a share).
+  printf '{"apiVersion":"v1","kind":"Binding","metadata":{"name":"%s","namespace":"%s"},"target":{"apiVersion":"v1","kind":"Node","name":"%s"}}' \
+    "$1" "$NS_T" "$NODE" | kubectl create --raw "/api/v1/namespaces/$NS_T/pods/$1/binding" -f - >/dev/null
   running "$1"
 }
 # gpu_pod NAME RESOURCES [SCHEDULER ANNOTATIONS]: a pod with one container "main" whose limits are RESOURCES (flow

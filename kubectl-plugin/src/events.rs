@@ -25,12 +25,14 @@ pub mod reason {
     pub const BUDGET_CHANGED: &str = "GpuMemoryBudgetChanged";
     /// The pod's declared GPU memory share cannot be read: held to its budget's limit.
     pub const SHARE_UNRESOLVED: &str = "GpuMemoryShareUnresolved";
+    /// The pod's declared share changed after placement and would loosen it: ignored, held to the first (#51).
+    pub const SHARE_CHANGE_IGNORED: &str = "GpuMemoryShareChangeIgnored";
     /// The container runtime created a GPU container with the budget's caps (`--runtime-caps`).
     pub const CAPPED_AT_CREATION: &str = "GpuMemoryCappedAtCreation";
     /// A GPU container was created without an MPS cap (`--runtime-caps`).
     pub const NOT_CAPPED_AT_CREATION: &str = "GpuMemoryNotCappedAtCreation";
     /// Every reason above.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 12] = [
         NEAR,
         OVER,
         EVICTING,
@@ -40,6 +42,7 @@ pub mod reason {
         DELETING,
         BUDGET_CHANGED,
         SHARE_UNRESOLVED,
+        SHARE_CHANGE_IGNORED,
         CAPPED_AT_CREATION,
         NOT_CAPPED_AT_CREATION,
     ];
@@ -226,6 +229,7 @@ mod tests {
             R::Deleting,
             R::BudgetChanged,
             R::ShareUnresolved,
+            R::ShareChangeIgnored,
             R::CappedAtCreation,
             R::NotCappedAtCreation,
         ]

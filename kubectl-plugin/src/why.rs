@@ -471,12 +471,17 @@ fn share_sentence(budget: &Budget, pod: &Pod) -> Option<String> {
     if let Some(held) = &budget.held_share {
         let limit = HumanBytes(budget.limit_bytes);
         return Some(if held.resolved() {
-            format!("limit {limit} from its declared share: {} (resolved by its node's agent)", held.note)
+            let ignored = held.ignored.as_ref().map_or_else(String::new, |i| {
+                format!(
+                    "; its declaration changed since and is ignored ({i}): a share is fixed when the pod is placed \
+                     and only tightens"
+                )
+            });
+            format!("limit {limit} from its declared share: {} (resolved by its node's agent){ignored}", held.note)
         } else {
             format!("limit {limit}: {} (as its node's agent recorded)", held.note)
         });
     }
-    use gpubudget_common::share::Declaration;
     let declaration = gpubudget_common::share::declared(pod, None, sources);
     Some(match declaration.under(sources, &[]) {
         None => format!(
@@ -487,7 +492,7 @@ fn share_sentence(budget: &Budget, pod: &Pod) -> Option<String> {
             "its declared share {} is its limit (at most the budget's {}) once its node's agent sees it",
             resolved.text, budget.limit_text
         ),
-        Some(Err(why)) if matches!(declaration, Declaration::Invalid(_)) => {
+        Some(Err(why)) if declaration.fault(sources).is_some() => {
             format!("its declared share is unresolved: {why}; it is held to the budget's limit {}", budget.limit_text)
         }
         Some(Err(_)) => format!(

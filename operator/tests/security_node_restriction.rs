@@ -18,13 +18,20 @@ use serde_json::{Value as Json, json};
 
 const AGENT: &str = "system:serviceaccount:gpubudget:gpubudget-agent";
 const NODE: &str = "gpu-node-1";
+/// KAI-Scheduler's identities the chart exempts by default (values.yaml `shares.kai`).
+const KAI: &str = "system:serviceaccount:kai-scheduler:kai-scheduler";
+const KAI_BINDER: &str = "system:serviceaccount:kai-scheduler:binder";
 
 /// A template's policies: the `if`/`end` and label-include lines dropped, the agent's user name substituted.
 fn render(template: &str) -> Vec<serde_yaml::Value> {
     let rendered: String = template
         .lines()
         .filter(|l| !l.trim_start().starts_with("{{-"))
-        .map(|l| l.replace("{{ $agent }}", AGENT).replace("{{ $name }}", "gpubudget-agent-node-restriction"))
+        .map(|l| {
+            l.replace("{{ $agent }}", AGENT)
+                .replace("{{ $name }}", "gpubudget-agent-node-restriction")
+                .replace("{{ $who }}", &format!("['{KAI}', '{KAI_BINDER}']"))
+        })
         .collect::<Vec<_>>()
         .join("\n");
     assert!(!rendered.contains("{{"), "an unrendered template value is left:\n{rendered}");
@@ -408,4 +415,84 @@ fn the_agent_writes_only_its_own_nodes_usage_object() {
     let mut admin = usage_request(None, "UPDATE", other);
     admin["userInfo"]["username"] = json!("alice");
     assert_eq!(admit(&p, admin, usage(other, NODE, None), Json::Null), Verdict::NotMatched);
+}
+
+/// The chart's policies that fix a KAI-Scheduler share once the pod is bound (#51): the pods one and the Bindings
+/// one.
+fn shares_policies() -> (serde_yaml::Value, serde_yaml::Value) {
+    let mut docs = render(include_str!("../../charts/gpubudget/templates/node-restriction/shares-policy.yaml"));
+    assert_eq!(docs.len(), 2, "the pods and Bindings policies");
+    let binding = docs.remove(1);
+    (docs.remove(0), binding)
+}
+
+fn kai_pod(node: Option<&str>, annotations: Json) -> Json {
+    let mut p = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "llm-0", "namespace": "team-a", "annotations": annotations},
+        "spec": {"schedulerName": "kai-scheduler", "containers": [{"name": "main", "image": "x"}]}
+    });
+    if let Some(node) = node {
+        p["spec"]["nodeName"] = json!(node);
+    }
+    p
+}
+
+/// #51: a tenant (`edit`: may patch pods) cannot rewrite, add or remove a bound KAI pod's share, through the pod
+/// or its status; KAI's own identities can; an unbound pod's annotations and every other change are untouched.
+#[test]
+fn a_bound_pods_kai_share_is_fixed_but_for_kai() {
+    let (p, _) = shares_policies();
+    let tenant = "system:serviceaccount:team-a:deployer";
+    let placed = kai_pod(Some(NODE), json!({"gpu-fraction": "0.25", "owner": "team-a"}));
+    let fixed = |m: &str| m.contains("fixed once the pod is bound");
+    for (what, new) in [
+        ("rewritten", json!({"gpu-fraction": "1", "owner": "team-a"})),
+        ("removed", json!({"owner": "team-a"})),
+        ("num-devices added", json!({"gpu-fraction": "0.25", "gpu-fraction-num-devices": "8", "owner": "team-a"})),
+        ("gpu-memory instead", json!({"gpu-memory": "81920", "owner": "team-a"})),
+    ] {
+        let updated = kai_pod(Some(NODE), new);
+        let v = admit(&p, request(tenant, None, "UPDATE"), updated.clone(), placed.clone());
+        assert!(matches!(&v, Verdict::Denied(m) if fixed(m)), "{what}: {v:?}");
+        assert_eq!(
+            admit(&p, request(KAI_BINDER, None, "UPDATE"), updated.clone(), placed.clone()),
+            Verdict::NotMatched
+        );
+    }
+    let relabelled = kai_pod(Some(NODE), json!({"gpu-fraction": "0.25", "owner": "team-b"}));
+    assert_eq!(admit(&p, request(tenant, None, "UPDATE"), relabelled, placed.clone()), Verdict::Allowed);
+    let pending = kai_pod(None, json!({"gpu-fraction": "0.25"}));
+    let edited = kai_pod(None, json!({"gpu-fraction": "0.5"}));
+    assert_eq!(admit(&p, request(tenant, None, "UPDATE"), edited, pending.clone()), Verdict::Allowed, "not placed yet");
+    assert_eq!(admit(&p, request(tenant, None, "CREATE"), pending, Json::Null), Verdict::Allowed, "KAI places it");
+    // A pod another scheduler places reads no KAI share (the agent's rule): none of this policy's concern.
+    let mut other = kai_pod(Some(NODE), json!({"gpu-fraction": "1"}));
+    other["spec"]["schedulerName"] = json!("default-scheduler");
+    assert_eq!(admit(&p, request(tenant, None, "UPDATE"), other, placed), Verdict::NotMatched);
+}
+
+/// #51: a pod created already bound (spec.nodeName) never passed KAI: it may not declare KAI's share; a Binding
+/// may not carry the share annotations into the pod (the API server merges them); KAI's identities may.
+#[test]
+fn a_pod_that_bypassed_kai_declares_no_kai_share() {
+    let (p, binding) = shares_policies();
+    let tenant = "system:serviceaccount:team-a:deployer";
+    for annotations in
+        [json!({"gpu-fraction": "1"}), json!({"gpu-memory": "81920"}), json!({"gpu-fraction-num-devices": "2"})]
+    {
+        let bound = kai_pod(Some(NODE), annotations.clone());
+        let v = admit(&p, request(tenant, None, "CREATE"), bound.clone(), Json::Null);
+        assert!(matches!(&v, Verdict::Denied(m) if m.contains("never passed KAI-Scheduler")), "{annotations}: {v:?}");
+        assert_eq!(admit(&p, request(KAI, None, "CREATE"), bound, Json::Null), Verdict::NotMatched);
+        let b = json!({"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "llm-0", "annotations": annotations},
+                       "target": {"kind": "Node", "name": NODE}});
+        let v = admit(&binding, request(tenant, None, "CREATE"), b.clone(), Json::Null);
+        assert!(matches!(&v, Verdict::Denied(m) if m.contains("merges them into the pod")), "{v:?}");
+        assert_eq!(admit(&binding, request(KAI_BINDER, None, "CREATE"), b, Json::Null), Verdict::NotMatched);
+    }
+    let plain = kai_pod(Some(NODE), json!({"owner": "team-a"}));
+    assert_eq!(admit(&p, request(tenant, None, "CREATE"), plain, Json::Null), Verdict::Allowed);
+    let b = json!({"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "llm-0"}, "target": {"kind": "Node", "name": NODE}});
+    assert_eq!(admit(&binding, request(tenant, None, "CREATE"), b, Json::Null), Verdict::Allowed);
 }

@@ -132,6 +132,12 @@ pub fn decide(view: &View, pod: &PodSandbox, container: &Container, mps_pipe: Op
     };
     let Some(budget) = budget else { return Decision::NoBudget };
     let Some(caps) = Caps::of(budget) else { return Decision::CapsOff };
+    // A share the node cannot size yet (a fraction before NVML told the GPUs' memory) is not known: the container
+    // waits for it like any unknown (#51), never capped at the budget's limit for its whole life. A share that
+    // cannot be read because of the pod's own values is held to the limit, as enforcement holds it.
+    if let Some(held) = budget.held_share.as_ref().filter(|h| !h.resolved() && !budget.share_fault) {
+        return Decision::Unknown(format!("pod {}/{}: {}", pod.namespace, pod.name, held.note));
+    }
     let adjustment = runtime::adjust(&container.name, &container.env, devices, caps, mps_pipe);
     let how = match devices {
         Devices::Known(_) => format!("budget {} ({})", budget.key(), budget.limit_text),

@@ -334,16 +334,20 @@ impl PodTable {
             // A pod that declares a share gets rules of its own from a budget that takes one
             // (gpubudget_common::budget::with_declared); any other is resolved among the budgets as they are,
             // without a copy.
-            let resolved = if p.share == Declaration::None {
+            // The share the agent first held the pod to, as its record carries it (only the agent writes records:
+            // the chart's records policy): a later declaration never loosens it (#51).
+            let first = p.record.as_ref().and_then(|r| r.share.as_ref()).filter(|h| h.resolved());
+            let resolved = if p.share == Declaration::None && first.is_none() {
                 resolve(candidates.clone().map(|i| &*budgets[i]), &pod).map(|r| {
                     let named = candidates.clone().find(|i| std::ptr::eq(&*budgets[*i], r.budget));
                     (named, None, r.tightened, r.cluster_selected)
                 })
             } else {
-                let rules = gpubudget_common::budget::with_declared(
+                let rules = gpubudget_common::budget::with_declared_since(
                     candidates.clone().map(|i| &*budgets[i]),
                     &p.share,
                     gpu_totals,
+                    first,
                 );
                 resolve(rules.iter().map(|r| r.as_ref()), &pod).map(|r| {
                     let j = rules.iter().position(|b| std::ptr::eq(b.as_ref(), r.budget));
@@ -361,10 +365,12 @@ impl PodTable {
                 let key = (
                     named,
                     format!(
-                        "{:?}|{:?}|{}",
+                        "{:?}|{:?}|{}|{:?}|{:?}",
                         rules.tightened_by,
                         rules.held_share.as_ref().map(|h| &h.note),
-                        rules.limit_bytes
+                        rules.limit_bytes,
+                        rules.request_bytes,
+                        rules.share_kept
                     ),
                 );
                 *tightened_index.entry(key).or_insert_with(|| {

@@ -288,6 +288,11 @@ impl Enforcer {
             let note = format!("its declared GPU memory share cannot be read; {}", budget.described());
             self.event(&mut mem, now.mono_ms, Reason::ShareUnresolved, note, out);
         }
+        if let Some(why) = budget.share_change_ignored().filter(|why| mem.share_told.as_deref() != Some(*why)) {
+            mem.share_told = Some(why.to_owned());
+            let note = format!("its declared GPU memory share changed: {why}; {}", budget.described());
+            self.event(&mut mem, now.mono_ms, Reason::ShareChangeIgnored, note, out);
+        }
         self.check_cap(now, &mut mem, cx, out);
         mem.tracker = step(mem.tracker, &thresholds, now.mono_ms, total);
         let cadence = self.settings.cadence;

@@ -63,6 +63,9 @@ pub enum Reason {
     /// Its budget takes each pod's limit from its declared share, and the pod's declaration cannot be read
     /// (malformed, out of range): it is held to the budget's limit; once per reason.
     ShareUnresolved,
+    /// The pod's declared share changed after it was placed (rewritten larger, removed, made unreadable): the
+    /// change is ignored and the pod held to its first share (#51); once per change.
+    ShareChangeIgnored,
     /// `--runtime-caps`: the container runtime created a GPU container with the budget's caps in its environment.
     CappedAtCreation,
     /// `--runtime-caps`: a GPU container was created without an MPS cap (its device count unknown, or its budget not
@@ -87,6 +90,7 @@ impl Reason {
             Reason::DriverLimitsApplied => "GpuMemoryDriverLimitsApplied",
             Reason::DriverLimitsNotApplied => "GpuMemoryDriverLimitsNotApplied",
             Reason::ShareUnresolved => "GpuMemoryShareUnresolved",
+            Reason::ShareChangeIgnored => "GpuMemoryShareChangeIgnored",
             Reason::CappedAtCreation => "GpuMemoryCappedAtCreation",
             Reason::NotCappedAtCreation => "GpuMemoryNotCappedAtCreation",
         }
@@ -106,12 +110,13 @@ impl Reason {
                 | Reason::CapNotInForce
                 | Reason::DriverLimitsNotApplied
                 | Reason::ShareUnresolved
+                | Reason::ShareChangeIgnored
                 | Reason::NotCappedAtCreation
         )
     }
 
     /// How many reasons there are.
-    pub(super) const COUNT: usize = 15;
+    pub(super) const COUNT: usize = 16;
 
     pub(super) fn slot(self) -> usize {
         self as usize
@@ -174,6 +179,9 @@ impl NodeReason {
 }
 
 /// What the executor is asked to do.
+// `Apply` carries the pod's whole record (its share, #51, with what was ignored): actions live for one tick in a
+// short Vec, so boxing it would cost an allocation per write for nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     /// The pod changed state (logged; the standalone mode's decision lines).

@@ -193,3 +193,8 @@ mirrors only while it is renewed).
 {{- define "gpubudget.mirrorsLease" -}}
 {{- printf "%s-mirrors" (include "gpubudget.operator.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
+
+{{/* A list of strings as a CEL list literal: ['a', 'b']. The strings must hold no quote, backslash or line break. */}}
+{{- define "gpubudget.celList" -}}
+[{{ range $i, $s := . }}{{ if $i }}, {{ end }}'{{ $s }}'{{ end }}]
+{{- end }}

@@ -35,9 +35,9 @@ fn share(d: Declaration) -> Vec<Term> {
 }
 
 fn invalid(d: Declaration) -> String {
-    match d {
-        Declaration::Invalid(why) => why,
-        other => panic!("expected invalid, got {other:?}"),
+    match d.fault(Sources::ALL) {
+        Some(why) => why.to_owned(),
+        None => panic!("expected invalid, got {d:?}"),
     }
 }
 
@@ -169,7 +169,11 @@ fn fractions_parse_exactly() {
 fn a_declaration_survives_the_agents_cache() {
     for d in [
         Declaration::None,
-        Declaration::Invalid("gpu-fraction: \"abc\" is not a decimal".into()),
+        Declaration::invalid(ShareSource::KaiFraction, "gpu-fraction: \"abc\" is not a decimal"),
+        Declaration::Invalid {
+            faults: vec![(ShareSource::HamiMemory, "a: b".into()), (ShareSource::MpsReplicas, "c\\nd".into())],
+            terms: vec![Term { source: ShareSource::KaiMemory, amount: Amount::Mib(5), devices: 2 }],
+        },
         declared(&kai("gpu-fraction: '0.25', gpu-fraction-num-devices: '2'"), None, Sources::ALL),
         declared(&hami("nvidia.com/gpu: 2, nvidia.com/gpumem: 10240"), None, Sources::ALL),
         declared(
@@ -192,7 +196,8 @@ fn a_budget_reads_only_its_sources_and_an_invalid_declaration_is_never_a_share()
     assert_eq!(d.under(Sources::of(&[ShareSource::HamiMemory]), &[H100]), None);
     assert_eq!(d.under(Sources::ALL, &[H100]).unwrap().unwrap().bytes, H100 / 2);
     assert!(d.under(Sources::ALL, &[]).unwrap().is_err(), "no GPU known: unresolved, not guessed");
-    assert_eq!(Declaration::Invalid("x".into()).under(Sources::ALL, &[H100]), Some(Err("x".into())));
+    let x = Declaration::invalid(ShareSource::KaiFraction, "x");
+    assert_eq!(x.under(Sources::ALL, &[H100]), Some(Err("x".into())));
 }
 
 proptest! {
@@ -211,6 +216,31 @@ proptest! {
         prop_assert!(ra.text.ends_with(&HumanBytes(ra.bytes).to_string()));
     }
 
+    /// #51: HAMi's MiB read the same in the form the pod's author wrote and in the one the API server stores
+    /// (`20000` → `20k`, `3000000` → `3M`), and whatever is written there is read safely and boundedly.
+    #[test]
+    fn hami_mib_read_the_same_in_every_stored_form(n in 1u64..=1_000_000, junk in "\\PC{0,40}") {
+        let mut stored = n;
+        let mut suffix = "";
+        for s in ["k", "M"] {
+            if stored.is_multiple_of(1000) {
+                stored /= 1000;
+                suffix = s;
+            }
+        }
+        for form in [n.to_string(), format!("{stored}{suffix}"), format!("{n}e0")] {
+            let d = declared(&hami(&format!("nvidia.com/gpumem: '{form}'")), None, Sources::ALL);
+            prop_assert_eq!(resolve(&share(d), &[]).expect("resolves").bytes, n * MIB, "{}", form);
+        }
+        let mut p = hami("nvidia.com/gpumem: 1");
+        let limits = p.spec.as_mut().unwrap().containers[0].resources.as_mut().unwrap().limits.as_mut().unwrap();
+        limits.insert(HAMI_MEMORY.into(), k8s_openapi::apimachinery::pkg::api::resource::Quantity(junk.clone()));
+        match declared(&p, None, Sources::ALL) {
+            Declaration::Share(t) => prop_assert!(crate::quantity::parse_whole(&junk).is_ok() && t.len() == 1),
+            d => prop_assert!(d.fault(Sources::ALL).is_some_and(|w| w.len() < 600)),
+        }
+    }
+
     /// Whatever a tenant writes in the annotations, reading it never panics, and an invalid reason stays short.
     #[test]
     fn any_annotation_is_read_safely(f in ".{0,64}", m in ".{0,64}", n in ".{0,64}") {
@@ -220,7 +250,7 @@ proptest! {
         a.insert(KAI_MEMORY.into(), m);
         a.insert(KAI_NUM_DEVICES.into(), n);
         match declared(&p, None, Sources::ALL) {
-            Declaration::Invalid(why) => prop_assert!(why.len() < 400),
+            Declaration::Invalid { faults, .. } => prop_assert!(faults.iter().all(|(_, why)| why.len() < 400)),
             Declaration::Share(terms) => { let _ = resolve(&terms, &[H100]); }
             Declaration::None => prop_assert!(false, "both annotations are set"),
         }
@@ -240,5 +270,64 @@ fn a_held_share_round_trips_and_its_note_is_bounded() {
     assert_eq!(Held::from_annotation(&cut.to_annotation()).map(|h| h.note), Some(cut.note));
     // Anything else is no record: garbage, or longer than the agent writes.
     assert_eq!(Held::from_annotation("KAI 0.5"), None);
-    assert_eq!(Held::from_annotation(&format!("{{\"limitBytes\":1,\"note\":\"{}\"}}", "x".repeat(700))), None);
+    assert_eq!(Held::from_annotation(&format!("{{\"limitBytes\":1,\"note\":\"{}\"}}", "x".repeat(1800))), None);
+    // The longest the agent writes, a kept share's included, is read back.
+    let quotes = "\"".repeat(400);
+    let longest = Held::new(1, vec![ShareSource::KaiMemory], quotes.clone()).kept_over(quotes);
+    assert_eq!(Held::from_annotation(&longest.to_annotation()), Some(longest));
+}
+
+/// #51: the API server stores `nvidia.com/gpumem: 20000` as `20k` (every multiple of 1 000 is shortened): each
+/// stored form reads as the same MiB, and a value that is no whole number of MiB (or GPUs) is refused.
+#[test]
+fn hami_values_read_in_every_form_the_api_server_stores() {
+    for v in ["20000", "20k", "2e4", "20000000m", "2E+4"] {
+        let r = resolve(&share(declared(&hami(&format!("nvidia.com/gpumem: '{v}'")), None, Sources::ALL)), &[])
+            .expect("resolves");
+        assert_eq!((r.bytes, r.text.as_str()), (20_000 * MIB, "HAMi gpumem 20000 MiB = 19.5Gi"), "{v}");
+    }
+    let r = resolve(&share(declared(&hami("nvidia.com/gpumem: 3k, nvidia.com/gpu: 2"), None, Sources::ALL)), &[])
+        .expect("resolves");
+    assert_eq!(r.bytes, 2 * 3_000 * MIB);
+    let p = hami("nvidia.com/gpumem-percentage: '5e1', nvidia.com/gpu: '1e0'");
+    assert_eq!(resolve(&share(declared(&p, None, Sources::ALL)), &[80 * GIB]).expect("resolves").bytes, 40 * GIB);
+    for v in ["1500m", "0.5", "20k5", "1e400", "-20k", &"1".repeat(40)] {
+        let why = invalid(declared(&hami(&format!("nvidia.com/gpumem: '{v}'")), None, Sources::ALL));
+        assert!(why.starts_with("container \"c\": nvidia.com/gpumem: ") && why.len() < 200, "{v}: {why}");
+    }
+    let why = invalid(declared(&hami("nvidia.com/gpumem: 20k, nvidia.com/gpu: 1500m"), None, Sources::ALL));
+    assert!(why.contains("nvidia.com/gpu: \"1500m\" is not a whole number"), "{why}");
+    // MPS replicas asked for in any stored form count the same.
+    let mps = labels(&[(SHARING_STRATEGY, "mps"), (REPLICAS, "4")]);
+    let r = resolve(&share(declared(&hami("nvidia.com/gpu: '2e0'"), Some(&mps), Sources::ALL)), &[80 * GIB]);
+    assert_eq!(r.expect("resolves").bytes, 40 * GIB);
+}
+
+/// #51: a malformed value from a source a budget does not read spoils nothing under that budget: it still gets
+/// the share of the sources it reads; a budget that reads the faulty source holds the pod unresolved.
+#[test]
+fn a_fault_in_an_unread_source_does_not_void_the_share() {
+    let p = pod(r"
+apiVersion: v1
+kind: Pod
+metadata: {name: p, namespace: a, annotations: {gpu-fraction: lots}}
+spec:
+  schedulerName: kai-scheduler
+  containers:
+    - {name: c, image: i, resources: {limits: {nvidia.com/gpumem: 20k}}}
+");
+    let d = declared(&p, None, Sources::ALL);
+    let hami_only = Sources::of(&[ShareSource::HamiMemory]);
+    assert_eq!(d.fault(hami_only), None);
+    assert_eq!(d.under(hami_only, &[]).expect("declared").expect("resolves").bytes, 20_000 * MIB);
+    let why = d.fault(Sources::ALL).expect("KAI's value is faulty");
+    assert!(why.starts_with("gpu-fraction: \"lots\""), "{why}");
+    assert_eq!(d.under(Sources::ALL, &[H100]), Some(Err(why.to_owned())));
+    assert_eq!(d.to_string().parse::<Declaration>(), Ok(d.clone()), "kept through the agent's cache");
+    // A fault in the node's MPS labels spoils the replicas only.
+    let q = hami("nvidia.com/gpu: 1, nvidia.com/gpumem: 1024");
+    let bad = labels(&[(SHARING_STRATEGY, "mps"), (REPLICAS, "many")]);
+    let on = declared_by_pod(&q, Sources::ALL).on_node(Some(&bad));
+    assert_eq!(on.under(hami_only, &[]).expect("declared").expect("resolves").bytes, GIB);
+    assert!(on.fault(Sources::of(&[ShareSource::MpsReplicas])).expect("faulty").contains("nvidia.com/gpu.replicas"));
 }

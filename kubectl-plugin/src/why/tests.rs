@@ -72,7 +72,9 @@ static TEAM_A_CRITICAL: std::sync::LazyLock<gpubudget_common::CriticalNamespaces
 
 fn overlapping() -> Vec<GpuMemoryBudget> {
     vec![
-        budget("team-default", "20Gi", json!({}), json!({})),
+        // The wider budget waits longer: the smaller limit's rules are tightened by every budget selecting the
+        // pod (#51), and these fixtures are about the overlap, not the tightening.
+        budget("team-default", "20Gi", json!({}), json!({"overLimitSeconds": 60})),
         budget("llm-inference", "8Gi", json!({"matchLabels": {"app": "llm"}}), json!({"overLimitSeconds": 30})),
         budget("web", "1Gi", json!({"matchLabels": {"app": "web"}}), json!({})),
     ]
@@ -405,6 +407,24 @@ fn why_names_the_share_its_node_applied() {
     assert!(r.next.message.contains("over 20Gi"), "{}", r.next.message);
     let text = crate::render::why_text(&r, now());
     assert!(text.contains("using 22Gi of 20Gi (110%)"), "{text}");
+
+    // #51: the tenant's later declaration was ignored by its node's agent: why says so, and the limit stays the first.
+    let kept = r#"{"limitBytes":21474836480,"sources":["KaiFraction"],"note":"KAI gpu-fraction 0.25 of 80Gi = 20Gi","ignored":"the share declared now (KAI gpu-fraction 1 of 80Gi = 80Gi) is more"}"#;
+    let rewritten = json!({"annotations": {
+        "gpubudget.io/state": "Over", "gpubudget.io/usage-bytes": (22u64 << 30).to_string(),
+        "gpubudget.io/budget": "shares", "gpubudget.io/node": "n1", "gpubudget.io/share": kept,
+        "gpu-fraction": "1"}});
+    let p =
+        pod(None, rewritten, json!({"schedulerName": "kai-scheduler", "containers": [{"name": "w", "image": "x"}]}));
+    let r = why(input(Some(&p), Some(&budgets), &[])).unwrap();
+    assert_eq!(
+        r.share.as_deref(),
+        Some(
+            "limit 20Gi from its declared share: KAI gpu-fraction 0.25 of 80Gi = 20Gi (resolved by its node's agent); its \
+             declaration changed since and is ignored (the share declared now (KAI gpu-fraction 1 of 80Gi = 80Gi) is \
+             more): a share is fixed when the pod is placed and only tightens"
+        )
+    );
 
     // Not recorded yet: an absolute share is known here, a fraction only on the node, a bad one says why.
     let said = |meta: serde_json::Value, spec: serde_json::Value| {

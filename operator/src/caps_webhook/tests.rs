@@ -98,9 +98,15 @@ fn a_share_budget_caps_an_absolute_share_and_a_fraction_at_its_limit() {
 #[test]
 fn the_budget_that_applies_decides_even_without_caps() {
     let object = gpu_pod(json!({"app": "llm"}), json!({}), json!([]));
-    // The smaller limit applies (as for eviction); it has caps disabled: nothing is set.
+    // The smaller limit applies (as for eviction), with rules no looser than the other budget's (#51): its caps
+    // disabled do not turn off the wider budget's, so the pod is capped at the smaller limit.
     let budgets = [budget("wide", "16Gi", "{}", true), budget("llm", "8Gi", "{matchLabels: {app: llm}}", false)];
     let (response, verdict) = decide(&review("CREATE", "pods", None, object.clone()), &budgets, &BTreeMap::new());
+    assert!(response.allowed && matches!(&verdict, Verdict::Capped(r) if r.budget == "llm" && r.limit_mib == 8192));
+    assert_eq!(env(&patched(&object, &response))[1], (MEMORY_LIMIT.into(), "8192".into()));
+    // Alone, the budget without caps sets nothing.
+    let alone = [budget("llm", "8Gi", "{matchLabels: {app: llm}}", false)];
+    let (response, verdict) = decide(&review("CREATE", "pods", None, object.clone()), &alone, &BTreeMap::new());
     assert_eq!((response.allowed, verdict), (true, Verdict::NoCaps));
     assert_eq!(patched(&object, &response), object);
     // A pod the caps budget alone selects gets its limit.

@@ -140,6 +140,45 @@ async fn a_fraction_is_capped_at_its_share_on_this_nodes_gpu() {
     assert_eq!(env_of(&a)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], "0=40960M");
 }
 
+/// #51: before the node knows its GPUs' sizes a fraction is unknown, not the budget's limit: the container waits
+/// (bounded) for the table that sizes it, and is capped at its share; past the wait, the administrator's choice.
+#[tokio::test(start_paused = true)]
+async fn a_fraction_waits_for_the_gpus_sizes_instead_of_the_limit() {
+    let shares: GpuMemoryBudget = serde_yaml::from_str(
+        "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: shares, namespace: team-a}\n\
+         spec: {selector: {}, limit: 80Gi, share: {}, admissionCaps: Enabled}",
+    )
+    .expect("budget");
+    let kai: Pod = serde_yaml::from_str(
+        "metadata: {name: llm-0, namespace: team-a, uid: uid-k, annotations: {gpu-fraction: '0.5'}}\n\
+         spec: {nodeName: n1, schedulerName: kai-scheduler, containers: [{name: main, image: x}]}",
+    )
+    .expect("pod");
+    let kai = PodView::from_pod(&kai).expect("view");
+    let not_sized = view(vec![kai.clone()], std::slice::from_ref(&shares), &[]);
+    let made = container(&["NVIDIA_VISIBLE_DEVICES=GPU-8a1d-0f"], &[]);
+    assert!(
+        matches!(decide(&not_sized, &sandbox("uid-k"), &made, None), Decision::Unknown(why) if why.contains("not known yet")),
+        "not capped at the limit"
+    );
+    let r = rig(not_sized.clone(), Unresolved::Refuse);
+    let sized = view(vec![kai], std::slice::from_ref(&shares), &[80 * GI]);
+    let publish = r.publish.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        publish.send_replace(sized);
+    });
+    let started = tokio::time::Instant::now();
+    let a = r.plugin.create_container(sandbox("uid-k"), made.clone()).await.expect("created");
+    assert_eq!(
+        (env_of(&a)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].as_str(), started.elapsed()),
+        ("0=40960M", Duration::from_millis(400))
+    );
+    let r = rig(not_sized, Unresolved::Refuse);
+    let refused = r.plugin.create_container(sandbox("uid-k"), made).await.expect_err("refused after the wait");
+    assert!(refused.contains("the node's GPU memory is not known yet"), "{refused}");
+}
+
 /// Device nodes are what the process sees (CDI, the device plugin); a static pod is found by its mirror.
 #[tokio::test]
 async fn device_nodes_count_and_a_static_pod_is_found_by_its_mirror() {

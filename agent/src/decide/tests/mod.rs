@@ -476,7 +476,10 @@ fn a_restart_repeats_no_event_and_never_evicts_earlier() {
 fn an_unreadable_share_is_told_once_and_the_pod_held_to_the_budgets_limit() {
     use gpubudget_common::share::Declaration;
     let mut view = pod("", "");
-    view.share = Declaration::Invalid("gpu-fraction: \"1e400\" is not a decimal greater than 0 and at most 1".into());
+    view.share = Declaration::invalid(
+        gpubudget_common::share::ShareSource::KaiFraction,
+        "gpu-fraction: \"1e400\" is not a decimal greater than 0 and at most 1",
+    );
     let mut h = Harness::new(view, &[budget(", share: {}")]);
     let told = |out: &[Action]| {
         out.iter()
@@ -961,4 +964,74 @@ fn what_the_runtime_made_reaches_the_record_after_the_first_write() {
     let Some(Action::Apply { record, .. }) = out.first() else { panic!("{:?}", kinds(&out)) };
     assert_eq!(record.runtime_caps, Some(RuntimeCapsRecord::Capped { max_mib: 8192 }));
     assert!(h.run(5_250, 20_000, GI).is_empty(), "written once");
+}
+
+/// #51, the issue's case: KAI placed the pod at gpu-fraction 0.25 of an 80Gi GPU (the agent held it to 20Gi and
+/// recorded so), then its tenant rewrote the annotation to 1 (or removed it). The pod at 30Gi is still over 20Gi,
+/// evicted in time, and told once that the change was ignored; after a restart the record holds it the same.
+#[test]
+fn a_rewritten_share_is_ignored_and_told_once() {
+    use gpubudget_common::share::Held;
+    let first = Held::new(
+        20 * GI,
+        vec![gpubudget_common::share::ShareSource::KaiFraction],
+        "KAI gpu-fraction 0.25 of 80Gi = 20Gi".into(),
+    );
+    let wide: GpuMemoryBudget = serde_yaml::from_str(
+        "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: llm, namespace: team-a}\n\
+         spec: {selector: {}, limit: 80Gi, share: {}}",
+    )
+    .expect("budget");
+    let index = crate::attribute::budgets::BudgetIndex::of([&wide]);
+    for annotations in ["{gpu-fraction: '1'}", "{}", "{gpu-fraction: lots}"] {
+        let p: Pod = serde_yaml::from_str(&format!(
+            "metadata: {{name: llm-0, namespace: team-a, uid: uid-1, annotations: {annotations}}}\n\
+             spec: {{nodeName: {NODE}, schedulerName: kai-scheduler, containers: [{{name: c, image: i}}]}}"
+        ))
+        .expect("pod");
+        let mut view = PodView::from_pod(&p).expect("view");
+        view.record = Some(PodRecord {
+            state: BudgetState::Within,
+            usage_bytes: 0,
+            budget: "llm".into(),
+            node: NODE.into(),
+            eviction_requested_at: None,
+            cap_not_in_force: None,
+            share: Some(first.clone()),
+            runtime_caps: None,
+        });
+        for gpus in [&[80 * GI][..], &[]] {
+            let table = PodTable::from_index([view.clone()], &index, &Default::default(), Some(NODE), gpus);
+            let rules = table.budget(0).expect("applies");
+            let held = rules.held_share.as_ref().expect("held");
+            assert_eq!((rules.limit_bytes, &held.note), (20 * GI, &first.note), "{annotations}");
+            // A removal or garbage is known at once; a larger fraction once the GPU's size is.
+            assert_eq!(held.ignored.is_some(), !gpus.is_empty() || !annotations.contains("'1'"), "{annotations}");
+            assert!(rules.guaranteed_bytes() <= 20 * GI);
+        }
+        let mut h = Harness::new(view.clone(), &[]);
+        h.table = PodTable::from_index([view], &index, &Default::default(), Some(NODE), &[80 * GI]);
+        let out = h.tick(0, 30 * GI);
+        let told: Vec<&str> = out
+            .iter()
+            .filter_map(|a| match a {
+                Action::Event { reason: Reason::ShareChangeIgnored, note, .. } => Some(note.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(told.len(), 1, "{annotations}: {:?}", kinds(&out));
+        assert!(
+            told[0].contains("is ignored: a share is fixed when the pod is placed and only tightens"),
+            "{}",
+            told[0]
+        );
+        assert!(kinds(&out).contains(&"Within->Over".to_owned()), "{annotations}: {:?}", kinds(&out));
+        assert!(notes(&out).iter().any(|n| n.starts_with("using 30Gi of 20Gi")), "{:?}", notes(&out));
+        let later = h.run(250, 15_000, 30 * GI);
+        assert_eq!(evicts(&later), 1, "{annotations}: evicted after overLimitSeconds");
+        assert!(
+            later.iter().all(|a| !matches!(a, Action::Event { reason: Reason::ShareChangeIgnored, .. })),
+            "told once"
+        );
+    }
 }
