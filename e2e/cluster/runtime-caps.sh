@@ -332,10 +332,13 @@ for p in plain kai hostile "static-gpu-$NODE" "two 2"; do
     pass "event GpuMemoryCappedAtCreation on ${p% *}: $(capped_event "${p% *}" | head -n2 | paste -sd'|' -)"
   else fail "no event GpuMemoryCappedAtCreation on ${p% *} in 30 s"; fi
 done
-if # Two containers, two notes: each container's caps must be told (g2 sees two devices).
-if capped_event two | grep -q 'container g2 capped'; then pass "(e) the event tells g2's caps"
+# Two containers, two events (#53: each on its container, spec.containers{NAME}): g2's own caps (two devices).
+if capped_event two | grep -q 'container g2 capped.*=0=8192M,1=8192M '; then pass "(e) the event tells g2's caps"
 else fail "(e) no event names g2 ('container g2 capped ... 0=8192M,1=8192M'): pod two's events: $(capped_event two | paste -sd'|' -)"; fi
-[ -z "$(capped_event nogpu)" ]; then pass "(f) no event on the non-GPU pod"; else fail "(f) an event on the non-GPU pod"; fi
+paths=$(kubectl get events.v1.events.k8s.io -n "$T" -o json | jq -r '.items[] | select(.regarding.name == "two" and .reason == "GpuMemoryCappedAtCreation") | .regarding.fieldPath' | sort | paste -sd' ' -)
+if [ "$paths" = "spec.containers{g1} spec.containers{g2}" ]; then pass "(e) one event per container: $paths"
+else fail "(e) the events of pod two regard '$paths', not spec.containers{g1} and spec.containers{g2}"; fi
+if [ -z "$(capped_event nogpu)" ]; then pass "(f) no event on the non-GPU pod"; else fail "(f) an event on the non-GPU pod"; fi
 info "outcomes: $(metrics | sed -n 's/^gpubudget_runtime_caps_containers_total{outcome="\([a-z_]*\)"} \([0-9]*\).*/\1=\2/p' | paste -sd' ' -)"
 
 # --- 6. benchmark with the plugin ---
@@ -445,6 +448,15 @@ while read -r p at; do  # at: its CreateContainer, seconds after the kill
 done < "$WORK/kill-created"
 info "figure: $uncapped of $KILL_PODS pods run uncapped: those whose CreateContainer came before the agent registered again (+${reg_s} s; runtime fail-open)"
 wait_for "the agent Ready again" kubectl wait --for=condition=Ready -n "$NS" "pod/$(agent_pod)" --timeout=5s
+# #53: each pod made uncapped meanwhile is told on its container once the agent is back (read at reconnect).
+not_capped_event() { kubectl get events.v1.events.k8s.io -n "$T" -o json | jq -r --arg p "$1" \
+  '.items[] | select(.regarding.name == $p and .reason == "GpuMemoryNotCappedAtCreation") | "\(.regarding.fieldPath) \(.note)"'; }
+while read -r p _; do
+  [ "$(env_of "$T" "$p" c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)" = 0=8192M ] && continue
+  told_uncapped() { [ -n "$(not_capped_event "$p")" ]; }
+  if until_ok 30 told_uncapped; then pass "$p, made uncapped while the agent was away, is told: $(not_capped_event "$p" | head -n1 | cut -c1-200)"
+  else fail "$p was made uncapped while the agent was away and has no GpuMemoryNotCappedAtCreation event"; fi
+done < "$WORK/kill-created"
 # What the agent says of them once back: its log and metrics (the runtime told it nothing at creation).
 kubectl logs -n "$NS" "$(agent_pod)" | grep -E 'runtime caps|kill-[0-9]' | tail -n 8 | sed 's/^/    agent: /'
 info "after: outcomes $(metrics | sed -n 's/^gpubudget_runtime_caps_containers_total{outcome="\([a-z_]*\)"} \([0-9]*\).*/\1=\2/p' | paste -sd' ' -); registrations $(metric gpubudget_runtime_caps_registrations_total)"
