@@ -21,7 +21,10 @@
 #    and held to 20000, 20000 and 3000 MiB by the agent; hami-20000 at 20001 MiB: Over, naming "HAMi gpumem 20000 MiB";
 # 6. the agent's defence in depth: KAI's binder (exempt) rewrites kai's gpu-fraction to 1: the agent keeps the
 #    first share (20Gi), tells GpuMemoryShareChangeIgnored once, records what it ignored; kai at 30Gi is Over
-#    "of 20Gi" and evicted 10 s later.
+#    "of 20Gi" and evicted 10 s later;
+# 7. under pressure after a rewrite: two KAI pods at 0.5, bound by KAI's binder; the binder rewrites pa's share to 1;
+#    pa at 50 GiB, pb at 28 GiB (1 GiB free): pa is relieved for pressure (EvictingForGpuMemory "under memory
+#    pressure", at once), pb never: a rewrite buys no guarantee under pressure.
 # OUT (optional) receives a copy of the output.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -126,12 +129,19 @@ running() {
   fake_process "$WORK/proc" "$NEXT_PID" "$NS_T" "$1"
   PID_OF[$1]=$NEXT_PID
 }
+# sample [POD=BYTES]...: the GPU's processes. With USED=1 the device's used bytes too (their sum): the pressure
+# signal, for step 7 only (steps 1-6 hold more than the card in all, with no pressure meant).
 sample() {
-  local procs="" kv
-  for kv in "$@"; do procs+="${procs:+, }{\"pid\": ${PID_OF[${kv%%=*}]}, \"used_bytes\": ${kv#*=}}"; done
+  local procs="" kv used=0
+  for kv in "$@"; do
+    procs+="${procs:+, }{\"pid\": ${PID_OF[${kv%%=*}]}, \"used_bytes\": ${kv#*=}}"
+    used=$((used + ${kv#*=}))
+  done
+  local device=""
+  [ "${USED:-0}" = 1 ] && device="\"memory_used_bytes\": $used, "
   cat > "$WORK/sample.tmp" <<EOF
 {"version": 1, "gpus": [{"index": 0, "uuid": "GPU-e2e00000-0000-0000-0000-000000000051", "name": "replayed e2e GPU",
- "memory_total_bytes": $((80 * GI)), "processes": [$procs]}]}
+ "memory_total_bytes": $((80 * GI)), $device"processes": [$procs]}]}
 EOF
   mv "$WORK/sample.tmp" "$WORK/sample.json"
 }
@@ -280,6 +290,32 @@ info "kai evicted ${AFTER}s after its Over event"
 SUMMARY+=("kai at 30Gi (rewritten to 1 by an exempt identity): Over ${T_OVER}s after the sample, evicted ${AFTER}s after Over")
 [ "$(event_occurrences "$NS_T" kai GpuMemoryShareChangeIgnored)" = 1 ] || die "GpuMemoryShareChangeIgnored repeated"
 info "ok: GpuMemoryShareChangeIgnored told once"
+
+say "7. under pressure after a rewrite: pa and pb at gpu-fraction 0.5, pa's share rewritten to 1 by KAI's binder"
+USED=1 sample bypass-default=$((GI))
+for p in pa pb; do
+  pod_yaml "$p" kai-scheduler "" '{gpu-fraction: "0.5"}' '{}' > "$WORK/$p.yaml"
+  expect ok "$TENANT" create -f "$WORK/$p.yaml"
+  binding_json "$p" '{}' > "$WORK/bind-$p.json"
+  expect ok "$BINDER" create --raw "/api/v1/namespaces/$NS_T/pods/$p/binding" -f "$WORK/bind-$p.json"
+  running "$p"
+done
+USED=1 sample bypass-default=$((GI)) pa=$((10 * GI)) pb=$((10 * GI))
+wait_for "pa held to 40Gi (KAI gpu-fraction 0.5 of 80Gi = 40Gi)" held pa $((40 * GI)) "KAI gpu-fraction 0.5 of 80Gi = 40Gi"
+wait_for "pb held to 40Gi" held pb $((40 * GI)) "KAI gpu-fraction 0.5 of 80Gi = 40Gi"
+expect ok "$BINDER" annotate pod pa -n "$NS_T" gpu-fraction=1 --overwrite
+wait_for "GpuMemoryShareChangeIgnored on pa" has_event "$NS_T" pa GpuMemoryShareChangeIgnored
+T5=$(date +%s.%N)
+USED=1 sample bypass-default=$((GI)) pa=$((50 * GI)) pb=$((28 * GI))
+wait_for "pa terminating (relieved)" terminating "$NS_T" pa
+T_PRESS=$(since "$T5")
+MSG=$(event_messages "$NS_T" pa EvictingForGpuMemory | head -n1)
+info "pa: $MSG"
+[[ "$MSG" == *"under memory pressure"* ]] || die "pa was not relieved for pressure: $MSG"
+terminating "$NS_T" pb && die "pb, within its 0.5, was evicted"
+sleep 3
+terminating "$NS_T" pb && die "pb, within its 0.5, was evicted"
+SUMMARY+=("pa rewritten to 1, at 50 GiB beside pb at 28 GiB (1 GiB free): relieved for pressure, seen terminating ${T_PRESS}s after the sample; pb kept")
 
 say "summary"
 for line in "${SUMMARY[@]}"; do info "$line"; done
