@@ -44,11 +44,15 @@ kai_pod() { # NAME UID FRACTION
 }
 kai_pod half 4a1b0000-0000-4000-8000-000000000001 0.5
 kai_pod quarter 4a1b0000-0000-4000-8000-000000000002 0.25
-cat > "$WORK/budgets.yaml" <<'EOF'
+# Sizes from the card (an H100's 80 GB, an H200's 141 GB, #52): the budget's limit is the card, half grows 20 GiB past
+# its share (0.5 of the card).
+CARD_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{printf "%d", $1 / 1024}')
+HALF_TO=$(( CARD_GIB / 2 + 20 ))
+cat > "$WORK/budgets.yaml" <<EOF
 apiVersion: gpubudget.io/v1alpha1
 kind: GpuMemoryBudget
 metadata: {name: shares, namespace: team-k}
-spec: {selector: {}, limit: 80Gi, share: {}, action: Evict, overLimitSeconds: 10}
+spec: {selector: {}, limit: ${CARD_GIB}Gi, share: {}, action: Evict, overLimitSeconds: 10}
 EOF
 
 start quarter team-k/quarter -- python3 -u e2e/gpu/workload.py crosser --base-gib 12 --jump-gib 3 --cycles 100000 --hold 1
@@ -57,7 +61,7 @@ ready quarter
   --output "$WORK/agent.jsonl" 2> "$WORK/agent.err" &
 PIDS+=($!)
 sleep 2
-start half team-k/half -- python3 -u e2e/gpu/workload.py stepper --step-mib 2048 --to-gib 50 --period 1 --hold 600
+start half team-k/half -- python3 -u e2e/gpu/workload.py stepper --step-mib 2048 --to-gib "$HALF_TO" --period 1 --hold 600
 T0=$(date +%s.%N)
 evicted=""
 while python3 -c "import sys,time; sys.exit(0 if time.time() < $T0 + 90 else 1)"; do
