@@ -212,7 +212,8 @@ pub enum BudgetAction {
     /// Evict the pod through the Eviction API (PodDisruptionBudgets apply).
     #[default]
     Evict,
-    /// Audit only: events and status, never an eviction.
+    /// Events and status for being over the limit, no eviction for it. Under GPU memory pressure where a neighbour
+    /// is short of its guarantee, its pods are relieved like any others (ranked after `Evict` ones at equal excess).
     Warn,
 }
 
