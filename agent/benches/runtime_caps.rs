@@ -9,8 +9,8 @@ use std::hint::black_box;
 use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use gpubudget_agent::act::runtime_caps::{Decision, View, decide};
 use gpubudget_agent::attribute::pods::{PodTable, PodView};
+use gpubudget_agent::runtime_caps::{Decision, View, decide};
 use gpubudget_common::GpuMemoryBudget;
 use gpubudget_nri::api::{Container, PodSandbox};
 use k8s_openapi::api::core::v1::Pod;

@@ -4,11 +4,11 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::act::runtime_caps::Unresolved;
 use crate::decide::Settings;
 use crate::decide::cadence::Cadence;
 use crate::decide::gpus::AccountingSettings;
 use crate::decide::pressure::{NamespacedBudgets, PressureSettings, Threshold, Unbudgeted};
+use crate::runtime_caps::Unresolved;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use gpubudget_common::CriticalNamespaces;
 use gpubudget_daemon::LogFormat;
@@ -39,6 +39,28 @@ pub enum Command {
     /// Whether this node's NVML has the driver's per-cgroup GPU memory limits (R615), and what they are for
     /// given cgroups.
     DriverLimits(DriverLimitsArgs),
+    /// Hold the container runtime's NRI socket for `run --runtime-caps`, and nothing else: relay each GPU
+    /// container's creation to the agent over a local socket, let back only its MPS and memory-limit variables.
+    RuntimeCapsRelay(RelayArgs),
+}
+
+/// The relay's options (`runtime-caps-relay`).
+#[derive(Debug, Clone, Args)]
+pub struct RelayArgs {
+    /// The container runtime's NRI socket.
+    #[arg(long, env = "GPUBUDGET_NRI_SOCKET", default_value = "/var/run/nri/nri.sock")]
+    pub nri_socket: PathBuf,
+    /// Where to listen for the agent (`run --runtime-caps-socket`): a socket made with mode 0660.
+    #[arg(long, env = "GPUBUDGET_RUNTIME_CAPS_SOCKET", default_value = "/run/gpubudget/runtime-caps.sock")]
+    pub listen: PathBuf,
+    /// The agent's user ID: a connection from any other user is refused (unset: any user that may open the
+    /// socket).
+    #[arg(long, env = "GPUBUDGET_RUNTIME_CAPS_AGENT_UID")]
+    pub agent_uid: Option<u32>,
+    /// What a GPU container gets when the agent does not answer in time: `create` (uncapped; the agent tells it
+    /// when it connects) or `refuse` (the runtime fails it with the reason; the kubelet retries with back-off).
+    #[arg(long = "unresolved", env = "GPUBUDGET_RUNTIME_CAPS_UNRESOLVED", value_enum, default_value_t = Unresolved::Create)]
+    pub unresolved: Unresolved,
 }
 
 /// Sampling options shared by the subcommands.
@@ -352,19 +374,20 @@ pub struct RunArgs {
     pub runtime_caps: RuntimeCapsArgs,
 }
 
-/// Caps set where the container is made (#45): the agent as an NRI plugin of the node's container runtime.
+/// Caps set where the container is made (#45): the agent decides for the relay that holds the runtime's NRI
+/// socket (`runtime-caps-relay`, #53).
 #[derive(Debug, Clone, Args, Default)]
 pub struct RuntimeCapsArgs {
-    /// Register with the container runtime's NRI socket and write each GPU container's caps (its budget's, with
+    /// Connect to the runtime-caps relay and write each GPU container's caps (its budget's, with
     /// `admissionCaps: Enabled`) into its environment as the runtime makes it: from the container the runtime
     /// builds (final environment, device nodes), whichever way the pod was created.
     #[arg(long = "runtime-caps", env = "GPUBUDGET_RUNTIME_CAPS")]
     pub enabled: bool,
-    /// The runtime's NRI socket.
+    /// The relay's socket (`runtime-caps-relay --listen`).
     #[arg(
         long = "runtime-caps-socket",
         env = "GPUBUDGET_RUNTIME_CAPS_SOCKET",
-        default_value = "/var/run/nri/nri.sock"
+        default_value = "/run/gpubudget/runtime-caps.sock"
     )]
     pub socket: PathBuf,
     /// How long a GPU container waits for its pod's budget to be known (at most 1.5s: the runtime gives the

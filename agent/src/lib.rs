@@ -7,6 +7,9 @@
 //! 4. [`act`] — the executors that carry decisions out (the API server, or JSON lines);
 //! 5. [`report`] — the metrics.
 //!
+//! Beside the tick, [`runtime_caps`] is an edge of its own: an input of the node's state (what the runtime made)
+//! and an actor at each container's creation (NRI), through a relay that alone holds the runtime's socket.
+//!
 //! [`pipeline`] runs stages 1–3 and 5 once per tick; [`cmd`] holds the subcommands (`run`, `top`,
 //! `capture`, `standalone`) that wire the pipeline to its inputs and an executor.
 
@@ -19,6 +22,8 @@ pub mod decide;
 pub mod act;
 
 pub mod report;
+
+pub mod runtime_caps;
 
 pub mod cli;
 pub mod cmd;

@@ -1043,6 +1043,10 @@ pub enum Uncapped {
     /// the agent saw of the container the runtime made; the pod's record says which and why).
     #[error("a GPU container was made without an MPS cap the driver reads (its gpubudget.io/runtime-caps says which)")]
     AtCreation,
+    /// The container runtime was given its caps but has not yet shown the container it made with them
+    /// (`--runtime-caps`: a container counts capped only once read back from the runtime, #53).
+    #[error("the container runtime has not yet confirmed the caps it was given")]
+    Unconfirmed,
     /// An entry names a device by UUID.
     #[error(
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT names a device by UUID: whether the container sees it is not in the \

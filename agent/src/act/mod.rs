@@ -1,12 +1,11 @@
 //! Stage 4: carrying decisions out. [`kube`] against the API server (records by server-side apply,
 //! events, evictions); [`usage`] the node's `GpuNodeUsage`; [`log`] as JSON lines (the `standalone` subcommand);
-//! [`denied`] what the API server refuses for good, told on the Node; [`runtime_caps`] caps written into
-//! containers as the runtime makes them (NRI).
+//! [`denied`] what the API server refuses for good, told on the Node. Caps written into containers as the runtime
+//! makes them are a room of their own: [`crate::runtime_caps`].
 
 pub mod denied;
 pub mod kube;
 pub mod log;
-pub mod runtime_caps;
 pub mod usage;
 
 use prometheus_client::encoding::EncodeLabelSet;

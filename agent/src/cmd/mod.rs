@@ -1,8 +1,10 @@
 //! The subcommands: [`run`] (the DaemonSet), [`top`] (GPU memory by pod on this host), [`capture`]
-//! (write a sample file from NVML) and [`standalone`] (enforce files, decisions as JSON lines).
+//! (write a sample file from NVML), [`standalone`] (enforce files, decisions as JSON lines) and [`relay`] (the
+//! runtime-caps relay, holding the runtime's NRI socket).
 
 pub mod capture;
 pub mod driver_limits;
+pub mod relay;
 pub mod run;
 pub mod standalone;
 pub mod top;
@@ -23,5 +25,6 @@ pub async fn dispatch(cli: cli::Cli) -> anyhow::Result<()> {
         cli::Command::Capture(args) => capture::run(args),
         cli::Command::Standalone(args) => standalone::run(args).await,
         cli::Command::DriverLimits(args) => driver_limits::run(&args),
+        cli::Command::RuntimeCapsRelay(args) => relay::run(args).await,
     }
 }

@@ -32,7 +32,6 @@ use gpubudget_common::share::Declaration;
 
 use crate::act::WriteLabels;
 use crate::act::kube::KubeExecutor;
-use crate::act::runtime_caps::{self, Made};
 use crate::act::usage::UsageWriter;
 use crate::attribute::ProcAttributor;
 use crate::attribute::budgets::{BudgetCache, Change, ClusterCache};
@@ -44,6 +43,7 @@ use crate::cli::RunArgs;
 use crate::decide::{Action, NodeReason, Settings, driver_limits};
 use crate::pipeline::Engine;
 use crate::report::metrics::{KindLabels, Metrics};
+use crate::runtime_caps::{self, Made};
 use crate::sample::file::RecordedSampler;
 use crate::sample::nvml::NvmlSampler;
 use crate::sample::{SamplerFactory, SamplerSlot};
@@ -314,7 +314,7 @@ impl Caches {
         let pods = self.pods.state();
         let cluster = lock(&self.cluster);
         let sharing = lock(&self.sharing).clone();
-        let mut made = lock(&self.made);
+        let made = &self.made;
         // The runtime's containers are what the pods' processes started with (their caps win over the spec's);
         // those of pods no longer here are forgotten (a static pod's by its mirror's annotation).
         if !made.is_empty() {
@@ -326,14 +326,13 @@ impl Caches {
                     meta.uid.iter().chain(mirror).map(|u| u.to_ascii_lowercase())
                 })
                 .collect();
-            made.retain(|uid, _| here.contains(&**uid));
+            made.retain_pods(|uid| here.contains(uid));
         }
         PodTable::from_index(
             pods.iter().filter_map(|p| PodView::from_pod(p)).map(|mut v| {
                 v.share = std::mem::replace(&mut v.share, Declaration::None).on_node(sharing.as_ref());
-                let by_runtime = made.get(&v.uid).or_else(|| v.mirror_of.as_deref().and_then(|m| made.get(m)));
-                if let Some(containers) = by_runtime {
-                    let (record, cap) = runtime_caps::summary(containers);
+                let by_runtime = made.summary(&v.uid).or_else(|| v.mirror_of.as_deref().and_then(|m| made.summary(m)));
+                if let Some((record, cap)) = by_runtime {
                     v.mps_cap_mib = cap;
                     v.runtime_caps = Some(record);
                 }
@@ -412,11 +411,6 @@ pub fn sampler_factory(sample_file: Option<&std::path::Path>) -> SamplerFactory 
     }
 }
 
-/// The agent's name as an NRI plugin, and its index (lower runs first; after most resource plugins, so the
-/// environment it reads is the one the container gets).
-const RUNTIME_PLUGIN_NAME: &str = "gpubudget";
-const RUNTIME_PLUGIN_INDEX: &str = "90";
-
 /// How often the Node's GPU sharing labels are read again: GPU feature discovery changes them when an
 /// administrator changes the device plugin's sharing (rarely); a `get` of one Node needs no watch on all Nodes.
 const NODE_SHARING_EVERY: Duration = Duration::from_secs(60);
@@ -474,19 +468,8 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
             caches.made(),
         ));
         let (socket, stop) = (a.socket.clone(), shutdown.clone());
-        tracing::info!(socket = %socket.display(), wait = ?a.wait, unresolved = ?a.unresolved, "runtime caps: connecting to the runtime's NRI socket");
-        tokio::spawn(async move {
-            let backoff = gpubudget_nri::Backoff::new(Duration::from_millis(250), Duration::from_secs(2));
-            gpubudget_nri::run_forever(
-                &socket,
-                RUNTIME_PLUGIN_NAME,
-                RUNTIME_PLUGIN_INDEX,
-                plugin,
-                backoff,
-                stop.cancelled_owned(),
-            )
-            .await;
-        });
+        tracing::info!(socket = %socket.display(), wait = ?a.wait, unresolved = ?a.unresolved, "runtime caps: connecting to the relay");
+        tokio::spawn(async move { runtime_caps::channel::run_forever(&socket, plugin, stop).await });
     }
     let mut engine = Engine::new(
         SamplerSlot::new(sampler_factory(args.sample_file.as_deref())),

@@ -131,7 +131,7 @@ pub struct Metrics {
     /// `gpubudget_budget_specs_from_mirrors{kind}`.
     pub specs_from_mirrors: Family<KindLabels, Gauge>,
     /// `gpubudget_runtime_caps_*` (`--runtime-caps`).
-    pub runtime: crate::act::runtime_caps::RuntimeMetrics,
+    pub runtime: crate::runtime_caps::RuntimeMetrics,
 }
 
 /// `{kind}`: `GpuMemoryBudget` or `ClusterGpuMemoryBudget`.

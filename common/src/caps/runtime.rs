@@ -17,6 +17,46 @@ use std::collections::BTreeMap;
 /// The MPS client's pipe directory: where the node runs an MPS daemon, the runtime points GPU containers at it.
 pub const MPS_PIPE_DIRECTORY: &str = "CUDA_MPS_PIPE_DIRECTORY";
 
+/// The variables the runtime-caps decision reads of a container the runtime makes: the devices it sees, the caps it
+/// carries, its MPS pipe. The relay that holds the runtime's socket hands the agent only these ([`relevant`]).
+pub const READ: [&str; 5] = [VISIBLE_DEVICES, MPS_LIMIT, MEMORY_LIMIT, MEMORY_REQUEST, MPS_PIPE_DIRECTORY];
+
+/// The variables a runtime adjustment may set or remove: the relay lets nothing else through ([`check_adjustment`]).
+pub const ADJUSTABLE: [&str; 4] = [MPS_LIMIT, MEMORY_LIMIT, MEMORY_REQUEST, MPS_PIPE_DIRECTORY];
+
+/// The part of a container the decision reads, and nothing else (no other variable, no other device): for each of
+/// [`READ`] its last entry where it is readable (the one [`env_get`] reads), and its distinct GPU device nodes, at most
+/// [`MAX_DEVICES`]` + 1` (more are too many either way). [`devices_seen`], [`held_in`] and [`adjust`] read the same
+/// from it as from the whole container (property-tested). Linear in the environment and the device list.
+pub fn relevant<'a>(env: &[String], device_paths: impl IntoIterator<Item = &'a str>) -> (Vec<String>, Vec<String>) {
+    let env = READ.iter().filter_map(|name| env_get(env, name).map(|v| format!("{name}={v}"))).collect();
+    let mut nodes: Vec<&str> = device_paths.into_iter().filter(|p| gpu_node(p)).collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    let nodes = nodes.into_iter().take(MAX_DEVICES as usize + 1).map(str::to_owned).collect();
+    (env, nodes)
+}
+
+/// Whether an adjustment stays within what runtime caps change: each of [`ADJUSTABLE`] set or removed at most once,
+/// values no longer than [`MAX_ENV_VALUE`] and without NUL. The relay checks every answer of the agent with it, so a
+/// compromised agent can change no other part of a container.
+pub fn check_adjustment(set: &[(String, String)], remove: &[String]) -> Result<(), String> {
+    let mut seen: Vec<&str> = Vec::with_capacity(ADJUSTABLE.len());
+    for key in set.iter().map(|(k, _)| k).chain(remove) {
+        if !ADJUSTABLE.contains(&key.as_str()) {
+            return Err(format!("{key:.64} is not a variable runtime caps set"));
+        }
+        if seen.contains(&key.as_str()) {
+            return Err(format!("{key} adjusted twice"));
+        }
+        seen.push(key);
+    }
+    match set.iter().find(|(_, v)| v.len() > MAX_ENV_VALUE || v.contains('\0')) {
+        Some((k, _)) => Err(format!("{k}: a value over {MAX_ENV_VALUE} bytes or with NUL")),
+        None => Ok(()),
+    }
+}
+
 /// The value of `name` in a runtime's environment list (`KEY=value` strings; the last entry of a name wins, as
 /// at exec). Values longer than [`MAX_ENV_VALUE`] are not read (Linux refuses them at exec).
 pub fn env_get<'a>(env: &'a [String], name: &str) -> Option<&'a str> {
@@ -225,6 +265,70 @@ mod tests {
             held_in("c", &unknown.applied_to(&hostile), Devices::Unknown(Unknown::All)),
             Held::Uncapped(_)
         ));
+    }
+
+    #[test]
+    fn only_the_adjustable_variables_pass_and_each_once() {
+        let kv = |k: &str, v: &str| (k.to_owned(), v.to_owned());
+        assert!(check_adjustment(&[kv(MPS_LIMIT, "0=1024M"), kv(MEMORY_LIMIT, "1024")], &[]).is_ok());
+        assert!(check_adjustment(&[], &[MPS_LIMIT.to_owned()]).is_ok());
+        let ld = check_adjustment(&[kv("LD_PRELOAD", "/tmp/x.so")], &[]).expect_err("not ours");
+        assert!(ld.contains("LD_PRELOAD"), "{ld}");
+        assert!(check_adjustment(&[], &["NVIDIA_VISIBLE_DEVICES".to_owned()]).is_err(), "devices are not ours");
+        assert!(check_adjustment(&[kv(MPS_LIMIT, "0=1M")], &[MPS_LIMIT.to_owned()]).is_err(), "twice");
+        assert!(check_adjustment(&[kv(MPS_PIPE_DIRECTORY, "/run\0x")], &[]).is_err(), "NUL");
+        assert!(check_adjustment(&[kv(MEMORY_LIMIT, &"9".repeat(MAX_ENV_VALUE + 1))], &[]).is_err(), "too long");
+    }
+
+    #[test]
+    fn the_relevant_part_is_small_whatever_the_container_holds() {
+        let mut e: Vec<String> = (0..10_000).map(|i| format!("SECRET_{i}=x")).collect();
+        e.extend(env(&[
+            "NVIDIA_VISIBLE_DEVICES=0",
+            "NVIDIA_VISIBLE_DEVICES=GPU-1",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1G",
+        ]));
+        let paths: Vec<String> =
+            (0..1000).map(|i| format!("/dev/nvidia{}", i % 100)).chain(["/dev/sda".into()]).collect();
+        let (kept, nodes) = relevant(&e, paths.iter().map(String::as_str));
+        assert_eq!(kept, env(&["NVIDIA_VISIBLE_DEVICES=GPU-1", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1G"]));
+        assert_eq!(nodes.len(), MAX_DEVICES as usize + 1, "distinct GPU nodes, bounded");
+        assert!(nodes.iter().all(|n| n.starts_with("/dev/nvidia")));
+    }
+
+    proptest! {
+        /// The relay hands the agent only [`relevant`]: every decision reads the same from it as from the whole
+        /// container.
+        #[test]
+        fn the_relevant_part_decides_as_the_whole_container(
+            entries in proptest::collection::vec(
+                (prop_oneof![Just("NVIDIA_VISIBLE_DEVICES"), Just("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
+                    Just("NVIDIA_GPU_MEMORY_LIMIT"), Just("NVIDIA_GPU_MEMORY_REQUEST"), Just("CUDA_MPS_PIPE_DIRECTORY"),
+                    Just("PATH"), Just("NVIDIA_VISIBLE_DEVICESX")],
+                 prop_oneof![Just("all".to_owned()), Just("0,1".to_owned()), Just("GPU-a".to_owned()),
+                    Just("0=1G,1=2G".to_owned()), Just("4096".to_owned()), "[ -~]{0,12}"]),
+                0..12),
+            nodes in proptest::collection::vec(0u32..80, 0..70),
+            extra in proptest::collection::vec(prop_oneof![Just("/dev/nvidiactl"), Just("/dev/nvidia-uvm"), Just("/dev/null")], 0..3),
+            gpus in 0u32..9, limit_mib in 1u64..100_000,
+        ) {
+            let e: Vec<String> = entries.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            let paths: Vec<String> =
+                nodes.iter().map(|n| format!("/dev/nvidia{n}")).chain(extra.iter().map(|p| (*p).to_owned())).collect();
+            let (re, rn) = relevant(&e, paths.iter().map(String::as_str));
+            let whole = devices_seen(&e, paths.iter().map(String::as_str), gpus);
+            prop_assert_eq!(whole, devices_seen(&re, rn.iter().map(String::as_str), gpus));
+            if let Some(d) = whole {
+                prop_assert_eq!(held_in("c", &e, d), held_in("c", &re, d));
+                let caps = Caps { limit_mib, request_mib: Some(limit_mib / 2) };
+                let (a, b) = (adjust("c", &e, d, caps, Some("/run/mps")), adjust("c", &re, d, caps, Some("/run/mps")));
+                prop_assert_eq!(&a, &b);
+                prop_assert!(check_adjustment(
+                    &a.set.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect::<Vec<_>>(),
+                    &a.remove.iter().map(|k| (*k).to_owned()).collect::<Vec<_>>(),
+                ).is_ok(), "every adjustment the agent makes passes the relay");
+            }
+        }
     }
 
     proptest! {

@@ -1,33 +1,44 @@
-//! Caps set where the container is made (#45): the agent as an NRI plugin of the node's container runtime
-//! (`--runtime-caps`). At each `CreateContainer` the runtime shows the container it will build — its final
-//! environment and device nodes — and the agent, from its own pod table (the budget that applies, the share
-//! resolved on this node's GPUs), writes the canonical caps into it ([`gpubudget_common::caps::runtime`]) before
-//! its process exists: whichever way the pod was created (webhook down, static pod, devices from a ConfigMap,
-//! a hostile value), and for a fraction of a GPU, whose size only the node knows.
+//! Caps set where the container is made (#45), with least privilege (#53): a room of its own beside the tick, an
+//! input of the node's state (what the runtime made) and an actor at each container's creation.
 //!
-//! A GPU container whose budget cannot be told yet (the caches not synced, the pod not in the table) is waited
-//! for up to `--runtime-caps-wait`, then created uncapped and reported (`create`, the default) or refused with
-//! the reason (`refuse`: the kubelet retries with back-off). Without the agent connected the runtime creates every
-//! container unadjusted (measured on containerd 2.3.4: nri/README.md): that is the node's *fail-open* floor, and
-//! the cap-in-force check, status and eviction stay the judges.
+//! Two processes in two pods. The [`relay`] (`gpubudget-agent runtime-caps-relay`) alone holds the runtime's NRI
+//! socket — no host PIDs, no API token, no port; it hands the agent only GPU containers, and only the variables the
+//! decision reads ([`wire`]), and lets back only an adjustment of the MPS and memory-limit variables. The agent
+//! (`run --runtime-caps`, non-root) connects to the relay's socket ([`channel`]) and decides here: at each
+//! `CreateContainer` the runtime shows the container it will build — its final environment and device nodes — and
+//! the agent, from its own pod table (the budget that applies, the share resolved on this node's GPUs), writes the
+//! canonical caps into it ([`gpubudget_common::caps::runtime`]) before its process exists: whichever way the pod was
+//! created (webhook down, static pod, devices from a ConfigMap, a hostile value), and for a fraction of a GPU, whose
+//! size only the node knows. A container counts capped only once the runtime shows the container it made
+//! (`PostCreateContainer`: [`RuntimeCaps::created`]), and every GPU container left uncapped is told by an event on
+//! it, in addition to the pod's record.
+//!
+//! A GPU container whose budget cannot be told in time (the caches not synced, the pod not in the table, the agent
+//! not connected to the relay) is created uncapped and told (`create`, the default: fail-open) or refused with the
+//! reason (`refuse`: fail-closed for GPU containers; the kubelet retries with back-off). Without the relay the
+//! runtime creates every container unadjusted (measured on containerd 2.3.4: nri/README.md), and the cap-in-force
+//! check, status and eviction stay the judges.
+
+pub mod channel;
+pub mod made;
+pub mod relay;
+pub mod wire;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use gpubudget_common::Budget;
 use gpubudget_common::caps::runtime::{self, Adjustment};
-use std::collections::{BTreeMap, HashMap};
 
 use gpubudget_common::caps::{Caps, Devices, Held};
-use gpubudget_common::pod_record::RuntimeCapsRecord;
-use gpubudget_nri::api::{self, Container, ContainerAdjustment, EventMask, PodSandbox};
+use gpubudget_nri::api::{Container, ContainerAdjustment, PodSandbox};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::{mpsc, watch};
 
-use crate::attribute::pods::{MpsCap, PodTable};
+use crate::attribute::pods::PodTable;
 use crate::decide::{Action, PodRef, Reason};
 
 /// What a GPU container whose budget is not known in time gets (`--runtime-caps-unresolved`).
@@ -146,29 +157,14 @@ pub fn decide(view: &View, pod: &PodSandbox, container: &Container, mps_pipe: Op
     Decision::Adjust(Box::new(adjustment), pod_ref, how)
 }
 
-/// What the runtime made of each pod's GPU containers, by pod UID and container name: how the driver holds each one
-/// (read from its final environment) and how many devices it sees. Filled from the containers the plugin adjusts
-/// and from those the runtime lists when the plugin (re)connects; the table reads it ([`summary`]).
-pub type Made = Arc<std::sync::Mutex<HashMap<Arc<str>, BTreeMap<String, (Held, u32)>>>>;
+pub use made::{Expect, Made};
 
-/// What a pod's GPU containers as the runtime made them come to: the record (capped at the largest, or the first
-/// uncapped one and why) and, when every one is capped, the cap the agent's cap-in-force check judges.
-pub fn summary(containers: &BTreeMap<String, (Held, u32)>) -> (RuntimeCapsRecord, Option<MpsCap>) {
-    let mut cap: Option<MpsCap> = None;
-    for (name, (held, devices)) in containers {
-        match held {
-            Held::Uncapped(why) => return (RuntimeCapsRecord::uncapped(format!("container {name}: {why}")), None),
-            Held::Capped { max_mib } => {
-                let c = cap.get_or_insert(MpsCap { mib: *max_mib, devices: *devices });
-                c.mib = c.mib.max(*max_mib);
-                c.devices = c.devices.min(*devices);
-            }
-        }
-    }
-    (RuntimeCapsRecord::Capped { max_mib: cap.map_or(0, |c| c.mib) }, cap)
-}
+/// The name the relay registers with the runtime as (its logs and `ctr plugins` show it).
+pub const PLUGIN_NAME: &str = "gpubudget";
+/// Its index: late among plugins, so the caps are set on the environment other plugins left.
+pub const PLUGIN_INDEX: &str = "90";
 
-/// The NRI plugin: see the module's documentation.
+/// The deciding side: see the module's documentation. Called by [`channel`] for each question of the relay.
 #[derive(Debug)]
 pub struct RuntimeCaps {
     view: watch::Receiver<View>,
@@ -190,13 +186,9 @@ impl RuntimeCaps {
         Self { view, settings, metrics, events, made }
     }
 
-    /// Remembers how the driver holds a GPU container of the pod with UID `uid`, as made with `env`.
-    fn remember(&self, uid: &str, name: &str, env: &[String], devices: Devices) {
-        let held = runtime::held_in(name, env, devices);
-        let mut made = self.made.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        made.entry(Arc::from(uid.to_ascii_lowercase()))
-            .or_default()
-            .insert(name.to_owned(), (held, devices.known().unwrap_or(0)));
+    /// The settings' `wait`: how long a GPU container may wait for its pod's budget.
+    pub fn wait(&self) -> Duration {
+        self.settings.wait
     }
 
     fn count(&self, outcome: &str) {
@@ -208,10 +200,10 @@ impl RuntimeCaps {
         let _ = self.events.send(Action::ContainerEvent { pod, container: container.to_owned(), reason, note });
     }
 
-    /// [`decide`], waiting up to the settings' `wait` for a new table while the pod's budget is unknown.
-    async fn decide_in_time(&self, pod: &PodSandbox, container: &Container) -> Decision {
+    /// [`decide`], waiting up to `wait` for a new table while the pod's budget is unknown.
+    async fn decide_in_time(&self, pod: &PodSandbox, container: &Container, wait: Duration) -> Decision {
         let mut view = self.view.clone();
-        let deadline = tokio::time::Instant::now() + self.settings.wait;
+        let deadline = tokio::time::Instant::now() + wait;
         loop {
             let decision = decide(&view.borrow_and_update(), pod, container, self.settings.mps_pipe.as_deref());
             if !matches!(decision, Decision::Unknown(_)) {
@@ -222,6 +214,175 @@ impl RuntimeCaps {
                 Ok(Err(_)) | Err(_) => return decision,
             }
         }
+    }
+
+    /// A GPU container that exists (made while the agent was away, or before): judged as it is, so a pod with one
+    /// made uncapped meanwhile is not counted capped, and told on the container (#53), not only in the record.
+    /// `NVIDIA_VISIBLE_DEVICES=all` is the node's GPUs: known once the agent's first table is built (waited for up to
+    /// the settings' `wait`).
+    pub async fn existing(&self, pod: &PodSandbox, c: &Container) {
+        let mut view = self.view.clone();
+        let _ = tokio::time::timeout(self.settings.wait, view.wait_for(|v| v.synced)).await;
+        let Some(devices) = devices_of(c, view.borrow().gpus) else { return };
+        let held = runtime::held_in(&c.name, &c.env, devices);
+        self.made.remember(&pod.uid, &c.name, held, devices.known().unwrap_or(0));
+        if let (Held::Uncapped(why), Decision::Adjust(_, pod_ref, how)) =
+            (held, decide(&view.borrow(), pod, c, self.settings.mps_pipe.as_deref()))
+        {
+            let note = format!(
+                "container {} was made while the agent was not connected to the runtime: not capped at creation \
+                 ({why}); {how}; eviction still holds the pod to its budget",
+                c.name
+            );
+            self.tell(pod_ref, &c.name, Reason::NotCappedAtCreation, note);
+        }
+    }
+
+    /// A container about to be made: its adjustment (`Err`: refused, with the reason), waiting at most `wait` (the
+    /// settings' or less: the runtime's deadline) for its pod's budget. What was asked is remembered and told once
+    /// the runtime shows the container it made ([`Self::created`]).
+    pub async fn create(
+        &self,
+        pod: &PodSandbox,
+        container: &Container,
+        wait: Duration,
+    ) -> Result<ContainerAdjustment, String> {
+        let started = tokio::time::Instant::now();
+        let decision = self.decide_in_time(pod, container, wait.min(self.settings.wait)).await;
+        let devices = devices_of(container, self.view.borrow().gpus);
+        let expect = |expect: Expect| {
+            if let Some(d) = devices {
+                self.made.expect(&pod.uid, &container.id, &container.name, d.known().unwrap_or(0), expect);
+            }
+        };
+        let answer = match decision {
+            Decision::NotGpu => {
+                self.count("not_gpu");
+                Ok(ContainerAdjustment::default())
+            }
+            Decision::NoBudget | Decision::CapsOff => {
+                self.count(if decision == Decision::NoBudget { "no_budget" } else { "caps_off" });
+                if let Some(d) = devices {
+                    let held = runtime::held_in(&container.name, &container.env, d);
+                    self.made.remember(&pod.uid, &container.name, held, d.known().unwrap_or(0));
+                }
+                Ok(ContainerAdjustment::default())
+            }
+            Decision::Adjust(adjustment, _, how) => {
+                match &adjustment.record.uncapped {
+                    None => {
+                        self.count("capped");
+                        expect(Expect::Capped { how });
+                    }
+                    Some(why) => {
+                        self.count("devices_unknown");
+                        let set: Vec<String> = adjustment.set.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                        let note = format!(
+                            "container {}: no MPS cap at creation ({why}); {how}; set {}",
+                            container.name,
+                            set.join(" ")
+                        );
+                        expect(Expect::Uncapped { note });
+                    }
+                }
+                Ok(to_nri(&adjustment))
+            }
+            Decision::Unknown(why) => match self.settings.unresolved {
+                Unresolved::Create => {
+                    self.count("unresolved_created");
+                    let note = format!(
+                        "container {} created without caps: {why} (--runtime-caps-unresolved=create)",
+                        container.name
+                    );
+                    expect(Expect::Uncapped { note });
+                    tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), container = %container.name, %why, "runtime caps: GPU container created uncapped (--runtime-caps-unresolved=create)");
+                    Ok(ContainerAdjustment::default())
+                }
+                Unresolved::Refuse => {
+                    self.count("unresolved_refused");
+                    Err(format!(
+                        "gpubudget: GPU container {} not created: {why} after {:?} (--runtime-caps-unresolved=refuse; the kubelet retries)",
+                        container.name,
+                        wait.min(self.settings.wait)
+                    ))
+                }
+            },
+        };
+        self.metrics.seconds.observe(started.elapsed().as_secs_f64());
+        answer
+    }
+
+    /// A GPU container as the runtime made it (`PostCreateContainer`): how the driver holds it, read from the
+    /// environment it was made with, is what the record counts and what the event on it says — capped only where
+    /// the runtime applied the caps (#53).
+    pub async fn created(&self, pod: &PodSandbox, c: &Container) {
+        let expected = self.made.take_expected(&c.id);
+        let view = self.view.borrow().clone();
+        let Some(devices) = devices_of(c, view.gpus) else { return };
+        let held = runtime::held_in(&c.name, &c.env, devices);
+        self.made.remember(&pod.uid, &c.name, held, devices.known().unwrap_or(0));
+        let decision = decide(&view, pod, c, self.settings.mps_pipe.as_deref());
+        let pod_ref = || match &decision {
+            Decision::Adjust(_, pod_ref, _) => pod_ref.clone(),
+            _ => PodRef {
+                uid: pod.uid.to_ascii_lowercase().into(),
+                namespace: pod.namespace.as_str().into(),
+                name: pod.name.as_str().into(),
+            },
+        };
+        if let Some((reason, note)) = confirmation(&c.name, &c.env, expected, held, &decision) {
+            self.tell(pod_ref(), &c.name, reason, note);
+        }
+    }
+}
+
+/// What is told of a GPU container named `name` the runtime made with `env`, held `held`: from what was asked at its
+/// creation (`expected`; `None` when the agent did not answer it) and its budget's decision now. Pure.
+pub fn confirmation(
+    name: &str,
+    env: &[String],
+    expected: Option<Expect>,
+    held: Held,
+    decision: &Decision,
+) -> Option<(Reason, String)> {
+    let values = || {
+        let set: Vec<String> =
+            runtime::ADJUSTABLE.iter().filter_map(|k| runtime::env_get(env, k).map(|v| format!("{k}={v}"))).collect();
+        set.join(" ")
+    };
+    match (expected, held) {
+        (Some(Expect::Capped { how }), Held::Capped { .. }) => Some((
+            Reason::CappedAtCreation,
+            format!(
+                "container {name} capped by the runtime at creation (read back from the container it made), {how}: {}",
+                values()
+            ),
+        )),
+        (Some(Expect::Capped { how }), Held::Uncapped(why)) => Some((
+            Reason::NotCappedAtCreation,
+            format!(
+                "container {name}: the runtime made it without the caps it was given ({why}); {how}; eviction still \
+                 holds the pod to its budget"
+            ),
+        )),
+        (Some(Expect::Uncapped { note }), _) => Some((Reason::NotCappedAtCreation, note)),
+        (None, held) => match (decision, held) {
+            (Decision::Adjust(_, _, how), Held::Uncapped(why)) => Some((
+                Reason::NotCappedAtCreation,
+                format!(
+                    "container {name} was made while the agent did not answer the runtime: not capped at creation \
+                     ({why}); {how}; eviction still holds the pod to its budget"
+                ),
+            )),
+            (Decision::Adjust(_, _, how), Held::Capped { .. }) => Some((
+                Reason::CappedAtCreation,
+                format!(
+                    "container {name} made capped (read back from the container the runtime made), {how}: {}",
+                    values()
+                ),
+            )),
+            _ => None,
+        },
     }
 }
 
@@ -235,129 +396,6 @@ fn to_nri(a: &Adjustment) -> ContainerAdjustment {
         out.remove_env(k);
     }
     out
-}
-
-impl gpubudget_nri::Plugin for RuntimeCaps {
-    async fn configure(&self, req: api::ConfigureRequest) -> EventMask {
-        tracing::info!(runtime = %req.runtime_name, version = %req.runtime_version, "runtime caps: registered with the container runtime");
-        self.metrics.registrations.inc();
-        EventMask::of(&[api::Event::CreateContainer])
-    }
-
-    async fn synchronize(&self, pods: Vec<PodSandbox>, containers: Vec<Container>) -> Vec<api::ContainerUpdate> {
-        // The containers that exist when the plugin (re)connects, made while it was away or before: judged as they
-        // are, so a pod with one made uncapped meanwhile is not counted capped.
-        // `NVIDIA_VISIBLE_DEVICES=all` is the node's GPUs: at the agent's start they are known once its first table
-        // is built (within the runtime's 2 s, or judged with what is known then).
-        let mut view = self.view.clone();
-        let _ = tokio::time::timeout(self.settings.wait, view.wait_for(|v| v.synced)).await;
-        let gpus = view.borrow().gpus;
-        let pod_of: HashMap<&str, &PodSandbox> = pods.iter().map(|p| (p.id.as_str(), p)).collect();
-        let mut seen = 0;
-        for c in &containers {
-            let Some(pod) = pod_of.get(c.pod_sandbox_id.as_str()) else { continue };
-            let Some(devices) = devices_of(c, gpus) else { continue };
-            self.remember(&pod.uid, &c.name, &c.env, devices);
-            seen += 1;
-            // Made uncapped while the plugin was away, where its budget sets caps: told on the container (#53), not
-            // only in the record.
-            if let (Held::Uncapped(why), Decision::Adjust(_, pod_ref, how)) = (
-                runtime::held_in(&c.name, &c.env, devices),
-                decide(&view.borrow(), pod, c, self.settings.mps_pipe.as_deref()),
-            ) {
-                let note = format!(
-                    "container {} was made while the agent was not connected to the runtime: not capped at creation \
-                     ({why}); {how}; eviction still holds the pod to its budget",
-                    c.name
-                );
-                self.tell(pod_ref, &c.name, Reason::NotCappedAtCreation, note);
-            }
-        }
-        tracing::info!(
-            pods = pods.len(),
-            containers = containers.len(),
-            gpu_containers = seen,
-            "runtime caps: the runtime's existing containers read"
-        );
-        Vec::new()
-    }
-
-    async fn create_container(&self, pod: PodSandbox, container: Container) -> Result<ContainerAdjustment, String> {
-        let started = tokio::time::Instant::now();
-        let decision = self.decide_in_time(&pod, &container).await;
-        let devices = devices_of(&container, self.view.borrow().gpus);
-        let answer = match decision {
-            Decision::NotGpu => {
-                self.count("not_gpu");
-                Ok(ContainerAdjustment::default())
-            }
-            Decision::NoBudget | Decision::CapsOff => {
-                self.count(if decision == Decision::NoBudget { "no_budget" } else { "caps_off" });
-                if let Some(devices) = devices {
-                    self.remember(&pod.uid, &container.name, &container.env, devices);
-                }
-                Ok(ContainerAdjustment::default())
-            }
-            Decision::Adjust(adjustment, pod_ref, how) => {
-                let record = &adjustment.record;
-                let made = adjustment.applied_to(&container.env);
-                if let Some(devices) = devices {
-                    self.remember(&pod.uid, &container.name, &made, devices);
-                }
-                let set: Vec<String> = adjustment.set.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                match &record.uncapped {
-                    None => {
-                        self.count("capped");
-                        let note = format!(
-                            "container {} capped by the runtime at creation, {how}: {}",
-                            container.name,
-                            set.join(" ")
-                        );
-                        self.tell(pod_ref, &container.name, Reason::CappedAtCreation, note);
-                    }
-                    Some(why) => {
-                        self.count("devices_unknown");
-                        let note = format!(
-                            "container {}: no MPS cap at creation ({why}); {how}; set {}",
-                            container.name,
-                            set.join(" ")
-                        );
-                        self.tell(pod_ref, &container.name, Reason::NotCappedAtCreation, note);
-                    }
-                }
-                Ok(to_nri(&adjustment))
-            }
-            Decision::Unknown(why) => match self.settings.unresolved {
-                Unresolved::Create => {
-                    self.count("unresolved_created");
-                    if let Some(devices) = devices {
-                        self.remember(&pod.uid, &container.name, &container.env, devices);
-                    }
-                    let pod_ref = PodRef {
-                        uid: pod.uid.to_ascii_lowercase().into(),
-                        namespace: pod.namespace.as_str().into(),
-                        name: pod.name.as_str().into(),
-                    };
-                    let note = format!(
-                        "container {} created without caps: {why} (--runtime-caps-unresolved=create)",
-                        container.name
-                    );
-                    self.tell(pod_ref, &container.name, Reason::NotCappedAtCreation, note);
-                    tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), container = %container.name, %why, "runtime caps: GPU container created uncapped (--runtime-caps-unresolved=create)");
-                    Ok(ContainerAdjustment::default())
-                }
-                Unresolved::Refuse => {
-                    self.count("unresolved_refused");
-                    Err(format!(
-                        "gpubudget: GPU container {} not created: {why} after {:?} (--runtime-caps-unresolved=refuse; the kubelet retries)",
-                        container.name, self.settings.wait
-                    ))
-                }
-            },
-        };
-        self.metrics.seconds.observe(started.elapsed().as_secs_f64());
-        answer
-    }
 }
 
 #[cfg(test)]

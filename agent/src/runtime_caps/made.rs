@@ -1,0 +1,151 @@
+//! What the runtime made of pods' GPU containers, as the agent learned it: per pod UID and container name how the
+//! driver holds each one (read from the environment the runtime gave it) and how many devices it sees; and, per
+//! container being made, what the agent asked the runtime for, until the runtime shows the container it made
+//! (the confirmation, #53). The pod table reads it ([`Made::summary`]); the loop prunes it with the pods present.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use gpubudget_common::caps::{Held, Uncapped};
+use gpubudget_common::pod_record::RuntimeCapsRecord;
+
+use crate::attribute::pods::MpsCap;
+
+/// Containers asked for and not yet confirmed, at most: beyond it the oldest asks are forgotten (their containers
+/// are then judged as found when the runtime shows them). A node makes far fewer at once.
+pub const MAX_EXPECTED: usize = 4096;
+
+/// What the agent asked the runtime to make of one GPU container, told once the runtime shows the container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Expect {
+    /// Capped: the budget and the values, as the event says them.
+    Capped {
+        /// Which budget, and its limit (`budget team-a/llm (8Gi)`).
+        how: String,
+    },
+    /// Left uncapped at creation: the event's note.
+    Uncapped {
+        /// Why, for the user (the event's message).
+        note: String,
+    },
+}
+
+/// One GPU container as the runtime made it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MadeContainer {
+    /// How the driver holds it (`Uncapped(Unconfirmed)` until the runtime showed it).
+    pub held: Held,
+    /// The devices it sees (0: unknown).
+    pub devices: u32,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    pods: HashMap<Arc<str>, BTreeMap<String, MadeContainer>>,
+    /// By container ID: the pod's UID and what was asked, in the order asked.
+    expected: HashMap<String, (Arc<str>, Expect, u64)>,
+    asked: u64,
+}
+
+/// The shared state (cheap to clone: one lock, held for a lookup or an insert).
+#[derive(Debug, Clone, Default)]
+pub struct Made(Arc<Mutex<State>>);
+
+impl Made {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Remembers how the driver holds container `name` of the pod with UID `uid`.
+    pub fn remember(&self, uid: &str, name: &str, held: Held, devices: u32) {
+        let uid: Arc<str> = Arc::from(uid.to_ascii_lowercase());
+        self.state().pods.entry(uid).or_default().insert(name.to_owned(), MadeContainer { held, devices });
+    }
+
+    /// Remembers what was asked for the container with ID `id` of the pod `uid`, and counts the container
+    /// unconfirmed meanwhile.
+    pub fn expect(&self, uid: &str, id: &str, name: &str, devices: u32, expect: Expect) {
+        self.remember(uid, name, Held::Uncapped(Uncapped::Unconfirmed), devices);
+        let mut s = self.state();
+        if s.expected.len() >= MAX_EXPECTED {
+            let oldest = s.expected.iter().min_by_key(|(_, (_, _, n))| *n).map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
+                s.expected.remove(&k);
+            }
+        }
+        s.asked += 1;
+        let n = s.asked;
+        s.expected.insert(id.to_owned(), (Arc::from(uid.to_ascii_lowercase()), expect, n));
+    }
+
+    /// What was asked for the container with ID `id`, forgotten once read.
+    pub fn take_expected(&self, id: &str) -> Option<Expect> {
+        self.state().expected.remove(id).map(|(_, e, _)| e)
+    }
+
+    /// Forgets the pods (and their asks) for which `here` is false: those no longer on the node.
+    pub fn retain_pods(&self, here: impl Fn(&str) -> bool) {
+        let mut s = self.state();
+        s.pods.retain(|uid, _| here(uid));
+        s.expected.retain(|_, (uid, _, _)| here(uid));
+    }
+
+    /// Whether nothing is remembered.
+    pub fn is_empty(&self) -> bool {
+        let s = self.state();
+        s.pods.is_empty() && s.expected.is_empty()
+    }
+
+    /// What the pod with UID `uid`'s GPU containers as the runtime made them come to ([`summary`]), if the runtime
+    /// made any.
+    pub fn summary(&self, uid: &str) -> Option<(RuntimeCapsRecord, Option<MpsCap>)> {
+        self.state().pods.get(uid).map(summary)
+    }
+}
+
+/// What a pod's GPU containers as the runtime made them come to: the record (capped at the largest, or the first
+/// uncapped one and why) and, when every one is capped, the cap the agent's cap-in-force check judges.
+pub fn summary(containers: &BTreeMap<String, MadeContainer>) -> (RuntimeCapsRecord, Option<MpsCap>) {
+    let mut cap: Option<MpsCap> = None;
+    for (name, c) in containers {
+        match c.held {
+            Held::Uncapped(why) => return (RuntimeCapsRecord::uncapped(format!("container {name}: {why}")), None),
+            Held::Capped { max_mib } => {
+                let m = cap.get_or_insert(MpsCap { mib: max_mib, devices: c.devices });
+                m.mib = m.mib.max(max_mib);
+                m.devices = m.devices.min(c.devices);
+            }
+        }
+    }
+    (RuntimeCapsRecord::Capped { max_mib: cap.map_or(0, |c| c.mib) }, cap)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_container_asked_capped_counts_uncapped_until_the_runtime_shows_it() {
+        let made = Made::default();
+        made.expect("UID-1", "c1", "main", 1, Expect::Capped { how: "budget a/b (8Gi)".into() });
+        let (record, cap) = made.summary("uid-1").expect("remembered");
+        assert_eq!(record, RuntimeCapsRecord::uncapped(format!("container main: {}", Uncapped::Unconfirmed)));
+        assert_eq!(cap, None);
+        assert_eq!(made.take_expected("c1"), Some(Expect::Capped { how: "budget a/b (8Gi)".into() }));
+        assert_eq!(made.take_expected("c1"), None, "read once");
+        made.remember("uid-1", "main", Held::Capped { max_mib: 8192 }, 1);
+        assert_eq!(made.summary("uid-1").map(|s| s.1), Some(Some(MpsCap { mib: 8192, devices: 1 })));
+    }
+
+    #[test]
+    fn pods_gone_are_forgotten_with_their_asks_and_asks_are_bounded() {
+        let made = Made::default();
+        for i in 0..MAX_EXPECTED + 10 {
+            made.expect("uid-1", &format!("c{i}"), &format!("n{i}"), 1, Expect::Uncapped { note: String::new() });
+        }
+        assert_eq!(made.take_expected("c0"), None, "the oldest forgotten beyond the bound");
+        assert!(made.take_expected(&format!("c{}", MAX_EXPECTED + 9)).is_some());
+        made.retain_pods(|uid| uid != "uid-1");
+        assert!(made.is_empty());
+    }
+}
