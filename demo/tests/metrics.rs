@@ -148,8 +148,8 @@ fn touch_agent(metrics: &AgentMetrics) {
     _ = driver_applied.get_or_create(&ResultLabels { result: s("applied") });
     _ = pod_driver_hard.get_or_create(&pod());
     _ = pod_driver_soft.get_or_create(&pod());
-    let gpubudget_agent::act::runtime_caps::RuntimeMetrics { containers, seconds, registrations } = runtime;
-    _ = containers.get_or_create(&gpubudget_agent::act::runtime_caps::OutcomeLabels { outcome: s("capped") });
+    let gpubudget_agent::runtime_caps::RuntimeMetrics { containers, seconds, registrations } = runtime;
+    _ = containers.get_or_create(&gpubudget_agent::runtime_caps::OutcomeLabels { outcome: s("capped") });
     seconds.observe(0.000_1);
     registrations.get();
 }

@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# Caps set where the container is made (#45), on the real node tier: the agent as an NRI plugin of containerd 2.3.4
-# (/work/shared/realk8s/README.md, "Opt-in: containerd 2"), installed by the chart (agent.runtimeCaps: the DaemonSet
-# runs as root and mounts /var/run/nri), replaying a sample file of two 80Gi GPUs (no GPU here: a "GPU container" is
+# Caps set where the container is made (#45), on the real node tier: containerd 2.3.4 with NRI
+# (/work/shared/realk8s/README.md, "Opt-in: containerd 2"), the chart's agent.runtimeCaps (#53: the relay DaemonSet
+# alone holds the NRI socket, root without capabilities, no host PIDs, no token; the agent, non-root with host PIDs,
+# decides over the relay's socket), replaying a sample file of two 80Gi GPUs (no GPU here: a "GPU container" is
 # one whose final environment lists devices in NVIDIA_VISIBLE_DEVICES). The operator does not run and no caps webhook
 # is registered: pods get nothing at admission. One namespace, budget {selector: {}, limit: 8Gi, admissionCaps:
 # Enabled}. Checked in each container's process environment read on the host (/proc/<pid>/environ):
 #   0. baseline: CRI CreateContainer time (containerd's log) of BENCH_PODS x BENCH_CONTAINERS GPU containers, no plugin;
-#   1. setup: helm install, the operator scaled to 0, no mutating webhook of the release, the agent registered;
+#   1. setup: helm install, the operator scaled to 0, no mutating webhook of the release, the relay registered, the
+#      agent connected; who holds which privilege, read from each process on the host;
 #   2. cases: (a) NVIDIA_VISIBLE_DEVICES=0; (b) KAI-shaped (devices from a configMapKeyRef, envFrom); (c) a static pod;
 #      (d) a hostile CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=80G,1=1G; (e) two GPU containers (=0 and =0,1); (f) no GPU:
 #      the canonical values and GpuMemoryCappedAtCreation, (f) left alone;
 #   6. benchmark: the same containers with the agent's plugin; its gpubudget_runtime_caps_seconds; the agent's RSS;
 #   3. the agent SIGKILLed while pods are created: how many come up uncapped, what the agent says of them, time to
-#      re-register, a pod after it capped;
+#      reconnect, a pod after it capped; 3b. the relay SIGKILLed likewise; 3c. the agent hung (SIGSTOP);
 #   5. --runtime-caps-unresolved: a static pod the agent cannot resolve (its namespace does not exist, so the kubelet
-#      can make no mirror pod): created uncapped (create), then refused (refuse);
-#   4. containerd restarted under the agent: re-registration (gpubudget_runtime_caps_registrations_total), a pod capped.
+#      can make no mirror pod): created uncapped (create), then refused (refuse); 5c. refuse with the agent away:
+#      GPU pods refused (fail-closed), made capped once it is back; non-GPU pods unaffected;
+#   4. containerd restarted under the relay: re-registration (containerd's log), a pod capped.
 # Needs: root; the API server up (eval "$(REALK8S_ADVERTISE=10.88.0.1 bash up.sh)"; never stopped here); containerd 2
 # built (build-containerd.sh); helm; the agent's release binary (GPUBUDGET_E2E_AGENT_BINARY, default
 # $CARGO_TARGET_DIR/release/gpubudget-agent: cargo build --release --locked -p gpubudget-agent). Brings the node up
@@ -63,6 +66,7 @@ cleanup() {
   if [ "$FAILED" != 0 ] || [ "$rc" != 0 ]; then
     say "diagnostics (work dir $WORK)"
     kubectl logs -n "$NS" -l app.kubernetes.io/component=agent --tail=60 --prefix 2>/dev/null
+    kubectl logs -n "$NS" -l app.kubernetes.io/component=runtime-caps-relay --tail=30 --prefix 2>/dev/null
     kubectl get pods -n "$T" -o wide 2>/dev/null
     kubectl get events -n "$T" --sort-by=.lastTimestamp 2>/dev/null | tail -n 40
   fi
@@ -190,7 +194,7 @@ t0=$(now)
   --set image.registry=gpubudget --set-string "agent.image.tag=$TAG" --set-string "operator.image.tag=$TAG" \
   --set agent.runtimeCaps.enabled=true --set admissionCaps.enabled=false --set operator.replicas=1 >/dev/null
 kubectl scale deployment -n "$NS" -l app.kubernetes.io/component=operator --replicas=0 >/dev/null
-kubectl rollout status daemonset -n "$NS" -l app.kubernetes.io/component=agent --timeout=120s >/dev/null
+kubectl rollout status daemonset -n "$NS" -l 'app.kubernetes.io/component in (agent,runtime-caps-relay)' --timeout=120s >/dev/null
 kubectl wait --for=delete pod -n "$NS" -l app.kubernetes.io/component=operator --timeout=60s >/dev/null 2>&1 || true
 # upgrade SET...: helm upgrade --reuse-values with these --set values; the operator scaled to 0 again (the upgrade
 # applies the Deployment's replicas: 1), the agent rolled out.
@@ -200,17 +204,51 @@ upgrade() {
   "$HELM" upgrade "$RELEASE" "$REPO/charts/gpubudget" -n "$NS" --reuse-values "${sets[@]}" >/dev/null
   kubectl scale deployment -n "$NS" -l app.kubernetes.io/component=operator --replicas=0 >/dev/null
   kubectl rollout status daemonset -n "$NS" -l app.kubernetes.io/component=agent --timeout=120s >/dev/null
+  kubectl get daemonset -n "$NS" -l app.kubernetes.io/component=runtime-caps-relay -o name | grep -q . \
+    && kubectl rollout status daemonset -n "$NS" -l app.kubernetes.io/component=runtime-caps-relay --timeout=120s >/dev/null
   kubectl wait --for=delete pod -n "$NS" -l app.kubernetes.io/component=operator --timeout=60s >/dev/null 2>&1 || true
 }
 agent_pod() { kubectl get pods -n "$NS" -l app.kubernetes.io/component=agent -o jsonpath='{.items[0].metadata.name}'; }
+relay_pod() { kubectl get pods -n "$NS" -l app.kubernetes.io/component=runtime-caps-relay -o jsonpath='{.items[0].metadata.name}'; }
 registered() { [ "$(registrations_in_log)" -gt "$1" ]; }
-wait_for "the agent registered with containerd (its log: registered as \"90-gpubudget\")" registered 0
-info "figure: helm install to the agent Ready and registered: $(since "$t0") s"
-AGENT=$(agent_pod)
-AGENT_PID=$(nri_task_pid "$NS" "$AGENT")
-info "agent $AGENT: host PID $AGENT_PID, uid $(awk '/^Uid:/ {print $2}' "/proc/$AGENT_PID/status"), exe $(readlink "/proc/$AGENT_PID/exe"), NRI socket dir mounted: $(kubectl get pod -n "$NS" "$AGENT" -o jsonpath='{.spec.volumes[?(@.name=="nri")].hostPath.path}')"
+# The agent's connections to the relay, from the relay's log (this relay pod's, all its restarts).
+agent_connections() { { kubectl logs -n "$NS" "$(relay_pod)" 2>/dev/null; kubectl logs -n "$NS" "$(relay_pod)" --previous 2>/dev/null; } | grep -c 'the agent connected' || true; }
+# connected_since N: more than N connections, the last one not followed by a disconnection.
+agent_connected() { local l; l=$(kubectl logs -n "$NS" "$(relay_pod)" 2>/dev/null | grep -E 'the agent (dis)?connected' | tail -n1); [[ "$l" == *"the agent connected"* ]] && [ "$(agent_connections)" -gt "${1:-0}" ]; }
+wait_for "the relay registered with containerd (its log: registered as \"90-gpubudget\")" registered 0
+wait_for "the agent connected to the relay (the relay's log)" agent_connected 0
+info "figure: helm install to the relay registered and the agent connected: $(since "$t0") s"
+AGENT=$(agent_pod); RELAY=$(relay_pod)
+AGENT_PID=$(nri_task_pid "$NS" "$AGENT"); RELAY_PID=$(nri_task_pid "$NS" "$RELAY")
 cmp -s "/proc/$AGENT_PID/exe" "$AGENT_BIN" || fail "the agent runs a binary other than $AGENT_BIN"
-[ "$(awk '/^Uid:/ {print $2}' "/proc/$AGENT_PID/status")" = 0 ] || fail "the agent does not run as root (the chart's runtimeCaps)"
+cmp -s "/proc/$RELAY_PID/exe" "$AGENT_BIN" || fail "the relay runs a binary other than $AGENT_BIN"
+# #53: who holds what, read from each process on the host (not from the chart's text).
+say "1b. least privilege: the NRI socket, host PIDs and the API token never in one container"
+uid_of() { awk '/^Uid:/ {print $2}' "/proc/$1/status"; }
+capeff() { awk '/^CapEff:/ {print $2}' "/proc/$1/status"; }
+mnt_of() { awk -v m="$2" '$5 ~ m"$" {print $6}' "/proc/$1/mountinfo"; }     # mnt_of PID MOUNTPOINT: its mount options
+has_token() { [ -e "/proc/$1/root/var/run/secrets/kubernetes.io/serviceaccount/token" ]; }
+host_pidns() { [ "$(readlink "/proc/$1/ns/pid")" = "$(readlink /proc/1/ns/pid)" ]; }
+nri_mounted() { [ -S "/proc/$1/root/var/run/nri-host/nri.sock" ] || [ -S "/proc/$1/root/var/run/nri/nri.sock" ] || [ -S "/proc/$1/root/run/nri/nri.sock" ]; }
+yes_no() { if "$@"; then echo yes; else echo no; fi; }
+for who in "relay $RELAY_PID" "agent $AGENT_PID"; do
+  set -- $who
+  info "$1 (host PID $2): uid $(uid_of "$2"), CapEff $(capeff "$2"), host PID namespace $(yes_no host_pidns "$2"), API token $(yes_no has_token "$2"), NRI socket directory mounted $(yes_no nri_mounted "$2")$( [ "$1" = relay ] && echo ", mount options $(mnt_of "$2" /var/run/nri-host)")"
+done
+[ "$(uid_of "$RELAY_PID")" = 0 ] || fail "the relay does not run as root (the NRI socket is root's)"
+[ "$(capeff "$RELAY_PID")" = 0000000000000000 ] && pass "the relay holds no capability (CapEff 0)" || fail "the relay holds capabilities: CapEff $(capeff "$RELAY_PID")"
+host_pidns "$RELAY_PID" && fail "the relay is in the host's PID namespace"
+has_token "$RELAY_PID" && fail "the relay has an API token"
+nri_mounted "$RELAY_PID" || fail "the relay has no NRI socket directory mounted"
+[[ "$(mnt_of "$RELAY_PID" /var/run/nri-host)" == ro* ]] && pass "the NRI socket directory is read-only in the relay" || fail "the NRI socket directory is writable in the relay"
+[ "$(uid_of "$AGENT_PID")" != 0 ] && pass "the agent runs non-root (uid $(uid_of "$AGENT_PID"))" || fail "the agent runs as root"
+host_pidns "$AGENT_PID" || fail "the agent is not in the host's PID namespace (NVML would see no pod's process)"
+has_token "$AGENT_PID" || fail "the agent has no API token"
+# Every pod of the release: none with both the NRI directory and host PIDs or a token.
+both=$(kubectl get pods -n "$NS" -o json | jq -r '.items[] | select(any(.spec.volumes[]?; .hostPath.path == "/var/run/nri")) | select(.spec.hostPID == true or .spec.automountServiceAccountToken != false) | .metadata.name')
+[ -z "$both" ] && pass "no pod of the release holds the NRI socket with host PIDs or a token" || fail "pods with the NRI socket and host PIDs or a token: $both"
+# The agent cannot reach the runtime's socket: not in its mount namespace at all.
+nri_mounted "$AGENT_PID" && fail "the NRI socket is in the agent's filesystem" || pass "the agent's filesystem has no NRI socket"
 [ "$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=operator -o name | wc -l)" = 0 ] || fail "an operator pod exists"
 kubectl get mutatingwebhookconfigurations -o name | grep -q "$RELEASE" && fail "a mutating webhook of the release is registered"
 AGENT_URL() { echo "http://$(kubectl get pod -n "$NS" "$(agent_pod)" -o jsonpath='{.status.podIP}'):9400"; }
@@ -389,7 +427,8 @@ if awk -v a="$added50" 'BEGIN {exit !(a <= 5)}'; then pass "p50 added ${added50}
 else fail "p50 added ${added50} ms > 5 ms"; fi
 before=$(registrations_in_log)
 upgrade agent.runtimeCaps.enabled=true
-wait_for "the agent with its plugin registered again" registered "$before"
+wait_for "the relay registered again" registered "$before"
+wait_for "the agent connected to the new relay" agent_connected 0
 
 
 # --- 3. the agent killed while pods are created ---
@@ -414,11 +453,11 @@ if until_ok 60 not_in_force_is 1; then
 else fail "judged (capped by the runtime, its process no MPS client) not reported cap-not-in-force in 60 s"; fi
 
 say "3. the agent SIGKILLed while $KILL_PODS GPU pods are created, one every 0.5 s"
-before=$(registrations_in_log)
+before=$(agent_connections)
 AGENT_PID=$(nri_task_pid "$NS" "$(agent_pod)")
 t0=$(now); kill -KILL "$AGENT_PID"
 for p in "${KILLED_PODS[@]}"; do pod "$p" "$BENCH_ENV"; sleep 0.5; done
-wait_for "the agent re-registered (containerd's log)" registered "$before"
+wait_for "the agent connected to the relay again (the relay's log)" agent_connected "$before"
 for i in $(seq 1 "$KILL_PODS"); do ready "$T" "kill-$i"; done
 # From containerd's log: when the agent registered again, and when each kill-N container was created (since the kill).
 log_offsets() { # log_offsets T0 NAME=SANDBOX...: "registered <s>" and "<name> <s>" (CreateContainer start)
@@ -436,8 +475,10 @@ PY
 }
 pairs=(); for p in "${KILLED_PODS[@]}"; do pairs+=("$p=$(nri_sandbox "$T" "$p" | head -n1)"); done
 mapfile -t offsets < <(log_offsets "$t0" "${pairs[@]}")
-reg_s=$(printf '%s\n' "${offsets[@]}" | awk '$1 == "registered" {print $2}')
-info "figure: SIGKILL to the agent registered again: ${reg_s} s (containerd's log)"
+# When the agent connected again: the relay's log line, by the kubelet's timestamp.
+conn_at=$(kubectl logs -n "$NS" "$(relay_pod)" --timestamps | grep 'the agent connected' | tail -n1 | awk '{print $1}')
+reg_s=$(awk -v a="$(date -d "$conn_at" +%s.%N)" -v b="$t0" 'BEGIN {printf "%.2f", a - b}')
+info "figure: SIGKILL to the agent connected to the relay again: ${reg_s} s (the relay's log)"
 printf '%s\n' "${offsets[@]}" | awk '$1 != "registered" {print $1, $2}' > "$WORK/kill-created"
 uncapped=0
 while read -r p at; do  # at: its CreateContainer, seconds after the kill
@@ -446,9 +487,10 @@ while read -r p at; do  # at: its CreateContainer, seconds after the kill
   info "$p (CreateContainer at +${at} s): CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=$v; events: ${ev:-none}"
   [ "$v" = 0=8192M ] || uncapped=$((uncapped + 1))
 done < "$WORK/kill-created"
-info "figure: $uncapped of $KILL_PODS pods run uncapped: those whose CreateContainer came before the agent registered again (+${reg_s} s; runtime fail-open)"
+info "figure: $uncapped of $KILL_PODS pods run uncapped: those whose CreateContainer came before the agent connected again (+${reg_s} s; the relay's fail-open, --runtime-caps-unresolved=create)"
 wait_for "the agent Ready again" kubectl wait --for=condition=Ready -n "$NS" "pod/$(agent_pod)" --timeout=5s
-# #53: each pod made uncapped meanwhile is told on its container once the agent is back (read at reconnect).
+# #53: each pod made uncapped meanwhile is told on its container once the agent is back (the relay hands it the GPU
+# containers the runtime made).
 not_capped_event() { kubectl get events.v1.events.k8s.io -n "$T" -o json | jq -r --arg p "$1" \
   '.items[] | select(.regarding.name == $p and .reason == "GpuMemoryNotCappedAtCreation") | "\(.regarding.fieldPath) \(.note)"'; }
 while read -r p _; do
@@ -459,7 +501,7 @@ while read -r p _; do
 done < "$WORK/kill-created"
 # What the agent says of them once back: its log and metrics (the runtime told it nothing at creation).
 kubectl logs -n "$NS" "$(agent_pod)" | grep -E 'runtime caps|kill-[0-9]' | tail -n 8 | sed 's/^/    agent: /'
-info "after: outcomes $(metrics | sed -n 's/^gpubudget_runtime_caps_containers_total{outcome="\([a-z_]*\)"} \([0-9]*\).*/\1=\2/p' | paste -sd' ' -); registrations $(metric gpubudget_runtime_caps_registrations_total)"
+info "after: outcomes $(metrics | sed -n 's/^gpubudget_runtime_caps_containers_total{outcome="\([a-z_]*\)"} \([0-9]*\).*/\1=\2/p' | paste -sd' ' -); connections to the relay $(metric gpubudget_runtime_caps_registrations_total)"
 # The pods capped before the restart, and those created uncapped while it was down, with a process that is no MPS
 # client: what the restarted agent judges (the runtime's caps it gave lived in its memory).
 write_sample "$(proc_of judged),$(proc_of kill-1),$(proc_of allgpu true)"
@@ -486,21 +528,43 @@ pod after-kill "$BENCH_ENV"; ready "$T" after-kill
 expect_env "a pod after the agent is back" "$T" after-kill c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 delete_pods "${KILLED_PODS[@]}" after-kill
 
-say "3c. the agent hung (SIGSTOP) while a GPU pod is created: containerd's 2 s plugin deadline"
+say "3b. the relay SIGKILLed while $KILL_PODS GPU pods are created: the runtime's own fail-open, told once it is back"
+mapfile -t RELAY_KILLED < <(names rkill "$KILL_PODS")
+before=$(registrations_in_log)
+RELAY_PID=$(nri_task_pid "$NS" "$(relay_pod)")
+t0=$(now); kill -KILL "$RELAY_PID"
+for p in "${RELAY_KILLED[@]}"; do pod "$p" "$BENCH_ENV"; sleep 0.5; done
+wait_for "the relay registered again (containerd's log)" registered "$before"
+info "figure: SIGKILL to the relay registered again: within $(since "$t0") s (the pods were created meanwhile, 3 s)"
+wait_for "the agent connected to the restarted relay" agent_connected 0
+for p in "${RELAY_KILLED[@]}"; do ready "$T" "$p"; done
+runcapped=0
+for p in "${RELAY_KILLED[@]}"; do
+  [ "$(env_of "$T" "$p" c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)" = 0=8192M ] && continue
+  runcapped=$((runcapped + 1))
+  told_uncapped() { [ -n "$(not_capped_event "$p")" ]; }
+  if until_ok 30 told_uncapped; then pass "$p, made while the relay was away, is told: $(not_capped_event "$p" | head -n1 | cut -c1-200)"
+  else fail "$p was made uncapped while the relay was away and has no GpuMemoryNotCappedAtCreation event"; fi
+done
+info "figure: $runcapped of $KILL_PODS pods made while the relay restarted run uncapped, each told"
+delete_pods "${RELAY_KILLED[@]}"
+
+say "3c. the agent hung (SIGSTOP) while a GPU pod is created: the relay answers within the runtime's 2 s"
 before=$(registrations_in_log); restarts0=$(kubectl get pod -n "$NS" "$(agent_pod)" -o jsonpath='{.status.containerStatuses[0].restartCount}')
 AGENT_PID=$(nri_task_pid "$NS" "$(agent_pod)")
 kill -STOP "$AGENT_PID"; t0=$(now)
 pod hung "$BENCH_ENV"; ready "$T" hung
 info "figure: pod hung Ready $(since "$t0") s after the agent stopped; its CRI CreateContainer: $(nri_create_ms "$N/containerd.log" "$(nri_sandbox "$T" hung | head -n1)") ms"
 v=$(env_of "$T" hung c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)
-if [ "$v" = "<unset>" ]; then pass "hung plugin: the container is made unadjusted (fail-open), CUDA_MPS_PINNED_DEVICE_MEM_LIMIT unset"
-else info "hung plugin: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=$v"; fi
-grep -F '90-gpubudget' "$N/containerd.log" | grep -iE 'timeout|deadline|closed|stop|fail' | tail -n 3 | cut -c1-240 | sed 's/^/    containerd: /'
+if [ "$v" = "<unset>" ]; then pass "hung agent: the relay answered in time, the container made unadjusted (fail-open), CUDA_MPS_PINNED_DEVICE_MEM_LIMIT unset"
+else info "hung agent: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=$v"; fi
+[ "$(registrations_in_log)" = "$before" ] && pass "the relay stayed registered (the runtime did not drop it)" || fail "the relay was dropped by the runtime while the agent hung"
 kill -CONT "$AGENT_PID"; t1=$(now)
-if until_ok 30 registered "$before"; then
-  info "figure: SIGCONT to registered again: $(since "$t1") s; agent restarts $restarts0 -> $(kubectl get pod -n "$NS" "$(agent_pod)" -o jsonpath='{.status.containerStatuses[0].restartCount}')"
-else fail "the agent did not register again within 30 s of SIGCONT"; fi
-kubectl logs -n "$NS" "$(agent_pod)" | grep -E 'gpubudget_nri' | tail -n 3 | cut -c1-200 | sed 's/^/    agent: /'
+told_hung() { [ -n "$(not_capped_event hung)" ]; }
+if until_ok 30 told_hung; then pass "hung, made uncapped while the agent hung, is told once it resumes: $(not_capped_event hung | head -n1 | cut -c1-200)"
+else fail "hung was made uncapped and has no GpuMemoryNotCappedAtCreation event 30 s after SIGCONT"; fi
+info "agent restarts $restarts0 -> $(kubectl get pod -n "$NS" "$(agent_pod)" -o jsonpath='{.status.containerStatuses[0].restartCount}')"
+wait_for "the agent connected" agent_connected 0
 pod after-hang "$BENCH_ENV"; ready "$T" after-hang
 expect_env "a pod after the agent resumed" "$T" after-hang c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 delete_pods hung after-hang
@@ -535,7 +599,8 @@ rm -f "$STATIC/ghost-create.yaml"
 say "5b. helm upgrade --set agent.runtimeCaps.unresolved=refuse"
 before=$(registrations_in_log)
 upgrade agent.runtimeCaps.unresolved=refuse
-wait_for "the new agent registered" registered "$before"
+wait_for "the new relay registered" registered "$before"
+wait_for "the new agent connected to it" agent_connected 0
 ghost_pod ghost-refuse
 refused() { grep -q "not created: pod $T-ghost/ghost-refuse-$NODE .* is not in the agent.s table" "$N/kubelet.log"; }
 t0=$(now)
@@ -549,17 +614,34 @@ info "unresolved_refused: $(count unresolved_refused)"
 pod after-refuse "$BENCH_ENV"; ready "$T" after-refuse
 expect_env "refuse mode: a resolvable pod still capped" "$T" after-refuse c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 rm -f "$STATIC/ghost-refuse.yaml"
+say "5c. refuse with the agent away (its DaemonSet kept off the node): GPU containers refused, others made"
+AGENT_DS=$(kubectl get daemonset -n "$NS" -l app.kubernetes.io/component=agent -o jsonpath='{.items[0].metadata.name}')
+kubectl patch daemonset -n "$NS" "$AGENT_DS" -p '{"spec":{"template":{"spec":{"nodeSelector":{"e2e.gpubudget.io/away":"yes"}}}}}' >/dev/null
+agent_gone() { [ -z "$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=agent -o name)" ] && ! agent_connected 0; }
+wait_for "the agent gone and disconnected" agent_gone
+pod away-gpu "$BENCH_ENV"; pod away-plain "{name: SOMETHING, value: else}"
+ready "$T" away-plain && pass "a container without a GPU is made with the agent away (refuse mode)"
+refused_away() { kubectl get events -n "$T" --field-selector involvedObject.name=away-gpu -o jsonpath='{.items[*].message}' | grep -q 'agent is not connected to the runtime-caps relay'; }
+if until_ok 30 refused_away; then pass "the GPU container is refused with the reason: $(kubectl get events -n "$T" --field-selector involvedObject.name=away-gpu -o jsonpath='{.items[*].message}' | grep -o 'gpubudget: GPU container[^;]*' | head -n1)"
+else fail "away-gpu was not refused with the agent away"; fi
+t0=$(now)
+kubectl patch daemonset -n "$NS" "$AGENT_DS" --type=json -p '[{"op":"remove","path":"/spec/template/spec/nodeSelector/e2e.gpubudget.io~1away"}]' >/dev/null
+wait_for "the agent back and connected" agent_connected 0
+info "figure: agent DaemonSet restored to connected: $(since "$t0") s"
+ready "$T" away-gpu 330
+info "figure: the refused GPU pod Ready $(since "$t0") s after the agent was restored (the kubelet's back-off between attempts)"
+expect_env "refused while the agent was away, made capped once it is back" "$T" away-gpu c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
+delete_pods away-gpu away-plain
 
 # --- 4. containerd restarted under the agent ---
-say "4. containerd restarted under the agent"
-regs0=$(metric gpubudget_runtime_caps_registrations_total)
+say "4. containerd restarted under the relay"
+regs0=$(registrations_in_log)
 cp "$N/containerd.log" "$WORK/containerd-before-restart.log"
 CPID=$(cat "$N/containerd.pid"); t0=$(now); kill "$CPID"
 while kill -0 "$CPID" 2>/dev/null; do sleep 0.1; done
 REALK8S_CONTAINERD=2 bash "$REALK8S/node-up.sh" >/dev/null 2>&1
 info "containerd back after $(since "$t0") s (node-up.sh)"
-moved() { [ "$(metric gpubudget_runtime_caps_registrations_total)" -gt "$1" ]; }
-info "figure: containerd stopped to registrations_total ${regs0} -> more: $(timed "gpubudget_runtime_caps_registrations_total moves" "$t0" moved "$regs0") s; containerd's log: $(registrations_in_log) registration"
+info "figure: containerd stopped to the relay registered again: $(timed "the relay registered again (containerd's log)" "$t0" registered "$regs0") s; containerd's log: $(registrations_in_log) registrations"
 pod after-restart "$BENCH_ENV"; ready "$T" after-restart
 expect_env "a pod after the containerd restart" "$T" after-restart c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 cp "$N/containerd.log" "$WORK/containerd-after-restart.log"

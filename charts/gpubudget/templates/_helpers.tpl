@@ -198,3 +198,20 @@ mirrors only while it is renewed).
 {{- define "gpubudget.celList" -}}
 [{{ range $i, $s := . }}{{ if $i }}, {{ end }}'{{ $s }}'{{ end }}]
 {{- end }}
+
+{{/*
+The runtime-caps relay (#53): where its socket is mounted in both pods, and the socket's path there (one per release
+in the node's relay directory).
+*/}}
+{{- define "gpubudget.runtimeCaps.mount" -}}
+/run/gpubudget-relay
+{{- end }}
+
+{{- define "gpubudget.runtimeCaps.socket" -}}
+{{ include "gpubudget.runtimeCaps.mount" . }}/{{ .Release.Namespace }}-{{ include "gpubudget.fullname" . }}.sock
+{{- end }}
+
+{{/* The agent's effective user ID: root only for the driver's limits (nvmlDeviceSetMemoryLimits_v1). */}}
+{{- define "gpubudget.agent.uid" -}}
+{{- ternary 0 (.Values.agent.podSecurityContext.runAsUser | default 64001) .Values.agent.applyDriverLimits -}}
+{{- end }}
