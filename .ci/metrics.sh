@@ -16,6 +16,7 @@ cd "$(dirname "$0")/.."
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpubudget-metrics.XXXXXX")
 PIDS=()
+# shellcheck disable=SC2329 # run by the EXIT trap below
 cleanup() {
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true

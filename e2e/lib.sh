@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shell helpers shared by the end-to-end scripts (e2e/cluster/run.sh, e2e/apiserver/*.sh). Sourced, not run.
 # The script sets START (its $SECONDS at start), STEP_TIMEOUT (seconds a wait_for may take) and POLL (seconds
 # between two tries of wait_for) before calling them; kubectl talks to the cluster of KUBECONFIG. Sourcing it sets
@@ -21,6 +22,7 @@ control_plane_or_skip() {
   if [ -z "${KUBECONFIG:-}" ]; then
     if [ -n "${REALK8S_DIR:-}" ] && [ -x "$REALK8S_DIR/bin/kube-apiserver" ] && [ -f "$REALK8S/up.sh" ]; then
       eval "$(bash "$REALK8S/up.sh")"
+      # shellcheck disable=SC2034 # read by the sourcing scripts' cleanup
       STARTED_REALK8S=1
     else
       echo "skipped: KUBECONFIG is not set, and REALK8S_DIR has no kube-apiserver built. To run $0: build one once"
@@ -199,6 +201,7 @@ expect() {
   out=$(kubectl "${as[@]}" "$@" 2>&1 | grep -v '^WARNING: Kubernetes configuration file is') || rc=$?
   { printf '\n$ kubectl %s    # as %s, expect %s\n' "$*" "$who" "$want"; printf '%s\n' "$out"
     [ "$rc" = 0 ] || echo "(exit status $rc)"; } | tee -a "$RESULT"
+  # shellcheck disable=SC2015 # die when either test fails
   case $want in
     ok) [ "$rc" = 0 ] || die "expected success: kubectl $* as $who" ;;
     denied) [ "$rc" != 0 ] && grep -q 'Forbidden\|forbidden' <<<"$out" || die "expected Forbidden: kubectl $* as $who" ;;

@@ -112,6 +112,7 @@ webhook_cert "$WORK/tls"
 # Both CRDs: the agent watches ClusterGpuMemoryBudgets too, and is not ready before that list.
 kubectl apply -f "$REPO/crds/" >/dev/null
 kubectl wait --for=condition=Established "crd/$CRD" crd/clustergpumemorybudgets.gpubudget.io --timeout=60s >/dev/null
+# shellcheck disable=SC2016 # $k, $url and $ca are yq's variables
 "$HELM" template "$RELEASE" "$REPO/charts/gpubudget" -n "$NS" --kube-version 1.33.0 \
   | yq -y --arg url "https://$WEBHOOK/mutate-pod-caps" --arg ca "$(base64 -w0 < "$WORK/tls/ca.crt")" \
       'select(. != null) | select(.kind as $k | ["ServiceAccount", "ClusterRole", "ClusterRoleBinding",

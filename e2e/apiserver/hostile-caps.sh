@@ -75,6 +75,7 @@ webhook_cert "$WORK/tls"
 kubectl apply -f "$REPO/crds/" >/dev/null
 kubectl wait --for=condition=Established crd/gpumemorybudgets.gpubudget.io crd/clustergpumemorybudgets.gpubudget.io \
   crd/clustergpumemoryquotas.gpubudget.io --timeout=60s >/dev/null
+# shellcheck disable=SC2016 # $k, $caps, $evict and $ca are yq's variables
 "$HELM" template "$RELEASE" "$REPO/charts/gpubudget" -n "$NS" --kube-version 1.33.0 \
   | yq -y --arg caps "https://$WEBHOOK/mutate-pod-caps" --arg evict "https://$WEBHOOK/validate-eviction" \
       --arg ca "$(base64 -w0 < "$WORK/tls/ca.crt")" \

@@ -96,7 +96,9 @@ attempt() {
   out=$(kubectl "${as[@]}" "$@" 2>&1) || rc=$?
   out=$(grep -v '^WARNING: Kubernetes configuration file is' <<<"$out" || true)
   printf '\n    $ kubectl %s    # as %s, expect %s\n' "$*" "$who" "$want"
+  # shellcheck disable=SC2001 # every line of a multi-line output indented
   sed 's/^/      /' <<<"$out" | cut -c1-400
+  # shellcheck disable=SC2015 # die when any of the tests fails
   case $want in
     ok) [ "$rc" = 0 ] || die "expected success: kubectl $* as $who"
         PASSED=$((PASSED + 1)) ;;

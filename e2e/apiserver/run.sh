@@ -113,6 +113,7 @@ webhook_cert "$WORK/tls"
 CA_BUNDLE=$(base64 -w0 < "$WORK/tls/ca.crt")
 # The chart requires 1.33; the kinds rendered here are served the same by 1.32.
 "$HELM" template "$RELEASE" "$REPO/charts/gpubudget" -n "$NS" --kube-version 1.33.0 > "$WORK/chart.yaml"
+# shellcheck disable=SC2016 # $url and $ca are yq's variables
 yq -y --arg url "https://$WEBHOOK/validate-eviction" --arg ca "$CA_BUNDLE" '
   select(.kind == "ServiceAccount" or .kind == "ClusterRole" or .kind == "ClusterRoleBinding" or .kind == "Role"
          or .kind == "RoleBinding" or .kind == "ValidatingAdmissionPolicy" or .kind == "ValidatingAdmissionPolicyBinding"
@@ -133,7 +134,6 @@ EOF
   kubectl patch node "$n" --subresource=status --type=merge \
     -p '{"status":{"conditions":[{"type":"Ready","status":"True","reason":"KubeletReady","message":"played by the e2e test"}]}}' >/dev/null
 done
-NEXT_PID=4100
 # make_pod NAMESPACE NAME NODE LABELS(k=v,...): a running pod with one container "main", as the kubelet reports
 # it; prints nothing. Its container ID is 64 hex digits derived from the name.
 make_pod() {

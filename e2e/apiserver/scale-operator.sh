@@ -133,6 +133,7 @@ printf '    RESULT end rss=%sMiB peak=%sMiB reconciles=%s status_writes=%s\n' "$
   "$(echo "$M" | awk '/^gpubudget_operator_reconciles_total/ {s += $2} END {print s + 0}')" \
   "$(echo "$M" | awk '/^gpubudget_operator_status_writes_total/ {s += $2} END {print s + 0}')" | tee -a "$WORK/results.txt"
 kill -TERM "$OPERATOR_PID"
+# shellcheck disable=SC2015 # info does not fail
 wait "$OPERATOR_PID" && info "operator exited 0 after SIGTERM" || info "operator exit: $?"
 OPERATOR_PID=""
 if [ "${GPUBUDGET_E2E_CEILING:-0}" = 1 ]; then

@@ -72,6 +72,7 @@ cpu_ms() { awk '{print ($14 + $15) * 10}' "/proc/$1/stat"; }
 # cpu_us PID: the CPU time of PID's threads alive now, in microseconds (the scheduler's nanosecond account,
 # /proc/PID/task/*/schedstat; a thread that exited is not in it, so `threads` is printed with it).
 cpu_us() { cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {printf "%d\n", s / 1000}'; }
+# shellcheck disable=SC2012 # the entries are thread IDs: digits only
 threads() { ls /proc/"$1"/task | wc -l; }
 metric() { curl -fsS "http://$ADMIN/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
 # writes: the agent's API writes so far, by kind and in all ("apply=110 event=3 all=113").
@@ -246,7 +247,7 @@ EOF
     "$(echo "$(metric gpubudget_pod_table_rebuilds_total) - $rb0" | bc)" | tee -a "$WORK/results.txt"
   # #34: with the operator's mirrors the agent closes its budget watch once every budget is mirrored; the
   # streams below then measure what reaches it with the mirrors alone.
-  local waited=0 mirrored
+  local waited=0
   mirrored() { metric 'gpubudget_budget_specs_from_mirrors{kind="GpuMemoryBudget"}'; }
   while [ "$(mirrored)" != 1 ] && [ "$waited" -lt 60 ] && [ "$BUDGETS" != 0 ]; do sleep 1; waited=$((waited + 1)); done
   printf '    MIRRORS %-6s budgets=%s  agent reads the mirrors only: %s (waited %s s)  operator mirror writes: %s\n' "$label" "$BUDGETS" \

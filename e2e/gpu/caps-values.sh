@@ -66,6 +66,7 @@ while IFS=$'\t' read -r name raw raw_verdict written _written_verdict; do
              fi ;;
     uncapped*) [ "$r" = 6 ] || ok="said uncapped, held $r GiB (the safe side: reported uncapped)" ;;
   esac
+  # shellcheck disable=SC2016 # the backticks are Markdown's
   printf '| %s `%s` | %s | %s | `%s` | %s | %s |\n' "$name" "$raw" "$r" "${raw_verdict:0:60}" "$written" "$w" "$ok" >> "$OUT/caps-values.txt"
 done < "$VALUES"
 echo >> "$OUT/caps-values.txt"

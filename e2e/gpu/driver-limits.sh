@@ -70,6 +70,7 @@ if [ "$HAS" = no ]; then
     || fail "detection on a driver without the call: $DETECT"
   grep -q "driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader -i 0)" <<< "$DETECT" \
     || fail "the unavailable line names the driver's version: $DETECT"
+  # shellcheck disable=SC2015 # fail when either test fails
   [ "$READ_RC" = 0 ] && head -1 <<< "$READ" | grep -q '^driver-limits: unavailable' \
     || fail "a read on a driver without the call says unavailable and exits 0: $READ"
   grep -q 'DRIVER CAP' <<< "$TOP" && fail "top shows a DRIVER CAP column where the driver cannot tell"

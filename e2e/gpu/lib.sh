@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by the real-GPU scripts of issue 12 (accounting.sh, multi.sh): kubelet-shaped cgroups for fake pods,
 # processes started inside them, and the cleanup. Source it after `set -euo pipefail`; needs root and cgroup v2.
 #
@@ -47,6 +48,7 @@ start() {
   shift 2
   while [ "$1" != "--" ]; do vars+=("$1"); shift; done
   shift
+  # shellcheck disable=SC2016 # $$, $0 and $@ belong to the inner sh
   env "${vars[@]}" sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$(scope "$key")" "$@" \
     > "$WORK/$name.jsonl" 2> "$WORK/$name.err" &
   PIDS+=($!)

@@ -76,6 +76,7 @@ look step1
 
 say "step 2: spread-0's GPU 1 process killed"
 echo "{\"event\": \"killed\", \"t\": $(now)}" > "$WORK/kill.jsonl"
+# shellcheck disable=SC2154 # PID_s1 is set by lib.sh's start (printf -v)
 kill -9 "$PID_s1"
 wait_for GpuMemoryWithinBudget 10
 sleep 1
@@ -88,6 +89,7 @@ echo "{\"event\": \"back\", \"t\": $(now)}" >> "$WORK/kill.jsonl"
 wait_for '"kind":"evict"' 60
 echo "{\"event\": \"evicted\", \"t\": $(now)}" >> "$WORK/kill.jsonl"
 look step3
+# shellcheck disable=SC2154 # set by lib.sh's start (printf -v)
 kill -TERM "$PID_s0" "$PID_s1b" 2>/dev/null || true
 sleep 3
 look step4

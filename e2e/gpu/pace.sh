@@ -100,14 +100,16 @@ YAML
   agents pods --pressure-hard off
   sleep 3
   touch "$WORK/go-near"; say "near: $CYCLES crossings"
-  until_logged near done
+  until_logged near "done"
+  # shellcheck disable=SC2154 # PID_near is set by lib.sh's start (printf -v)
   kill -9 "$PID_near"
   sleep 3  # the near pod's processes gone: the new pace relaxes after its 2 s hold
   echo "new agent's interval before the far crossings: $(interval_now) s" >> "$WORK/pace.txt"
   touch "$WORK/go-far"; say "far: $CYCLES crossings"
-  until_logged far done
+  until_logged far "done"
   sleep 1
   stop_agents
+  # shellcheck disable=SC2154 # PID_far is set by lib.sh's start (printf -v)
   kill -9 "$PID_far"
   sleep 2
 
@@ -122,7 +124,7 @@ YAML
   agents gpu --pressure-hard "$((free - 1024))Mi" --pressure-transition 500ms
   sleep 3
   touch "$WORK/go-gpu"; say "gpu: $CYCLES crossings"
-  until_logged gpu done
+  until_logged gpu "done"
   sleep 1
   stop_agents
   stop_all

@@ -104,7 +104,7 @@ run_case() { # rate off|old|new
   "$AGENT" standalone --budgets "$WORK/budgets.yaml" --pods "$WORK/pods.yaml" --node-name "$NODE" --interval 250ms \
     --interval-near "$near" --pressure-hard "$hard" --pressure-grace-seconds "$GRACE" --output "$WORK/$CASE-agent.jsonl" 2> "$WORK/$CASE-agent.err" &
   local agent=$!
-  PIDS+=($agent)
+  PIDS+=("$agent")
   sleep 2
   start grower team-g/grower grower --jump-gib "$JUMP" --rate "$rate"
   local t0 deadline evicted=""
@@ -115,6 +115,7 @@ run_case() { # rate off|old|new
     if [ -z "$evicted" ] && grep -q '"kind":"evict".*team-g/grower\|team-g/grower.*"kind":"evict"' "$WORK/$CASE-agent.jsonl" 2>/dev/null; then
       evicted=$(date +%s.%N)
       # The kubelet's part: SIGTERM at once, SIGKILL after the grace.
+      # shellcheck disable=SC2154 # PID_grower is set by lib.sh's start (printf -v)
       kill -TERM "$PID_grower" 2>/dev/null || true
       ( sleep "$GRACE"; kill -KILL "$PID_grower" 2>/dev/null || true ) &
       say "$CASE: grower evicted; terminating it"

@@ -37,6 +37,7 @@ AGENT_PID=
 say() { printf '[%s] %s\n' "$(date +%H:%M:%S.%N | cut -c1-12)" "$*"; }
 fail() { say "FAIL: $*"; exit 1; }
 
+# shellcheck disable=SC2329 # called by cleanup, which the EXIT trap runs
 collect() {
   # At most 8 files come back from $OUT.
   cp -f "$WORK/decisions.jsonl" "$WORK/agent.log" "$WORK/top.json" "$WORK/sample.json" "$WORK/summary.txt" "$OUT/" 2>/dev/null || true
@@ -58,6 +59,7 @@ collect() {
   } > "$OUT/setup.txt"
 }
 
+# shellcheck disable=SC2329 # run by the EXIT trap below
 cleanup() {
   set +e
   [ -n "$AGENT_PID" ] && kill "$AGENT_PID" 2>/dev/null
@@ -178,7 +180,7 @@ start crosser-main team-c/crosser main crosser --base-gib 1 --jump-gib 2 --cycle
 start stray "" "" hold --gib 0.5
 say "workloads started: $(tr '\n' ' ' < "$WORK/pids")"
 
-for i in $(seq 1 240); do
+for _ in $(seq 1 240); do
   ready=$({ grep -l '"event": "ready"' "$WORK"/*-main.log "$WORK"/hold-sidecar.log "$WORK"/stray.log 2>/dev/null || true; } | wc -l)
   [ "$ready" -eq 6 ] && break
   for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || { tail -5 "$WORK"/*.log; fail "a workload exited early"; }; done

@@ -122,7 +122,7 @@ if [ -n "$HOST_PROC" ]; then
     want=$(sed -n 's/^USER //p' "$REPO/docker/$comp.Dockerfile")
     [ "$exe" = "/usr/local/bin/gpubudget-$comp" ] || die "$comp runs $exe, not /usr/local/bin/gpubudget-$comp (the Dockerfile's entrypoint)"
     [ "$user" = "$want" ] || die "$comp runs as $user, not $want (docker/$comp.Dockerfile USER)"
-    bin_var=GPUBUDGET_E2E_$(echo "$comp" | tr a-z A-Z)_BINARY
+    bin_var=GPUBUDGET_E2E_$(echo "$comp" | tr '[:lower:]' '[:upper:]')_BINARY
     if [ -n "${!bin_var:-}" ]; then
       cmp -s "$HOST_PROC/$pid/exe" "${!bin_var}" || die "$comp runs a binary other than ${!bin_var}"
     fi

@@ -53,6 +53,7 @@ info "agent's eviction requests by result: before [$EVICTIONS_BEFORE], after [$E
 before_accepted=$(echo "$EVICTIONS_BEFORE" | sed -n 's/.*accepted=\([0-9]*\).*/\1/p')
 after_accepted=$(echo "$EVICTIONS_AFTER" | sed -n 's/.*accepted=\([0-9]*\).*/\1/p')
 [ "$((after_accepted - ${before_accepted:-0}))" = 1 ] || die "the agent's accepted evictions went from ${before_accepted:-0} to $after_accepted (expected one more: roll)"
+# shellcheck disable=SC2001 # a regular expression (digits only), which ${var//} cannot say
 [ "$(echo "$EVICTIONS_BEFORE" | sed 's/accepted=[0-9]*//')" = "$(echo "$EVICTIONS_AFTER" | sed 's/accepted=[0-9]*//')" ] \
   || die "the agent's refused or failed evictions changed during the rollout: [$EVICTIONS_BEFORE] -> [$EVICTIONS_AFTER]"
 info "roll evicted once, accepted at the first request, counted once (roll-evict EVICTED 1, lastEviction roll)"
