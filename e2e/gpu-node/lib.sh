@@ -45,7 +45,8 @@ gpu_pids() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,nohead
 used_gib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk '{printf "%.1f", $1 / 1024}'; }
 # torch_pod NAME APP GPU-ARGS...: a PyTorch pod running e2e/gpu/workload.py with the host's python3. Shaped by
 # POD_META (more metadata fields, flow YAML: `annotations: {gpu-fraction: "0.5"}`), POD_SPEC (more spec fields:
-# `schedulerName: kai-scheduler, nodeName: gpu-node`) and POD_LIMITS (the container's limits; default one GPU).
+# `schedulerName: kai-scheduler, nodeName: gpu-node`), POD_ENV (more env items, flow YAML) and POD_LIMITS (the
+# container's limits; default one GPU).
 torch_pod() {
   local name=$1 app=$2 args; shift 2; args=$(printf '"%s", ' "$@"); args=${args%, }
   kubectl apply -f - >/dev/null <<YAML || fail "pod $name not created"
@@ -62,7 +63,7 @@ spec:
       image: local/busybox:1
       imagePullPolicy: Never
       command: [/bin/chroot, /host, $PY, -u, $REPO/e2e/gpu/workload.py, $args]
-      env: [{name: LD_LIBRARY_PATH, value: "${LD_LIBRARY_PATH:-}"}]
+      env: [{name: LD_LIBRARY_PATH, value: "${LD_LIBRARY_PATH:-}"}${POD_ENV:+, $POD_ENV}]
       resources: {limits: {${POD_LIMITS:-nvidia.com/gpu: 1}}}
       securityContext: {privileged: true}
       volumeMounts: [{name: host, mountPath: /host}]
@@ -89,7 +90,8 @@ machine_and_chart() {
   kubectl create namespace $APP >/dev/null
   kubectl label namespace $APP pod-security.kubernetes.io/enforce=privileged >/dev/null
   AT=$(t)
-  helm install gpubudget "$G"/gpubudget-*.tgz -n $NS -f "$HERE/values.yaml" --wait --timeout 180s \
+  # shellcheck disable=SC2086 # CHART_SETS: more --set flags, split on spaces
+  helm install gpubudget "$G"/gpubudget-*.tgz -n $NS -f "$HERE/values.yaml" ${CHART_SETS:-} --wait --timeout 180s \
     || fail "helm install did not become ready"
   info "figure: helm install --wait, every agent and operator pod ready: $(awk -v a="$AT" -v b="$(t)" 'BEGIN {printf "%.1f", b - a}') s"
   kubectl get pods -n $NS -o wide | sed 's/^/    /'

@@ -2,7 +2,8 @@
 # Here (x86-64, with ../shared/realk8s built): packs what the GPU machine needs for the user's whole story, in
 # three folders that each fit one transfer of the device tool (64 MiB with the repository):
 #   carry/gpu-node/1  the control plane: etcd 3.4, kube-apiserver, kube-controller-manager, kube-scheduler (1.32)
-#   carry/gpu-node/2  the node: kubelet 1.32, containerd 1.6 + shim + runc + ctr, CNI plugins, pause and busybox
+#   carry/gpu-node/2  the node: kubelet 1.32, containerd 1.6 + shim + runc + ctr (GPU_NODE_CONTAINERD=2: containerd
+#                     2.3.4 with NRI, from ../shared/realk8s/build-containerd.sh), CNI plugins, pause and busybox
 #   carry/gpu-node/3  kubectl, helm 3.10, the images of this checkout's release binaries, kubectl-gpubudget, the
 #                     packaged chart, a service-account key for that cluster only
 # xz-compressed; e2e/gpu-node/up.sh unpacks them there. Nothing here is committed (carry/ is ignored).
@@ -22,8 +23,14 @@ pack() { # PART FILE...: each file xz-compressed under its base name
   for f in "$@"; do xz -T0 -6 -c "$(readlink -f "$f")" > "$OUT/$part/$(basename "$f").xz" & done; wait
 }
 pack 1 "$D/bin/kube-apiserver" "$D/bin/kube-controller-manager" "$D/bin/kube-scheduler" "$D/bin/etcd"
-pack 2 "$D/bin/kubelet" "$(command -v containerd)" "$(command -v containerd-shim-runc-v2)" "$(command -v runc)" \
-  "$(command -v ctr)" /usr/lib/cni/bridge /usr/lib/cni/host-local /usr/lib/cni/loopback "$(command -v busybox)"
+if [ "${GPU_NODE_CONTAINERD:-1}" = 2 ]; then
+  C=$D/containerd2/bin
+  [ -x "$C/containerd" ] || { echo "FAIL: $C/containerd missing: run ../shared/realk8s/build-containerd.sh first" >&2; exit 1; }
+  CTRD=("$C/containerd" "$C/containerd-shim-runc-v2" "$C/ctr")
+else
+  CTRD=("$(command -v containerd)" "$(command -v containerd-shim-runc-v2)" "$(command -v ctr)")
+fi
+pack 2 "$D/bin/kubelet" "${CTRD[@]}" "$(command -v runc)" /usr/lib/cni/bridge /usr/lib/cni/host-local /usr/lib/cni/loopback "$(command -v busybox)"
 pack 3 "$(command -v kubectl)" "$(command -v helm)" "$REL/kubectl-gpubudget"
 # Images as tarballs, made by ../shared/realk8s/image.sh as the node tier makes them (a stand-in `ctr` keeps the
 # tarball): pause from the Kubernetes source, a static busybox (with chroot) for the workload pods, and the two

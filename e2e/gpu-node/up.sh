@@ -3,7 +3,7 @@
 # Unpacks a part pack.sh made into $G (default /tmp/gpu-node-k8s), which outlives the call on a warm machine.
 # Once all three parts are there it starts a one-node Kubernetes 1.32 (each process in its own session, so it
 # outlives the call too; idempotent): etcd, kube-apiserver, kube-controller-manager, kube-scheduler; containerd
-# 1.6 with runc and the `nvidia` runtime handler (e2e/gpu-node/nvidia-runtime, a stand-in for the NVIDIA
+# 1.6 (or 2 with NRI on /var/run/nri/nri.sock, whichever pack.sh packed) with runc and the `nvidia` runtime handler (e2e/gpu-node/nvidia-runtime, a stand-in for the NVIDIA
 # Container Toolkit's runtime); the kubelet, registered as node gpu-node with the label GPU feature discovery
 # puts on GPU nodes. No kube-proxy and no iptables there: the `kubernetes` Service's address 10.96.0.1 is put on
 # the loopback device and the API server listens on :443, so pods reach it at that address as kube-proxy would
@@ -80,6 +80,43 @@ start kube-scheduler kube-scheduler --kubeconfig="$W/kubeconfig" --bind-address=
 # route through the node (so pods reach 10.96.0.1 on its loopback).
 sed -e "s|@RUNC@|$B/runc|" -e "s|@NVML@|$NVML|" -e "s|@LOG@|$G/logs/nvidia-runtime.log|" \
   -e "1s|.*|#!$(command -v python3)|" "$HERE/nvidia-runtime" > "$B/nvidia-runtime"; chmod +x "$B/nvidia-runtime"
+if "$B/containerd" --version | grep -q ' v2\.'; then
+# containerd 2 (config version 3): the same runtimes, and NRI on (the runtime-caps relay's socket, #53).
+cat > "$G/containerd.toml" <<TOML
+version = 3
+root = "/var/lib/containerd-gk2"
+state = "/run/containerd-gk"
+[grpc]
+  address = "$SOCK"
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "registry.k8s.io/pause:3.10"
+[plugins."io.containerd.cri.v1.runtime"]
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.cri.v1.runtime".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      runtime_path = "$B/containerd-shim-runc-v2"
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+        BinaryName = "$B/runc"
+        SystemdCgroup = false
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.nvidia]
+      runtime_type = "io.containerd.runc.v2"
+      runtime_path = "$B/containerd-shim-runc-v2"
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.nvidia.options]
+        BinaryName = "$B/nvidia-runtime"
+        SystemdCgroup = false
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["$G/cni"]
+    conf_dir = "$G/net.d"
+[plugins."io.containerd.nri.v1.nri"]
+  disable = false
+  disable_connections = false
+  socket_path = "/var/run/nri/nri.sock"
+TOML
+else
 cat > "$G/containerd.toml" <<TOML
 version = 2
 root = "/var/lib/containerd-gk"
@@ -107,6 +144,7 @@ state = "/run/containerd-gk"
     bin_dir = "$G/cni"
     conf_dir = "$G/net.d"
 TOML
+fi
 cat > "$G/net.d/10-gpu-node.conflist" <<JSON
 {"cniVersion": "0.4.0", "name": "gpu-node", "plugins": [
   {"type": "bridge", "bridge": "cni0", "isGateway": true, "isDefaultGateway": true, "ipam": {"type": "host-local",
