@@ -202,7 +202,7 @@ def tight(name, pod, container):
 
 for name in ("default", "all-features", "no-node-restriction", "no-webhooks", "cert-manager", "existing-secret", "no-shares"):
     docs = load(name)
-    ds, dep = one(docs, "DaemonSet"), one(docs, "Deployment")
+    ds, dep = one(docs, "DaemonSet", "-agent"), one(docs, "Deployment")
     apod, opod = ds["spec"]["template"]["spec"], dep["spec"]["template"]["spec"]
     agent, operator = apod["containers"][0], opod["containers"][0]
     check(agent["args"] == ["run"] and operator["args"] == ["run"], f"{name}: both run `run`")
@@ -394,7 +394,7 @@ cert_source("all-features", "certManager")
 cert_source("existing-secret", "existingSecret")
 
 # #32: setting the driver's limits is privileged: only then does the agent run as root, and nothing else loosens.
-apod = one(load("apply-driver-limits"), "DaemonSet")["spec"]["template"]["spec"]
+apod = one(load("apply-driver-limits"), "DaemonSet", "-agent")["spec"]["template"]["spec"]
 agent = apod["containers"][0]
 check(env(agent)["GPUBUDGET_APPLY_DRIVER_LIMITS"]["value"] == "true", "apply-driver-limits: the flag reaches the agent")
 psc, sc = apod["securityContext"], agent["securityContext"]
@@ -402,23 +402,47 @@ check(psc.get("runAsUser") == 0 and psc.get("runAsNonRoot") is False, "apply-dri
 check(sc.get("allowPrivilegeEscalation") is False and sc.get("capabilities", {}).get("drop") == ["ALL"]
       and "add" not in sc.get("capabilities", {}) and "privileged" not in sc, "apply-driver-limits: no capability, no escalation")
 
-# #45: the NRI socket is root's: only with runtime caps on does the agent run as root, with the socket's directory
-# mounted and every setting reaching it; nothing else loosens.
-apod = one(load("runtime-caps"), "DaemonSet")["spec"]["template"]["spec"]
+# #45/#53: runtime caps by least privilege. The relay alone holds the NRI socket (its directory read-only, type
+# Directory), as UID 0 without any capability, no host PIDs, no token, no port, no GPU; the agent stays non-root with
+# only the relay's socket (read-only); every setting reaches the one that reads it.
+docs = load("runtime-caps")
+apod = one(docs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
 agent = apod["containers"][0]
 aenv = {k: e.get("value") for k, e in env(agent).items()}
-check(aenv.get("GPUBUDGET_RUNTIME_CAPS") == "true" and aenv.get("GPUBUDGET_RUNTIME_CAPS_SOCKET") == "/var/run/nri/nri.sock"
-      and aenv.get("GPUBUDGET_RUNTIME_CAPS_UNRESOLVED") == "refuse"
-      and aenv.get("GPUBUDGET_RUNTIME_CAPS_MPS_PIPE_DIRECTORY") == "/run/nvidia/mps", "runtime-caps: the settings reach the agent")
-mounts = {m["name"]: m["mountPath"] for m in agent.get("volumeMounts", [])}
-volumes = {v["name"]: v for v in apod.get("volumes", [])}
-check(mounts.get("nri") == "/var/run/nri" and volumes.get("nri", {}).get("hostPath", {}).get("path") == "/var/run/nri",
-      "runtime-caps: the socket's directory is mounted from the host")
+relay_ds = one(docs, "DaemonSet", "-agent-runtime-caps")
+rpod = relay_ds["spec"]["template"]["spec"]
+relay = rpod["containers"][0]
+renv = {k: e.get("value") for k, e in env(relay).items()}
+sock = renv.get("GPUBUDGET_RUNTIME_CAPS_SOCKET")
+check(aenv.get("GPUBUDGET_RUNTIME_CAPS") == "true" and aenv.get("GPUBUDGET_RUNTIME_CAPS_SOCKET") == sock and sock
+      and aenv.get("GPUBUDGET_RUNTIME_CAPS_UNRESOLVED") == "refuse" and renv.get("GPUBUDGET_RUNTIME_CAPS_UNRESOLVED") == "refuse"
+      and aenv.get("GPUBUDGET_RUNTIME_CAPS_MPS_PIPE_DIRECTORY") == "/run/nvidia/mps", "runtime-caps: the settings reach the agent and the relay")
+check(relay["args"] == ["runtime-caps-relay"] and renv.get("GPUBUDGET_NRI_SOCKET") == "/var/run/nri-host/nri.sock"
+      and renv.get("GPUBUDGET_RUNTIME_CAPS_AGENT_UID") == str(apod["securityContext"]["runAsUser"])
+      and renv.get("NVIDIA_VISIBLE_DEVICES") == "void", "runtime-caps: the relay's command, sockets, the agent's UID, no GPU")
+amounts = {m["name"]: m for m in agent.get("volumeMounts", [])}
+avols = {v["name"]: v for v in apod.get("volumes", [])}
+rmounts = {m["name"]: m for m in relay.get("volumeMounts", [])}
+rvols = {v["name"]: v for v in rpod.get("volumes", [])}
+check(not any(v.get("hostPath", {}).get("path") == "/var/run/nri" for v in avols.values()), "runtime-caps: the agent does not mount the NRI socket")
+check(amounts.get("runtime-caps-relay", {}).get("readOnly") is True and sock.startswith(amounts["runtime-caps-relay"]["mountPath"] + "/"),
+      "runtime-caps: the agent mounts only the relay's socket directory, read-only")
+check(rvols.get("nri", {}).get("hostPath") == {"path": "/var/run/nri", "type": "Directory"} and rmounts.get("nri", {}).get("readOnly") is True
+      and rmounts["nri"]["mountPath"] == "/var/run/nri-host", "runtime-caps: the relay mounts the NRI socket's directory read-only, never creates it")
+check(rvols.get("runtime-caps-relay", {}).get("hostPath", {}).get("path") == avols.get("runtime-caps-relay", {}).get("hostPath", {}).get("path"),
+      "runtime-caps: one relay directory for both")
 psc, sc = apod["securityContext"], agent["securityContext"]
-check(psc.get("runAsUser") == 0 and psc.get("runAsNonRoot") is False, "runtime-caps: the agent runs as root")
-check(sc.get("allowPrivilegeEscalation") is False and sc.get("capabilities", {}).get("drop") == ["ALL"]
-      and "add" not in sc.get("capabilities", {}) and "privileged" not in sc, "runtime-caps: no capability, no escalation")
-default_agent = one(load("default"), "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+check(psc.get("runAsUser") != 0 and psc.get("runAsNonRoot") is True, "runtime-caps: the agent stays non-root")
+check(apod.get("hostPID") is True and rpod.get("hostPID") in (None, False), "runtime-caps: host PIDs for the agent only")
+check(rpod.get("automountServiceAccountToken") is False and rpod.get("enableServiceLinks") is False and "ports" not in relay,
+      "runtime-caps: the relay has no token, no service links, no port")
+rpsc, rsc = rpod["securityContext"], relay["securityContext"]
+check(rpsc.get("runAsUser") == 0 and rpsc.get("runAsGroup") == psc.get("runAsGroup") and rpsc.get("seccompProfile", {}).get("type") == "RuntimeDefault",
+      "runtime-caps: the relay is root in the agent's group (its socket is the agent's to open), RuntimeDefault seccomp")
+check(rsc.get("allowPrivilegeEscalation") is False and rsc.get("readOnlyRootFilesystem") is True and rsc.get("capabilities", {}).get("drop") == ["ALL"]
+      and "add" not in rsc.get("capabilities", {}) and "privileged" not in rsc, "runtime-caps: the relay holds no capability, no escalation")
+check(not any(d["kind"] == "DaemonSet" and d["metadata"]["name"].endswith("-runtime-caps") for d in load("default")), "default: no relay")
+default_agent = one(load("default"), "DaemonSet", "-agent")["spec"]["template"]["spec"]["containers"][0]
 check("GPUBUDGET_RUNTIME_CAPS" not in env(default_agent), "default: runtime caps off")
 
 # #34: the operator writes the budgets' mirrors unless told not to (an empty value, as --reuse-values from an
