@@ -169,7 +169,7 @@ AGENT_ENV = {"NODE_NAME", "GPUBUDGET_PROC_ROOT", "GPUBUDGET_INTERVAL", "GPUBUDGE
              "GPUBUDGET_USAGE_WRITE_INTERVAL", "GPUBUDGET_USAGE_WRITE_CHANGE_PERCENT", "GPUBUDGET_APPLY_DRIVER_LIMITS",
              "GPUBUDGET_MIRRORS_LEASE", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES",
              "GPUBUDGET_RUNTIME_CAPS", "GPUBUDGET_RUNTIME_CAPS_SOCKET", "GPUBUDGET_RUNTIME_CAPS_WAIT",
-             "GPUBUDGET_RUNTIME_CAPS_UNRESOLVED", "GPUBUDGET_RUNTIME_CAPS_MPS_PIPE_DIRECTORY"}
+             "GPUBUDGET_RUNTIME_CAPS_UNRESOLVED", "GPUBUDGET_RUNTIME_CAPS_MPS_PIPE_DIRECTORY", "GPUBUDGET_RUNTIME_CAPS_NEVER_REFUSE"}
 OPERATOR_ENV = {"POD_NAME", "POD_NAMESPACE", "GPUBUDGET_ADMIN_ADDR", "GPUBUDGET_LEADER_ELECTION",
                 "GPUBUDGET_LEASE_NAME", "GPUBUDGET_CRITICAL_NAMESPACES", "GPUBUDGET_WEBHOOK_ADDR", "GPUBUDGET_BUDGET_MIRRORS", "GPUBUDGET_WEBHOOK_CERT_DIR",
                 "GPUBUDGET_MIRRORS_LEASE_NAME",
@@ -420,6 +420,10 @@ check(aenv.get("GPUBUDGET_RUNTIME_CAPS") == "true" and aenv.get("GPUBUDGET_RUNTI
 check(relay["args"] == ["runtime-caps-relay"] and renv.get("GPUBUDGET_NRI_SOCKET") == "/var/run/nri-host/nri.sock"
       and renv.get("GPUBUDGET_RUNTIME_CAPS_AGENT_UID") == str(apod["securityContext"]["runAsUser"])
       and renv.get("NVIDIA_VISIBLE_DEVICES") == "void", "runtime-caps: the relay's command, sockets, the agent's UID, no GPU")
+ns = relay_ds["metadata"]["namespace"]
+check(renv.get("GPUBUDGET_RUNTIME_CAPS_NEVER_REFUSE") == aenv.get("GPUBUDGET_RUNTIME_CAPS_NEVER_REFUSE")
+      and ns in renv["GPUBUDGET_RUNTIME_CAPS_NEVER_REFUSE"].split(",") and "kube-system" in renv["GPUBUDGET_RUNTIME_CAPS_NEVER_REFUSE"].split(","),
+      "runtime-caps: the release's namespace and the critical ones are never refused (the agent must start)")
 amounts = {m["name"]: m for m in agent.get("volumeMounts", [])}
 avols = {v["name"]: v for v in apod.get("volumes", [])}
 rmounts = {m["name"]: m for m in relay.get("volumeMounts", [])}

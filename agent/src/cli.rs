@@ -61,6 +61,10 @@ pub struct RelayArgs {
     /// when it connects) or `refuse` (the runtime fails it with the reason; the kubelet retries with back-off).
     #[arg(long = "unresolved", env = "GPUBUDGET_RUNTIME_CAPS_UNRESOLVED", value_enum, default_value_t = Unresolved::Create)]
     pub unresolved: Unresolved,
+    /// Namespaces whose containers are never refused, comma-separated: the release's own (its agent sees every GPU
+    /// and must start) and the critical ones (a device plugin's pods).
+    #[arg(long, env = "GPUBUDGET_RUNTIME_CAPS_NEVER_REFUSE", default_value = "kube-system")]
+    pub never_refuse: CriticalNamespaces,
 }
 
 /// Sampling options shared by the subcommands.
@@ -401,6 +405,13 @@ pub struct RuntimeCapsArgs {
     /// The node's MPS pipe directory, set in every capped container (where the node runs an MPS daemon there).
     #[arg(long = "runtime-caps-mps-pipe-directory", env = "GPUBUDGET_RUNTIME_CAPS_MPS_PIPE_DIRECTORY")]
     pub mps_pipe: Option<String>,
+    /// Namespaces whose containers are never refused, comma-separated (as the relay's `--never-refuse`).
+    #[arg(
+        long = "runtime-caps-never-refuse",
+        env = "GPUBUDGET_RUNTIME_CAPS_NEVER_REFUSE",
+        default_value = "kube-system"
+    )]
+    pub never_refuse: CriticalNamespaces,
 }
 
 fn parse_runtime_wait(text: &str) -> Result<Duration, String> {

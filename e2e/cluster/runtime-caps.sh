@@ -211,6 +211,18 @@ upgrade() {
 agent_pod() { kubectl get pods -n "$NS" -l app.kubernetes.io/component=agent -o jsonpath='{.items[0].metadata.name}'; }
 relay_pod() { kubectl get pods -n "$NS" -l app.kubernetes.io/component=runtime-caps-relay -o jsonpath='{.items[0].metadata.name}'; }
 registered() { [ "$(registrations_in_log)" -gt "$1" ]; }
+# agent_away / agent_back: the agent's DaemonSet kept off the node (its pod deleted, the relay without an agent), then
+# restored and the agent connected again.
+agent_ds() { kubectl get daemonset -n "$NS" -l app.kubernetes.io/component=agent -o jsonpath='{.items[0].metadata.name}'; }
+agent_gone() { [ -z "$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=agent -o name)" ] && ! agent_connected 0; }
+agent_away() {
+  kubectl patch daemonset -n "$NS" "$(agent_ds)" -p '{"spec":{"template":{"spec":{"nodeSelector":{"e2e.gpubudget.io/away":"yes"}}}}}' >/dev/null
+  wait_for "the agent gone and disconnected" agent_gone
+}
+agent_back() {
+  kubectl patch daemonset -n "$NS" "$(agent_ds)" --type=json -p '[{"op":"remove","path":"/spec/template/spec/nodeSelector/e2e.gpubudget.io~1away"}]' >/dev/null
+  wait_for "the agent back and connected" agent_connected 0
+}
 # The agent's connections to the relay, from the relay's log (this relay pod's, all its restarts).
 agent_connections() { { kubectl logs -n "$NS" "$(relay_pod)" 2>/dev/null; kubectl logs -n "$NS" "$(relay_pod)" --previous 2>/dev/null; } | grep -c 'the agent connected' || true; }
 # connected_since N: more than N connections, the last one not followed by a disconnection.
@@ -228,7 +240,7 @@ uid_of() { awk '/^Uid:/ {print $2}' "/proc/$1/status"; }
 capeff() { awk '/^CapEff:/ {print $2}' "/proc/$1/status"; }
 mnt_of() { awk -v m="$2" '$5 ~ m"$" {print $6}' "/proc/$1/mountinfo"; }     # mnt_of PID MOUNTPOINT: its mount options
 has_token() { [ -e "/proc/$1/root/var/run/secrets/kubernetes.io/serviceaccount/token" ]; }
-host_pidns() { [ "$(readlink "/proc/$1/ns/pid")" = "$(readlink /proc/1/ns/pid)" ]; }
+host_pidns() { [ "$(readlink "/proc/$1/ns/pid")" = "$(readlink /proc/$$/ns/pid)" ]; }
 nri_mounted() { [ -S "/proc/$1/root/var/run/nri-host/nri.sock" ] || [ -S "/proc/$1/root/var/run/nri/nri.sock" ] || [ -S "/proc/$1/root/run/nri/nri.sock" ]; }
 yes_no() { if "$@"; then echo yes; else echo no; fi; }
 for who in "relay $RELAY_PID" "agent $AGENT_PID"; do
@@ -569,6 +581,26 @@ pod after-hang "$BENCH_ENV"; ready "$T" after-hang
 expect_env "a pod after the agent resumed" "$T" after-hang c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 delete_pods hung after-hang
 
+say "3d. the agent away (its DaemonSet kept off the node) while GPU pods are made: uncapped at once (create), each told when it is back"
+agent_away
+mapfile -t AWAY_PODS < <(names away "$KILL_PODS")
+t0=$(now)
+for p in "${AWAY_PODS[@]}"; do pod "$p" "$BENCH_ENV"; done
+for p in "${AWAY_PODS[@]}"; do ready "$T" "$p"; done
+info "figure: $KILL_PODS GPU pods Ready $(since "$t0") s after creation with no agent (the relay answers alone)"
+n=0; for p in "${AWAY_PODS[@]}"; do [ "$(env_of "$T" "$p" c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)" = "<unset>" ] && n=$((n + 1)); done
+[ "$n" = "$KILL_PODS" ] && pass "all $KILL_PODS made uncapped while the agent was away" || fail "$n of $KILL_PODS made uncapped while the agent was away"
+t0=$(now); agent_back
+for p in "${AWAY_PODS[@]}"; do
+  told_uncapped() { [ -n "$(not_capped_event "$p")" ]; }
+  if until_ok 30 told_uncapped; then pass "$p told: $(not_capped_event "$p" | head -n1 | cut -c1-160)"
+  else fail "$p was made uncapped while the agent was away and has no GpuMemoryNotCappedAtCreation event"; fi
+done
+info "figure: every pod made while the agent was away told $(since "$t0") s after its DaemonSet was restored"
+rc_uncapped() { [[ "$(rc_record "${AWAY_PODS[0]}")" == '{"uncapped"'* ]]; }
+until_ok 30 rc_uncapped && pass "${AWAY_PODS[0]} recorded $(rc_record "${AWAY_PODS[0]}" | cut -c1-120)" || fail "${AWAY_PODS[0]} recorded '$(rc_record "${AWAY_PODS[0]}")'"
+delete_pods "${AWAY_PODS[@]}"
+
 # --- 5. a pod the agent cannot resolve ---
 say "5. --runtime-caps-unresolved: a static GPU pod in a namespace that does not exist (no mirror pod can be made)"
 ghost_pod() { # ghost_pod NAME: the static pod's manifest, namespace gpubudget-rc-$ID-ghost (never created)
@@ -615,18 +647,14 @@ pod after-refuse "$BENCH_ENV"; ready "$T" after-refuse
 expect_env "refuse mode: a resolvable pod still capped" "$T" after-refuse c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 rm -f "$STATIC/ghost-refuse.yaml"
 say "5c. refuse with the agent away (its DaemonSet kept off the node): GPU containers refused, others made"
-AGENT_DS=$(kubectl get daemonset -n "$NS" -l app.kubernetes.io/component=agent -o jsonpath='{.items[0].metadata.name}')
-kubectl patch daemonset -n "$NS" "$AGENT_DS" -p '{"spec":{"template":{"spec":{"nodeSelector":{"e2e.gpubudget.io/away":"yes"}}}}}' >/dev/null
-agent_gone() { [ -z "$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=agent -o name)" ] && ! agent_connected 0; }
-wait_for "the agent gone and disconnected" agent_gone
+agent_away
 pod away-gpu "$BENCH_ENV"; pod away-plain "{name: SOMETHING, value: else}"
 ready "$T" away-plain && pass "a container without a GPU is made with the agent away (refuse mode)"
 refused_away() { kubectl get events -n "$T" --field-selector involvedObject.name=away-gpu -o jsonpath='{.items[*].message}' | grep -q 'agent is not connected to the runtime-caps relay'; }
 if until_ok 30 refused_away; then pass "the GPU container is refused with the reason: $(kubectl get events -n "$T" --field-selector involvedObject.name=away-gpu -o jsonpath='{.items[*].message}' | grep -o 'gpubudget: GPU container[^;]*' | head -n1)"
 else fail "away-gpu was not refused with the agent away"; fi
 t0=$(now)
-kubectl patch daemonset -n "$NS" "$AGENT_DS" --type=json -p '[{"op":"remove","path":"/spec/template/spec/nodeSelector/e2e.gpubudget.io~1away"}]' >/dev/null
-wait_for "the agent back and connected" agent_connected 0
+agent_back
 info "figure: agent DaemonSet restored to connected: $(since "$t0") s"
 ready "$T" away-gpu 330
 info "figure: the refused GPU pod Ready $(since "$t0") s after the agent was restored (the kubelet's back-off between attempts)"

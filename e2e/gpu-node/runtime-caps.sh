@@ -45,10 +45,10 @@ say "1. who holds what (read from each process on the host)"
 RPID=$(nri_task_pid $NS "$(relay_pod)")
 for who in "relay $RPID" "agent $APID"; do
   set -- $who
-  info "$1: host PID $2, uid $(awk '/^Uid:/ {print $2}' /proc/"$2"/status), CapEff $(awk '/^CapEff:/ {print $2}' /proc/"$2"/status), host PID namespace $([ "$(readlink /proc/"$2"/ns/pid)" = "$(readlink /proc/1/ns/pid)" ] && echo yes || echo no), API token $([ -e /proc/"$2"/root/var/run/secrets/kubernetes.io/serviceaccount/token ] && echo yes || echo no), NRI socket $([ -S /proc/"$2"/root/var/run/nri-host/nri.sock ] && echo yes || echo no)"
+  info "$1: host PID $2, uid $(awk '/^Uid:/ {print $2}' /proc/"$2"/status), CapEff $(awk '/^CapEff:/ {print $2}' /proc/"$2"/status), host PID namespace $([ "$(readlink /proc/"$2"/ns/pid)" = "$(readlink /proc/$$/ns/pid)" ] && echo yes || echo no), API token $([ -e /proc/"$2"/root/var/run/secrets/kubernetes.io/serviceaccount/token ] && echo yes || echo no), NRI socket $([ -S /proc/"$2"/root/var/run/nri-host/nri.sock ] && echo yes || echo no)"
 done
 [ "$(awk '/^CapEff:/ {print $2}' /proc/"$RPID"/status)" = 0000000000000000 ] || fail "the relay holds capabilities"
-[ "$(readlink /proc/"$RPID"/ns/pid)" != "$(readlink /proc/1/ns/pid)" ] || fail "the relay is in the host's PID namespace"
+[ "$(readlink /proc/"$RPID"/ns/pid)" != "$(readlink /proc/$$/ns/pid)" ] || fail "the relay is in the host's PID namespace"
 [ ! -e /proc/"$RPID"/root/var/run/secrets/kubernetes.io/serviceaccount/token ] || fail "the relay has an API token"
 [ -S /proc/"$RPID"/root/var/run/nri-host/nri.sock ] || fail "the relay has no NRI socket"
 [ "$(awk '/^Uid:/ {print $2}' /proc/"$APID"/status)" != 0 ] || fail "the agent runs as root"

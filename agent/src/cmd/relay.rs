@@ -15,7 +15,12 @@ use crate::runtime_caps::{PLUGIN_INDEX, PLUGIN_NAME};
 pub async fn run(args: RelayArgs) -> anyhow::Result<()> {
     let shutdown = shutdown_on_signal();
     let listener = relay::bind(&args.listen).with_context(|| format!("listening on {}", args.listen.display()))?;
-    let relay = Arc::new(Relay::new(RelaySettings { unresolved: args.unresolved, agent_uid: args.agent_uid }));
+    let settings = RelaySettings {
+        unresolved: args.unresolved,
+        never_refuse: args.never_refuse.clone(),
+        agent_uid: args.agent_uid,
+    };
+    let relay = Arc::new(Relay::new(settings));
     tracing::info!(nri = %args.nri_socket.display(), listen = %args.listen.display(), agent_uid = ?args.agent_uid, unresolved = ?args.unresolved, "runtime caps relay: starting");
     tokio::spawn(relay.clone().serve_agents(listener, shutdown.clone()));
     let backoff = gpubudget_nri::Backoff::new(Duration::from_millis(250), Duration::from_secs(2));

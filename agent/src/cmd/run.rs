@@ -459,7 +459,12 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
     let (view, views) = watch::channel(runtime_caps::View::default());
     if args.runtime_caps.enabled {
         let a = &args.runtime_caps;
-        let settings = runtime_caps::Settings { wait: a.wait, unresolved: a.unresolved, mps_pipe: a.mps_pipe.clone() };
+        let settings = runtime_caps::Settings {
+            wait: a.wait,
+            unresolved: a.unresolved,
+            mps_pipe: a.mps_pipe.clone(),
+            never_refuse: a.never_refuse.clone(),
+        };
         let plugin = Arc::new(runtime_caps::RuntimeCaps::new(
             views,
             settings,

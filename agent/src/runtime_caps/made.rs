@@ -33,6 +33,8 @@ pub enum Expect {
 /// One GPU container as the runtime made it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MadeContainer {
+    /// The runtime's ID of the container the runtime showed made (empty: not shown yet).
+    pub confirmed: String,
     /// How the driver holds it (`Uncapped(Unconfirmed)` until the runtime showed it).
     pub held: Held,
     /// The devices it sees (0: unknown).
@@ -59,14 +61,31 @@ impl Made {
     /// Remembers how the driver holds container `name` of the pod with UID `uid`.
     pub fn remember(&self, uid: &str, name: &str, held: Held, devices: u32) {
         let uid: Arc<str> = Arc::from(uid.to_ascii_lowercase());
-        self.state().pods.entry(uid).or_default().insert(name.to_owned(), MadeContainer { held, devices });
+        let c = MadeContainer { confirmed: String::new(), held, devices };
+        self.state().pods.entry(uid).or_default().insert(name.to_owned(), c);
+    }
+
+    /// Remembers how the driver holds the container with ID `id` as the runtime showed it made: what was asked for
+    /// it no longer counts.
+    pub fn confirm(&self, uid: &str, id: &str, name: &str, held: Held, devices: u32) {
+        let uid: Arc<str> = Arc::from(uid.to_ascii_lowercase());
+        let mut s = self.state();
+        s.expected.remove(id);
+        let c = MadeContainer { confirmed: id.to_owned(), held, devices };
+        s.pods.entry(uid).or_default().insert(name.to_owned(), c);
     }
 
     /// Remembers what was asked for the container with ID `id` of the pod `uid`, and counts the container
     /// unconfirmed meanwhile.
+    /// An ask that comes after the runtime already showed that container (the answer was late) changes nothing.
     pub fn expect(&self, uid: &str, id: &str, name: &str, devices: u32, expect: Expect) {
-        self.remember(uid, name, Held::Uncapped(Uncapped::Unconfirmed), devices);
         let mut s = self.state();
+        let key = uid.to_ascii_lowercase();
+        if s.pods.get(key.as_str()).and_then(|p| p.get(name)).is_some_and(|c| !id.is_empty() && c.confirmed == id) {
+            return;
+        }
+        let c = MadeContainer { confirmed: String::new(), held: Held::Uncapped(Uncapped::Unconfirmed), devices };
+        s.pods.entry(Arc::from(key.as_str())).or_default().insert(name.to_owned(), c);
         if s.expected.len() >= MAX_EXPECTED {
             let oldest = s.expected.iter().min_by_key(|(_, (_, _, n))| *n).map(|(k, _)| k.clone());
             if let Some(k) = oldest {
@@ -75,7 +94,7 @@ impl Made {
         }
         s.asked += 1;
         let n = s.asked;
-        s.expected.insert(id.to_owned(), (Arc::from(uid.to_ascii_lowercase()), expect, n));
+        s.expected.insert(id.to_owned(), (Arc::from(key), expect, n));
     }
 
     /// What was asked for the container with ID `id`, forgotten once read.
@@ -133,8 +152,15 @@ mod tests {
         assert_eq!(cap, None);
         assert_eq!(made.take_expected("c1"), Some(Expect::Capped { how: "budget a/b (8Gi)".into() }));
         assert_eq!(made.take_expected("c1"), None, "read once");
-        made.remember("uid-1", "main", Held::Capped { max_mib: 8192 }, 1);
+        made.confirm("uid-1", "c1", "main", Held::Capped { max_mib: 8192 }, 1);
         assert_eq!(made.summary("uid-1").map(|s| s.1), Some(Some(MpsCap { mib: 8192, devices: 1 })));
+        // The agent's answer to that creation, arriving late (it was stopped): what the runtime showed stays.
+        made.expect("uid-1", "c1", "main", 1, Expect::Capped { how: String::new() });
+        assert_eq!(made.summary("uid-1").map(|s| s.1), Some(Some(MpsCap { mib: 8192, devices: 1 })));
+        assert_eq!(made.take_expected("c1"), None);
+        // A new container of that name (a restart) is asked for again.
+        made.expect("uid-1", "c2", "main", 1, Expect::Capped { how: String::new() });
+        assert_eq!(made.summary("uid-1").map(|s| s.1), Some(None));
     }
 
     #[test]

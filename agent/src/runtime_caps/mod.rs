@@ -27,8 +27,8 @@ pub mod wire;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpubudget_common::Budget;
 use gpubudget_common::caps::runtime::{self, Adjustment};
+use gpubudget_common::{Budget, CriticalNamespaces};
 
 use gpubudget_common::caps::{Caps, Devices, Held};
 use gpubudget_nri::api::{Container, ContainerAdjustment, PodSandbox};
@@ -51,6 +51,13 @@ pub enum Unresolved {
     Refuse,
 }
 
+impl Unresolved {
+    /// The choice for a container of `namespace`: `Create` in the namespaces `never_refuse` lists.
+    pub fn for_namespace(self, never_refuse: &CriticalNamespaces, namespace: &str) -> Unresolved {
+        if never_refuse.exempts(namespace) { Unresolved::Create } else { self }
+    }
+}
+
 /// The plugin's settings (`--runtime-caps-*`).
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -60,6 +67,10 @@ pub struct Settings {
     pub unresolved: Unresolved,
     /// The node's MPS pipe directory, set in every capped container (`None`: left as it is).
     pub mps_pipe: Option<String>,
+    /// Namespaces whose containers are never refused, whatever `unresolved` says (the release's own, whose agent
+    /// must start for any container to be capped, and the administrator's critical ones: a device plugin or a
+    /// GPU operator's pods see every GPU).
+    pub never_refuse: CriticalNamespaces,
 }
 
 /// What the plugin decides from, published by the agent's loop at each table build.
@@ -287,26 +298,28 @@ impl RuntimeCaps {
                 }
                 Ok(to_nri(&adjustment))
             }
-            Decision::Unknown(why) => match self.settings.unresolved {
-                Unresolved::Create => {
-                    self.count("unresolved_created");
-                    let note = format!(
-                        "container {} created without caps: {why} (--runtime-caps-unresolved=create)",
-                        container.name
-                    );
-                    expect(Expect::Uncapped { note });
-                    tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), container = %container.name, %why, "runtime caps: GPU container created uncapped (--runtime-caps-unresolved=create)");
-                    Ok(ContainerAdjustment::default())
+            Decision::Unknown(why) => {
+                match self.settings.unresolved.for_namespace(&self.settings.never_refuse, &pod.namespace) {
+                    Unresolved::Create => {
+                        self.count("unresolved_created");
+                        let note = format!(
+                            "container {} created without caps: {why} (--runtime-caps-unresolved=create)",
+                            container.name
+                        );
+                        expect(Expect::Uncapped { note });
+                        tracing::warn!(pod = %format!("{}/{}", pod.namespace, pod.name), container = %container.name, %why, "runtime caps: GPU container created uncapped (--runtime-caps-unresolved=create)");
+                        Ok(ContainerAdjustment::default())
+                    }
+                    Unresolved::Refuse => {
+                        self.count("unresolved_refused");
+                        Err(format!(
+                            "gpubudget: GPU container {} not created: {why} after {:?} (--runtime-caps-unresolved=refuse; the kubelet retries)",
+                            container.name,
+                            wait.min(self.settings.wait)
+                        ))
+                    }
                 }
-                Unresolved::Refuse => {
-                    self.count("unresolved_refused");
-                    Err(format!(
-                        "gpubudget: GPU container {} not created: {why} after {:?} (--runtime-caps-unresolved=refuse; the kubelet retries)",
-                        container.name,
-                        wait.min(self.settings.wait)
-                    ))
-                }
-            },
+            }
         };
         self.metrics.seconds.observe(started.elapsed().as_secs_f64());
         answer
@@ -316,12 +329,14 @@ impl RuntimeCaps {
     /// environment it was made with, is what the record counts and what the event on it says — capped only where
     /// the runtime applied the caps (#53).
     pub async fn created(&self, pod: &PodSandbox, c: &Container) {
+        // The budget as the creation saw it: a pod made while the agent was away (or stopped) may reach its table
+        // only now; and the creation's own answer, handled concurrently, is then recorded.
+        let decision = self.decide_in_time(pod, c, self.settings.wait).await;
+        tokio::task::yield_now().await;
         let expected = self.made.take_expected(&c.id);
-        let view = self.view.borrow().clone();
-        let Some(devices) = devices_of(c, view.gpus) else { return };
+        let Some(devices) = devices_of(c, self.view.borrow().gpus) else { return };
         let held = runtime::held_in(&c.name, &c.env, devices);
-        self.made.remember(&pod.uid, &c.name, held, devices.known().unwrap_or(0));
-        let decision = decide(&view, pod, c, self.settings.mps_pipe.as_deref());
+        self.made.confirm(&pod.uid, &c.id, &c.name, held, devices.known().unwrap_or(0));
         let pod_ref = || match &decision {
             Decision::Adjust(_, pod_ref, _) => pod_ref.clone(),
             _ => PodRef {

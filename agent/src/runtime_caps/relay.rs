@@ -39,6 +39,8 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 pub struct RelaySettings {
     /// What a GPU container gets when no agent answers in time.
     pub unresolved: Unresolved,
+    /// Namespaces whose containers are never refused (the release's own: its agent must start).
+    pub never_refuse: gpubudget_common::CriticalNamespaces,
     /// The only user ID the relay accepts a connection from (the agent's), checked with the socket's peer
     /// credentials; `None`: any (the socket's mode, 0660 with the relay's group, still applies).
     pub agent_uid: Option<u32>,
@@ -208,8 +210,8 @@ impl Relay {
     }
 
     /// What a GPU container gets when no agent answered.
-    fn unresolved(&self, c: &Container, why: &Unanswered) -> Result<ContainerAdjustment, String> {
-        match self.settings.unresolved {
+    fn unresolved(&self, pod: &PodSandbox, c: &Container, why: &Unanswered) -> Result<ContainerAdjustment, String> {
+        match self.settings.unresolved.for_namespace(&self.settings.never_refuse, &pod.namespace) {
             Unresolved::Create => {
                 tracing::warn!(container = %c.name, %why, "runtime caps relay: GPU container created uncapped (--runtime-caps-unresolved=create)");
                 Ok(ContainerAdjustment::default())
@@ -271,7 +273,7 @@ impl gpubudget_nri::Plugin for RelayPlugin {
         let answer = self.0.ask(call, within).await;
         match answer.and_then(|a| a.into_nri().map_err(Unanswered::Refused)) {
             Ok(result) => result,
-            Err(why) => self.0.unresolved(&container, &why),
+            Err(why) => self.0.unresolved(&pod, &container, &why),
         }
     }
 

@@ -96,7 +96,8 @@ fn rig(first: View, unresolved: Unresolved) -> Rig {
     let (publish, views) = watch::channel(first);
     let (tx, events) = mpsc::unbounded_channel();
     let made = Made::default();
-    let settings = Settings { wait: Duration::from_secs(1), unresolved, mps_pipe: None };
+    let never_refuse = "kube-system".parse().expect("namespaces");
+    let settings = Settings { wait: Duration::from_secs(1), unresolved, mps_pipe: None, never_refuse };
     let plugin = RuntimeCaps::new(views, settings, RuntimeMetrics::default(), tx, made.clone());
     Rig { plugin, publish, events, made }
 }
@@ -382,7 +383,11 @@ mod relay {
     use tokio_util::sync::CancellationToken;
 
     fn relay(unresolved: Unresolved) -> Arc<Relay> {
-        Arc::new(Relay::new(RelaySettings { unresolved, agent_uid: None }))
+        Arc::new(Relay::new(RelaySettings {
+            unresolved,
+            never_refuse: "gpubudget".parse().expect("ns"),
+            agent_uid: None,
+        }))
     }
 
     fn gpu(name: &str, env: &[&str]) -> Container {
@@ -461,6 +466,49 @@ mod relay {
         assert!(why.contains(&Unanswered::Late(Duration::from_millis(1750)).to_string()), "{why}");
     }
 
+    /// The release's own pods (the agent sees every GPU) and the critical namespaces are never refused, or no agent
+    /// could ever start under `refuse`.
+    #[tokio::test]
+    async fn the_agent_itself_is_never_refused() {
+        let refuse = RelayPlugin(relay(Unresolved::Refuse));
+        let mut agent = sandbox("uid-agent");
+        agent.namespace = "gpubudget".into();
+        let c = gpu("agent", &["NVIDIA_VISIBLE_DEVICES=all"]);
+        assert_eq!(refuse.create_container(agent, c.clone()).await, Ok(ContainerAdjustment::default()));
+        assert!(refuse.create_container(sandbox("uid-1"), c).await.is_err(), "any other namespace is refused");
+    }
+
+    /// The agent stopped while a container was made (the relay answered alone), then resumed: it handles the late
+    /// creation and the runtime's showing at once, in either order, and tells the container uncapped.
+    #[tokio::test(start_paused = true)]
+    async fn a_container_made_while_the_agent_hung_is_told_when_it_resumes() {
+        let caps = budget(", admissionCaps: Enabled");
+        let mut r = rig(view(vec![], std::slice::from_ref(&caps), &[80 * GI]), Unresolved::Create);
+        let c = gpu("main", &["NVIDIA_VISIBLE_DEVICES=0"]);
+        let (pod, wire_c) = (Pod::of(&sandbox("uid-1")), Ctr::of(&c).expect("gpu"));
+        let plugin = Arc::new(r.plugin);
+        // The pod reaches the agent's table only after it resumes.
+        let publish = r.publish.clone();
+        let later = view(vec![super::pod("uid-1", "")], std::slice::from_ref(&caps), &[80 * GI]);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            publish.send_replace(later);
+        });
+        let create =
+            channel::answer(&plugin, Call::Create { pod: pod.clone(), container: wire_c.clone(), wait_ms: 1500 });
+        let created = channel::answer(&plugin, Call::Created { pod, container: wire_c });
+        let (_late, _) = tokio::join!(create, created);
+        let told = told_on(&mut r.events);
+        assert_eq!(told.len(), 1, "{told:?}");
+        assert_eq!((told[0].0.as_str(), told[0].1), ("main", Reason::NotCappedAtCreation));
+        let (record, _) = r.made.summary("uid-1").expect("remembered");
+        let RuntimeCapsRecord::Uncapped(why) = record else { panic!("{record:?}") };
+        assert!(
+            why.contains("no CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
+            "what the runtime made, not the late answer: {why}"
+        );
+    }
+
     /// A compromised agent can set a GPU container's caps or refuse it, nothing else: an answer naming any other
     /// variable is not passed to the runtime.
     #[tokio::test]
@@ -534,7 +582,10 @@ mod relay {
             std::fs::metadata(&path).expect("socket").uid()
         };
         let stop = CancellationToken::new();
-        let only = |uid| Arc::new(Relay::new(RelaySettings { unresolved: Unresolved::Create, agent_uid: Some(uid) }));
+        let only = |uid| {
+            let never_refuse = Default::default();
+            Arc::new(Relay::new(RelaySettings { unresolved: Unresolved::Create, never_refuse, agent_uid: Some(uid) }))
+        };
         let (other, mine) = (only(me.wrapping_add(1)), only(me));
         tokio::spawn(other.clone().serve_agents(listener, stop.clone()));
         let _refused = UnixStream::connect(&path).await.expect("connect");

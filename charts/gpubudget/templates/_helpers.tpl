@@ -211,6 +211,12 @@ in the node's relay directory).
 {{ include "gpubudget.runtimeCaps.mount" . }}/{{ .Release.Namespace }}-{{ include "gpubudget.fullname" . }}.sock
 {{- end }}
 
+{{/* Namespaces whose containers runtime caps never refuse: the release's own (its agent sees every GPU and must
+start) and the critical ones (a device plugin's pods see every GPU). */}}
+{{- define "gpubudget.runtimeCaps.neverRefuse" -}}
+{{- join "," (uniq (append (.Values.criticalNamespaces | default list) .Release.Namespace)) -}}
+{{- end }}
+
 {{/* The agent's effective user ID: root only for the driver's limits (nvmlDeviceSetMemoryLimits_v1). */}}
 {{- define "gpubudget.agent.uid" -}}
 {{- ternary 0 (.Values.agent.podSecurityContext.runAsUser | default 64001) .Values.agent.applyDriverLimits -}}
