@@ -40,7 +40,14 @@ events_table() {
 }
 # card_size: CARD_GIB, the GPU's memory in GiB as NVML totals it (79.6 on an H100, 140.4 on an H200).
 card_size() { CARD_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1 | awk '{printf "%.1f", $1 / 1024}'); }
-agent_pid() { for p in /proc/[0-9]*; do [ "$(readlink "$p/exe" 2>/dev/null)" = /usr/local/bin/gpubudget-agent ] && echo "${p#/proc/}"; done | head -n1; }
+# agent_pid: the host PID of `gpubudget-agent run` (not the runtime-caps relay, the same binary).
+agent_pid() {
+  local p
+  for p in /proc/[0-9]*; do
+    [ "$(readlink "$p/exe" 2>/dev/null)" = /usr/local/bin/gpubudget-agent ] || continue
+    [ "$(tr '\0' '\n' < "$p/cmdline" 2>/dev/null | sed -n 2p)" = run ] && echo "${p#/proc/}"
+  done | head -n1
+}
 gpu_pids() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits; }
 used_gib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | awk '{printf "%.1f", $1 / 1024}'; }
 # torch_pod NAME APP GPU-ARGS...: a PyTorch pod running e2e/gpu/workload.py with the host's python3. Shaped by
