@@ -474,7 +474,17 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
         ));
         let (socket, stop) = (a.socket.clone(), shutdown.clone());
         tracing::info!(socket = %socket.display(), wait = ?a.wait, unresolved = ?a.unresolved, "runtime caps: connecting to the relay");
-        tokio::spawn(async move { runtime_caps::channel::run_forever(&socket, plugin, stop).await });
+        // Its own thread and runtime: a container's creation waits on no tick (NVML calls block their worker), no
+        // watch and no API write (measured on the GPU node: a shared worker added tens of ms to a p99, #53).
+        let spawned = std::thread::Builder::new().name("runtime-caps".into()).spawn(move || {
+            match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt.block_on(runtime_caps::channel::run_forever(&socket, plugin, stop)),
+                Err(e) => tracing::error!(error = %e, "runtime caps: no runtime for the relay's channel"),
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "runtime caps: no thread for the relay's channel");
+        }
     }
     let mut engine = Engine::new(
         SamplerSlot::new(sampler_factory(args.sample_file.as_deref())),
