@@ -32,7 +32,7 @@ trap 'echo quit | nvidia-cuda-mps-control >/dev/null 2>&1' EXIT
 info "MPS control daemon up (pipe directory $CUDA_MPS_PIPE_DIRECTORY)"
 
 REGS0=$(grep -c 'registered as \\"90-gpubudget\\"' "$CLOG" || true)
-CHART_SETS="--set agent.runtimeCaps.enabled=true --set agent.runtimeCaps.mpsPipeDirectory=$CUDA_MPS_PIPE_DIRECTORY --set admissionCaps.enabled=false"
+CHART_SETS="--set agent.runtimeCaps.enabled=true --set agent.runtimeCaps.mpsPipeDirectory=$CUDA_MPS_PIPE_DIRECTORY --set admissionCaps.enabled=false ${EXTRA_SETS:-}"
 machine_and_chart
 registered() { [ "$(grep -c 'registered as \\"90-gpubudget\\"' "$CLOG" || true)" -gt "$1" ]; }
 relay_pod() { kubectl get pods -n $NS -l app.kubernetes.io/component=runtime-caps-relay -o jsonpath='{.items[0].metadata.name}'; }
@@ -144,7 +144,13 @@ bench_ms() { # PREFIX: the CreateContainer durations of its containers (ms, one 
 }
 stats() { echo "n $(wc -l < "$1"), p50 $(nri_pct 0.5 < "$1") ms, p99 $(nri_pct 0.99 < "$1") ms, max $(nri_pct 1 < "$1") ms"; }
 W=$(mktemp -d)
+# throttled PID: "<nr_throttled> <throttled_usec>" of the process's cgroup (v2): a CPU limit holds it back this often.
+throttled() { awk '$1 == "nr_throttled" {n = $2} $1 == "throttled_usec" {u = $2} END {print n + 0, u + 0}' "/sys/fs/cgroup$(cut -d: -f3 /proc/"$1"/cgroup | head -n1)/cpu.stat" 2>/dev/null; }
+RPID=$(nri_task_pid $NS "$(relay_pod)"); APID=$(agent_pid)
+read -r rt0 ru0 < <(throttled "$RPID"); read -r at0 au0 < <(throttled "$APID")
 bench with; bench_ms with > "$W/with.ms"
+read -r rt1 ru1 < <(throttled "$RPID"); read -r at1 au1 < <(throttled "$APID")
+info "figure: CPU throttling over the benchmark (the chart's CPU limits): relay $((rt1 - rt0)) periods, $(((ru1 - ru0) / 1000)) ms; agent $((at1 - at0)) periods, $(((au1 - au0) / 1000)) ms"
 capped=$(for i in $(seq 1 "$BENCH_PODS"); do nri_environ $APP "with-$i" c1; done | grep -c '^CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=' || true)
 info "figure: with the relay: $(stats "$W/with.ms"); $capped of $BENCH_PODS first containers capped"
 [ "$capped" = "$BENCH_PODS" ] || fail "not every benchmark container was capped with the relay on"
