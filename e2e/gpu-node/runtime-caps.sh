@@ -144,6 +144,7 @@ bench_ms() { # PREFIX: the CreateContainer durations of its containers (ms, one 
 }
 stats() { echo "n $(wc -l < "$1"), p50 $(nri_pct 0.5 < "$1") ms, p99 $(nri_pct 0.99 < "$1") ms, max $(nri_pct 1 < "$1") ms"; }
 W=$(mktemp -d)
+sleep "${SETTLE:-20}"   # the GPU pods' teardown (their MPS clients, the MPS server) done before the clock runs
 # throttled PID: "<nr_throttled> <throttled_usec>" of the process's cgroup (v2): a CPU limit holds it back this often.
 throttled() { awk '$1 == "nr_throttled" {n = $2} $1 == "throttled_usec" {u = $2} END {print n + 0, u + 0}' "/sys/fs/cgroup$(cut -d: -f3 /proc/"$1"/cgroup | head -n1)/cpu.stat" 2>/dev/null; }
 RPID=$(nri_task_pid $NS "$(relay_pod)"); APID=$(agent_pid)
