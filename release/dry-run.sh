@@ -149,6 +149,8 @@ substitution "job images: Buildx (docker/build-push-action) needs a Docker daemo
 
 # --- job plugin: the linux/amd64 leg (static musl, as the workflow builds it; without cross) -----------------------
 export TARGET=x86_64-unknown-linux-musl CROSS=false
+MUSL_CC=$(command -v x86_64-linux-musl-gcc || command -v musl-gcc || echo none)
+MUSL_CC="$MUSL_CC ($(dpkg -S "$(readlink -f "$MUSL_CC")" 2>/dev/null | cut -d: -f1 || true))"
 if ! command -v x86_64-linux-musl-gcc >/dev/null && command -v musl-gcc >/dev/null; then
   # ring's C and assembly for musl: cross's image brings a musl toolchain; here Debian's musl-tools.
   export CC_x86_64_unknown_linux_musl=musl-gcc
@@ -157,7 +159,7 @@ fi
 run_step "$SRC" plugin build
 run_step "$SRC" plugin "smoke test (native targets)"
 file "$SRC/out/$PLUGIN" | grep -q 'statically linked\|static-pie linked' || fail "$PLUGIN is not static: $(file "$SRC/out/$PLUGIN")"
-substitution "job plugin: only its linux/amd64 leg ran (the target x86_64-unknown-linux-musl built with cargo, CROSS=false: cross runs its build in a container, which needs a Docker daemon); linux/arm64 (cross) and darwin amd64/arm64 (a macOS runner) are the forge's."
+substitution "job plugin: only its linux/amd64 leg ran (the target x86_64-unknown-linux-musl built with cargo, CROSS=false: cross runs its build in a container, which needs a Docker daemon; ring's C code built with this machine's musl compiler, in tools above, not the one in cross's image); linux/arm64 (cross) and darwin amd64/arm64 (a macOS runner) are the forge's."
 # actions/download-artifact: each leg's artifact in plugins/plugin-<os>-<arch>/.
 mkdir -p "$SRC/plugins/plugin-linux-amd64"
 cp "$SRC/out/$PLUGIN" "$SRC/plugins/plugin-linux-amd64/$PLUGIN"
@@ -202,7 +204,8 @@ DIST=$SRC/dist
   echo "commit: $COMMIT$([ "$DIRTY" = 0 ] || echo " (the working tree had $DIRTY uncommitted changes: not in the dry-run, which clones the commit)")"
   echo "tag: $TAG (the crates' version); owner: $OWNER, repository: $REPO (stand-ins for github.repository_owner and github.repository)"
   echo "machine: $(nproc) CPU cores, $(uname -m), $(sed -n 's/^PRETTY_NAME="\(.*\)"$/\1/p' /etc/os-release), kernel $(uname -r); docker: $(docker --version 2>/dev/null || echo none), daemon: $(docker info >/dev/null 2>&1 && echo running || echo none)"
-  echo "tools: $(cargo --version); helm $HELM_VERSION; $(python3 --version); $(tar --version | head -n1); $(gzip --version | head -n1)"
+  echo "tools: $(cargo --version); helm $HELM_VERSION; $(python3 --version); $(tar --version | head -n1); $(gzip --version | head -n1); musl C compiler for ring: $MUSL_CC"
+  echo "took: $SECONDS s in all (the release builds reuse CARGO_TARGET_DIR's dependencies where it is set)"
   echo
   echo "steps (every one PASS, or there is no result file):"
   sed 's/^/  /' "$REPORT"
@@ -227,7 +230,7 @@ DIST=$SRC/dist
   echo "  CRDs in gpubudget-crds-$VERSION.yaml: $(grep -c '^kind: CustomResourceDefinition$' "$DIST/gpubudget-crds-$VERSION.yaml")"
   echo
   echo "the release notes (notes.md): $(wc -l <"$SRC/notes.md") lines, the CHANGELOG.md section of $VERSION then the install commands; first lines:"
-  head -n 5 "$SRC/notes.md" | sed 's/^/  | /'
+  sed '/./,$!d' "$SRC/notes.md" | head -n 4 | sed 's/^/  | /'
   echo
   echo "substitutions (what ran otherwise than on the forge, and why):"
   for s in "${SUBSTITUTIONS[@]}"; do printf '  - %s\n' "$s"; done
