@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The pictures stay what their sources say (docs/pictures/generate.sh): the architecture diagram from
 # architecture.dot, the plots from the committed real-GPU and real-node results. Regenerates them all, fails
-# when a committed SVG differs from what its sources give (or one is missing or not committed), and checks that
-# a second run gives the same bytes.
+# when a committed SVG differs from what its sources give (or one is missing or not committed), or when a picture
+# is not readable (generate.sh's checks: a text cut off, outside its box or on another, an edge through a label,
+# bars or lines drawn on one another; docs/pictures/README.md), and checks that a second run gives the same bytes.
 #
 # Needs: Debian's graphviz and fonts-dejavu-core (apt-get, as root or through sudo, when dot is missing);
 # python3 with pip, for the pinned packages of docs/pictures/requirements.txt (in a venv, or `pip --target`

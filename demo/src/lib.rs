@@ -3,7 +3,9 @@
 //! recording through a kubelet-shaped `/proc`.
 //!
 //! - [`stack`]: the harness (also what the in-process tests run on);
-//! - [`scenario`]: the demo's budgets, pods and usage over time, and what it prints.
+//! - [`scenario`]: the demo's budgets, pods and usage over time, and what it prints;
+//! - [`session`]: the binary's run (the API served, the kubeconfig, the story), and docs/demo.md's sample of it.
 
 pub mod scenario;
+pub mod session;
 pub mod stack;

@@ -4,11 +4,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Context as _;
 use clap::Parser;
-use gpubudget_demo::scenario::{self, Until};
-use gpubudget_demo::stack::{Stack, kubelet_like_api};
-use gpubudget_testkit::kubeconfig_yaml;
+use gpubudget_demo::scenario::Until;
+use gpubudget_demo::session::{self, Options};
+use tokio_util::sync::CancellationToken;
 
 /// gpubudget in one process: an in-memory API server on 127.0.0.1 (kubectl works against it), the
 /// operator, the agent, and GPU usage replayed from an H100 recording. Ctrl-C stops it.
@@ -24,24 +23,26 @@ struct Args {
     /// Stop once the eviction is counted instead of running until Ctrl-C.
     #[arg(long, env = "GPUBUDGET_DEMO_UNTIL_EVICTED")]
     until_evicted: bool,
+    /// Also write what it printed into this page, between its demo-output markers (docs/demo.md); with
+    /// --until-evicted.
+    #[arg(long, value_name = "PAGE", requires = "until_evicted")]
+    update_doc: Option<PathBuf>,
     /// Components' logs too (warnings are always shown).
     #[arg(long, env = "GPUBUDGET_DEMO_VERBOSE")]
     verbose: bool,
 }
 
-async fn demo(args: Args) -> anyhow::Result<bool> {
-    let fake = kubelet_like_api();
-    let (addr, server) = fake.serve(args.listen).await.with_context(|| format!("cannot listen on {}", args.listen))?;
-    let url = format!("http://{addr}");
-    let path = args.kubeconfig.unwrap_or_else(|| std::env::temp_dir().join("gpubudget-demo.kubeconfig"));
-    std::fs::write(&path, kubeconfig_yaml(&url)).with_context(|| format!("cannot write {}", path.display()))?;
-    println!("in-memory API server (a fake, not a cluster) at {url}");
-    println!("kubeconfig written: export KUBECONFIG={}", path.display());
-    println!("then: kubectl get gmb -A | kubectl get events -A -w | kubectl describe gmb -n team-a llm-inference\n");
-    let config = kube::Config::new(url.parse().context("server URL")?);
-    let client = kube::Client::try_from(config).context("client for the in-memory API server")?;
-    let stack = Stack::new(fake).with_client(client);
-    let shutdown = stack.shutdown();
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let filter = if args.verbose { "info" } else { "warn" };
+    gpubudget_daemon::init_tracing_with(gpubudget_daemon::LogFormat::Text, filter);
+    let options = Options {
+        listen: args.listen,
+        kubeconfig: args.kubeconfig.unwrap_or_else(|| std::env::temp_dir().join("gpubudget-demo.kubeconfig")),
+        until: if args.until_evicted { Until::Evicted } else { Until::Shutdown },
+    };
+    let shutdown = CancellationToken::new();
     tokio::spawn({
         let shutdown = shutdown.clone();
         async move {
@@ -50,22 +51,24 @@ async fn demo(args: Args) -> anyhow::Result<bool> {
             }
         }
     });
-    let until = if args.until_evicted { Until::Evicted } else { Until::Shutdown };
-    let (outcome, stack) = scenario::run(stack, until, |line| println!("{line}")).await;
-    stack.stop().await;
-    server.abort();
-    println!("\nstopped");
-    Ok(outcome.evicted)
-}
-
-#[tokio::main]
-async fn main() -> ExitCode {
-    let args = Args::parse();
-    let filter = if args.verbose { "info" } else { "warn" };
-    gpubudget_daemon::init_tracing_with(gpubudget_daemon::LogFormat::Text, filter);
-    let until_evicted = args.until_evicted;
-    match demo(args).await {
-        Ok(evicted) if evicted || !until_evicted => ExitCode::SUCCESS,
+    let mut printed = String::new();
+    let result = session::session(options, shutdown, |line| {
+        println!("{line}");
+        printed.push_str(line);
+        printed.push('\n');
+    })
+    .await;
+    match result {
+        Ok((outcome, _)) if outcome.evicted || !args.until_evicted => {
+            if let Some(page) = args.update_doc {
+                if let Err(error) = session::update_doc(&page, &printed) {
+                    eprintln!("gpubudget-demo: {error:#}");
+                    return ExitCode::FAILURE;
+                }
+                eprintln!("gpubudget-demo: {} updated", page.display());
+            }
+            ExitCode::SUCCESS
+        }
         Ok(_) => {
             eprintln!("gpubudget-demo: stopped before the eviction was counted");
             ExitCode::FAILURE

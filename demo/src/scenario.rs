@@ -221,6 +221,15 @@ pub async fn run(mut stack: Stack, until: Until, mut print: impl FnMut(&str)) ->
         say(&format!("not ready after 30s: {}", stack.readiness()), &mut outcome);
         return (outcome, stack);
     }
+    // The operator's first status of every budget, so that the first table printed is a whole one (not the
+    // moment between two status writes): what it prints is then the same on every run, but its times
+    // (docs/demo.md's sample is checked against it: tests/demo.rs).
+    let statused =
+        |f: &FakeApi| f.list("gpumemorybudgets", None).iter().all(|b| b["status"]["matchedPods"].is_number());
+    if !stack.fake.wait_until(Duration::from_secs(30), statused).await {
+        say("no status on every budget after 30s", &mut outcome);
+        return (outcome, stack);
+    }
     say(
         "operator and agent ready; usage replayed from the H100 recording (llm-0 4.2Gi, finetune-0 6.6Gi, llm-b-0 1.6Gi, a host process 1.1Gi)",
         &mut outcome,
@@ -228,7 +237,7 @@ pub async fn run(mut stack: Stack, until: Until, mut print: impl FnMut(&str)) ->
     let start = Instant::now();
     let shutdown = stack.shutdown();
     let mut steps = steps().into_iter().peekable();
-    let (mut seen, mut last_table) = (HashSet::new(), String::new());
+    let (mut seen, mut last_table, mut previous_poll) = (HashSet::new(), String::new(), String::new());
     let mut evicted_at: Option<Instant> = None;
     let mut kubelet_done = false;
     let mut tick = tokio::time::interval(Duration::from_millis(200));
@@ -270,14 +279,20 @@ pub async fn run(mut stack: Stack, until: Until, mut print: impl FnMut(&str)) ->
                 &mut outcome,
             );
         }
+        // A table is printed once it held for two polls (200 ms): the operator writes the budgets' statuses one
+        // by one, and the moment between two writes is no state worth showing (nor the same on every run).
         let table = budgets_table(&stack.fake);
-        if table != last_table {
+        let print_table = |table: &str, outcome: &mut Outcome, say: &mut dyn FnMut(&str, &mut Outcome)| {
             say(
                 &format!("\n$ kubectl get gmb -A     # at {:.1}s\n{}", start.elapsed().as_secs_f64(), table.trim_end()),
-                &mut outcome,
+                outcome,
             );
-            last_table = table;
+        };
+        if table != last_table && table == previous_poll {
+            print_table(&table, &mut outcome, &mut say);
+            last_table.clone_from(&table);
         }
+        previous_poll = table;
         let counted = stack
             .fake
             .list("gpumemorybudgets", Some("team-a"))
@@ -286,6 +301,11 @@ pub async fn run(mut stack: Stack, until: Until, mut print: impl FnMut(&str)) ->
         if counted && kubelet_done && !outcome.evicted {
             outcome.evicted = true;
             if until == Until::Evicted {
+                // The table that counts the eviction, even if it has not held for two polls yet.
+                let table = budgets_table(&stack.fake);
+                if table != last_table {
+                    print_table(&table, &mut outcome, &mut say);
+                }
                 break;
             }
             say("\n(the story is over; the system keeps running: try kubectl, or Ctrl-C to stop)", &mut outcome);

@@ -18,12 +18,15 @@ import json
 import re
 import sys
 import tarfile
+import textwrap
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("svg")
+import matplotlib.patches  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.text  # noqa: E402
 from matplotlib import font_manager  # noqa: E402
 
 # Only the fonts matplotlib ships (its DejaVu Sans): a system font of the same name in another version would
@@ -180,6 +183,7 @@ def neighbour_figure(out):
         va="bottom",
     )
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    check_layout(fig, "neighbour.svg")
     save(fig, out / "neighbour.svg")
 
 
@@ -224,9 +228,16 @@ def story_run(path):
 
 
 def short(title):
+    """A section's title up to its first parenthesis or colon: the story's name, never cut (a long one is wrapped)."""
     title = re.sub(r"\s*\(.*", "", title)
-    title = re.sub(r":.*", "", title)
-    return title if len(title) <= 46 else title[:44] + "…"
+    return re.sub(r":.*", "", title)
+
+
+def wrapped(text, width):
+    return "\n".join(textwrap.wrap(text, width, break_on_hyphens=False))
+
+
+STATES = [("Within", "#8fbf8f"), ("Near", "#ef9a3c"), ("Over", "#d84b4b")]
 
 
 def story_figure(out):
@@ -239,42 +250,65 @@ def story_figure(out):
     stops = sorted(run["stopped_after"] for run in runs)
     n = len(runs)
     fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(11, 11), gridspec_kw={"height_ratios": [1, 1.5]}, constrained_layout=True
+        2, 1, figsize=(11, 13.5), gridspec_kw={"height_ratios": [1, 1.9]}, constrained_layout=True
     )
 
-    # The Evict story: llm-evict's replayed usage, aligned at the sample that goes over the limit.
-    for run, color in zip(runs, colors):
-        over_at = next(t for t, n, v in run["phases"] if v > run["limit"])
-        phases = [(t - over_at, v) for t, n, v in run["phases"] if t <= over_at]
-        stop = run["stopped_after"]
-        xs = [p[0] for p in phases] + [stop]
-        ys = [p[1] for p in phases] + [phases[-1][1]]
-        top.step(xs, ys, where="post", color=color, lw=1.5, label=f"{run['label']}: {stop} s after")
-        top.plot([stop], [ys[-1]], "s", color=color, ms=7)
+    # The Evict story, one lane per run (so that no run hides another): llm-evict's replayed usage, each sample
+    # phase a bar coloured by the state it means, aligned at the sample that goes over the limit; the square: the
+    # container stopped.
     run = runs[-1]
-    top.axhline(run["limit"], color="#c62828", lw=1, ls="--")
-    top.text(-14.5, run["limit"] + 0.12, f"limit {run['limit']:g}Gi (Evict)", color="#c62828", fontsize=8)
-    if run["warn_percent"]:
-        warn = run["limit"] * run["warn_percent"] / 100
-        top.axhline(warn, color="#ef6c00", lw=0.8, ls=":")
-        top.text(-14.5, warn - 0.35, f"Near at {run['warn_percent']} %", color="#ef6c00", fontsize=8)
-    top.axvspan(0, run["over_limit_seconds"], color="#c62828", alpha=0.08)
-    top.text(0.3, 9.7, f"overLimitSeconds: {run['over_limit_seconds']} s", color="#c62828", fontsize=8)
-    top.text(-12, 6.15, "Within", fontsize=8)
-    top.text(-3.2, 7.65, "Near", fontsize=8)
-    top.text(0.3, 9.15, "Over, then Evicting; evicted", fontsize=8)
-    top.set_xlim(-15, 16)
-    top.set_ylim(0, 10)
+    limit, warn_percent = run["limit"], run["warn_percent"] or 100
+    assert all(r["limit"] == limit and (r["warn_percent"] or 100) == warn_percent for r in runs), "one budget in all runs"
+
+    def state(v):
+        return "Over" if v > limit else "Near" if v >= limit * warn_percent / 100 else "Within"
+
+    fill = dict(STATES)
+    first = 0
+    for i, run in enumerate(runs):
+        over_at = next(t for t, _, v in run["phases"] if v > run["limit"])
+        phases = [(t - over_at, v) for t, _, v in run["phases"] if t <= over_at]
+        stop = run["stopped_after"]
+        ends = [t for t, _ in phases[1:]] + [stop]
+        for (start, v), end in zip(phases, ends):
+            top.barh(i, end - start, left=start, height=0.62, color=fill[state(v)], edgecolor="white", lw=0.8)
+            top.text((start + end) / 2, i, f"{v:g}Gi", ha="center", va="center", fontsize=7.5)
+        top.plot([stop], [i], "s", color="black", ms=6)
+        top.text(stop + 0.6, i, f"stopped {stop} s after", va="center", fontsize=8)
+        first = min(first, phases[0][0])
+    top.axvspan(0, run["over_limit_seconds"], color="#c62828", alpha=0.08, lw=0)
+    top.axvline(0, color="#c62828", lw=0.8)
+    top.text(0.3, -0.5, f"overLimitSeconds: {run['over_limit_seconds']} s", color="#c62828", fontsize=8, va="bottom")
+    top.set_yticks(range(n))
+    top.set_yticklabels([r["label"] for r in runs], fontsize=8)
+    for label, color in zip(top.get_yticklabels(), colors):
+        label.set_color(color)
+    top.set_ylim(n - 0.4, -1.3)
+    top.set_xlim(first - 1, max(stops) + 10)
     top.set_xlabel("seconds after the over-limit sample was written (kubectl apply of the ConfigMap the agent replays)")
-    top.set_ylabel("llm-evict's usage as replayed (GiB)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for _, c in STATES]
+    handles.append(plt.Line2D([], [], marker="s", color="black", ls=""))
+    top.legend(
+        handles,
+        [
+            f"Within: below {warn_percent} % of the limit",
+            f"Near: at or above {warn_percent} %",
+            f"Over the limit ({limit:g}Gi, Evict)",
+            "the container stopped",
+        ],
+        loc="upper left",
+        bbox_to_anchor=(0, -0.12),
+        ncol=4,
+        frameon=False,
+        fontsize=8,
+    )
     top.set_title(
-        "The Evict story: llm-evict (budget llm-inference: 8Gi, Evict) goes Near, then Over, and is evicted.\n"
-        "The usage steps are the replayed sample phases, placed at the run.sh section that wrote them (whole\n"
-        "seconds); the square: the container stopped (no host process left in its cgroup; polled every 2 s).\n"
-        "The events' own times are not in the logs: run.sh checks them, it does not time them.",
+        "The Evict story: llm-evict (budget llm-inference: 8Gi, Evict) goes Near, then Over, and is evicted; one "
+        "row per run.\nEach bar is a replayed sample phase, placed at the run.sh section that wrote it (whole "
+        "seconds); the square: the container\nstopped (no host process left in its cgroup; polled every 2 s). The "
+        "events' own times are not in the logs: run.sh checks them,\nit does not time them.",
         loc="left",
     )
-    top.legend(loc="lower right", frameon=False, fontsize=8, title="run: the container stopped", title_fontsize=8)
 
     # Every story of the run, every run: where each section started and ended.
     titles = []
@@ -296,20 +330,92 @@ def story_figure(out):
         evict_row = next(j for j, t in enumerate(titles) if t.startswith("Evict story"))
         bottom.plot([over_at + run["stopped_after"]], [evict_row - 0.4 + (i + 0.5) * height], "s", color="black", ms=4)
     bottom.set_yticks(range(len(titles)))
-    bottom.set_yticklabels(titles, fontsize=8)
-    bottom.invert_yaxis()
+    bottom.set_yticklabels([wrapped(t, 34) for t in titles], fontsize=8)
+    bottom.set_ylim(len(titles) - 0.5, -0.5)
     bottom.set_xlabel("seconds since run.sh started (its section stamps)")
     bottom.set_title(
-        f"Every story of the run (e2e/cluster/run.sh on the real node), all {n} committed runs; the black square: "
-        f"llm-evict's container stopped ({stops[0]}–{stops[-1]} s after going over)", loc="left"
+        f"Every story of the run (e2e/cluster/run.sh on the real node), all {n} committed runs, one colour each;\n"
+        f"the black square: llm-evict's container stopped ({stops[0]}–{stops[-1]} s after going over)",
+        loc="left",
     )
-    bottom.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), frameon=False, fontsize=8)
+    bottom.legend(loc="upper center", bbox_to_anchor=(0.5, -0.06), frameon=False, fontsize=8)
     fig.suptitle(
         f"bash e2e/cluster/realk8s.sh: one real node, {runs[-1]['node']};\n"
         "the chart installed by helm, images from the release binaries; GPU usage replayed by host PID (no GPU)",
         fontsize=10,
     )
+    check_layout(fig, "story.svg")
     save(fig, out / "story.svg")
+
+
+def _segments(line):
+    """The straight pieces of a drawn line, in display coordinates."""
+    xy = line.get_transform().transform(line.get_path().vertices)
+    return list(zip(xy[:-1], xy[1:]))
+
+
+def _shared_length(a, b, tolerance=1.5):
+    """How long two horizontal or vertical segments lie on one another (display units)."""
+    (ax0, ay0), (ax1, ay1) = a
+    (bx0, by0), (bx1, by1) = b
+    for along, across in ((0, 1), (1, 0)):
+        pa, pb = (ax0, ay0), (bx0, by0)
+        qa, qb = (ax1, ay1), (bx1, by1)
+        if abs(pa[across] - qa[across]) < 1e-6 and abs(pb[across] - qb[across]) < 1e-6:
+            if abs(pa[across] - pb[across]) <= tolerance:
+                lo = max(min(pa[along], qa[along]), min(pb[along], qb[along]))
+                hi = min(max(pa[along], qa[along]), max(pb[along], qb[along]))
+                if hi - lo > 0:
+                    return hi - lo
+    return 0.0
+
+
+def check_layout(fig, name):
+    """Fails (and so generate.sh and CI) where a picture would be hard to read: a text outside the figure (a title
+    cut off), a text cut short with "…", two texts on one another, two bars on one another, or two series' lines
+    drawn on one another for more than a few points (one hides the other). Measured with the renderer's own
+    extents of the laid-out figure (DejaVu Sans), not estimated."""
+    fig.draw_without_rendering()
+    frame = fig.bbox
+    problems = []
+    # Tick labels outside their axis' view are not drawn (matplotlib keeps them, visible, where they were).
+    hidden = set()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                if not lo - 1e-9 <= tick.get_loc() <= hi + 1e-9:
+                    hidden.update((id(tick.label1), id(tick.label2)))
+    texts = []
+    for t in fig.findobj(matplotlib.text.Text):
+        if not t.get_visible() or not t.get_text().strip() or id(t) in hidden:
+            continue
+        box = t.get_window_extent()
+        texts.append((t.get_text(), box))
+        if "…" in t.get_text():
+            problems.append(f"cut short: {t.get_text()!r}")
+        if box.x0 < frame.x0 - 0.5 or box.y0 < frame.y0 - 0.5 or box.x1 > frame.x1 + 0.5 or box.y1 > frame.y1 + 0.5:
+            problems.append(f"outside the figure ({box.bounds} in {frame.bounds}): {t.get_text()!r}")
+    for i, (a, box_a) in enumerate(texts):
+        for b, box_b in texts[i + 1 :]:
+            w = min(box_a.x1, box_b.x1) - max(box_a.x0, box_b.x0)
+            h = min(box_a.y1, box_b.y1) - max(box_a.y0, box_b.y0)
+            if w > 1 and h > 1:
+                problems.append(f"texts overlap: {a!r} {box_a.bounds} and {b!r} {box_b.bounds}")
+    for ax in fig.axes:
+        bars = [bar.get_window_extent() for container in ax.containers for bar in container.patches]
+        for i, a in enumerate(bars):
+            for b in bars[i + 1 :]:
+                if min(a.x1, b.x1) - max(a.x0, b.x0) > 0.5 and min(a.y1, b.y1) - max(a.y0, b.y0) > 0.5:
+                    problems.append(f"bars overlap in {ax.get_title(loc='left')[:40]!r}: {a.bounds} and {b.bounds}")
+        lines = [ln for ln in ax.get_lines() if not ln.get_label().startswith("_") and ln.get_linestyle() not in ("None", "")]
+        for i, a in enumerate(lines):
+            for b in lines[i + 1 :]:
+                shared = sum(_shared_length(sa, sb) for sa in _segments(a) for sb in _segments(b))
+                if shared > 3:
+                    problems.append(f"lines drawn on one another for {shared:.0f} pt: {a.get_label()!r} and {b.get_label()!r}")
+    if problems:
+        raise SystemExit(f"plots.py: {name} is not readable:\n  " + "\n  ".join(problems))
 
 
 def main():
