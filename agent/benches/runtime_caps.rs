@@ -43,7 +43,7 @@ fn bench(c: &mut Criterion) {
     let pod = PodSandbox { uid: "uid-57".into(), name: "p57".into(), namespace: "team-a".into(), ..Default::default() };
     let plain = container("PATH=/usr/bin");
     let hostile = container("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=99G,GPU-x=1G,junk");
-    assert!(matches!(decide(&view, &pod, &plain, None), Decision::Adjust(..)));
+    assert!(matches!(decide(&view, &pod, &plain, None), Decision::Adjust { .. }));
     let mut group = c.benchmark_group("runtime_caps");
     group.bench_function("decide, 110 pods, 40 variables", |b| b.iter(|| decide(black_box(&view), &pod, &plain, None)));
     group.bench_function("decide, hostile MPS value", |b| b.iter(|| decide(black_box(&view), &pod, &hostile, None)));

@@ -32,7 +32,7 @@ use gpubudget_common::{Budget, CriticalNamespaces};
 
 use gpubudget_common::caps::{Caps, Devices, Held};
 use gpubudget_nri::api::{Container, ContainerAdjustment, PodSandbox};
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
@@ -84,11 +84,51 @@ pub struct View {
     pub gpus: u32,
 }
 
+/// What became of a container creation the agent answered (`gpubudget_runtime_caps_containers_total{outcome}`).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum Outcome {
+    /// `not_gpu`: it sees no GPU.
+    NotGpu,
+    /// `no_budget`: no budget selects its pod.
+    NoBudget,
+    /// `caps_off`: its budget sets no caps.
+    CapsOff,
+    /// `capped`: given its caps.
+    Capped,
+    /// `devices_unknown`: its device count is unknown, so no MPS cap.
+    DevicesUnknown,
+    /// `unresolved_created`: its budget not known in time, created uncapped.
+    UnresolvedCreated,
+    /// `unresolved_refused`: its budget not known in time, refused.
+    UnresolvedRefused,
+}
+
+impl Outcome {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::NotGpu => "not_gpu",
+            Outcome::NoBudget => "no_budget",
+            Outcome::CapsOff => "caps_off",
+            Outcome::Capped => "capped",
+            Outcome::DevicesUnknown => "devices_unknown",
+            Outcome::UnresolvedCreated => "unresolved_created",
+            Outcome::UnresolvedRefused => "unresolved_refused",
+        }
+    }
+}
+
+impl EncodeLabelValue for Outcome {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        encoder.write_str(self.as_str())
+    }
+}
+
 /// `{outcome}` of a container creation the plugin saw.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
-    /// `not_gpu`, `no_budget`, `caps_off`, `capped`, `devices_unknown`, `unresolved_created`, `unresolved_refused`.
-    pub outcome: String,
+    /// What became of it.
+    pub outcome: Outcome,
 }
 
 /// The plugin's metrics (registered by [`crate::report::metrics::Metrics`]).
@@ -119,9 +159,44 @@ pub enum Decision {
     /// Its budget sets no caps (`admissionCaps` not enabled): left as it is.
     CapsOff,
     /// Capped (or, with an unknown device count, its MPS value removed and reported).
-    Adjust(Box<Adjustment>, PodRef, String),
-    /// Its pod's budget is not known yet: why.
-    Unknown(String),
+    Adjust {
+        /// The variables set and removed.
+        adjustment: Box<Adjustment>,
+        /// Its pod.
+        pod: PodRef,
+        /// Which budget, and its limit (or why its device count is unknown), for the events.
+        how: String,
+    },
+    /// Its pod's budget is not known yet.
+    Unknown(NotKnown),
+}
+
+/// Why a GPU container's budget is not known (yet).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotKnown {
+    /// The agent's caches have not synced.
+    #[error("the agent's caches have not synced yet")]
+    NotSynced,
+    /// The pod is not in the agent's table (yet).
+    #[error("pod {namespace}/{name} (uid {uid}) is not in the agent's table yet")]
+    NotInTable {
+        /// Its namespace, as the runtime names it.
+        namespace: String,
+        /// Its name.
+        name: String,
+        /// Its UID.
+        uid: String,
+    },
+    /// Its share cannot be sized yet (a fraction before the node knows its GPUs' memory).
+    #[error("pod {namespace}/{name}: {note}")]
+    ShareNotSized {
+        /// Its namespace.
+        namespace: String,
+        /// Its name.
+        name: String,
+        /// The share's note.
+        note: String,
+    },
 }
 
 /// Which budget rules apply to the pod the runtime names (by UID; a static pod's is its mirror's annotation, which
@@ -144,13 +219,11 @@ fn devices_of(container: &Container, gpus: u32) -> Option<Devices> {
 pub fn decide(view: &View, pod: &PodSandbox, container: &Container, mps_pipe: Option<&str>) -> Decision {
     let Some(devices) = devices_of(container, view.gpus) else { return Decision::NotGpu };
     if !view.synced {
-        return Decision::Unknown("the agent's caches have not synced yet".to_owned());
+        return Decision::Unknown(NotKnown::NotSynced);
     }
     let Some((pod_ref, budget)) = rules(&view.table, pod) else {
-        return Decision::Unknown(format!(
-            "pod {}/{} (uid {}) is not in the agent's table yet",
-            pod.namespace, pod.name, pod.uid
-        ));
+        let (namespace, name, uid) = (pod.namespace.clone(), pod.name.clone(), pod.uid.clone());
+        return Decision::Unknown(NotKnown::NotInTable { namespace, name, uid });
     };
     let Some(budget) = budget else { return Decision::NoBudget };
     let Some(caps) = Caps::of(budget) else { return Decision::CapsOff };
@@ -158,14 +231,15 @@ pub fn decide(view: &View, pod: &PodSandbox, container: &Container, mps_pipe: Op
     // waits for it like any unknown (#51), never capped at the budget's limit for its whole life. A share that
     // cannot be read because of the pod's own values is held to the limit, as enforcement holds it.
     if let Some(held) = budget.held_share.as_ref().filter(|h| !h.resolved() && !budget.share_fault) {
-        return Decision::Unknown(format!("pod {}/{}: {}", pod.namespace, pod.name, held.note));
+        let (namespace, name, note) = (pod.namespace.clone(), pod.name.clone(), held.note.clone());
+        return Decision::Unknown(NotKnown::ShareNotSized { namespace, name, note });
     }
     let adjustment = runtime::adjust(&container.name, &container.env, devices, caps, mps_pipe);
     let how = match devices {
         Devices::Known(_) => format!("budget {} ({})", budget.key(), budget.limit_text),
         Devices::Unknown(why) => format!("budget {}: its device count is unknown ({why})", budget.key()),
     };
-    Decision::Adjust(Box::new(adjustment), pod_ref, how)
+    Decision::Adjust { adjustment: Box::new(adjustment), pod: pod_ref, how }
 }
 
 pub use made::{Expect, Made};
@@ -202,8 +276,8 @@ impl RuntimeCaps {
         self.settings.wait
     }
 
-    fn count(&self, outcome: &str) {
-        self.metrics.containers.get_or_create(&OutcomeLabels { outcome: outcome.to_owned() }).inc();
+    fn count(&self, outcome: Outcome) {
+        self.metrics.containers.get_or_create(&OutcomeLabels { outcome }).inc();
     }
 
     /// An event on `container` of `pod`: each container its own (a pod's several GPU containers are each told).
@@ -237,7 +311,7 @@ impl RuntimeCaps {
         let Some(devices) = devices_of(c, view.borrow().gpus) else { return };
         let held = runtime::held_in(&c.name, &c.env, devices);
         self.made.remember(&pod.uid, &c.name, held, devices.known().unwrap_or(0));
-        if let (Held::Uncapped(why), Decision::Adjust(_, pod_ref, how)) =
+        if let (Held::Uncapped(why), Decision::Adjust { pod: pod_ref, how, .. }) =
             (held, decide(&view.borrow(), pod, c, self.settings.mps_pipe.as_deref()))
         {
             let note = format!(
@@ -268,25 +342,25 @@ impl RuntimeCaps {
         };
         let answer = match decision {
             Decision::NotGpu => {
-                self.count("not_gpu");
+                self.count(Outcome::NotGpu);
                 Ok(ContainerAdjustment::default())
             }
             Decision::NoBudget | Decision::CapsOff => {
-                self.count(if decision == Decision::NoBudget { "no_budget" } else { "caps_off" });
+                self.count(if decision == Decision::NoBudget { Outcome::NoBudget } else { Outcome::CapsOff });
                 if let Some(d) = devices {
                     let held = runtime::held_in(&container.name, &container.env, d);
                     self.made.remember(&pod.uid, &container.name, held, d.known().unwrap_or(0));
                 }
                 Ok(ContainerAdjustment::default())
             }
-            Decision::Adjust(adjustment, _, how) => {
+            Decision::Adjust { adjustment, how, .. } => {
                 match &adjustment.record.uncapped {
                     None => {
-                        self.count("capped");
+                        self.count(Outcome::Capped);
                         expect(Expect::Capped { how });
                     }
                     Some(why) => {
-                        self.count("devices_unknown");
+                        self.count(Outcome::DevicesUnknown);
                         let set: Vec<String> = adjustment.set.iter().map(|(k, v)| format!("{k}={v}")).collect();
                         let note = format!(
                             "container {}: no MPS cap at creation ({why}); {how}; set {}",
@@ -301,7 +375,7 @@ impl RuntimeCaps {
             Decision::Unknown(why) => {
                 match self.settings.unresolved.for_namespace(&self.settings.never_refuse, &pod.namespace) {
                     Unresolved::Create => {
-                        self.count("unresolved_created");
+                        self.count(Outcome::UnresolvedCreated);
                         let note = format!(
                             "container {} created without caps: {why} (--runtime-caps-unresolved=create)",
                             container.name
@@ -311,7 +385,7 @@ impl RuntimeCaps {
                         Ok(ContainerAdjustment::default())
                     }
                     Unresolved::Refuse => {
-                        self.count("unresolved_refused");
+                        self.count(Outcome::UnresolvedRefused);
                         Err(format!(
                             "gpubudget: GPU container {} not created: {why} after {:?} (--runtime-caps-unresolved=refuse; the kubelet retries)",
                             container.name,
@@ -338,7 +412,7 @@ impl RuntimeCaps {
         let held = runtime::held_in(&c.name, &c.env, devices);
         self.made.confirm(&pod.uid, &c.id, &c.name, held, devices.known().unwrap_or(0));
         let pod_ref = || match &decision {
-            Decision::Adjust(_, pod_ref, _) => pod_ref.clone(),
+            Decision::Adjust { pod: pod_ref, .. } => pod_ref.clone(),
             _ => PodRef {
                 uid: pod.uid.to_ascii_lowercase().into(),
                 namespace: pod.namespace.as_str().into(),
@@ -382,14 +456,14 @@ pub fn confirmation(
         )),
         (Some(Expect::Uncapped { note }), _) => Some((Reason::NotCappedAtCreation, note)),
         (None, held) => match (decision, held) {
-            (Decision::Adjust(_, _, how), Held::Uncapped(why)) => Some((
+            (Decision::Adjust { how, .. }, Held::Uncapped(why)) => Some((
                 Reason::NotCappedAtCreation,
                 format!(
                     "container {name} was made while the agent did not answer the runtime: not capped at creation \
                      ({why}); {how}; eviction still holds the pod to its budget"
                 ),
             )),
-            (Decision::Adjust(_, _, how), Held::Capped { .. }) => Some((
+            (Decision::Adjust { how, .. }, Held::Capped { .. }) => Some((
                 Reason::CappedAtCreation,
                 format!(
                     "container {name} made capped (read back from the container the runtime made), {how}: {}",

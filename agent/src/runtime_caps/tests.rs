@@ -116,8 +116,8 @@ fn told_on(events: &mut mpsc::UnboundedReceiver<Action>) -> Vec<(String, Reason,
     out
 }
 
-fn outcome(m: &RuntimeMetrics, outcome: &str) -> u64 {
-    m.containers.get_or_create(&OutcomeLabels { outcome: outcome.into() }).get()
+fn outcome(m: &RuntimeMetrics, outcome: Outcome) -> u64 {
+    m.containers.get_or_create(&OutcomeLabels { outcome }).get()
 }
 
 /// A pod created while the webhook was down (nothing in its spec), or whose author wrote a hostile value: the
@@ -146,7 +146,7 @@ async fn a_gpu_container_gets_its_budgets_caps_whatever_the_pod_wrote() {
         r.made.summary("uid-1").expect("remembered"),
         (RuntimeCapsRecord::Capped { max_mib: 8192 }, Some(MpsCap { mib: 8192, devices: 1 }))
     );
-    assert_eq!(outcome(&r.plugin.metrics, "capped"), 1);
+    assert_eq!(outcome(&r.plugin.metrics, Outcome::Capped), 1);
 }
 
 /// KAI's binder hands the devices through a ConfigMap: the runtime's environment has the list; the share is a
@@ -188,7 +188,7 @@ async fn a_fraction_waits_for_the_gpus_sizes_instead_of_the_limit() {
     let not_sized = view(vec![kai.clone()], std::slice::from_ref(&shares), &[]);
     let made = container(&["NVIDIA_VISIBLE_DEVICES=GPU-8a1d-0f"], &[]);
     assert!(
-        matches!(decide(&not_sized, &sandbox("uid-k"), &made, None), Decision::Unknown(why) if why.contains("not known yet")),
+        matches!(decide(&not_sized, &sandbox("uid-k"), &made, None), Decision::Unknown(NotKnown::ShareNotSized { .. })),
         "not capped at the limit"
     );
     let r = rig(not_sized.clone(), Unresolved::Refuse);
@@ -231,7 +231,7 @@ async fn no_gpu_no_budget_or_caps_off_are_left_alone() {
     assert_eq!(make(&r.plugin, sandbox("uid-1"), gpu.clone()).await, Ok(ContainerAdjustment::default()));
     let r = rig(view(vec![pod("uid-1", "")], &[], &[80 * GI]), Unresolved::Refuse);
     assert_eq!(make(&r.plugin, sandbox("uid-1"), gpu).await, Ok(ContainerAdjustment::default()));
-    assert_eq!((outcome(&r.plugin.metrics, "no_budget"), outcome(&r.plugin.metrics, "unresolved_refused")), (1, 0));
+    assert_eq!((outcome(&r.plugin.metrics, Outcome::NoBudget), outcome(&r.plugin.metrics, Outcome::UnresolvedRefused)), (1, 0));
 }
 
 /// A pod the agent does not know yet waits for the next table (within the wait); past it, the administrator's
