@@ -149,7 +149,9 @@ fn touch_agent(metrics: &AgentMetrics) {
     _ = pod_driver_hard.get_or_create(&pod());
     _ = pod_driver_soft.get_or_create(&pod());
     let gpubudget_agent::runtime_caps::RuntimeMetrics { containers, seconds, registrations } = runtime;
-    _ = containers.get_or_create(&gpubudget_agent::runtime_caps::OutcomeLabels { outcome: gpubudget_agent::runtime_caps::Outcome::Capped });
+    _ = containers.get_or_create(&gpubudget_agent::runtime_caps::OutcomeLabels {
+        outcome: gpubudget_agent::runtime_caps::Outcome::Capped,
+    });
     seconds.observe(0.000_1);
     registrations.get();
 }

@@ -120,7 +120,7 @@ impl Outcome {
 
 impl EncodeLabelValue for Outcome {
     fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
-        encoder.write_str(self.as_str())
+        std::fmt::Write::write_str(encoder, self.as_str())
     }
 }
 

@@ -231,7 +231,10 @@ async fn no_gpu_no_budget_or_caps_off_are_left_alone() {
     assert_eq!(make(&r.plugin, sandbox("uid-1"), gpu.clone()).await, Ok(ContainerAdjustment::default()));
     let r = rig(view(vec![pod("uid-1", "")], &[], &[80 * GI]), Unresolved::Refuse);
     assert_eq!(make(&r.plugin, sandbox("uid-1"), gpu).await, Ok(ContainerAdjustment::default()));
-    assert_eq!((outcome(&r.plugin.metrics, Outcome::NoBudget), outcome(&r.plugin.metrics, Outcome::UnresolvedRefused)), (1, 0));
+    assert_eq!(
+        (outcome(&r.plugin.metrics, Outcome::NoBudget), outcome(&r.plugin.metrics, Outcome::UnresolvedRefused)),
+        (1, 0)
+    );
 }
 
 /// A pod the agent does not know yet waits for the next table (within the wait); past it, the administrator's
