@@ -185,6 +185,7 @@ struct Seen {
     evicting_applied: bool,
 }
 
+#[allow(clippy::large_enum_variant)] // a test's queue of a few entries
 enum Pending {
     Write { uid: Arc<str>, record: Option<PodRecord>, due: u64, ok: bool },
     Evict { uid: Arc<str>, due: u64, outcome: u8 },

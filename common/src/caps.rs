@@ -1155,7 +1155,7 @@ impl PodCaps {
     /// they win over the spec's, since the runtime's environment is the one the processes started with.
     pub fn as_made(self, by_runtime: Option<&crate::pod_record::RuntimeCapsRecord>) -> Self {
         match by_runtime {
-            Some(crate::pod_record::RuntimeCapsRecord::Capped { max_mib }) => Self::Capped { max_mib: *max_mib },
+            Some(crate::pod_record::RuntimeCapsRecord::Capped { max_mib, .. }) => Self::Capped { max_mib: *max_mib },
             Some(crate::pod_record::RuntimeCapsRecord::Uncapped(_)) => Self::Uncapped(Uncapped::AtCreation),
             None => self,
         }

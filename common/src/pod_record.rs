@@ -118,7 +118,8 @@ impl PodRecord {
 }
 
 /// The value of [`RUNTIME_CAPS`]: every GPU container of the pod the runtime made with an MPS cap the driver reads
-/// (the largest, MiB), or the first that it made without one, and why.
+/// (the largest, MiB, and each container's), or those it made without one, and why (then each other's cap).
+/// An older reader ignores `containers`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase", rename_all_fields = "camelCase")]
 pub enum RuntimeCapsRecord {
@@ -126,14 +127,27 @@ pub enum RuntimeCapsRecord {
     Capped {
         /// The largest cap of any container and device.
         max_mib: u64,
+        /// Each GPU container's largest cap, MiB, by name (at most [`RuntimeCapsRecord::CONTAINERS_MAX`]).
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        containers: BTreeMap<String, u64>,
     },
-    /// Some GPU container is not: `container <name>: <why>`.
+    /// Some GPU container is not: `container <name>: <why>`, each uncapped one first, then the capped ones'
+    /// `container <name>: capped at <MiB> MiB`, `; `-separated.
     Uncapped(String),
 }
 
 impl RuntimeCapsRecord {
     /// The longest reason kept.
-    const WHY_MAX: usize = 300;
+    const WHY_MAX: usize = 600;
+    /// Containers named at most (a tenant writes a pod's containers: bounded).
+    pub const CONTAINERS_MAX: usize = 16;
+
+    /// Capped, each container at its cap (the first [`Self::CONTAINERS_MAX`] by name are named).
+    pub fn capped(containers: impl IntoIterator<Item = (String, u64)>) -> Self {
+        let all: BTreeMap<String, u64> = containers.into_iter().collect();
+        let max_mib = all.values().copied().max().unwrap_or(0);
+        Self::Capped { max_mib, containers: all.into_iter().take(Self::CONTAINERS_MAX).collect() }
+    }
 
     /// The annotation's value.
     pub fn to_annotation(&self) -> String {
@@ -142,7 +156,9 @@ impl RuntimeCapsRecord {
 
     /// Reads the annotation's value; `None` when it is not this record's JSON or longer than the agent writes.
     pub fn from_annotation(value: &str) -> Option<Self> {
-        (value.len() <= Self::WHY_MAX + 40).then(|| serde_json::from_str(value).ok()).flatten()
+        // Names of 63 bytes at most, each with its figure and JSON's quoting.
+        let most = Self::WHY_MAX + 40 + Self::CONTAINERS_MAX * 90;
+        (value.len() <= most).then(|| serde_json::from_str(value).ok()).flatten()
     }
 
     /// An uncapped record whose reason is cut to what is kept.
@@ -215,13 +231,21 @@ mod tests {
 
     #[test]
     fn runtime_caps_round_trip_in_camel_case_and_garbage_is_no_record() {
-        let capped = RuntimeCapsRecord::Capped { max_mib: 8192 };
-        assert_eq!(capped.to_annotation(), r#"{"capped":{"maxMib":8192}}"#);
+        let capped = RuntimeCapsRecord::capped([("g1".to_owned(), 8192), ("g2".to_owned(), 4096)]);
+        assert_eq!(capped.to_annotation(), r#"{"capped":{"maxMib":8192,"containers":{"g1":8192,"g2":4096}}}"#);
         assert_eq!(RuntimeCapsRecord::from_annotation(&capped.to_annotation()), Some(capped));
+        // An older writer's record (no containers) still reads.
+        let old = RuntimeCapsRecord::from_annotation(r#"{"capped":{"maxMib":8192}}"#).expect("read");
+        assert_eq!(old, RuntimeCapsRecord::Capped { max_mib: 8192, containers: BTreeMap::new() });
+        // Many containers (a tenant's pod): the largest counted, the first named, the record still read back.
+        let many = RuntimeCapsRecord::capped((0..100).map(|i| (format!("{i:0>63}"), 100 + i)));
+        let RuntimeCapsRecord::Capped { max_mib, containers } = &many else { panic!("{many:?}") };
+        assert_eq!((*max_mib, containers.len()), (199, RuntimeCapsRecord::CONTAINERS_MAX));
+        assert_eq!(RuntimeCapsRecord::from_annotation(&many.to_annotation()), Some(many.clone()));
         let long = RuntimeCapsRecord::uncapped("x".repeat(1000));
         assert_eq!(RuntimeCapsRecord::from_annotation(&long.to_annotation()), Some(long));
         assert_eq!(RuntimeCapsRecord::from_annotation("capped"), None);
-        assert_eq!(RuntimeCapsRecord::from_annotation(&format!("{{\"uncapped\":\"{}\"}}", "x".repeat(400))), None);
+        assert_eq!(RuntimeCapsRecord::from_annotation(&format!("{{\"uncapped\":\"{}\"}}", "x".repeat(4000))), None);
     }
 
     #[test]

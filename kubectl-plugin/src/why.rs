@@ -447,10 +447,15 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
             cap_not_in_force: r.cap_not_in_force.clone(),
             limit_bytes: r.share.as_ref().map(|s| s.limit_bytes),
             runtime_caps: r.runtime_caps.as_ref().map(|c| match c {
-                RuntimeCapsRecord::Capped { max_mib } => format!(
-                    "every GPU container made by the container runtime with an MPS cap the driver reads, at most {max_mib} \
-                     MiB (the runtime's environment is the one its processes started with; it wins over the spec's)"
-                ),
+                RuntimeCapsRecord::Capped { max_mib, containers } => {
+                    let each: Vec<String> = containers.iter().map(|(name, mib)| format!("{name} {mib} MiB")).collect();
+                    let each = if each.is_empty() { String::new() } else { format!(" ({})", each.join(", ")) };
+                    format!(
+                        "every GPU container made by the container runtime with an MPS cap the driver reads, at most \
+                         {max_mib} MiB{each} (the runtime's environment is the one its processes started with; it wins \
+                         over the spec's)"
+                    )
+                }
                 RuntimeCapsRecord::Uncapped(why) => format!("made by the container runtime without a cap: {why}"),
             }),
         }),

@@ -957,9 +957,9 @@ mod tests {
             p
         };
         let pods = [
-            made("webhook-down", None, RuntimeCapsRecord::Capped { max_mib: 8192 }),
+            made("webhook-down", None, RuntimeCapsRecord::capped([("main".to_owned(), 8192)])),
             made("spec-says-capped", Some("0=8192M"), RuntimeCapsRecord::uncapped("container main: no cap".into())),
-            made("above", None, RuntimeCapsRecord::Capped { max_mib: 16384 }),
+            made("above", None, RuntimeCapsRecord::capped([("main".to_owned(), 16384)])),
             with_env("spec-only", Some("0=4096M")),
         ];
         let s = caps_status(&pods, true);

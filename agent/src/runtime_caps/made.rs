@@ -126,17 +126,24 @@ impl Made {
 /// uncapped one and why) and, when every one is capped, the cap the agent's cap-in-force check judges.
 pub fn summary(containers: &BTreeMap<String, MadeContainer>) -> (RuntimeCapsRecord, Option<MpsCap>) {
     let mut cap: Option<MpsCap> = None;
+    let (mut capped, mut uncapped) = (Vec::new(), Vec::new());
     for (name, c) in containers {
         match c.held {
-            Held::Uncapped(why) => return (RuntimeCapsRecord::uncapped(format!("container {name}: {why}")), None),
+            Held::Uncapped(why) => uncapped.push(format!("container {name}: {why}")),
             Held::Capped { max_mib } => {
+                capped.push((name.clone(), max_mib));
                 let m = cap.get_or_insert(MpsCap { mib: max_mib, devices: c.devices });
                 m.mib = m.mib.max(max_mib);
                 m.devices = m.devices.min(c.devices);
             }
         }
     }
-    (RuntimeCapsRecord::Capped { max_mib: cap.map_or(0, |c| c.mib) }, cap)
+    if !uncapped.is_empty() {
+        let each =
+            uncapped.into_iter().chain(capped.iter().map(|(n, mib)| format!("container {n}: capped at {mib} MiB")));
+        return (RuntimeCapsRecord::uncapped(each.collect::<Vec<_>>().join("; ")), None);
+    }
+    (RuntimeCapsRecord::capped(capped), cap)
 }
 
 #[cfg(test)]
@@ -161,6 +168,26 @@ mod tests {
         // A new container of that name (a restart) is asked for again.
         made.expect("uid-1", "c2", "main", 1, Expect::Capped { how: String::new() });
         assert_eq!(made.summary("uid-1").map(|s| s.1), Some(None));
+    }
+
+    #[test]
+    fn the_record_names_each_gpu_container() {
+        let made = Made::default();
+        made.confirm("uid-1", "a", "init", Held::Capped { max_mib: 4096 }, 1);
+        made.confirm("uid-1", "b", "main", Held::Capped { max_mib: 8192 }, 2);
+        let (record, _) = made.summary("uid-1").expect("remembered");
+        assert_eq!(record, RuntimeCapsRecord::capped([("init".to_owned(), 4096), ("main".to_owned(), 8192)]));
+        made.confirm("uid-1", "c", "sidecar", Held::Uncapped(Uncapped::NoMps), 1);
+        let (record, cap) = made.summary("uid-1").expect("remembered");
+        assert_eq!(cap, None);
+        assert_eq!(
+            record,
+            RuntimeCapsRecord::uncapped(
+                "container sidecar: no CUDA_MPS_PINNED_DEVICE_MEM_LIMIT; container init: capped at 4096 MiB; \
+                 container main: capped at 8192 MiB"
+                    .to_owned()
+            )
+        );
     }
 
     #[test]

@@ -144,7 +144,7 @@ async fn a_gpu_container_gets_its_budgets_caps_whatever_the_pod_wrote() {
     );
     assert_eq!(
         r.made.summary("uid-1").expect("remembered"),
-        (RuntimeCapsRecord::Capped { max_mib: 8192 }, Some(MpsCap { mib: 8192, devices: 1 }))
+        (RuntimeCapsRecord::capped([("main".to_owned(), 8192)]), Some(MpsCap { mib: 8192, devices: 1 }))
     );
     assert_eq!(outcome(&r.plugin.metrics, Outcome::Capped), 1);
 }
@@ -438,7 +438,7 @@ mod relay {
         let Action::ContainerEvent { reason, note, .. } = action else { panic!("{action:?}") };
         assert_eq!(reason, Reason::CappedAtCreation);
         assert!(!note.contains("hunter2"), "{note}");
-        assert_eq!(made.summary("uid-1").map(|s| s.0), Some(RuntimeCapsRecord::Capped { max_mib: 8192 }));
+        assert_eq!(made.summary("uid-1").map(|s| s.0), Some(RuntimeCapsRecord::capped([("main".to_owned(), 8192)])));
         // A container that sees no GPU is answered without asking.
         let plain = container(&["PATH=/bin"], &[]);
         assert_eq!(plugin.create_container(sandbox("uid-1"), plain).await, Ok(ContainerAdjustment::default()));

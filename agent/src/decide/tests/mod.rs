@@ -957,12 +957,12 @@ fn what_the_runtime_made_reaches_the_record_after_the_first_write() {
     let mut h = Harness::new(pod("", ""), &[budget("")]);
     assert_eq!(kinds(&h.tick(0, GI)), ["apply:Within"]);
     let mut view = h.table.pods[0].clone();
-    view.runtime_caps = Some(RuntimeCapsRecord::Capped { max_mib: 8192 });
+    view.runtime_caps = Some(RuntimeCapsRecord::capped([("main".to_owned(), 8192)]));
     h.table = table(view, &[budget("")]);
     assert!(h.run(250, 4_750, GI).is_empty(), "not before 5 s after the last write");
     let out = h.tick(5_000, GI);
     let Some(Action::Apply { record, .. }) = out.first() else { panic!("{:?}", kinds(&out)) };
-    assert_eq!(record.runtime_caps, Some(RuntimeCapsRecord::Capped { max_mib: 8192 }));
+    assert_eq!(record.runtime_caps, Some(RuntimeCapsRecord::capped([("main".to_owned(), 8192)])));
     assert!(h.run(5_250, 20_000, GI).is_empty(), "written once");
 }
 
