@@ -572,7 +572,7 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
     // The caches' generation and the GPUs' sizes the table was built for (a share of a GPU resolves
     // against them, so the table is built again once NVML has answered, or a GPU changes).
     let mut seen: Option<(u64, Vec<u64>)> = None;
-    tracing::info!(%node, interval = ?args.sample.interval, interval_near = ?args.sample.interval_near, proc_root = %args.sample.proc_root.display(), "agent running");
+    tracing::info!(%node, interval = ?args.sample.interval, interval_near = ?args.sample.interval_near, proc_root = %args.sample.proc_root.display(), enforcement = %args.pressure.enforcement, "agent running");
     loop {
         tokio::select! {
             () = shutdown.cancelled() => break,
