@@ -407,8 +407,7 @@ impl Enforcer {
         // Observe mode: when the state machine would have said `Evicting`, by its rule (over now, and over for
         // `overLimitSeconds` in all); a pressure eviction already under way goes on.
         let would_be_due = would_evict
-            && total > thresholds.limit
-            && mem.tracker.over_for() >= thresholds.over_limit_ms
+            && thresholds.due(total, mem.tracker.over_for())
             && mem.pressure.is_none()
             && view.never_evicted(&self.settings.critical_namespaces).is_none()
             && !view.terminating
