@@ -85,6 +85,7 @@ declare -A SETS=(
   [cert-manager]="-f $CHART/ci/cert-manager-values.yaml"
   [existing-secret]="-f $CHART/ci/existing-secret-values.yaml"
   [no-shares]="--set shares.protect=false"
+  [observe]="--set agent.enforcement=Observe"
 )
 
 step "helm template (${!SETS[*]}) for Kubernetes ${K8S_VERSIONS[*]}"
@@ -169,7 +170,8 @@ AGENT_ENV = {"NODE_NAME", "GPUBUDGET_PROC_ROOT", "GPUBUDGET_INTERVAL", "GPUBUDGE
              "GPUBUDGET_USAGE_WRITE_INTERVAL", "GPUBUDGET_USAGE_WRITE_CHANGE_PERCENT", "GPUBUDGET_APPLY_DRIVER_LIMITS",
              "GPUBUDGET_MIRRORS_LEASE", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES",
              "GPUBUDGET_RUNTIME_CAPS", "GPUBUDGET_RUNTIME_CAPS_SOCKET", "GPUBUDGET_RUNTIME_CAPS_WAIT",
-             "GPUBUDGET_RUNTIME_CAPS_UNRESOLVED", "GPUBUDGET_RUNTIME_CAPS_MPS_PIPE_DIRECTORY", "GPUBUDGET_RUNTIME_CAPS_NEVER_REFUSE"}
+             "GPUBUDGET_RUNTIME_CAPS_UNRESOLVED", "GPUBUDGET_RUNTIME_CAPS_MPS_PIPE_DIRECTORY", "GPUBUDGET_RUNTIME_CAPS_NEVER_REFUSE",
+             "GPUBUDGET_ENFORCEMENT"}
 OPERATOR_ENV = {"POD_NAME", "POD_NAMESPACE", "GPUBUDGET_ADMIN_ADDR", "GPUBUDGET_LEADER_ELECTION",
                 "GPUBUDGET_LEASE_NAME", "GPUBUDGET_CRITICAL_NAMESPACES", "GPUBUDGET_WEBHOOK_ADDR", "GPUBUDGET_BUDGET_MIRRORS", "GPUBUDGET_WEBHOOK_CERT_DIR",
                 "GPUBUDGET_MIRRORS_LEASE_NAME",
@@ -200,7 +202,8 @@ def tight(name, pod, container):
     check(env(container)["GPUBUDGET_ADMIN_ADDR"]["value"] == f"0.0.0.0:{ports['admin']}", f"{name}: admin address = admin port")
     return ports
 
-for name in ("default", "all-features", "no-node-restriction", "no-webhooks", "cert-manager", "existing-secret", "no-shares"):
+for name in ("default", "all-features", "no-node-restriction", "no-webhooks", "cert-manager", "existing-secret", "no-shares",
+             "observe"):
     docs = load(name)
     ds, dep = one(docs, "DaemonSet", "-agent"), one(docs, "Deployment")
     apod, opod = ds["spec"]["template"]["spec"], dep["spec"]["template"]["spec"]
@@ -227,6 +230,8 @@ for name in ("default", "all-features", "no-node-restriction", "no-webhooks", "c
     tight(f"{name} agent", apod, agent)
     oports = tight(f"{name} operator", opod, operator)
     check(aenv["GPUBUDGET_APPLY_DRIVER_LIMITS"]["value"] == "false", f"{name}: the agent sets no driver limits by default")
+    want = "Observe" if name.startswith("observe") else "Enforce"
+    check(aenv["GPUBUDGET_ENFORCEMENT"]["value"] == want, f"{name}: GPUBUDGET_ENFORCEMENT is {want}")
 
     check(apod.get("priorityClassName") == "system-node-critical", f"{name}: agent priority class")
     # /proc access: exactly one of the two modes, consistent with GPUBUDGET_PROC_ROOT.
@@ -501,7 +506,7 @@ for name, lease in (("default", "gpubudget-operator"), ("all-features", "gpubudg
     if name == "all-features":
         missing = rows - got
         check(not missing, f"{name}: docs/operations.md documents rows the chart does not grant: {sorted(missing)}")
-print(f"  {len(rows)} documented RBAC rows; contract checked on default, all-features, no-node-restriction, no-webhooks, cert-manager, existing-secret, no-shares; webhook certificate from helm, cert-manager, an existing Secret")
+print(f"  {len(rows)} documented RBAC rows; contract checked on default, all-features, no-node-restriction, no-webhooks, cert-manager, existing-secret, no-shares, observe; webhook certificate from helm, cert-manager, an existing Secret")
 if errors:
     print("\n".join("  FAIL " + e for e in errors), flush=True)
     sys.exit(1)

@@ -10,7 +10,7 @@ use crate::decide::gpus::AccountingSettings;
 use crate::decide::pressure::{NamespacedBudgets, PressureSettings, Threshold, Unbudgeted};
 use crate::runtime_caps::Unresolved;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use gpubudget_common::CriticalNamespaces;
+use gpubudget_common::{CriticalNamespaces, Enforcement};
 use gpubudget_daemon::LogFormat;
 
 /// gpubudget node agent: GPU memory per pod from NVML, enforced against GpuMemoryBudgets.
@@ -163,6 +163,21 @@ pub struct PressureArgs {
     /// evicted, comma-separated; empty: none. Elsewhere critical priority exempts nothing.
     #[arg(long, env = "GPUBUDGET_CRITICAL_NAMESPACES", default_value = "kube-system")]
     pub critical_namespaces: CriticalNamespaces,
+    /// "Enforce" carries evictions out; "Observe" only reports what would be evicted (events
+    /// GpuMemoryWouldEvict, gpubudget_would_evict_total, kubectl gpubudget why) and evicts nothing. The
+    /// default of this node: its label gpubudget.io/enforcement overrides it, and a budget's spec.enforcement
+    /// its own evictions (docs/operations.md, "Observe first").
+    #[arg(long, env = "GPUBUDGET_ENFORCEMENT", default_value = "Enforce", value_parser = parse_enforcement)]
+    pub enforcement: Enforcement,
+}
+
+/// Parses `--enforcement`: `Observe` or `Enforce` (any case).
+fn parse_enforcement(text: &str) -> Result<Enforcement, String> {
+    match text.to_ascii_lowercase().as_str() {
+        "observe" => Ok(Enforcement::Observe),
+        "enforce" => Ok(Enforcement::Enforce),
+        _ => Err(format!("{text:?}: Observe or Enforce")),
+    }
 }
 
 /// Parses `--pressure-blocked-timeout`: a duration of at most an hour.
@@ -242,6 +257,7 @@ impl PressureArgs {
         settings.pressure_blocked_timeout_ms = ms(self.pressure_blocked_timeout);
         settings.namespaced_budgets = self.namespaced_budgets.into();
         settings.critical_namespaces = self.critical_namespaces.clone();
+        settings.enforcement = self.enforcement;
     }
 }
 
@@ -713,6 +729,7 @@ mod tests {
         assert_eq!(settings.pressure_blocked_timeout_ms, defaults.pressure_blocked_timeout_ms);
         assert_eq!(settings.namespaced_budgets, defaults.namespaced_budgets);
         assert_eq!(settings.critical_namespaces, defaults.critical_namespaces);
+        assert_eq!((settings.enforcement, defaults.enforcement), (Enforcement::Enforce, Enforcement::Enforce));
         let parsed = P::try_parse_from([
             "p",
             "--pressure-blocked-timeout",
@@ -721,6 +738,8 @@ mod tests {
             "ClusterBound",
             "--critical-namespaces",
             "kube-system,gpu-system",
+            "--enforcement",
+            "observe",
         ])
         .expect("parses")
         .pressure;
@@ -728,10 +747,12 @@ mod tests {
         assert_eq!(settings.pressure_blocked_timeout_ms, 120_000);
         assert_eq!(settings.namespaced_budgets, NamespacedBudgets::ClusterBound);
         assert!(settings.critical_namespaces.exempts("gpu-system"));
+        assert_eq!(settings.enforcement, Enforcement::Observe);
         for (flag, bad, says) in [
             ("--pressure-blocked-timeout", "2h", "at most 1h"),
             ("--critical-namespaces", "Team_A", "is not a namespace name"),
             ("--namespaced-budgets", "Tenants", "invalid value"),
+            ("--enforcement", "DryRun", "Observe or Enforce"),
         ] {
             let error = P::try_parse_from(["p", flag, bad]).err().expect(bad).to_string();
             assert!(error.contains(says), "{flag} {bad}: {error}");

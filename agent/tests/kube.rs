@@ -614,3 +614,56 @@ async fn budget_status_writes_do_not_rebuild_the_pod_table_and_spec_changes_do()
     assert!(wait_for(WAIT, || rebuilds(&agent) > after_spec).await, "a deleted budget");
     agent.stop().await;
 }
+
+/// #54, the user's story on one node: a Node labelled `gpubudget.io/enforcement: Observe` evicts nothing, tells
+/// once what it would evict (event, metric, a record that stays `Over`); the budget switched to `Enforce` acts.
+#[tokio::test(start_paused = true)]
+async fn an_observing_node_tells_what_it_would_evict_and_a_budget_switched_to_enforce_acts() {
+    let fake = fake_with(&budgets(1));
+    fake.apply_yaml(
+        "apiVersion: v1\nkind: Node\nmetadata: {name: gpu-node-1, labels: {gpubudget.io/enforcement: Observe}}\n",
+    )
+    .expect("node");
+    let agent = start(fake, &[("team-a", "llm-0", "trainer", 9 * GI + GI / 5)]).await;
+    let f = &agent.fake;
+    let told = |f: &FakeApi| f.events_for("team-a", "llm-0").iter().any(|e| e.reason == "GpuMemoryWouldEvict");
+    assert!(f.wait_until(WAIT, told).await, "told: {:?}", f.events_for("team-a", "llm-0"));
+    // However long it stays over: no request, told once, the record says Over and no eviction time.
+    pass_time(Duration::from_secs(3)).await;
+    assert_eq!(f.count(Verb::Create, "pods/eviction"), 0, "{:?}", writes(f));
+    assert!(f.evictions().is_empty());
+    let events = f.events_for("team-a", "llm-0");
+    let would: Vec<_> = events.iter().filter(|e| e.reason == "GpuMemoryWouldEvict").collect();
+    assert_eq!(would.len(), 1, "{events:?}");
+    assert_eq!(would[0].type_, "Normal");
+    assert!(
+        would[0].message.starts_with(
+            "would be evicted (observe mode: the Node's label gpubudget.io/enforcement; nothing is evicted): using \
+             9.2Gi of 8Gi (budget team-a/llm-inference) for "
+        ),
+        "{}",
+        would[0].message
+    );
+    assert!(!events.iter().any(|e| e.reason == "EvictingForGpuMemory"), "{events:?}");
+    let record = annotations(f, "team-a", "llm-0");
+    assert_eq!(record.get("gpubudget.io/state").and_then(Value::as_str), Some("Over"), "{record:?}");
+    assert!(!record.contains_key("gpubudget.io/eviction-requested-at"), "{record:?}");
+    let metrics = agent.agent_metrics();
+    assert!(metrics.contains(r#"gpubudget_would_evict_total{cause="budget",set_by="node"} 1"#), "{metrics}");
+    assert!(!metrics.contains("gpubudget_evictions_total{"), "{metrics}");
+
+    // The budget is switched to Enforce: it acts, once its period (started afresh) has run.
+    f.apply_yaml(
+        "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: llm-inference, namespace: team-a}\n\
+         spec: {selector: {matchLabels: {app: llm}}, limit: 8Gi, warnAtPercent: 90, action: Evict, overLimitSeconds: 1, \
+         evictionGracePeriodSeconds: 30, enforcement: Enforce}\n",
+    )
+    .expect("budget");
+    assert!(f.wait_until(WAIT, |f| !f.evictions().is_empty()).await, "evicted: {:?}", writes(f));
+    let reasons: Vec<String> = f.events_for("team-a", "llm-0").into_iter().map(|e| e.reason).collect();
+    assert!(
+        reasons.ends_with(&["GpuMemoryBudgetChanged".to_owned(), "EvictingForGpuMemory".to_owned()]),
+        "{reasons:?}"
+    );
+    agent.stop().await;
+}

@@ -32,7 +32,7 @@ use gpubudget_agent::decide::Enforcer;
 use gpubudget_agent::decide::{Action, EvictOutcome, Feedback, Now, Settings};
 use gpubudget_agent::sample::GpuInfo;
 use gpubudget_common::pod_record::PodRecord;
-use gpubudget_common::{BudgetState, GpuMemoryBudget, GpuMemoryBudgetSpec};
+use gpubudget_common::{BudgetState, Enforcement, GpuMemoryBudget, GpuMemoryBudgetSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use proptest::prelude::*;
@@ -66,6 +66,8 @@ struct BudgetModel {
     evict: bool,
     over_limit_s: u64,
     warn_percent: i32,
+    /// `spec.enforcement` (#54).
+    enforcement: Option<Enforcement>,
 }
 
 impl BudgetModel {
@@ -77,6 +79,8 @@ impl BudgetModel {
             evict: rng.chance(75),
             over_limit_s: rng.below(4),
             warn_percent: 50 + rng.below(51) as i32,
+            enforcement: [None, None, None, None, Some(Enforcement::Observe), Some(Enforcement::Enforce)]
+                [rng.below(6) as usize],
         }
     }
 
@@ -104,6 +108,7 @@ impl BudgetModel {
             blocked_eviction_timeout_seconds: None,
             admission_caps: Default::default(),
             share: None,
+            enforcement: self.enforcement,
         };
         let mut b = GpuMemoryBudget::new(&self.name, spec);
         b.metadata.namespace = Some("team-a".into());
@@ -112,13 +117,21 @@ impl BudgetModel {
 }
 
 /// The oracle's resolution: the smallest limit among the budgets that select the pod, ties by name, with rules
-/// no looser than any of them (#51): `Evict` if any says so, the shortest `overLimitSeconds`.
+/// no looser than any of them (#51): `Evict` if any says so, the shortest `overLimitSeconds`; `Enforce` if any
+/// says so, else unset if any leaves it unset, else `Observe` (#54: a budget's `Observe` loosens no other).
 fn applicable(budgets: &[BudgetModel], labels: &BTreeMap<String, String>) -> Option<BudgetModel> {
     let selecting = || budgets.iter().filter(|b| b.selects(labels));
     let named = selecting().min_by(|a, b| a.limit.cmp(&b.limit).then(a.name.cmp(&b.name)))?;
     Some(BudgetModel {
         evict: selecting().any(|b| b.evict),
         over_limit_s: selecting().map(|b| b.over_limit_s).min().unwrap_or(named.over_limit_s),
+        enforcement: if selecting().any(|b| b.enforcement == Some(Enforcement::Enforce)) {
+            Some(Enforcement::Enforce)
+        } else if selecting().any(|b| b.enforcement.is_none()) {
+            None
+        } else {
+            Some(Enforcement::Observe)
+        },
         ..named.clone()
     })
 }
@@ -206,17 +219,24 @@ struct World {
     next_uid: u32,
     log: Vec<String>,
     evictions: u64,
+    /// Evictions observe mode told and did not make (#54).
+    would_evicts: u64,
     /// The last table built, and what it was built from (rebuilt only when that changes, as the agent
     /// does).
     cache: Option<(Vec<PodView>, Vec<BudgetModel>, Arc<PodTable>)>,
     /// Whether the administrator lists the pods' namespace (team-a) as critical (#33): only then does
     /// critical priority exempt them.
     critical_listed: bool,
+    /// The node observes (#54: the agent's `--enforcement Observe`): only a budget that says `Enforce` evicts.
+    node_observes: bool,
 }
 
-/// The agent's settings: team-a among the critical namespaces or not.
-fn settings(critical_listed: bool) -> Settings {
+/// The agent's settings: team-a among the critical namespaces or not; observing or enforcing.
+fn settings(critical_listed: bool, node_observes: bool) -> Settings {
     let mut settings = Settings::new(NODE);
+    if node_observes {
+        settings.enforcement = Enforcement::Observe;
+    }
     if critical_listed {
         settings.critical_namespaces = "kube-system,team-a".parse().expect("valid");
     }
@@ -233,12 +253,14 @@ impl World {
         let mut rng = Rng(seed);
         let budgets = (0..1 + rng.below(3)).map(|i| BudgetModel::random(&mut rng, format!("b{i}"))).collect();
         let critical_listed = rng.chance(50);
+        let node_observes = rng.chance(20);
         let mut world = Self {
             rng,
             budgets,
             pods: Vec::new(),
-            enforcer: Enforcer::new(settings(critical_listed)),
+            enforcer: Enforcer::new(settings(critical_listed, node_observes)),
             critical_listed,
+            node_observes,
             seen: HashMap::new(),
             pending: Vec::new(),
             in_flight: HashMap::new(),
@@ -248,6 +270,7 @@ impl World {
             next_uid: 0,
             log: Vec::new(),
             evictions: 0,
+            would_evicts: 0,
             cache: None,
         };
         for _ in 0..1 + world.rng.below(4) {
@@ -365,7 +388,7 @@ impl World {
                 if self.pods.is_empty() {
                     self.add_pod();
                 }
-                self.enforcer = Enforcer::new(settings(self.critical_listed));
+                self.enforcer = Enforcer::new(settings(self.critical_listed, self.node_observes));
                 self.seen.clear();
                 self.in_flight.clear();
                 self.mono = self.rng.below(1000);
@@ -465,6 +488,13 @@ impl World {
                     let (due, ok) = (self.mono + self.rng.below(1500), self.rng.chance(85));
                     self.pending.push(Pending::Write { uid: pod.uid.clone(), record: None, due, ok });
                 }
+                // Observe mode (#54): nothing is sent; only where the oracle's rules would allow the eviction.
+                Action::WouldEvict { pod, .. } => {
+                    if !self.node_observes && self.budgets.iter().all(|b| b.enforcement != Some(Enforcement::Observe)) {
+                        return Err(fail(self, format!("would-evict of {pod} where nothing observes")));
+                    }
+                    self.would_evicts += 1;
+                }
                 // A delete after refused evictions is an eviction to the oracle: the same checks.
                 Action::Evict { pod, .. } | Action::Delete { pod, .. } => {
                     self.evictions += 1;
@@ -522,6 +552,12 @@ impl World {
             let verdict = match budget {
                 None => Err("no budget selects it".to_owned()),
                 Some(b) if !b.evict => Err(format!("its budget {} is action: Warn", b.name)),
+                Some(b)
+                    if b.enforcement == Some(Enforcement::Observe)
+                        || (b.enforcement.is_none() && self.node_observes) =>
+                {
+                    Err(format!("observe mode (budget {:?}, node observes {})", b.enforcement, self.node_observes))
+                }
                 Some(_) if pod.critical && self.critical_listed => {
                     Err("it is critical in a listed namespace".to_owned())
                 }
@@ -623,6 +659,7 @@ fn the_oracle_catches_an_early_eviction() {
         evict: true,
         over_limit_s: 3,
         warn_percent: 90,
+        enforcement: None,
     }];
     world.pods.truncate(1);
     world.pods[0].node = Some(NODE.into());
@@ -634,6 +671,41 @@ fn the_oracle_catches_an_early_eviction() {
     let pod = gpubudget_agent::decide::PodRef { uid: uid.clone(), namespace: "team-a".into(), name: "p".into() };
     let mut allowed = HashMap::new();
     allowed.insert(uid, Err("over only since 0".to_owned()));
+    let err = world.check(&[Action::Evict { pod, grace_seconds: None, recorded: true }], &allowed).expect_err("caught");
+    assert!(err.to_string().contains("wrongful eviction"), "{err}");
+}
+
+/// #54: on an observing node, a pod over its limit far longer than `overLimitSeconds` is never evicted by the agent,
+/// and the oracle would catch an eviction there.
+#[test]
+fn an_observing_node_evicts_nothing_and_the_oracle_would_catch_it() {
+    let mut world = World::new(1);
+    world.node_observes = true;
+    world.enforcer = Enforcer::new(settings(world.critical_listed, true));
+    world.budgets = vec![BudgetModel {
+        name: "b0".into(),
+        tier: None,
+        limit: 4 * GI,
+        evict: true,
+        over_limit_s: 1,
+        warn_percent: 90,
+        enforcement: None,
+    }];
+    world.pods.truncate(1);
+    world.pods[0].node = Some(NODE.into());
+    world.pods[0].critical = false;
+    world.pods[0].terminating = false;
+    world.pods[0].usage = 8 * GI;
+    for _ in 0..40 {
+        world.tick().expect("no eviction in observe mode");
+        world.mono += 500;
+        world.wall_ms += 500;
+    }
+    assert_eq!((world.evictions, world.would_evicts), (0, 1), "told once, not evicted");
+    let uid = world.pods[0].uid.clone();
+    let pod = gpubudget_agent::decide::PodRef { uid: uid.clone(), namespace: "team-a".into(), name: "p".into() };
+    let mut allowed = HashMap::new();
+    allowed.insert(uid, Err("observe mode".to_owned()));
     let err = world.check(&[Action::Evict { pod, grace_seconds: None, recorded: true }], &allowed).expect_err("caught");
     assert!(err.to_string().contains("wrongful eviction"), "{err}");
 }

@@ -121,6 +121,9 @@ pub struct Budget {
     pub warn_at_percent: u8,
     /// `spec.action`.
     pub action: BudgetAction,
+    /// `spec.enforcement`: whether its own evictions are carried out (`None`: as the node says;
+    /// [`crate::enforcement`]). Merged to the tighter value ([`Budget::tighten`]).
+    pub enforcement: Option<crate::enforcement::Enforcement>,
     /// `spec.overLimitSeconds`.
     pub over_limit_seconds: u64,
     /// `spec.evictionGracePeriodSeconds`.
@@ -226,6 +229,7 @@ impl Budget {
             request_text: spec.request.as_ref().map(|r| r.0.clone()),
             warn_at_percent,
             action: spec.action,
+            enforcement: spec.enforcement,
             over_limit_seconds,
             eviction_grace_period_seconds: spec.eviction_grace_period_seconds,
             blocked_eviction_timeout_seconds,
@@ -449,8 +453,8 @@ impl Budget {
     }
 
     /// Whether this budget is no looser than `other` in any field that governs enforcement: limit, the
-    /// bytes guaranteed (request), action, `overLimitSeconds`, the most grace an eviction may give,
-    /// `blockedEvictionTimeoutSeconds` (unset: never) and `admissionCaps`. `warnAtPercent` only reports,
+    /// bytes guaranteed (request), action, `enforcement` ([`crate::enforcement::tightness`]), `overLimitSeconds`,
+    /// the most grace an eviction may give, `blockedEvictionTimeoutSeconds` (unset: never) and `admissionCaps`. `warnAtPercent` only reports,
     /// and is not compared.
     pub fn no_looser_than(&self, other: &Budget) -> bool {
         let evicts = |b: &Budget| b.action == BudgetAction::Evict;
@@ -459,6 +463,7 @@ impl Budget {
         self.limit_bytes <= other.limit_bytes
             && self.guaranteed_bytes() <= other.guaranteed_bytes()
             && (evicts(self) || !evicts(other))
+            && crate::enforcement::tightness(self.enforcement) >= crate::enforcement::tightness(other.enforcement)
             && self.over_limit_seconds <= other.over_limit_seconds
             && most_grace(self) <= most_grace(other)
             && blocked(self) <= blocked(other)
@@ -478,6 +483,11 @@ impl Budget {
         if other.action == BudgetAction::Evict && self.action != BudgetAction::Evict {
             self.action = BudgetAction::Evict;
             changed.push("action");
+        }
+        let enforcement = crate::enforcement::tighter(self.enforcement, other.enforcement);
+        if enforcement != self.enforcement {
+            self.enforcement = enforcement;
+            changed.push("enforcement");
         }
         if other.over_limit_seconds < self.over_limit_seconds {
             self.over_limit_seconds = other.over_limit_seconds;
@@ -1044,6 +1054,35 @@ mod tests {
         assert_eq!(of(&sooner, &at("team-a")).as_deref(), Some("team-a/ns"));
     }
 
+    /// #54: a tenant's `enforcement: Observe` never loosens a cluster budget (set to `Enforce`, or left to the
+    /// node): the cluster budget applies; a tenant may choose `Enforce` for its own pods, and two namespaced
+    /// budgets merge to the tighter value.
+    #[test]
+    fn a_tenants_observe_never_loosens_a_cluster_budgets_enforcement() {
+        use crate::enforcement::Enforcement::{Enforce, Observe};
+        let at = PodLabels::new("team-a", &NO_LABELS, &NO_LABELS);
+        for admin in ["limit: 8Gi, enforcement: Enforce", "limit: 8Gi"] {
+            let admin = cluster("admin", "{}", "{}", admin);
+            let budgets = [namespaced("ns", "limit: 6Gi, enforcement: Observe"), admin.clone()];
+            let r = resolve(&budgets, &at).expect("matched");
+            assert_eq!(r.budget.key(), "admin", "a namespace's Observe is looser than {:?}", admin.enforcement);
+            assert_eq!(r.applied().enforcement, admin.enforcement);
+        }
+        let admin_observes = cluster("admin", "{}", "{}", "limit: 8Gi, enforcement: Observe");
+        let budgets = [namespaced("ns", "limit: 6Gi, enforcement: Enforce"), admin_observes];
+        let r = resolve(&budgets, &at).expect("matched");
+        assert_eq!((r.budget.key().as_str(), r.applied().enforcement), ("team-a/ns", Some(Enforce)));
+        let two = [
+            namespaced("small", "limit: 2Gi, enforcement: Observe"),
+            namespaced("big", "limit: 6Gi, enforcement: Enforce"),
+        ];
+        let r = resolve(&two, &at).expect("matched");
+        assert_eq!((r.budget.key().as_str(), r.applied().enforcement), ("team-a/small", Some(Enforce)));
+        assert!(r.applied().tightened_by.as_deref().is_some_and(|by| by.contains("enforcement")));
+        let alone = [namespaced("mine", "limit: 2Gi, enforcement: Observe")];
+        assert_eq!(resolve(&alone, &at).expect("matched").applied().enforcement, Some(Observe), "its own choice");
+    }
+
     /// #33: of several cluster budgets the smallest limit names the budget, made no looser in any field than
     /// the others (a pod label that brings in a smaller-limit `Warn` cluster budget does not buy `Warn`); a
     /// namespaced budget is judged against that floor.
@@ -1238,8 +1277,9 @@ mod tests {
             proptest::option::of(0i64..100),
             any::<bool>(),
             1i32..=100,
+            0u8..3,
         )
-            .prop_map(|(selector, limit, request, warn, over, grace, blocked, caps, warn_at)| {
+            .prop_map(|(selector, limit, request, warn, over, grace, blocked, caps, warn_at, enforcement)| {
                 let mut rest = format!("limit: {limit}Gi, overLimitSeconds: {over}, warnAtPercent: {warn_at}");
                 if let Some(r) = request {
                     rest += &format!(", request: {}Gi", r.min(limit));
@@ -1256,6 +1296,11 @@ mod tests {
                 if caps {
                     rest += ", admissionCaps: Enabled";
                 }
+                match enforcement {
+                    1 => rest += ", enforcement: Observe",
+                    2 => rest += ", enforcement: Enforce",
+                    _ => {}
+                }
                 (selector, rest)
             })
     }
@@ -1265,8 +1310,12 @@ mod tests {
     /// is read as it is where it is used: an unset grace as the pod's own (capped), an unset
     /// `blockedEvictionTimeoutSeconds` as the node's bound under pressure and as "never" for the budget's own
     /// eviction.
-    fn uses(b: &Budget, pod_grace: Option<i64>, node_ms: u64, node_grace: i64) -> [(&'static str, u128); 10] {
+    fn uses(b: &Budget, pod_grace: Option<i64>, node_ms: u64, node_grace: i64) -> [(&'static str, u128); 11] {
         [
+            (
+                "enforcement (Observe loosest, Enforce tightest)",
+                u128::from(2 - crate::enforcement::tightness(b.enforcement)),
+            ),
             ("limit", u128::from(b.limit_bytes)),
             ("guaranteed bytes", u128::from(b.guaranteed_bytes())),
             ("action (Warn looser)", u128::from(b.action != BudgetAction::Evict)),

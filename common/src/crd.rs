@@ -34,6 +34,7 @@ pub const COUNTED_EVICTIONS_MAX: usize = 100;
     printcolumn = r#"{"name":"Request","type":"string","jsonPath":".spec.request","description":"GPU memory guaranteed to each pod: never evicted within it"}"#,
     printcolumn = r#"{"name":"Limit","type":"string","jsonPath":".spec.limit","description":"GPU memory one pod may hold"}"#,
     printcolumn = r#"{"name":"Action","type":"string","jsonPath":".spec.action","description":"Evict or Warn"}"#,
+    printcolumn = r#"{"name":"Enforcement","type":"string","priority":1,"jsonPath":".spec.enforcement","description":"Observe or Enforce its own evictions; empty: as the node says"}"#,
     printcolumn = r#"{"name":"Matched","type":"integer","jsonPath":".status.matchedPods","description":"Pods the selector matches"}"#,
     printcolumn = r#"{"name":"Over","type":"integer","jsonPath":".status.podsOverBudget","description":"Matched pods over the limit now"}"#,
     printcolumn = r#"{"name":"Capped","type":"integer","jsonPath":".status.podsCapped","description":"With admissionCaps: matched pods whose GPU containers carry the driver's caps"}"#,
@@ -79,6 +80,16 @@ pub struct GpuMemoryBudgetSpec {
     /// API server to evict the pod, honouring PodDisruptionBudgets; `Warn` only records events and status.
     #[serde(default)]
     pub action: BudgetAction,
+
+    /// Whether this budget's own evictions (a pod over its limit for `overLimitSeconds`, `action: Evict`) are
+    /// carried out: `Enforce` evicts; `Observe` only reports what would be evicted (the event
+    /// `GpuMemoryWouldEvict`, the metric `gpubudget_would_evict_total`, `kubectl gpubudget why`) and evicts
+    /// nothing. Unset (the default): as the pod's node says (its label `gpubudget.io/enforcement`, else the
+    /// agent's `--enforcement`). Pressure relief and pods no budget selects always follow the node. Where several
+    /// budgets select a pod, the tighter value applies (`Enforce`, then unset, then `Observe`): a namespace's
+    /// `Observe` never loosens a cluster budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforcement: Option<crate::enforcement::Enforcement>,
 
     /// How long usage must be over the limit before the action is taken. Seconds, 0 or more; default 10.
     /// Dips do not reset it: time at or under the limit takes back half as much, so an unbroken run acts
@@ -165,6 +176,7 @@ pub struct ShareSpec {
     printcolumn = r#"{"name":"Request","type":"string","jsonPath":".spec.request","description":"GPU memory guaranteed to each pod: never evicted within it"}"#,
     printcolumn = r#"{"name":"Limit","type":"string","jsonPath":".spec.limit","description":"GPU memory one pod may hold"}"#,
     printcolumn = r#"{"name":"Action","type":"string","jsonPath":".spec.action","description":"Evict or Warn"}"#,
+    printcolumn = r#"{"name":"Enforcement","type":"string","priority":1,"jsonPath":".spec.enforcement","description":"Observe or Enforce its own evictions; empty: as the node says"}"#,
     printcolumn = r#"{"name":"Matched","type":"integer","jsonPath":".status.matchedPods","description":"Pods the selectors match"}"#,
     printcolumn = r#"{"name":"Over","type":"integer","jsonPath":".status.podsOverBudget","description":"Matched pods over the limit now"}"#,
     printcolumn = r#"{"name":"Capped","type":"integer","jsonPath":".status.podsCapped","description":"With admissionCaps: matched pods whose GPU containers carry the driver's caps"}"#,
@@ -492,6 +504,7 @@ impl ClusterGpuMemoryQuotaSpec {
             blocked_eviction_timeout_seconds: self.blocked_eviction_timeout_seconds,
             admission_caps: AdmissionCaps::Disabled,
             share: None,
+            enforcement: None,
         }
     }
 }

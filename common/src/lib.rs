@@ -4,6 +4,7 @@
 pub mod budget;
 pub mod caps;
 pub mod crd;
+pub mod enforcement;
 pub mod eviction;
 pub mod mirror;
 pub mod node_usage;
@@ -21,6 +22,7 @@ pub use crd::{
     ClusterGpuMemoryQuotaSpec, ClusterGpuMemoryQuotaStatus, GpuMemoryBudget, GpuMemoryBudgetSpec,
     GpuMemoryBudgetStatus,
 };
+pub use enforcement::Enforcement;
 pub use mirror::{ClusterGpuMemoryBudgetMirror, GpuMemoryBudgetMirror, Mirrored};
 pub use node_usage::{GpuNodeUsage, GpuNodeUsageSpec, NodePodUsage};
 pub use state::{BudgetState, Thresholds, Tracker, step};

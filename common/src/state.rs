@@ -88,6 +88,12 @@ impl Thresholds {
         let warn = u64::try_from(u128::from(limit) * percent / 100).unwrap_or(limit);
         Self { limit, warn, hysteresis: limit / 50, over_limit_ms, may_evict }
     }
+
+    /// Whether the action is due for a pod using `usage` bytes after `over_ms` banked over the limit: over the
+    /// limit now, and the bank full. [`step`] says `Evicting` then where `may_evict`; observe mode (#54) tells it.
+    pub fn due(&self, usage: u64, over_ms: u64) -> bool {
+        usage > self.limit && over_ms >= self.over_limit_ms
+    }
 }
 
 /// What the state machine remembers about one pod between samples.
@@ -123,7 +129,7 @@ pub fn step(prev: Tracker, th: &Thresholds, now_ms: u64, usage: u64) -> Tracker 
     let last_at = prev.last.map_or(now_ms, |(at, _)| at.max(now_ms));
     let was_over = prev.state.is_over();
     let was_near_or_over = was_over || prev.state == BudgetState::Near;
-    let state = if over && th.may_evict && over_ms >= th.over_limit_ms {
+    let state = if th.may_evict && th.due(usage, over_ms) {
         BudgetState::Evicting
     } else if over || (was_over && usage > th.limit.saturating_sub(th.hysteresis)) {
         BudgetState::Over

@@ -120,7 +120,8 @@ fn touch_agent(metrics: &AgentMetrics) {
     });
     _ = pod_budget.get_or_create(&BudgetLabels { namespace: s("team-a"), pod: s("llm-0"), budget: s("b") });
     _ = pod_state.get_or_create(&StateLabels { namespace: s("team-a"), pod: s("llm-0"), state: s("Within") });
-    let Counters { evictions, api_writes, evictions_without_record } = act;
+    let Counters { evictions, api_writes, evictions_without_record, would_evict } = act;
+    _ = would_evict.get_or_create(&gpubudget_agent::act::WouldEvictLabels { cause: s("budget"), set_by: s("agent") });
     _ = evictions.get_or_create(&ResultLabels { result: s("accepted") });
     _ = api_writes.get_or_create(&WriteLabels { kind: s("apply"), result: s("ok") });
     _ = spec_reads.get_or_create(&WriteLabels { kind: s("get"), result: s("ok") });

@@ -31,8 +31,10 @@ pub mod reason {
     pub const CAPPED_AT_CREATION: &str = "GpuMemoryCappedAtCreation";
     /// A GPU container was created without an MPS cap (`--runtime-caps`).
     pub const NOT_CAPPED_AT_CREATION: &str = "GpuMemoryNotCappedAtCreation";
+    /// Observe mode (#54): the pod would be evicted now, and is not.
+    pub const WOULD_EVICT: &str = "GpuMemoryWouldEvict";
     /// Every reason above.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 13] = [
         NEAR,
         OVER,
         EVICTING,
@@ -45,6 +47,7 @@ pub mod reason {
         SHARE_CHANGE_IGNORED,
         CAPPED_AT_CREATION,
         NOT_CAPPED_AT_CREATION,
+        WOULD_EVICT,
     ];
 }
 
@@ -143,6 +146,28 @@ pub fn over_since(rows: &[EventRow]) -> Option<Timestamp> {
     since
 }
 
+/// Observe mode (#54): the current pod's last `GpuMemoryWouldEvict` event, when no `GpuMemoryWithinBudget` came
+/// after it: when, and which level set observe mode (the words of its message, `the Node's label
+/// gpubudget.io/enforcement`).
+pub fn would_evict(rows: &[EventRow]) -> Option<(Timestamp, String)> {
+    let mut last = None;
+    for row in rows.iter().filter(|r| !r.earlier_pod) {
+        match row.reason.as_str() {
+            reason::WOULD_EVICT => {
+                let set_by = row
+                    .message
+                    .split_once("observe mode: ")
+                    .and_then(|(_, rest)| rest.split_once("; nothing is evicted"))
+                    .map_or("observe mode", |(by, _)| by);
+                last = parse(&row.last_time).map(|t| (t, set_by.to_owned()));
+            }
+            reason::WITHIN => last = None,
+            _ => {}
+        }
+    }
+    last
+}
+
 /// The last occurrence of `reason` among the current pod's events.
 pub fn last_of(rows: &[EventRow], reason: &str) -> Option<Timestamp> {
     rows.iter().filter(|r| !r.earlier_pod && r.reason == reason).filter_map(|r| parse(&r.last_time)).max()
@@ -232,6 +257,7 @@ mod tests {
             R::ShareChangeIgnored,
             R::CappedAtCreation,
             R::NotCappedAtCreation,
+            R::WouldEvict,
         ]
         .map(R::as_str);
         assert_eq!(agent, reason::ALL);

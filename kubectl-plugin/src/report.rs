@@ -183,8 +183,9 @@ pub struct RecordInfo {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Next {
-    /// One of `Nothing`, `Evict`, `Delete`, `Terminate`, `Gone`, `Unknown` (what the agent or the API server
-    /// will do to the pod; `Nothing` includes a Warn budget's events).
+    /// One of `Nothing`, `Evict`, `WouldEvict` (observe mode, #54: the agent would evict it and does not),
+    /// `Delete`, `Terminate`, `Gone`, `Unknown` (what the agent or the API server will do to the pod; `Nothing`
+    /// includes a Warn budget's events).
     pub action: &'static str,
     /// When, at the earliest (RFC 3339), if known.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -416,6 +416,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
         deletion,
         grace,
         blocked_at: events::last_of(&rows, reason::BLOCKED),
+        would_evict: events::would_evict(&rows),
         node: pod.spec.as_ref().and_then(|s| s.node_name.as_deref()),
     });
     Ok(WhyReport {
@@ -529,6 +530,9 @@ pub struct Situation<'a> {
     pub grace: Option<i64>,
     /// The last `GpuMemoryEvictionBlocked` event.
     pub blocked_at: Option<Timestamp>,
+    /// Observe mode (#54): the last `GpuMemoryWouldEvict` event of this episode ([`events::would_evict`]): when,
+    /// and which level set the mode.
+    pub would_evict: Option<(Timestamp, String)>,
     pub node: Option<&'a str>,
 }
 
@@ -543,6 +547,21 @@ pub fn next_step(s: &Situation<'_>) -> Next {
                 "the pod is terminating: the kubelet stops it by {} ({}), and its GPU memory is freed",
                 round(at),
                 until(s.now, at)
+            ),
+        );
+    }
+    // Observe mode (#54): the agent said it would evict the pod, and did not.
+    if let Some((at, set_by)) = &s.would_evict
+        && s.record.is_none_or(|r| r.state != BudgetState::Evicting)
+    {
+        return next(
+            "WouldEvict",
+            None,
+            format!(
+                "would be evicted (observe mode: {set_by}): the agent said so at {} and evicts nothing while the mode \
+                 is Observe (its event GpuMemoryWouldEvict says why); to enforce, see docs/operations.md, \
+                 \"Observe first\"",
+                round(*at)
             ),
         );
     }
@@ -562,6 +581,7 @@ pub fn next_step(s: &Situation<'_>) -> Next {
             (false, None) => next("Unknown", None, "unknown: the budgets could not be read".into()),
         };
     };
+    let observed = budget.enforcement == Some(gpubudget_common::Enforcement::Observe);
     let limit = HumanBytes(budget.limit_bytes);
     let Some(record) = s.record else {
         return next(
@@ -572,7 +592,13 @@ pub fn next_step(s: &Situation<'_>) -> Next {
                  on {}); over {limit} for {}s it would be {}",
                 s.node.unwrap_or("its node"),
                 budget.over_limit_seconds,
-                if budget.action == BudgetAction::Warn { "reported (action Warn)" } else { "evicted" }
+                if budget.action == BudgetAction::Warn {
+                    "reported (action Warn)"
+                } else if observed {
+                    "reported as would be evicted (the budget's enforcement is Observe)"
+                } else {
+                    "evicted"
+                }
             ),
         );
     };
@@ -581,6 +607,11 @@ pub fn next_step(s: &Situation<'_>) -> Next {
             "it is reported (events, status), never evicted: the budget's action is Warn".to_owned()
         }
         (_, Some(why)) => format!("it is reported, never evicted: {why}"),
+        (BudgetAction::Evict, None) if observed => format!(
+            "once over {limit} for {}s it would be evicted, and is not: the budget's enforcement is Observe (events \
+             GpuMemoryWouldEvict)",
+            budget.over_limit_seconds
+        ),
         (BudgetAction::Evict, None) => format!(
             "it is evicted once over {limit} for {}s, with {}s grace",
             budget.over_limit_seconds,
@@ -598,7 +629,7 @@ pub fn next_step(s: &Situation<'_>) -> Next {
             ),
         ),
         BudgetState::Near => next("Nothing", None, format!("nothing yet: near its limit of {limit}; {then}")),
-        BudgetState::Over if budget.action == BudgetAction::Warn || s.never_evicted.is_some() => {
+        BudgetState::Over if budget.action == BudgetAction::Warn || s.never_evicted.is_some() || observed => {
             next("Nothing", None, format!("nothing: over its limit, but {then}"))
         }
         BudgetState::Over => {

@@ -225,7 +225,19 @@ mod tests {
             .collect();
         assert_eq!(
             columns,
-            ["Request", "Limit", "Action", "Matched", "Over", "Capped", "Uncapped", "Share", "Evicted", "Age"]
+            [
+                "Request",
+                "Limit",
+                "Action",
+                "Enforcement",
+                "Matched",
+                "Over",
+                "Capped",
+                "Uncapped",
+                "Share",
+                "Evicted",
+                "Age"
+            ]
         );
         let spec = &schema()["properties"]["spec"];
         assert!(spec["properties"]["limit"]["description"].as_str().expect("doc").contains("NVML"));
@@ -233,6 +245,9 @@ mod tests {
         assert_eq!(spec["properties"]["warnAtPercent"]["default"], 90);
         assert_eq!(spec["properties"]["overLimitSeconds"]["default"], 10);
         assert_eq!(spec["properties"]["admissionCaps"]["enum"], serde_json::json!(["Enabled", "Disabled"]));
+        // #54: observe or enforce; unset follows the node.
+        assert_eq!(spec["properties"]["enforcement"]["enum"], serde_json::json!(["Observe", "Enforce"]));
+        assert!(spec["properties"]["enforcement"]["description"].as_str().expect("doc").contains("Pressure relief"));
         let required: Vec<&str> =
             spec["required"].as_array().expect("required").iter().filter_map(|v| v.as_str()).collect();
         assert_eq!(required, ["limit", "selector"]);

@@ -380,18 +380,34 @@ async fn tables_for_custom_resources_pods_events_and_the_rest() {
         table["columnDefinitions"].as_array().unwrap().iter().map(|c| c["name"].as_str().unwrap()).collect();
     assert_eq!(
         names,
-        ["Name", "Request", "Limit", "Action", "Matched", "Over", "Capped", "Uncapped", "Share", "Evicted", "Age"]
+        [
+            "Name",
+            "Request",
+            "Limit",
+            "Action",
+            "Enforcement",
+            "Matched",
+            "Over",
+            "Capped",
+            "Uncapped",
+            "Share",
+            "Evicted",
+            "Age"
+        ]
     );
     assert_eq!(table["columnDefinitions"][0]["format"], "name");
-    assert_eq!(table["columnDefinitions"][4]["type"], "integer");
+    // #54: shown with -o wide only.
+    assert_eq!(table["columnDefinitions"][4]["priority"], 1);
+    assert_eq!(table["columnDefinitions"][5]["type"], "integer");
     let row = &table["rows"][0];
     assert_eq!(
-        row["cells"].as_array().unwrap()[..10],
+        row["cells"].as_array().unwrap()[..11],
         [
             json!("llm"),
             json!(null),
             json!("8Gi"),
             json!("Evict"),
+            json!(null),
             json!(3),
             json!(1),
             json!(null),
@@ -400,7 +416,7 @@ async fn tables_for_custom_resources_pods_events_and_the_rest() {
             json!(2)
         ]
     );
-    assert!(row["cells"][10].as_str().unwrap().ends_with('s'));
+    assert!(row["cells"][11].as_str().unwrap().ends_with('s'));
     assert_eq!(row["object"]["kind"], "PartialObjectMetadata");
     assert_eq!(row["object"]["metadata"]["namespace"], "team-a");
     assert!(row["object"].get("spec").is_none());

@@ -85,6 +85,12 @@ impl KubeExecutor {
                 tracing::info!(%pod, from = from.as_str(), to = to.as_str(), usage, limit, %budget, "state changed");
                 continue;
             }
+            // Observe mode (#54): counted and logged; nothing goes to the API (its event is an action of its own).
+            if let Action::WouldEvict { pod, cause, set_by } = &action {
+                self.shared.counters.would_evict(cause, set_by);
+                tracing::info!(%pod, cause, set_by, "would evict (observe mode): no eviction requested");
+                continue;
+            }
             // Events on the Node have no pod: they share one worker, keyed by the empty UID.
             let uid = action.pod().map_or_else(|| Arc::from(""), |pod| pod.uid.clone());
             let sender = self.workers.entry(uid).or_insert_with(|| {
@@ -147,7 +153,7 @@ fn api_code(error: &kube::Error) -> Option<u16> {
 async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
     let m = &shared.counters;
     match action {
-        Action::Transition { .. } => None,
+        Action::Transition { .. } | Action::WouldEvict { .. } => None,
         Action::Apply { pod, record, driver } => {
             // `metadata.uid` is a precondition: the API server refuses (409) a write to a pod that took the name.
             let body = json!({

@@ -44,6 +44,7 @@ pub fn action_line(action: &Action, now: jiff::Timestamp) -> Value {
             "type": if reason.is_warning() { "Warning" } else { "Normal" }, "note": note,
         }),
         Action::Delete { grace_seconds, .. } => json!({"kind": "delete", "grace_period_seconds": grace_seconds}),
+        Action::WouldEvict { cause, set_by, .. } => json!({"kind": "would_evict", "cause": cause, "set_by": set_by}),
     };
     if let (Some(line), Some(extra)) = (line.as_object_mut(), extra.as_object()) {
         line.extend(extra.clone());
@@ -88,6 +89,7 @@ impl<W: Write> LogExecutor<W> {
                     feedback.push(Feedback::Evicted { uid: pod.uid, outcome: EvictOutcome::Accepted });
                 }
                 Action::Transition { .. }
+                | Action::WouldEvict { .. }
                 | Action::Event { .. }
                 | Action::ContainerEvent { .. }
                 | Action::NodeEvent { .. } => {}

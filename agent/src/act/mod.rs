@@ -19,6 +19,15 @@ pub struct ResultLabels {
     pub result: String,
 }
 
+/// `{cause, set_by}` of an eviction observe mode held back (#54).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WouldEvictLabels {
+    /// `budget` (over its own limit) or `pressure`.
+    pub cause: String,
+    /// The level that set observe mode: `agent`, `node` or `budget`.
+    pub set_by: String,
+}
+
 /// `{kind, result}` of an API write.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WriteLabels {
@@ -38,12 +47,19 @@ pub struct Counters {
     pub api_writes: Family<WriteLabels, Counter>,
     /// Eviction requests sent before their `Evicting` record landed (the wait for it ran out).
     pub evictions_without_record: Counter,
+    /// Evictions observe mode held back (#54): none of them was requested.
+    pub would_evict: Family<WouldEvictLabels, Counter>,
 }
 
 impl Counters {
     /// Counts one API write.
     pub fn write(&self, kind: &str, result: &str) {
         self.api_writes.get_or_create(&WriteLabels { kind: kind.to_owned(), result: result.to_owned() }).inc();
+    }
+
+    /// Counts one eviction observe mode held back (nothing was requested).
+    pub fn would_evict(&self, cause: &str, set_by: &str) {
+        self.would_evict.get_or_create(&WouldEvictLabels { cause: cause.to_owned(), set_by: set_by.to_owned() }).inc();
     }
 
     /// Counts one eviction request.

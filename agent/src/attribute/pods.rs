@@ -286,6 +286,9 @@ pub struct PodTable {
     pub cluster_selected: Vec<bool>,
     /// Budgets that failed validation, with why.
     pub invalid_budgets: Vec<(String, SpecError)>,
+    /// What the node's label `gpubudget.io/enforcement` says (#54): `None` where unset, not read yet, or not
+    /// `Observe` or `Enforce` (the agent's `--enforcement` then applies).
+    pub node_enforcement: Option<gpubudget_common::Enforcement>,
     by_uid: FastMap<String, usize>,
     by_name: FastMap<(String, String), usize>,
 }
@@ -398,7 +401,7 @@ impl PodTable {
         }
         let mut invalid_budgets = index.invalid();
         invalid_budgets.extend(cluster.invalid());
-        Self { pods, budgets, budget_of, cluster_selected, invalid_budgets, by_uid, by_name }
+        Self { pods, budgets, budget_of, cluster_selected, invalid_budgets, node_enforcement: None, by_uid, by_name }
     }
 
     /// The pod whose UID (or static pod UID) this is.

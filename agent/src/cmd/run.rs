@@ -82,7 +82,11 @@ pub struct Caches {
     cluster: Arc<Mutex<ClusterCache>>,
     changes: Arc<AtomicU64>,
     pods_ready: Arc<AtomicBool>,
-    /// The Node's labels that say how the device plugin shares its GPUs ([`node_sharing`]); `None` until read.
+    /// The Node's labels were asked for once (read or not): until then the node's enforcement is not known, and
+    /// nothing is decided (#54: an observing node's label must be read before its first eviction).
+    node_asked: Arc<AtomicBool>,
+    /// The Node's labels that say how the device plugin shares its GPUs, and its enforcement label
+    /// ([`node_sharing`]); `None` until read.
     sharing: Arc<Mutex<Option<BTreeMap<String, String>>>>,
     /// What the runtime made of pods' GPU containers (`--runtime-caps`): the table reads it as the pods' caps.
     made: Made,
@@ -164,8 +168,10 @@ impl Caches {
             );
         }
         let sharing = Arc::new(Mutex::new(None));
+        let node_asked = Arc::new(AtomicBool::new(false));
         {
             let (sharing, changes, shutdown) = (sharing.clone(), changes.clone(), shutdown.clone());
+            let asked = node_asked.clone();
             let (nodes, node) = (Api::<Node>::all(client.clone()), node.to_owned());
             tokio::spawn(async move {
                 let mut every = tokio::time::interval(NODE_SHARING_EVERY);
@@ -175,13 +181,20 @@ impl Caches {
                         () = shutdown.cancelled() => break,
                         _ = every.tick() => {}
                     }
-                    let Some(labels) = node_sharing(&nodes, &node).await else { continue };
-                    let mut known = lock(&sharing);
-                    if known.as_ref() != Some(&labels) {
-                        tracing::info!(%node, ?labels, "the Node's GPU sharing labels: the pods' shares follow them");
-                        *known = Some(labels);
-                        changes.fetch_add(1, Ordering::AcqRel);
+                    if let Some(labels) = node_sharing(&nodes, &node).await {
+                        let mut known = lock(&sharing);
+                        if known.as_ref() != Some(&labels) {
+                            tracing::info!(
+                                %node,
+                                ?labels,
+                                "the Node's GPU sharing and enforcement labels: the pods' shares and evictions follow them"
+                            );
+                            *known = Some(labels);
+                            changes.fetch_add(1, Ordering::AcqRel);
+                        }
                     }
+                    // After the labels are in: a table built once this is set reads them.
+                    asked.store(true, Ordering::Release);
                 }
             });
         }
@@ -287,7 +300,7 @@ impl Caches {
                 |_| {},
             );
         }
-        Self { pods, budgets, cluster, changes, pods_ready, sharing, made: Made::default() }
+        Self { pods, budgets, cluster, changes, pods_ready, node_asked, sharing, made: Made::default() }
     }
 
     fn budgets(&self) -> std::sync::MutexGuard<'_, BudgetCache> {
@@ -296,7 +309,10 @@ impl Caches {
 
     /// Every cache has its first full list.
     pub fn synced(&self) -> bool {
-        self.pods_ready.load(Ordering::Acquire) && self.budgets().synced() && lock(&self.cluster).synced()
+        self.pods_ready.load(Ordering::Acquire)
+            && self.node_asked.load(Ordering::Acquire)
+            && self.budgets().synced()
+            && lock(&self.cluster).synced()
     }
 
     /// A counter that moves on every change of either cache that can change the pod table.
@@ -328,7 +344,9 @@ impl Caches {
                 .collect();
             made.retain_pods(|uid| here.contains(uid));
         }
-        PodTable::from_index(
+        let label = sharing.as_ref().and_then(|l| l.get(gpubudget_common::enforcement::NODE_LABEL));
+        let node_enforcement = gpubudget_common::enforcement::parse_label(label.map(String::as_str)).ok().flatten();
+        let mut table = PodTable::from_index(
             pods.iter().filter_map(|p| PodView::from_pod(p)).map(|mut v| {
                 v.share = std::mem::replace(&mut v.share, Declaration::None).on_node(sharing.as_ref());
                 let by_runtime = made.summary(&v.uid).or_else(|| v.mirror_of.as_deref().and_then(|m| made.summary(m)));
@@ -342,7 +360,9 @@ impl Caches {
             cluster.index(),
             Some(node),
             gpu_totals,
-        )
+        );
+        table.node_enforcement = node_enforcement;
+        table
     }
 }
 
@@ -416,14 +436,19 @@ pub fn sampler_factory(sample_file: Option<&std::path::Path>) -> SamplerFactory 
 const NODE_SHARING_EVERY: Duration = Duration::from_secs(60);
 
 /// The labels of `node` that say how the device plugin shares its GPUs (GPU feature discovery's strategy and
-/// replicas; a share budget reads a pod's MPS replicas from them), or `None`, with a warning, when the Node
+/// replicas; a share budget reads a pod's MPS replicas from them) and whether it enforces or observes (#54:
+/// `gpubudget.io/enforcement`, warned about when it is neither `Observe` nor `Enforce`), or `None`, with a warning, when the Node
 /// cannot be read in 10 s (the last labels read stay).
 async fn node_sharing(nodes: &Api<Node>, node: &str) -> Option<BTreeMap<String, String>> {
+    use gpubudget_common::enforcement;
     use gpubudget_common::share::{REPLICAS, SHARING_STRATEGY};
     match tokio::time::timeout(Duration::from_secs(10), nodes.get_metadata(node)).await {
         Ok(Ok(n)) => {
             let mut labels = n.metadata.labels.unwrap_or_default();
-            labels.retain(|k, _| k == SHARING_STRATEGY || k == REPLICAS);
+            labels.retain(|k, _| k == SHARING_STRATEGY || k == REPLICAS || k == enforcement::NODE_LABEL);
+            if let Err(why) = enforcement::parse_label(labels.get(enforcement::NODE_LABEL).map(String::as_str)) {
+                tracing::warn!(%node, %why, "the agent's --enforcement applies on this node");
+            }
             Some(labels)
         }
         Ok(Err(error)) => {
@@ -545,7 +570,7 @@ pub async fn run_with(args: RunArgs, client: Client, health: Health, metrics: Me
     // The caches' generation and the GPUs' sizes the table was built for (a share of a GPU resolves
     // against them, so the table is built again once NVML has answered, or a GPU changes).
     let mut seen: Option<(u64, Vec<u64>)> = None;
-    tracing::info!(%node, interval = ?args.sample.interval, interval_near = ?args.sample.interval_near, proc_root = %args.sample.proc_root.display(), "agent running");
+    tracing::info!(%node, interval = ?args.sample.interval, interval_near = ?args.sample.interval_near, proc_root = %args.sample.proc_root.display(), enforcement = %args.pressure.enforcement, "agent running");
     loop {
         tokio::select! {
             () = shutdown.cancelled() => break,

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use gpubudget_common::BudgetState;
+use gpubudget_common::enforcement::{self, Mode};
 
 use super::pod::{Context, PodMemory};
 use super::pressure::step::GpuPressure;
@@ -27,11 +28,14 @@ pub struct Enforcer {
     pub(in crate::decide) watch: gpus::GpuWatch,
     /// How soon the next sample comes ([`cadence`]).
     pub(in crate::decide) pace: cadence::Pace,
+    /// This node's mode (#54): its label's, else the agent's `--enforcement`; set at each [`Self::tick`].
+    pub(in crate::decide) node_mode: Mode,
 }
 
 impl Enforcer {
     /// An enforcer with these settings and no memory (a fresh start).
     pub fn new(settings: Settings) -> Self {
+        let settings_enforcement = settings.enforcement;
         Self {
             settings,
             pods: FastMap::default(),
@@ -39,6 +43,7 @@ impl Enforcer {
             gpus: Vec::new(),
             watch: gpus::GpuWatch::default(),
             pace: cadence::Pace::default(),
+            node_mode: enforcement::node(settings_enforcement, None),
         }
     }
 
@@ -58,6 +63,11 @@ impl Enforcer {
         let pods = |g: usize| unbudgeted_pods(table, &usage.pods, g);
         let held = gpus::UnbudgetedMemory { bytes: &usage.unbudgeted, policy: self.settings.unbudgeted_pods };
         self.watch.observe_unbudgeted(settings, now.mono_ms, snapshot, held, pods, out);
+    }
+
+    /// This node's mode (#54) as of the last tick: observe or enforce, and which level set it.
+    pub fn node_mode(&self) -> &Mode {
+        &self.node_mode
     }
 
     /// The settings.
@@ -104,6 +114,7 @@ impl Enforcer {
     pub fn tick(&mut self, now: Now, table: &PodTable, usage: &[PodUsage], gpus: &[GpuInfo], out: &mut Vec<Action>) {
         self.generation += 1;
         self.pace.begin(now.mono_ms);
+        self.node_mode = enforcement::node(self.settings.enforcement, table.node_enforcement);
         let empty = PodUsage::default();
         for (i, view) in table.pods.iter().enumerate() {
             let pod_usage = usage.get(i).unwrap_or(&empty);

@@ -20,6 +20,11 @@
 //!   in flight per pod; HTTP 429 → `GpuMemoryEvictionBlocked` and a retry with
 //!   backoff while still due; an accepted eviction is never requested again for that pod UID. Timers
 //!   start afresh when the agent starts, so a restart can only delay an eviction.
+//! - **observe mode** (#54, [`gpubudget_common::enforcement`]): where the mode is `Observe` (the budget's
+//!   `spec.enforcement` for its own evictions, else the Node's label, else `--enforcement`; pressure relief by the
+//!   node's), an eviction that would start is told instead (`GpuMemoryWouldEvict` and [`Action::WouldEvict`], once
+//!   per episode) and nothing is written or requested for it: the state machine never says `Evicting`, the
+//!   record stays `Over`. A move between the modes starts a pod's over-limit period afresh.
 //!
 //! The rooms:
 //! - `vocabulary`: what the executors are asked ([`Action`]) and report back ([`Feedback`]);

@@ -2,6 +2,7 @@
 //! transitions, its record (annotations) and its eviction's lifecycle (record first, then the request;
 //! refusals, backoff, delete after `blockedEvictionTimeoutSeconds`), and what the executors report back.
 
+use gpubudget_common::enforcement::{self, Enforcement, Mode};
 use gpubudget_common::pod_record::{DriverLimitsRecord, PodRecord};
 use gpubudget_common::quantity::HumanBytes;
 use gpubudget_common::{Budget, BudgetAction, BudgetState, Tracker, step};
@@ -34,6 +35,12 @@ pub(in crate::decide) enum Eviction {
         refused_since: u64,
     },
     Done,
+    /// Observe mode (#54): the eviction was due and was told as "would evict" (`GpuMemoryWouldEvict`), not
+    /// requested; held while it stays due, so it is told once per episode. `gpu`: `Some` for pressure relief on
+    /// that GPU ([`super::pressure::step`]), `None` for the budget's own limit.
+    Observed {
+        gpu: Option<usize>,
+    },
 }
 
 /// The state a pod's record says: `Evicting` while evicted for pressure, else the state machine's.
@@ -69,7 +76,8 @@ pub(in crate::decide) struct PodMemory {
     pub(in crate::decide) tracker: Tracker,
     /// The action and `overLimitSeconds` of the budget the tracker counted under: a change starts the
     /// period afresh (an edit never acts on time already spent over the limit).
-    pub(in crate::decide) policy: Option<(BudgetAction, u64)>,
+    /// And whether they were observed or enforced (#54).
+    pub(in crate::decide) policy: Option<(BudgetAction, u64, Enforcement)>,
     pub(in crate::decide) reported: BudgetState,
     pub(in crate::decide) written: Option<PodRecord>,
     pub(in crate::decide) has_annotations: bool,
@@ -245,6 +253,9 @@ impl Enforcer {
             mem.eviction = Eviction::Idle;
             mem.pressure = None;
         }
+        if mem.eviction == (Eviction::Observed { gpu: None }) {
+            mem.eviction = Eviction::Idle;
+        }
         // A record of ours with no budget behind it any more: remove it, once.
         let ours = view.record.as_ref().is_some_and(|r| *r.node == *self.settings.node) || mem.written.is_some();
         if ours && mem.has_annotations && !mem.write_in_flight && now.mono_ms >= mem.write_retry_at {
@@ -258,19 +269,32 @@ impl Enforcer {
         let budget = cx.budget;
         let view = cx.view;
         let total = cx.usage.total;
-        let thresholds = budget.thresholds(view.never_evicted(&self.settings.critical_namespaces).is_some());
+        let mut thresholds = budget.thresholds(view.never_evicted(&self.settings.critical_namespaces).is_some());
+        // Observe mode (#54): the budget's own eviction is only told. The state machine then never says
+        // `Evicting` (nothing is, and records, metrics and `top` must not say so); when it would have is
+        // `would_be_due` below, by the same rule.
+        let own = budget.enforcement.unwrap_or(self.node_mode.enforcement);
+        let would_evict = thresholds.may_evict && own == Enforcement::Observe;
+        thresholds.may_evict &= !would_evict;
         let mut mem = self.take_memory(now, view);
         // Its usage at the last tick, if it was seen then (the rate its usage moves at).
         let prev_usage = (mem.seen + 1 == self.generation && !mem.last_budget.is_empty()).then_some(mem.last_usage);
         mem.seen = self.generation;
         // A budget edit (Warn → Evict, a shorter overLimitSeconds) or a move to a budget that acts otherwise
         // does not act on the time already spent over the limit: the period starts afresh, and is told.
-        let policy = (budget.action, budget.over_limit_seconds);
+        // So does a move between observe and enforce (#54): switching a pod that has been over for an hour to
+        // Enforce does not evict it at once.
+        let policy = (budget.action, budget.over_limit_seconds, own);
         if let Some(old) = mem.policy.filter(|old| *old != policy) {
             if mem.tracker.state.is_over() {
+                let mode = if old.2 == own {
+                    String::new()
+                } else {
+                    format!(", enforcement {} → {own} (set by {})", old.2, self.own_mode(budget).set_by)
+                };
                 let note = format!(
-                    "budget {} changed (action {} → {}, overLimitSeconds {} → {}): the over-limit period starts \
-                     afresh; {}",
+                    "budget {} changed (action {} → {}, overLimitSeconds {} → {}{mode}): the over-limit period \
+                     starts afresh; {}",
                     budget.key(),
                     old.0,
                     policy.0,
@@ -334,6 +358,12 @@ impl Enforcer {
                             .to_owned()
                     } else if let Some(why) = view.never_evicted(&self.settings.critical_namespaces) {
                         why.to_owned()
+                    } else if would_evict {
+                        format!(
+                            "observe mode ({}): would be evicted if it stays over for {}s, and is not",
+                            self.own_mode(budget).set_by,
+                            budget.over_limit_seconds
+                        )
                     } else if budget.over_limit_seconds == 0 {
                         "evicting now".to_owned()
                     } else {
@@ -374,8 +404,38 @@ impl Enforcer {
             && view.never_evicted(&self.settings.critical_namespaces).is_none()
             && !view.terminating
             && view.node.as_deref() == Some(self.settings.node.as_str());
+        // Observe mode: when the state machine would have said `Evicting`, by its rule (over now, and over for
+        // `overLimitSeconds` in all); a pressure eviction already under way goes on.
+        let would_be_due = would_evict
+            && thresholds.due(total, mem.tracker.over_for())
+            && mem.pressure.is_none()
+            && view.never_evicted(&self.settings.critical_namespaces).is_none()
+            && !view.terminating
+            && view.node.as_deref() == Some(self.settings.node.as_str());
         let mut applied = false;
         match mem.eviction {
+            Eviction::Idle if would_be_due => {
+                let note = format!(
+                    "would be evicted (observe mode: {}; nothing is evicted): {} for {}s, an eviction would give {}; \
+                     {}{}",
+                    self.own_mode(budget).set_by,
+                    cx.used_of(),
+                    seconds(mem.tracker.over_for()),
+                    cx.grace_text(),
+                    cx.held_by(),
+                    budget.under_generation()
+                );
+                // Once per episode (the state below holds it), not subject to the cooldown.
+                mem.last_event_ms[Reason::WouldEvict.slot()] = Some(now.mono_ms);
+                out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::WouldEvict, note: bounded(note) });
+                let set_by = self.own_mode(budget).set_by.level();
+                out.push(Action::WouldEvict { pod: mem.pod.clone(), cause: "budget", set_by });
+                mem.eviction = Eviction::Observed { gpu: None };
+            }
+            // Back under (or enforcing again, which starts the period afresh): a later episode is told again.
+            Eviction::Observed { gpu: None } if !would_be_due => mem.eviction = Eviction::Idle,
+            // Pressure relief observed on a GPU: over once the pod is back within its guarantee.
+            Eviction::Observed { gpu: Some(_) } if total <= cx.pressure_guarantee() => mem.eviction = Eviction::Idle,
             Eviction::Idle if evictable => {
                 let at = now.wall.round(jiff::Unit::Second).unwrap_or(now.wall).to_string();
                 mem.eviction_requested_at = Some(at);
@@ -486,6 +546,11 @@ impl Enforcer {
         self.pods.insert(view.uid.clone(), mem);
     }
 
+    /// The mode of the budget's own evictions of a pod (#54): the rules' `spec.enforcement`, else the node's.
+    pub(in crate::decide) fn own_mode(&self, budget: &Budget) -> Mode {
+        enforcement::for_budget(&self.node_mode, budget.enforcement, || budget.described())
+    }
+
     /// For a critical-priority pod outside the namespaces the administrator lists: `; ` and why it is
     /// enforced all the same (#33). Empty otherwise.
     pub(in crate::decide) fn not_exempt(&self, view: &PodView) -> String {
@@ -586,7 +651,9 @@ impl Enforcer {
                 let (attempts, refused_since) = match mem.eviction {
                     Eviction::Blocked { attempts, refused_since, .. } => (attempts, Some(refused_since)),
                     Eviction::InFlight { attempts, refused_since } => (attempts, refused_since),
-                    Eviction::Idle | Eviction::AwaitingRecord { .. } | Eviction::Done => (0, None),
+                    Eviction::Idle | Eviction::AwaitingRecord { .. } | Eviction::Done | Eviction::Observed { .. } => {
+                        (0, None)
+                    }
                 };
                 let attempts = attempts + 1;
                 let refused_since = refused_since.unwrap_or(now.mono_ms);

@@ -47,6 +47,9 @@ pub struct Settings {
     pub pressure_blocked_timeout_ms: u64,
     /// Who writes namespaced budgets, so what they may guarantee under pressure (#33; `--namespaced-budgets`).
     pub namespaced_budgets: pressure::NamespacedBudgets,
+    /// Whether evictions are carried out or only reported, where neither the Node's label nor a budget says
+    /// (#54; `--enforcement`; [`gpubudget_common::enforcement`]).
+    pub enforcement: gpubudget_common::Enforcement,
 }
 
 impl Settings {
@@ -71,6 +74,7 @@ impl Settings {
             critical_namespaces: gpubudget_common::CriticalNamespaces::default(),
             pressure_blocked_timeout_ms: 60_000,
             namespaced_budgets: pressure::NamespacedBudgets::Trusted,
+            enforcement: gpubudget_common::Enforcement::Enforce,
         }
     }
 }

@@ -71,6 +71,9 @@ pub enum Reason {
     /// `--runtime-caps`: a GPU container was created without an MPS cap (its device count unknown, or its budget not
     /// known in time under `--runtime-caps-unresolved=create`).
     NotCappedAtCreation,
+    /// Observe mode (#54): the pod would be evicted now (for its budget, or for pressure) and is not; once per
+    /// episode. Normal: nothing happened to the pod.
+    WouldEvict,
 }
 
 impl Reason {
@@ -93,6 +96,7 @@ impl Reason {
             Reason::ShareChangeIgnored => "GpuMemoryShareChangeIgnored",
             Reason::CappedAtCreation => "GpuMemoryCappedAtCreation",
             Reason::NotCappedAtCreation => "GpuMemoryNotCappedAtCreation",
+            Reason::WouldEvict => "GpuMemoryWouldEvict",
         }
     }
 
@@ -116,7 +120,7 @@ impl Reason {
     }
 
     /// How many reasons there are.
-    pub(super) const COUNT: usize = 16;
+    pub(super) const COUNT: usize = 17;
 
     pub(super) fn slot(self) -> usize {
         self as usize
@@ -251,6 +255,16 @@ pub enum Action {
         /// `gracePeriodSeconds`, as for the eviction.
         grace_seconds: Option<i64>,
     },
+    /// Observe mode (#54): the pod would be evicted now, and is not (the `GpuMemoryWouldEvict` event goes with it).
+    /// Counted in `gpubudget_would_evict_total`; nothing is sent to the API for it.
+    WouldEvict {
+        /// The pod.
+        pod: PodRef,
+        /// `budget` (over its own limit) or `pressure` (relief of a GPU where a neighbour is short).
+        cause: &'static str,
+        /// The level that set the mode: `agent`, `node` or `budget` ([`gpubudget_common::enforcement::SetBy::level`]).
+        set_by: &'static str,
+    },
     /// Request the pod's eviction (policy/v1 Eviction).
     Evict {
         /// The pod.
@@ -277,6 +291,7 @@ impl Action {
             | Action::Event { pod, .. }
             | Action::ContainerEvent { pod, .. }
             | Action::Evict { pod, .. }
+            | Action::WouldEvict { pod, .. }
             | Action::Delete { pod, .. } => Some(pod),
             Action::NodeEvent { .. } => None,
         }

@@ -248,6 +248,12 @@ impl Metrics {
             m.act.evictions.clone(),
         );
         registry.register(
+            "gpubudget_would_evict",
+            "Observe mode: evictions the agent would have requested and did not, by cause (budget, pressure) and the \
+             level that set the mode (agent, node, budget)",
+            m.act.would_evict.clone(),
+        );
+        registry.register(
             "gpubudget_evictions_without_record",
             "Eviction requests sent before the API accepted their Evicting record (the bounded wait ran out)",
             m.act.evictions_without_record.clone(),

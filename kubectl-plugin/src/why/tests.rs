@@ -463,3 +463,50 @@ fn why_says_what_the_runtime_made() {
     let uncapped = made(r#"{"uncapped":"container main: no CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"}"#);
     assert!(uncapped.contains("made by the container runtime without a cap: container main"), "{uncapped}");
 }
+
+/// #54: in observe mode `why` says the pod would be evicted, by which level's word, and never that it is being
+/// evicted; back within its budget it says so no more. A budget set to Observe says so before any event.
+#[test]
+fn observe_mode_says_would_be_evicted_and_by_whom() {
+    let budgets = overlapping();
+    let p = pod(Some(("Over", 9 << 30, "llm-inference")), json!({}), json!({}));
+    let would = "would be evicted (observe mode: the Node's label gpubudget.io/enforcement; nothing is evicted): \
+                 using 9Gi of 8Gi for 30s";
+    let events = [
+        event(reason::OVER, "u1", "2026-11-24T09:59:40.000000Z", "using 9Gi of 8Gi (budget team-a/llm-inference)"),
+        event(reason::WOULD_EVICT, "u1", "2026-11-24T10:00:10.000000Z", would),
+    ];
+    let r = why(input(Some(&p), Some(&budgets), &events)).unwrap();
+    assert_eq!((r.next.action, r.next.at.as_deref()), ("WouldEvict", None));
+    assert!(
+        r.next.message.starts_with(
+            "would be evicted (observe mode: the Node's label gpubudget.io/enforcement): the agent said so at \
+             2026-11-24T10:00:10Z and evicts nothing"
+        ),
+        "{}",
+        r.next.message
+    );
+    let back = [
+        events[0].clone(),
+        events[1].clone(),
+        event(reason::WITHIN, "u1", "2026-11-24T10:00:20.000000Z", "back under the limit"),
+    ];
+    let p = pod(Some(("Within", 1 << 30, "llm-inference")), json!({}), json!({}));
+    let r = why(input(Some(&p), Some(&budgets), &back)).unwrap();
+    assert_eq!(r.next.action, "Nothing", "{}", r.next.message);
+    // A budget set to Observe: over it, nothing is evicted, and why says so before any event.
+    let observing = [budget(
+        "llm-inference",
+        "8Gi",
+        json!({"matchLabels": {"app": "llm"}}),
+        json!({"overLimitSeconds": 30, "enforcement": "Observe"}),
+    )];
+    let p = pod(Some(("Over", 9 << 30, "llm-inference")), json!({}), json!({}));
+    let r = why(input(Some(&p), Some(&observing), &events[..1])).unwrap();
+    assert_eq!(r.next.action, "Nothing", "{}", r.next.message);
+    assert!(
+        r.next.message.contains("it would be evicted, and is not: the budget's enforcement is Observe"),
+        "{}",
+        r.next.message
+    );
+}

@@ -145,6 +145,18 @@ impl Enforcer {
         }
     }
 
+    /// Forgets the pressure relief observe mode told on GPU `gpu` (`None`: on any): the GPU harms no one any more,
+    /// or the node enforces now. A later episode is told again.
+    fn forget_observed(&mut self, gpu: Option<usize>) {
+        for m in self.pods.values_mut() {
+            if let Eviction::Observed { gpu: Some(g) } = m.eviction
+                && gpu.is_none_or(|want| want == g)
+            {
+                m.eviction = Eviction::Idle;
+            }
+        }
+    }
+
     /// Whether GPU `gpu` (index in the snapshot) is under memory pressure.
     pub fn under_pressure(&self, gpu: usize) -> bool {
         self.gpus.get(gpu).is_some_and(|g| g.signal.active())
@@ -174,6 +186,12 @@ impl Enforcer {
         }
         self.gpus.resize_with(snapshot.gpus.len(), GpuPressure::default);
         self.forget_refusals(now.mono_ms, table, usage);
+        // Observe mode (#54) follows the node for pressure relief: an enforcing node forgets what it observed, so
+        // relief acts at once.
+        let observe = self.node_mode.observes();
+        if !observe {
+            self.forget_observed(None);
+        }
         let empty = PodUsage::default();
         for (g, info) in snapshot.gpus.iter().enumerate() {
             // A GPU whose sample failed has no figures: no pressure is decided from it.
@@ -201,8 +219,16 @@ impl Enforcer {
                         }
                         Unbudgeted::Never => " (pods no budget selects are never evicted for it: unbudgetedPods=Never)",
                     };
+                    let act = if observe {
+                        format!(
+                            "telling which pod would be evicted (observe mode: {}; nothing is evicted)",
+                            self.node_mode.set_by
+                        )
+                    } else {
+                        "evicting".to_owned()
+                    };
                     let note = format!(
-                        "GPU {}: {} free of {}, under the {name} threshold ({}); while pods on it within their guarantee (request, else limit) are owed more than is free, evicting the pod most above its guarantee{unbudgeted}, one at a time",
+                        "GPU {}: {} free of {}, under the {name} threshold ({}); while pods on it within their guarantee (request, else limit) are owed more than is free, {act} the pod most above its guarantee{unbudgeted}, one at a time",
                         info.label,
                         HumanBytes(free),
                         HumanBytes(total),
@@ -227,6 +253,7 @@ impl Enforcer {
             }
             if !gpu.signal.breached() {
                 gpu.last_harm_ms = None;
+                self.forget_observed(Some(g));
                 continue;
             }
             let on_gpu = |i: usize| -> u64 {
@@ -246,16 +273,20 @@ impl Enforcer {
                     && !view.terminating
                     && view.node.as_deref() == Some(self.settings.node.as_str())
                     // Not one whose eviction is under way; one whose eviction by its budget was refused (a
-                    // PodDisruptionBudget) is a candidate like any other, so the node's bound ends its stall.
-                    && self.pods.get(&view.uid).is_some_and(|m| matches!(m.eviction, Eviction::Idle | Eviction::Blocked { .. }));
+                    // PodDisruptionBudget) is a candidate like any other, so the node's bound ends its stall; and
+                    // one whose budget only observes its own eviction (#54) is relieved as the node says.
+                    && self.pods.get(&view.uid).is_some_and(|m| {
+                        matches!(m.eviction, Eviction::Idle | Eviction::Blocked { .. } | Eviction::Observed { gpu: None })
+                    });
                 on_this_gpu.push(i);
                 candidates.push(self.candidate(table, i, usage.get(i).unwrap_or(&empty).total, bytes, evictable));
             }
             // Relief only where a neighbour is harmed (#52): a pod alone, or neighbours whose guarantees still fit
             // in what is free, are a full card, not pressure on anyone.
             let harm = harm(&candidates, free, unbudgeted);
-            let gpu = &mut self.gpus[g];
             if !harm.relieves() {
+                self.forget_observed(Some(g));
+                let gpu = &mut self.gpus[g];
                 gpu.last_harm_ms = None;
                 if !std::mem::replace(&mut gpu.told_unharmed, true) {
                     let note = unharmed_note(&info.label, free, total, harm, &candidates);
@@ -263,6 +294,7 @@ impl Enforcer {
                 }
                 continue;
             }
+            let gpu = &mut self.gpus[g];
             // The pressure refused pods have held out against grows by the time since the last such tick.
             let dt = gpu.last_harm_ms.map_or(0, |at| now.mono_ms.saturating_sub(at));
             gpu.last_harm_ms = Some(now.mono_ms);
@@ -284,14 +316,14 @@ impl Enforcer {
             if due.is_none() && now.mono_ms < gpu.retry_at {
                 continue;
             }
-            // Wait for reclaim: a pod this agent is evicting still holds memory here.
+            // Wait for reclaim: a pod this agent is evicting still holds memory here; observing, one it would be
+            // evicting for this GPU (told once: what it would do next waits as the eviction would).
             let reclaiming = table.pods.iter().enumerate().any(|(i, view)| {
                 on_gpu(i) > 0
-                    && self.pods.get(&view.uid).is_some_and(|m| {
-                        matches!(
-                            m.eviction,
-                            Eviction::AwaitingRecord { .. } | Eviction::InFlight { .. } | Eviction::Done
-                        )
+                    && self.pods.get(&view.uid).is_some_and(|m| match m.eviction {
+                        Eviction::AwaitingRecord { .. } | Eviction::InFlight { .. } | Eviction::Done => true,
+                        Eviction::Observed { gpu } => gpu == Some(g),
+                        Eviction::Idle | Eviction::Blocked { .. } => false,
                     })
             });
             if reclaiming {
@@ -303,6 +335,45 @@ impl Enforcer {
                     let i = on_this_gpu[c];
                     let (view, budget) = (&table.pods[i], table.budget(i));
                     let Some(mut mem) = self.pods.remove(&view.uid) else { continue };
+                    if observe {
+                        let pod_usage = usage.get(i).unwrap_or(&empty);
+                        let (standing, guarantee) = match budget {
+                            Some(b) if self.tenant_only(table, i) => (
+                                format!("using {} ({})", HumanBytes(pod_usage.total), b.described()),
+                                "only a namespaced budget selects it (namespacedBudgets=ClusterBound): guaranteed nothing",
+                            ),
+                            Some(b) => (
+                                format!("using {} ({})", HumanBytes(pod_usage.total), b.described()),
+                                "above its guarantee (request, else limit)",
+                            ),
+                            None => (
+                                format!("using {}", HumanBytes(pod_usage.total)),
+                                "no budget selects it: guaranteed nothing (unbudgetedPods=Ranked)",
+                            ),
+                        };
+                        let note = format!(
+                            "would be evicted (observe mode: {}; nothing is evicted): GPU {} is under memory pressure \
+                             ({} free of {}; pods within their guarantee there are owed {}) and this pod is the most \
+                             above its guarantee there: {standing}, {guarantee}; held by {}",
+                            self.node_mode.set_by,
+                            info.label,
+                            HumanBytes(free),
+                            HumanBytes(total),
+                            HumanBytes(owed),
+                            holders_summary(&pod_usage.holders, &snapshot.gpus)
+                        );
+                        mem.last_event_ms[Reason::WouldEvict.slot()] = Some(now.mono_ms);
+                        out.push(Action::Event {
+                            pod: mem.pod.clone(),
+                            reason: Reason::WouldEvict,
+                            note: bounded(note),
+                        });
+                        let set_by = self.node_mode.set_by.level();
+                        out.push(Action::WouldEvict { pod: mem.pod.clone(), cause: "pressure", set_by });
+                        mem.eviction = Eviction::Observed { gpu: Some(g) };
+                        self.pods.insert(view.uid.clone(), mem);
+                        continue;
+                    }
                     // Its eviction by its budget was refused: the stall under pressure counts from now (the
                     // pressure eviction below is refused in its turn and keeps this first time).
                     if let Eviction::Blocked { .. } = mem.eviction {

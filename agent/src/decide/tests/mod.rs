@@ -125,6 +125,7 @@ fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Evict { grace_seconds, .. } => format!("evict:{grace_seconds:?}"),
             Action::NodeEvent { reason, .. } => format!("node:{}", reason.as_str()),
             Action::Delete { grace_seconds, .. } => format!("delete:{grace_seconds:?}"),
+            Action::WouldEvict { cause, set_by, .. } => format!("would-evict:{cause}:{set_by}"),
         })
         .collect()
 }
@@ -742,6 +743,7 @@ proptest! {
     }
 }
 
+mod observe;
 mod pressure_eviction;
 
 #[test]

@@ -8,7 +8,7 @@ use crate::decide::pressure::{PressureSettings, Threshold, Unbudgeted};
 
 const TOTAL: u64 = 80 * GI;
 
-fn budgets() -> Vec<GpuMemoryBudget> {
+pub(super) fn budgets() -> Vec<GpuMemoryBudget> {
     ["grower: {limit: 8Gi, sel: grower}", "big: {limit: 40Gi, sel: n}", "warn: {limit: 1Gi, sel: w}"]
         .iter()
         .map(|spec| {
@@ -25,7 +25,7 @@ fn budgets() -> Vec<GpuMemoryBudget> {
         .collect()
 }
 
-fn view(name: &str, app: &str, extra_meta: &str, extra_spec: &str) -> PodView {
+pub(super) fn view(name: &str, app: &str, extra_meta: &str, extra_spec: &str) -> PodView {
     let p: Pod = serde_yaml::from_str(&format!(
         "metadata: {{name: {name}, namespace: team-a, uid: uid-{name}, labels: {{app: {app}}}{extra_meta}}}\n\
          spec: {{nodeName: {NODE}, terminationGracePeriodSeconds: 3600, containers: []{extra_spec}}}"
@@ -34,17 +34,17 @@ fn view(name: &str, app: &str, extra_meta: &str, extra_spec: &str) -> PodView {
     PodView::from_pod(&p).expect("view")
 }
 
-struct Node {
-    enforcer: Enforcer,
-    table: PodTable,
+pub(super) struct Node {
+    pub(super) enforcer: Enforcer,
+    pub(super) table: PodTable,
 }
 
 impl Node {
-    fn new(views: Vec<PodView>) -> Self {
+    pub(super) fn new(views: Vec<PodView>) -> Self {
         Self::with_budgets(views, &budgets())
     }
 
-    fn with_budgets(views: Vec<PodView>, budgets: &[GpuMemoryBudget]) -> Self {
+    pub(super) fn with_budgets(views: Vec<PodView>, budgets: &[GpuMemoryBudget]) -> Self {
         let mut settings = Settings::new(NODE);
         settings.pressure = PressureSettings {
             hard: Some(Threshold::Bytes(4 * GI)),
@@ -57,7 +57,7 @@ impl Node {
 
     /// One tick: `bytes` per pod (table order) on GPU 0, the device's used bytes the sum plus `extra`;
     /// every write and eviction succeeds.
-    fn tick(&mut self, ms: u64, bytes: &[u64], extra: u64) -> Vec<Action> {
+    pub(super) fn tick(&mut self, ms: u64, bytes: &[u64], extra: u64) -> Vec<Action> {
         self.tick_with(ms, bytes, extra, false)
     }
 
@@ -106,7 +106,7 @@ impl Node {
     }
 }
 
-fn evicted(actions: &[Action]) -> Vec<(String, Option<i64>)> {
+pub(super) fn evicted(actions: &[Action]) -> Vec<(String, Option<i64>)> {
     actions
         .iter()
         .filter_map(|a| match a {
