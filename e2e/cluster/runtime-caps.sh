@@ -244,23 +244,23 @@ host_pidns() { [ "$(readlink "/proc/$1/ns/pid")" = "$(readlink /proc/$$/ns/pid)"
 nri_mounted() { [ -S "/proc/$1/root/var/run/nri-host/nri.sock" ] || [ -S "/proc/$1/root/var/run/nri/nri.sock" ] || [ -S "/proc/$1/root/run/nri/nri.sock" ]; }
 yes_no() { if "$@"; then echo yes; else echo no; fi; }
 for who in "relay $RELAY_PID" "agent $AGENT_PID"; do
-  set -- $who
-  info "$1 (host PID $2): uid $(uid_of "$2"), CapEff $(capeff "$2"), host PID namespace $(yes_no host_pidns "$2"), API token $(yes_no has_token "$2"), NRI socket directory mounted $(yes_no nri_mounted "$2")$( [ "$1" = relay ] && echo ", mount options $(mnt_of "$2" /var/run/nri-host)")"
+  read -r name pid <<<"$who"
+  info "$name (host PID $pid): uid $(uid_of "$pid"), CapEff $(capeff "$pid"), host PID namespace $(yes_no host_pidns "$pid"), API token $(yes_no has_token "$pid"), NRI socket directory mounted $(yes_no nri_mounted "$pid")$( [ "$name" = relay ] && echo ", mount options $(mnt_of "$pid" /var/run/nri-host)")"
 done
 [ "$(uid_of "$RELAY_PID")" = 0 ] || fail "the relay does not run as root (the NRI socket is root's)"
-[ "$(capeff "$RELAY_PID")" = 0000000000000000 ] && pass "the relay holds no capability (CapEff 0)" || fail "the relay holds capabilities: CapEff $(capeff "$RELAY_PID")"
+if [ "$(capeff "$RELAY_PID")" = 0000000000000000 ]; then pass "the relay holds no capability (CapEff 0)"; else fail "the relay holds capabilities: CapEff $(capeff "$RELAY_PID")"; fi
 host_pidns "$RELAY_PID" && fail "the relay is in the host's PID namespace"
 has_token "$RELAY_PID" && fail "the relay has an API token"
 nri_mounted "$RELAY_PID" || fail "the relay has no NRI socket directory mounted"
-[[ "$(mnt_of "$RELAY_PID" /var/run/nri-host)" == ro* ]] && pass "the NRI socket directory is read-only in the relay" || fail "the NRI socket directory is writable in the relay"
-[ "$(uid_of "$AGENT_PID")" != 0 ] && pass "the agent runs non-root (uid $(uid_of "$AGENT_PID"))" || fail "the agent runs as root"
+if [[ "$(mnt_of "$RELAY_PID" /var/run/nri-host)" == ro* ]]; then pass "the NRI socket directory is read-only in the relay"; else fail "the NRI socket directory is writable in the relay"; fi
+if [ "$(uid_of "$AGENT_PID")" != 0 ]; then pass "the agent runs non-root (uid $(uid_of "$AGENT_PID"))"; else fail "the agent runs as root"; fi
 host_pidns "$AGENT_PID" || fail "the agent is not in the host's PID namespace (NVML would see no pod's process)"
 has_token "$AGENT_PID" || fail "the agent has no API token"
 # Every pod of the release: none with both the NRI directory and host PIDs or a token.
 both=$(kubectl get pods -n "$NS" -o json | jq -r '.items[] | select(any(.spec.volumes[]?; .hostPath.path == "/var/run/nri")) | select(.spec.hostPID == true or .spec.automountServiceAccountToken != false) | .metadata.name')
-[ -z "$both" ] && pass "no pod of the release holds the NRI socket with host PIDs or a token" || fail "pods with the NRI socket and host PIDs or a token: $both"
+if [ -z "$both" ]; then pass "no pod of the release holds the NRI socket with host PIDs or a token"; else fail "pods with the NRI socket and host PIDs or a token: $both"; fi
 # The agent cannot reach the runtime's socket: not in its mount namespace at all.
-nri_mounted "$AGENT_PID" && fail "the NRI socket is in the agent's filesystem" || pass "the agent's filesystem has no NRI socket"
+if nri_mounted "$AGENT_PID"; then fail "the NRI socket is in the agent's filesystem"; else pass "the agent's filesystem has no NRI socket"; fi
 [ "$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=operator -o name | wc -l)" = 0 ] || fail "an operator pod exists"
 kubectl get mutatingwebhookconfigurations -o name | grep -q "$RELEASE" && fail "a mutating webhook of the release is registered"
 AGENT_URL() { echo "http://$(kubectl get pod -n "$NS" "$(agent_pod)" -o jsonpath='{.status.podIP}'):9400"; }
@@ -570,8 +570,8 @@ info "figure: pod hung Ready $(since "$t0") s after the agent stopped; its CRI C
 v=$(env_of "$T" hung c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)
 if [ "$v" = "<unset>" ]; then pass "hung agent: the relay answered in time, the container made unadjusted (fail-open), CUDA_MPS_PINNED_DEVICE_MEM_LIMIT unset"
 else info "hung agent: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=$v"; fi
-[ "$(registrations_in_log)" = "$before" ] && pass "the relay stayed registered (the runtime did not drop it)" || fail "the relay was dropped by the runtime while the agent hung"
-kill -CONT "$AGENT_PID"; t1=$(now)
+if [ "$(registrations_in_log)" = "$before" ]; then pass "the relay stayed registered (the runtime did not drop it)"; else fail "the relay was dropped by the runtime while the agent hung"; fi
+kill -CONT "$AGENT_PID"
 told_hung() { [ -n "$(not_capped_event hung)" ]; }
 if until_ok 30 told_hung; then pass "hung, made uncapped while the agent hung, is told once it resumes: $(not_capped_event hung | head -n1 | cut -c1-200)"
 else fail "hung was made uncapped and has no GpuMemoryNotCappedAtCreation event 30 s after SIGCONT"; fi
@@ -589,7 +589,7 @@ for p in "${AWAY_PODS[@]}"; do pod "$p" "$BENCH_ENV"; done
 for p in "${AWAY_PODS[@]}"; do ready "$T" "$p"; done
 info "figure: $KILL_PODS GPU pods Ready $(since "$t0") s after creation with no agent (the relay answers alone)"
 n=0; for p in "${AWAY_PODS[@]}"; do [ "$(env_of "$T" "$p" c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)" = "<unset>" ] && n=$((n + 1)); done
-[ "$n" = "$KILL_PODS" ] && pass "all $KILL_PODS made uncapped while the agent was away" || fail "$n of $KILL_PODS made uncapped while the agent was away"
+if [ "$n" = "$KILL_PODS" ]; then pass "all $KILL_PODS made uncapped while the agent was away"; else fail "$n of $KILL_PODS made uncapped while the agent was away"; fi
 t0=$(now); agent_back
 for p in "${AWAY_PODS[@]}"; do
   told_uncapped() { [ -n "$(not_capped_event "$p")" ]; }
@@ -598,7 +598,7 @@ for p in "${AWAY_PODS[@]}"; do
 done
 info "figure: every pod made while the agent was away told $(since "$t0") s after its DaemonSet was restored"
 rc_uncapped() { [[ "$(rc_record "${AWAY_PODS[0]}")" == '{"uncapped"'* ]]; }
-until_ok 30 rc_uncapped && pass "${AWAY_PODS[0]} recorded $(rc_record "${AWAY_PODS[0]}" | cut -c1-120)" || fail "${AWAY_PODS[0]} recorded '$(rc_record "${AWAY_PODS[0]}")'"
+if until_ok 30 rc_uncapped; then pass "${AWAY_PODS[0]} recorded $(rc_record "${AWAY_PODS[0]}" | cut -c1-120)"; else fail "${AWAY_PODS[0]} recorded '$(rc_record "${AWAY_PODS[0]}")'"; fi
 delete_pods "${AWAY_PODS[@]}"
 
 # --- 5. a pod the agent cannot resolve ---

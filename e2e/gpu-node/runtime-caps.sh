@@ -44,7 +44,8 @@ kubectl get mutatingwebhookconfigurations -o name | grep -q gpubudget && fail "a
 say "1. who holds what (read from each process on the host)"
 RPID=$(nri_task_pid $NS "$(relay_pod)")
 for who in "relay $RPID" "agent $APID"; do
-  set -- $who
+  read -r name pid <<<"$who"
+  set -- "$name" "$pid"
   info "$1: host PID $2, uid $(awk '/^Uid:/ {print $2}' /proc/"$2"/status), CapEff $(awk '/^CapEff:/ {print $2}' /proc/"$2"/status), host PID namespace $([ "$(readlink /proc/"$2"/ns/pid)" = "$(readlink /proc/$$/ns/pid)" ] && echo yes || echo no), API token $([ -e /proc/"$2"/root/var/run/secrets/kubernetes.io/serviceaccount/token ] && echo yes || echo no), NRI socket $([ -S /proc/"$2"/root/var/run/nri-host/nri.sock ] && echo yes || echo no)"
 done
 [ "$(awk '/^CapEff:/ {print $2}' /proc/"$RPID"/status)" = 0000000000000000 ] || fail "the relay holds capabilities"
