@@ -56,6 +56,9 @@ write_sample() { # PROCESSES_JSON: the replayed sample; the agent pod nudged so 
 }
 write_sample ""
 
+# This API server may hold the CRDs of an earlier run: Helm installs CRDs only where none exist, so they are applied
+# first, as docs/operations.md says for an upgrade (a fresh cluster gets them from helm install itself).
+kubectl apply --server-side --force-conflicts -f "$REPO/charts/gpubudget/crds/" >/dev/null
 say "1. the README's install, observing: helm install ... --set agent.enforcement=Observe"
 t0=$(date +%s.%N)
 "$HELM" install gpubudget "$REPO/charts/gpubudget" -n "$NS" -f "$HERE/values.yaml" \
