@@ -48,7 +48,7 @@ pub const VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
 /// The variables this module reads of a container's `env`.
 pub const VARIABLES: [&str; 4] = [MPS_LIMIT, MEMORY_LIMIT, MEMORY_REQUEST, VISIBLE_DEVICES];
 /// The extended resources that give a container whole or shared GPUs; the count is how many devices it sees.
-pub const GPU_RESOURCES: [&str; 2] = ["nvidia.com/gpu", "nvidia.com/gpu.shared"];
+pub const GPU_RESOURCES: [&str; 2] = [crate::share::GPU, crate::share::GPU_SHARED];
 /// The prefix of the MIG extended resources (`nvidia.com/mig-1g.10gb`): each counts as one device seen.
 pub const MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
 /// The pod annotation the webhook writes: what it did, as JSON ([`Record`]). A report only: status counts

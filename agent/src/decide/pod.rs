@@ -98,7 +98,7 @@ pub(in crate::decide) struct PodMemory {
     /// A pressure eviction of this pod was refused: kept across the turns the refusals give back and across
     /// pressure episodes, so a PodDisruptionBudget holds pressure relief back a bounded time of pressure only
     /// (#33, #52). Cleared when the pod is back within its guarantee, or its GPU harms no one for a while.
-    pub(in crate::decide) pressure_refused: Option<super::pressure::step::Refused>,
+    pub(in crate::decide) pressure_refused: Option<super::pressure::Refused>,
     /// How the driver's limits disagree with the budget now ([`super::driver_limits`]).
     pub(in crate::decide) driver: Option<super::driver_limits::Disagreement>,
     /// The kinds of disagreement told already (bit per [`super::driver_limits::Disagreement::kind`]).
@@ -671,12 +671,8 @@ impl Enforcer {
                             if let Some(gpu) = self.gpus.get_mut(g) {
                                 gpu.retry_at = now.mono_ms + backoff;
                             }
-                            mem.pressure_refused = Some(super::pressure::step::Refused::on(
-                                mem.pressure_refused,
-                                g,
-                                refused_since,
-                                now.mono_ms,
-                            ));
+                            mem.pressure_refused =
+                                Some(super::pressure::Refused::on(mem.pressure_refused, g, refused_since, now.mono_ms));
                             mem.eviction = Eviction::Idle;
                             mem.eviction_requested_at = None;
                         }

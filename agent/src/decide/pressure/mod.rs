@@ -346,6 +346,38 @@ pub fn choose(candidates: &[Candidate], unbudgeted: Unbudgeted) -> Option<usize>
         .map(|(i, _)| i)
 }
 
+/// How long a pod's refused pressure evictions are remembered after its GPU last harmed a neighbour: pressure
+/// that comes and goes within this window adds up towards the node's bound (#52).
+pub(in crate::decide) const REFUSAL_WINDOW_MS: u64 = 10 * 60 * 1000;
+
+/// A pod's pressure evictions were refused (a PodDisruptionBudget): how long its GPU has harmed a neighbour
+/// since, in all, so the node's bound ends the stall however often the pressure comes and goes (a neighbour
+/// that meets CUDA OOM, frees and restarts). Kept until the pod is back within its guarantee, or its GPU has
+/// harmed no one for [`REFUSAL_WINDOW_MS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::decide) struct Refused {
+    /// The GPU it was refused on.
+    pub(in crate::decide) gpu: usize,
+    /// First refused at (monotonic ms).
+    pub(in crate::decide) first_ms: u64,
+    /// How long that GPU has harmed a neighbour since, in all (monotonic ms).
+    pub(in crate::decide) pressed_ms: u64,
+    /// When it last did (monotonic ms).
+    pub(in crate::decide) last_pressed_ms: u64,
+}
+
+impl Refused {
+    /// First refused on `gpu` at `first_ms`, seen at `now_ms`.
+    pub(in crate::decide) fn new(gpu: usize, first_ms: u64, now_ms: u64) -> Self {
+        Self { gpu, first_ms, pressed_ms: 0, last_pressed_ms: now_ms }
+    }
+
+    /// `old` if it is for `gpu`, else a first refusal there.
+    pub(in crate::decide) fn on(old: Option<Self>, gpu: usize, first_ms: u64, now_ms: u64) -> Self {
+        old.filter(|r| r.gpu == gpu).unwrap_or_else(|| Self::new(gpu, first_ms, now_ms))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
