@@ -300,7 +300,7 @@ pub fn declared_by_pod(pod: &Pod, sources: Sources) -> Declaration {
         // number makes the count unreadable (past MAX_DEVICES), which `on_node` tells only on an MPS node.
         let mut asked = 0u32;
         for c in spec.map(|s| s.containers.as_slice()).unwrap_or_default() {
-            for r in crate::caps::GPU_RESOURCES {
+            for r in [GPU, GPU_SHARED] {
                 if let Some(v) = resource(c, r) {
                     let n = whole(v).map_or(u32::MAX, |n| u32::try_from(n).unwrap_or(u32::MAX - 1).min(u32::MAX - 1));
                     asked = asked.saturating_add(n);
