@@ -149,10 +149,8 @@ async fn a_gpu_container_gets_its_budgets_caps_whatever_the_pod_wrote() {
     assert_eq!(outcome(&r.plugin.metrics, Outcome::Capped), 1);
 }
 
-/// KAI's binder hands the devices through a ConfigMap: the runtime's environment has the list; the share is a
-/// fraction, which only the node can size: the cap is the share on this node's GPU.
-#[tokio::test]
-async fn a_fraction_is_capped_at_its_share_on_this_nodes_gpu() {
+/// A budget taking each pod's share, and a KAI pod at `gpu-fraction` 0.5 (uid `uid-k`).
+fn kai_half() -> (GpuMemoryBudget, PodView) {
     let shares: GpuMemoryBudget = serde_yaml::from_str(
         "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: shares, namespace: team-a}\n\
          spec: {selector: {}, limit: 80Gi, share: {}, admissionCaps: Enabled}",
@@ -163,7 +161,15 @@ async fn a_fraction_is_capped_at_its_share_on_this_nodes_gpu() {
          spec: {nodeName: n1, schedulerName: kai-scheduler, containers: [{name: main, image: x}]}",
     )
     .expect("pod");
-    let v = view(vec![PodView::from_pod(&kai).expect("view")], &[shares], &[80 * GI]);
+    (shares, PodView::from_pod(&kai).expect("view"))
+}
+
+/// KAI's binder hands the devices through a ConfigMap: the runtime's environment has the list; the share is a
+/// fraction, which only the node can size: the cap is the share on this node's GPU.
+#[tokio::test]
+async fn a_fraction_is_capped_at_its_share_on_this_nodes_gpu() {
+    let (shares, kai) = kai_half();
+    let v = view(vec![kai], &[shares], &[80 * GI]);
     let r = rig(v, Unresolved::Create);
     let made = container(&["NVIDIA_VISIBLE_DEVICES=GPU-8a1d-0f"], &[]);
     let a = make(&r.plugin, sandbox("uid-k"), made).await.expect("created");
@@ -174,17 +180,7 @@ async fn a_fraction_is_capped_at_its_share_on_this_nodes_gpu() {
 /// (bounded) for the table that sizes it, and is capped at its share; past the wait, the administrator's choice.
 #[tokio::test(start_paused = true)]
 async fn a_fraction_waits_for_the_gpus_sizes_instead_of_the_limit() {
-    let shares: GpuMemoryBudget = serde_yaml::from_str(
-        "apiVersion: gpubudget.io/v1alpha1\nkind: GpuMemoryBudget\nmetadata: {name: shares, namespace: team-a}\n\
-         spec: {selector: {}, limit: 80Gi, share: {}, admissionCaps: Enabled}",
-    )
-    .expect("budget");
-    let kai: Pod = serde_yaml::from_str(
-        "metadata: {name: llm-0, namespace: team-a, uid: uid-k, annotations: {gpu-fraction: '0.5'}}\n\
-         spec: {nodeName: n1, schedulerName: kai-scheduler, containers: [{name: main, image: x}]}",
-    )
-    .expect("pod");
-    let kai = PodView::from_pod(&kai).expect("view");
+    let (shares, kai) = kai_half();
     let not_sized = view(vec![kai.clone()], std::slice::from_ref(&shares), &[]);
     let made = container(&["NVIDIA_VISIBLE_DEVICES=GPU-8a1d-0f"], &[]);
     assert!(
