@@ -6,10 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use tokio::io::AsyncWriteExt as _;
 use tokio::net::UnixStream;
 use tokio::sync::mpsc;
-use tokio_util::codec::{FramedRead, LinesCodec};
 use tokio_util::sync::CancellationToken;
 
 use super::RuntimeCaps;
@@ -35,17 +33,11 @@ pub async fn answer(caps: &RuntimeCaps, call: Call) -> Answer {
 
 /// Serves the relay on `stream` until it closes or `shutdown`.
 pub async fn serve(stream: UnixStream, caps: Arc<RuntimeCaps>, shutdown: &CancellationToken) -> Result<(), String> {
-    let (rd, mut wr) = stream.into_split();
+    let (rd, wr) = stream.into_split();
     let (out, mut queue) = mpsc::channel::<String>(256);
-    let writer = async {
-        while let Some(mut line) = queue.recv().await {
-            line.push('\n');
-            wr.write_all(line.as_bytes()).await.map_err(|e| format!("writing to the relay: {e}"))?;
-        }
-        Ok::<(), String>(())
-    };
+    let writer = async { wire::write_lines(wr, &mut queue).await.map_err(|e| format!("writing to the relay: {e}")) };
     let reader = async {
-        let mut frames = FramedRead::new(rd, LinesCodec::new_with_max_length(wire::MAX_LINE));
+        let mut frames = wire::lines(rd);
         while let Some(line) = frames.next().await {
             let line = line.map_err(|e| format!("reading from the relay: {e}"))?;
             let request: Request =

@@ -60,9 +60,7 @@ impl Made {
 
     /// Remembers how the driver holds container `name` of the pod with UID `uid`.
     pub fn remember(&self, uid: &str, name: &str, held: Held, devices: u32) {
-        let uid: Arc<str> = Arc::from(uid.to_ascii_lowercase());
-        let c = MadeContainer { confirmed: String::new(), held, devices };
-        self.state().pods.entry(uid).or_default().insert(name.to_owned(), c);
+        self.confirm(uid, "", name, held, devices);
     }
 
     /// Remembers how the driver holds the container with ID `id` as the runtime showed it made: what was asked for

@@ -271,11 +271,6 @@ impl RuntimeCaps {
         Self { view, settings, metrics, events, made }
     }
 
-    /// The settings' `wait`: how long a GPU container may wait for its pod's budget.
-    pub fn wait(&self) -> Duration {
-        self.settings.wait
-    }
-
     fn count(&self, outcome: Outcome) {
         self.metrics.containers.get_or_create(&OutcomeLabels { outcome }).inc();
     }

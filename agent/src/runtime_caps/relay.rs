@@ -18,10 +18,8 @@ use std::time::Duration;
 
 use futures::StreamExt as _;
 use gpubudget_nri::api::{self, Container, ContainerAdjustment, EventMask, PodSandbox, StateChangeEvent};
-use tokio::io::AsyncWriteExt as _;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
-use tokio_util::codec::{FramedRead, LinesCodec};
 use tokio_util::sync::CancellationToken;
 
 use super::Unresolved;
@@ -139,7 +137,7 @@ impl Relay {
     /// made, and serves it until it closes.
     pub async fn attach(self: Arc<Self>, stream: UnixStream) {
         let serial = self.ids.fetch_add(1, Ordering::Relaxed);
-        let (rd, mut wr) = stream.into_split();
+        let (rd, wr) = stream.into_split();
         let (lines, mut queue) = mpsc::channel::<String>(256);
         let agent = Agent { serial, lines, waiting: Arc::default(), gone: CancellationToken::new() };
         if let Some(old) = lock(&self.agent).replace(agent.clone()) {
@@ -147,15 +145,10 @@ impl Relay {
         }
         tracing::info!("runtime caps relay: the agent connected");
         let writer = async {
-            while let Some(mut line) = queue.recv().await {
-                line.push('\n');
-                if wr.write_all(line.as_bytes()).await.is_err() {
-                    break;
-                }
-            }
+            let _ = wire::write_lines(wr, &mut queue).await;
         };
         let reader = async {
-            let mut frames = FramedRead::new(rd, LinesCodec::new_with_max_length(wire::MAX_LINE));
+            let mut frames = wire::lines(rd);
             while let Some(Ok(line)) = frames.next().await {
                 match serde_json::from_str::<Response>(&line) {
                     Ok(r) => {

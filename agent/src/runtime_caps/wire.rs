@@ -11,9 +11,29 @@
 use gpubudget_common::caps::runtime;
 use gpubudget_nri::api::{Container, ContainerAdjustment, LinuxContainer, LinuxDevice, PodSandbox};
 use serde::{Deserialize, Serialize};
+use tokio::io::AsyncWriteExt as _;
+use tokio::sync::mpsc;
+use tokio_util::codec::{FramedRead, LinesCodec};
 
 /// The longest line either side reads (a container's relevant part is at most five variables of 128 KiB).
 pub const MAX_LINE: usize = 1 << 20;
+
+/// The lines read from one end of the channel, each at most [`MAX_LINE`] bytes.
+pub fn lines<R: tokio::io::AsyncRead>(rd: R) -> FramedRead<R, LinesCodec> {
+    FramedRead::new(rd, LinesCodec::new_with_max_length(MAX_LINE))
+}
+
+/// Writes each queued line (without its newline) to `wr`, whole, until the queue closes or a write fails.
+pub async fn write_lines<W: tokio::io::AsyncWrite + Unpin>(
+    mut wr: W,
+    queue: &mut mpsc::Receiver<String>,
+) -> std::io::Result<()> {
+    while let Some(mut line) = queue.recv().await {
+        line.push('\n');
+        wr.write_all(line.as_bytes()).await?;
+    }
+    Ok(())
+}
 
 /// A pod, as the runtime names it.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
