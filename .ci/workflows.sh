@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The release machinery stays true (no GitHub, no container engine needed):
 #   - actionlint on .github/workflows/*.yml, with ShellCheck on PATH, so every `run:` block is shellchecked too;
+#   - ShellCheck on every tracked *.sh (e2e/ included) at every severity, sourced files followed;
 #   - hadolint on docker/*.Dockerfile (.hadolint.yaml, where present, says which rules are ignored and why);
 #   - the chart as the release packages it: `helm package --version V --app-version V`, then `helm lint --strict`
 #     on the .tgz, and the release's CRD bundle built from it holds every CRD of charts/gpubudget/crds;
@@ -96,6 +97,18 @@ shopt -u nullglob
 [ ${#workflows[@]} -gt 0 ] || fail "no workflow in .github/workflows"
 actionlint -no-color "${workflows[@]}" || fail "actionlint"
 SUMMARY+=("actionlint ($ACTIONLINT_VERSION, shellcheck $SHELLCHECK_VERSION): ${#workflows[@]} workflows, no finding")
+
+step "shellcheck every shell script of the repository ($SHELLCHECK_VERSION, every severity, sourced files followed)"
+# docs/pictures/generate.sh is left out: it is the pictures' (one SC2012 note, .ci/pictures.sh runs it).
+mapfile -t scripts < <(git ls-files -- '*.sh' ':!:docs/pictures/generate.sh')
+e2e=0
+for script in "${scripts[@]}"; do
+  case $script in e2e/*) e2e=$((e2e + 1)) ;; esac
+done
+[ "$e2e" -gt 0 ] || fail "no e2e script among the scripts checked"
+shellcheck --external-sources --source-path=SCRIPTDIR --severity=style --format=gcc "${scripts[@]}" \
+  || fail "shellcheck found the above (fix it, or disable it on the line with the reason)"
+SUMMARY+=("shellcheck ($SHELLCHECK_VERSION): ${#scripts[@]} scripts ($e2e under e2e/), no finding")
 
 step "hadolint docker/*.Dockerfile"
 [ ${#dockerfiles[@]} -gt 0 ] || fail "no Dockerfile in docker/"
