@@ -174,7 +174,7 @@ AGENT_ENV = {"NODE_NAME", "GPUBUDGET_PROC_ROOT", "GPUBUDGET_INTERVAL", "GPUBUDGE
              "GPUBUDGET_ENFORCEMENT"}
 OPERATOR_ENV = {"POD_NAME", "POD_NAMESPACE", "GPUBUDGET_ADMIN_ADDR", "GPUBUDGET_LEADER_ELECTION",
                 "GPUBUDGET_LEASE_NAME", "GPUBUDGET_CRITICAL_NAMESPACES", "GPUBUDGET_WEBHOOK_ADDR", "GPUBUDGET_BUDGET_MIRRORS", "GPUBUDGET_WEBHOOK_CERT_DIR",
-                "GPUBUDGET_MIRRORS_LEASE_NAME",
+                "GPUBUDGET_MIRRORS_LEASE_NAME", "GPUBUDGET_ENFORCEMENT",
                 "GPUBUDGET_LOG_FORMAT", "RUST_LOG"}
 EXTRA = {"EXAMPLE"}  # extraEnv in ci/all-features-values.yaml
 METRICS = {"gpubudget_pod_gpu_memory_bytes", "gpubudget_pod_budget_bytes", "gpubudget_pod_state",
@@ -219,6 +219,9 @@ for name in ("default", "all-features", "no-node-restriction", "no-webhooks", "c
     want = "ClusterBound" if edit else "Trusted"
     check(aenv["GPUBUDGET_NAMESPACED_BUDGETS"]["value"] == want, f"{name}: GPUBUDGET_NAMESPACED_BUDGETS is {want} (budgets-edit role: {edit})")
     check(aenv["GPUBUDGET_CRITICAL_NAMESPACES"]["value"] == oenv["GPUBUDGET_CRITICAL_NAMESPACES"]["value"], f"{name}: one list of critical namespaces")
+    # #54: one observe/enforce default for the agents' evictions and the operator's quota evictions.
+    check(aenv["GPUBUDGET_ENFORCEMENT"]["value"] == oenv["GPUBUDGET_ENFORCEMENT"]["value"], f"{name}: one enforcement default")
+    check(name != "observe" or oenv["GPUBUDGET_ENFORCEMENT"]["value"] == "Observe", f"{name}: the operator observes too")
     if name == "all-features":
         check(edit, "all-features: the budgets-edit role is rendered")
     check(oenv["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name", f"{name}: POD_NAME")

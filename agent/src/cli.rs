@@ -167,17 +167,8 @@ pub struct PressureArgs {
     /// GpuMemoryWouldEvict, gpubudget_would_evict_total, kubectl gpubudget why) and evicts nothing. The
     /// default of this node: its label gpubudget.io/enforcement overrides it, and a budget's spec.enforcement
     /// its own evictions (docs/operations.md, "Observe first").
-    #[arg(long, env = "GPUBUDGET_ENFORCEMENT", default_value = "Enforce", value_parser = parse_enforcement)]
+    #[arg(long, env = "GPUBUDGET_ENFORCEMENT", default_value = "Enforce", value_parser = gpubudget_common::enforcement::parse_flag)]
     pub enforcement: Enforcement,
-}
-
-/// Parses `--enforcement`: `Observe` or `Enforce` (any case).
-fn parse_enforcement(text: &str) -> Result<Enforcement, String> {
-    match text.to_ascii_lowercase().as_str() {
-        "observe" => Ok(Enforcement::Observe),
-        "enforce" => Ok(Enforcement::Enforce),
-        _ => Err(format!("{text:?}: Observe or Enforce")),
-    }
 }
 
 /// Parses `--pressure-blocked-timeout`: a duration of at most an hour.

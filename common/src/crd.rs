@@ -439,6 +439,7 @@ pub const QUOTA_TOP_PODS_MAX: usize = 5;
     printcolumn = r#"{"name":"Namespaces","type":"integer","jsonPath":".status.namespacesSelected","description":"Namespaces the namespaceSelector matches that hold selected pods"}"#,
     printcolumn = r#"{"name":"Over","type":"integer","jsonPath":".status.namespacesOver","description":"Namespaces over the limit now"}"#,
     printcolumn = r#"{"name":"Evicted","type":"integer","jsonPath":".status.evictions","description":"Pods this quota has evicted"}"#,
+    printcolumn = r#"{"name":"Enforcement","type":"string","priority":1,"jsonPath":".spec.enforcement","description":"Observe or Enforce its evictions; empty: as the operator's --enforcement says"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -487,6 +488,14 @@ pub struct ClusterGpuMemoryQuotaSpec {
     /// 86400. Unset (the default): PodDisruptionBudgets are always respected.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub blocked_eviction_timeout_seconds: Option<i64>,
+
+    /// Whether this quota's evictions are carried out: `Enforce` evicts; `Observe` only reports the pod it
+    /// would evict (the event `NamespaceGpuMemoryWouldEvict`, `status.namespaces[].wouldEvict`, the metric
+    /// `gpubudget_operator_quota_would_evict_total`) and evicts nothing. Unset (the default): as the operator's
+    /// `--enforcement` says (the chart's `agent.enforcement`, which the agents follow too). A Node's label
+    /// `gpubudget.io/enforcement` plays no part: a namespace total spans nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enforcement: Option<crate::enforcement::Enforcement>,
 }
 
 impl ClusterGpuMemoryQuotaSpec {
@@ -504,7 +513,7 @@ impl ClusterGpuMemoryQuotaSpec {
             blocked_eviction_timeout_seconds: self.blocked_eviction_timeout_seconds,
             admission_caps: AdmissionCaps::Disabled,
             share: None,
-            enforcement: None,
+            enforcement: self.enforcement,
         }
     }
 }
@@ -572,10 +581,26 @@ pub struct NamespaceTotal {
     /// The eviction under way, if any: no other pod of the namespace is evicted before it is gone.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pending_eviction: Option<PendingEviction>,
+    /// Observe mode (the quota's `enforcement`, else the operator's): the eviction is due and nothing is
+    /// evicted; the pod it would evict. The state stays `Over`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub would_evict: Option<WouldEvict>,
     /// The selected pods holding the most, highest first (at most 5).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 5))]
     pub top_pods: Vec<TopPod>,
+}
+
+/// Observe mode: a namespace total's eviction is due, told and not carried out.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WouldEvict {
+    /// The pod the quota would evict now (the most recently started that may go); absent: none may
+    /// (critical, static, or already going).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    /// When the eviction became due (RFC 3339): told then, once.
+    pub since: String,
 }
 
 /// An eviction the operator asked for and is seeing through.

@@ -7,6 +7,10 @@
 //! 2. the node: the Node label [`NODE_LABEL`] (`Observe` or `Enforce`; administrators own Node labels);
 //! 3. the budget: `spec.enforcement`, for its own evictions only (a pod over its limit, `action: Evict`).
 //!
+//! Namespace totals (`ClusterGpuMemoryQuota`) are the operator's evictions, across nodes: their mode is the
+//! quota's own `spec.enforcement` where set, else the operator's `--enforcement` (the same chart value,
+//! `agent.enforcement`), never a Node's label ([`for_quota`]). Only administrators write quotas.
+//!
 //! The node's mode ([`node`]) governs everything the node does beyond a budget's own limit: pressure relief,
 //! and pods no budget selects. A budget's own evictions follow the budget's field where the rules applied to
 //! the pod set it, else the node's mode ([`for_budget`]).
@@ -86,6 +90,8 @@ pub enum SetBy {
     Node,
     /// The rules applied to the pod: its budget's `spec.enforcement` (named as messages name the rules).
     Budget(String),
+    /// The operator's default (`--enforcement`), for namespace totals.
+    Operator,
 }
 
 impl std::fmt::Display for SetBy {
@@ -94,17 +100,19 @@ impl std::fmt::Display for SetBy {
             SetBy::Agent => f.write_str("the agent's default, --enforcement (chart value agent.enforcement)"),
             SetBy::Node => write!(f, "the Node's label {NODE_LABEL}"),
             SetBy::Budget(rules) => write!(f, "spec.enforcement of {rules}"),
+            SetBy::Operator => f.write_str("the operator's default, --enforcement (chart value agent.enforcement)"),
         }
     }
 }
 
 impl SetBy {
-    /// `agent`, `node` or `budget` (a metric's label).
+    /// `agent`, `node`, `budget` or `operator` (a metric's label).
     pub fn level(&self) -> &'static str {
         match self {
             SetBy::Agent => "agent",
             SetBy::Node => "node",
             SetBy::Budget(_) => "budget",
+            SetBy::Operator => "operator",
         }
     }
 }
@@ -142,6 +150,24 @@ pub fn for_budget(node: &Mode, field: Option<Enforcement>, rules: impl FnOnce() 
     }
 }
 
+/// The mode of a namespace total's evictions: the quota's own `spec.enforcement` where set (named `quota`), else
+/// the operator's default. A Node's label plays no part: a namespace total spans nodes.
+pub fn for_quota(operator: Enforcement, field: Option<Enforcement>, quota: &str) -> Mode {
+    match field {
+        Some(enforcement) => Mode { enforcement, set_by: SetBy::Budget(format!("ClusterGpuMemoryQuota {quota}")) },
+        None => Mode { enforcement: operator, set_by: SetBy::Operator },
+    }
+}
+
+/// Parses a `--enforcement` flag (agent and operator): `Observe` or `Enforce`, in any case.
+pub fn parse_flag(text: &str) -> Result<Enforcement, String> {
+    match text.to_ascii_lowercase().as_str() {
+        "observe" => Ok(Enforcement::Observe),
+        "enforce" => Ok(Enforcement::Enforce),
+        _ => Err(format!("{text:?}: Observe or Enforce")),
+    }
+}
+
 /// A Node label's value read as a mode: `None` where absent; an error, in words, where it is neither `Observe` nor
 /// `Enforce` (the agent's default applies then, and says so).
 pub fn parse_label(value: Option<&str>) -> Result<Option<Enforcement>, String> {
@@ -171,6 +197,27 @@ mod tests {
         assert_eq!(budget.enforcement, Enforcement::Enforce);
         assert_eq!(budget.set_by.to_string(), "spec.enforcement of budget team-a/llm");
         assert_eq!(for_budget(&observe_node, None, || unreachable!()), observe_node);
+    }
+
+    #[test]
+    fn a_quota_follows_its_own_field_else_the_operator_never_a_node() {
+        let own = for_quota(Enforcement::Observe, Some(Enforcement::Enforce), "tenant-totals");
+        assert_eq!(own.enforcement, Enforcement::Enforce);
+        assert_eq!(own.set_by.to_string(), "spec.enforcement of ClusterGpuMemoryQuota tenant-totals");
+        let default = for_quota(Enforcement::Observe, None, "tenant-totals");
+        assert_eq!(
+            (default.enforcement, &default.set_by, default.set_by.level()),
+            (Enforcement::Observe, &SetBy::Operator, "operator")
+        );
+        assert!(for_quota(Enforcement::Enforce, Some(Enforcement::Observe), "q").observes());
+    }
+
+    #[test]
+    fn a_flag_is_read_in_any_case_and_anything_else_refused() {
+        assert_eq!(parse_flag("observe"), Ok(Enforcement::Observe));
+        assert_eq!(parse_flag("ENFORCE"), Ok(Enforcement::Enforce));
+        assert_eq!(parse_flag("Observe"), Ok(Enforcement::Observe));
+        assert_eq!(parse_flag("dry-run"), Err("\"dry-run\": Observe or Enforce".to_owned()));
     }
 
     #[test]

@@ -21,9 +21,15 @@
 //!   back within the limit once gone.
 //! - **Never under the limit**: an eviction is asked for (or retried) only while the total is over the limit
 //!   and due; a refused eviction whose namespace falls back within the limit is dropped.
+//! - **Observe** (the quota's `enforcement`, else the operator's; [`crate::enforcement::for_quota`]): nothing is
+//!   evicted. The state stays `Over`; when the eviction would be due, the pod it would evict is told once per
+//!   episode (`NamespaceGpuMemoryWouldEvict`) and kept in what is remembered ([`Withheld`]) until the total
+//!   falls back; a refused eviction asked for before the switch is dropped. Switched to `Enforce`, the next
+//!   pass evicts if still due.
 
 use crate::budget::{Budget, Scope, SpecError};
 use crate::crd::ClusterGpuMemoryQuota;
+use crate::enforcement::Mode;
 use crate::selector::Selector;
 use crate::state::{BudgetState, Tracker, step};
 
@@ -43,6 +49,8 @@ pub const REASON_EVICTED: &str = "NamespaceGpuMemoryEvicted";
 pub const REASON_CANCELLED: &str = "NamespaceGpuMemoryEvictionCancelled";
 /// Event reason: the eviction is due but no pod may be evicted (all exempt or already going).
 pub const REASON_NO_CANDIDATE: &str = "NamespaceGpuMemoryNoCandidate";
+/// Event reason: observe mode, the eviction is due and not carried out (on the pod and the quota).
+pub const REASON_WOULD_EVICT: &str = "NamespaceGpuMemoryWouldEvict";
 
 /// Validates a quota into a [`Budget`] ([`Scope::Cluster`], no request, no caps): one place checks the
 /// fields a quota shares with a budget, and computes its thresholds and grace.
@@ -111,6 +119,15 @@ pub struct Pending {
     pub accepted: bool,
 }
 
+/// Observe mode: an eviction that is due and withheld, told once when it became due.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Withheld {
+    /// The pod it would evict now; `None`: none may go (critical, static, or already going).
+    pub pod: Option<String>,
+    /// When it became due (ms since the epoch).
+    pub since_ms: u64,
+}
+
 /// What the quota remembers of one namespace between decisions (kept in its status).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Remembered {
@@ -118,6 +135,8 @@ pub struct Remembered {
     pub tracker: Tracker,
     /// The eviction under way.
     pub pending: Option<Pending>,
+    /// Observe mode: the eviction due and withheld.
+    pub withheld: Option<Withheld>,
 }
 
 /// What the operator must do now.
@@ -168,13 +187,25 @@ fn human(bytes: u64) -> String {
     crate::quantity::HumanBytes(bytes).to_string()
 }
 
-/// Decides for one namespace: `quota` compiled by [`compile`], the namespace's selected pods, what was
-/// remembered, and the time (ms since the epoch, a wall clock: it is compared with times kept in the
-/// status by other replicas).
-pub fn decide(quota: &Budget, namespace: &str, pods: &[QuotaPod], prev: &Remembered, now_ms: u64) -> Decision {
+/// Decides for one namespace: `quota` compiled by [`compile`], its mode (observe or enforce, and who said), the
+/// namespace's selected pods, what was remembered, and the time (ms since the epoch, a wall clock: it is
+/// compared with times kept in the status by other replicas).
+pub fn decide(
+    quota: &Budget,
+    mode: &Mode,
+    namespace: &str,
+    pods: &[QuotaPod],
+    prev: &Remembered,
+    now_ms: u64,
+) -> Decision {
     let total: u64 = pods.iter().map(|p| p.usage_bytes).fold(0, u64::saturating_add);
-    let th = quota.thresholds(false);
+    let mut th = quota.thresholds(false);
+    let observing = mode.observes();
+    // Observe: the state machine never says `Evicting`; whether the eviction would be due is read by its rule.
+    let may_evict = th.may_evict;
+    th.may_evict &= !observing;
     let tracker = step(prev.tracker, &th, now_ms, total);
+    let would_be_due = observing && may_evict && th.due(total, tracker.over_ms);
     let limit = &quota.limit_text;
     let mut notices = Vec::new();
     let was = prev.tracker.state;
@@ -217,6 +248,15 @@ pub fn decide(quota: &Budget, namespace: &str, pods: &[QuotaPod], prev: &Remembe
                 evicted = Some(p.clone());
             }
             Some(pod) if pod.terminating => pending = Some(Pending { accepted: true, ..p.clone() }),
+            Some(_) if observing => notices.push(Notice {
+                reason: REASON_CANCELLED,
+                warning: false,
+                pod: Some(p.pod.clone()),
+                note: format!(
+                    "observe mode ({}): the refused eviction of {} is dropped; nothing is evicted",
+                    mode.set_by, p.pod
+                ),
+            }),
             Some(_) if !due => notices.push(Notice {
                 reason: REASON_CANCELLED,
                 warning: false,
@@ -291,16 +331,70 @@ pub fn decide(quota: &Budget, namespace: &str, pods: &[QuotaPod], prev: &Remembe
             }
         }
     }
-    Decision { total, next: Remembered { tracker, pending }, act, evicted, notices }
+    let mut withheld = None;
+    if pending.is_none() && would_be_due {
+        let staying: u64 = pods.iter().filter(|p| !p.going()).map(|p| p.usage_bytes).fold(0, u64::saturating_add);
+        if staying > quota.limit_bytes {
+            let candidate = pick(pods);
+            let since_ms = prev.withheld.as_ref().map_or(now_ms, |w| w.since_ms);
+            // Told once per episode: when it becomes due (the status remembers it across leaders).
+            if prev.withheld.is_none() {
+                notices.push(would_evict_notice(quota, mode, namespace, total, candidate));
+            }
+            withheld = Some(Withheld { pod: candidate.map(|p| p.name.clone()), since_ms });
+        }
+    }
+    Decision { total, next: Remembered { tracker, pending, withheld }, act, evicted, notices }
+}
+
+/// The notice of an eviction observe mode withholds: the pod it would evict, or that none may go.
+fn would_evict_notice(quota: &Budget, mode: &Mode, namespace: &str, total: u64, pod: Option<&QuotaPod>) -> Notice {
+    let limit = &quota.limit_text;
+    match pod {
+        Some(pod) => Notice {
+            reason: REASON_WOULD_EVICT,
+            warning: true,
+            pod: Some(pod.name.clone()),
+            note: format!(
+                "namespace {namespace} holds {} of GPU memory, over its quota of {limit} for {}s: would evict {} ({}, \
+                 the most recently started); observe mode ({}): nothing is evicted",
+                human(total),
+                quota.over_limit_seconds,
+                pod.name,
+                human(pod.usage_bytes),
+                mode.set_by
+            ),
+        },
+        None => Notice {
+            reason: REASON_NO_CANDIDATE,
+            warning: true,
+            pod: None,
+            note: format!(
+                "namespace {namespace} holds {} of GPU memory, over its quota of {limit}, but no pod may be evicted \
+                 (critical, static, or already going); observe mode ({}): nothing would be evicted",
+                human(total),
+                mode.set_by
+            ),
+        },
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::crd::ClusterGpuMemoryQuotaSpec;
+    use crate::enforcement::{Enforcement, for_quota};
     use proptest::prelude::*;
 
     const GI: u64 = 1 << 30;
+
+    fn enforce() -> Mode {
+        for_quota(Enforcement::Enforce, None, "team-total")
+    }
+
+    fn observe() -> Mode {
+        for_quota(Enforcement::Observe, None, "team-total")
+    }
 
     fn quota(limit: &str, extra: serde_json::Value) -> Budget {
         let mut spec = serde_json::json!({"limit": limit, "overLimitSeconds": 10});
@@ -324,11 +418,23 @@ mod tests {
         }
     }
 
-    /// Runs decisions every second from `from` to `to` (inclusive), returning the last.
-    fn run(q: &Budget, pods: &[QuotaPod], mut mem: Remembered, from: u64, to: u64) -> (Remembered, Vec<Decision>) {
+    /// Runs decisions every second from `from` to `to` (inclusive), enforcing, returning the last.
+    fn run(q: &Budget, pods: &[QuotaPod], mem: Remembered, from: u64, to: u64) -> (Remembered, Vec<Decision>) {
+        run_as(q, &enforce(), pods, mem, from, to)
+    }
+
+    /// Runs decisions every second from `from` to `to` (inclusive) in `mode`, returning the last.
+    fn run_as(
+        q: &Budget,
+        mode: &Mode,
+        pods: &[QuotaPod],
+        mut mem: Remembered,
+        from: u64,
+        to: u64,
+    ) -> (Remembered, Vec<Decision>) {
         let mut out = Vec::new();
         for t in from..=to {
-            let d = decide(q, "team-a", pods, &mem, t * 1000);
+            let d = decide(q, mode, "team-a", pods, &mem, t * 1000);
             mem = d.next.clone();
             out.push(d);
         }
@@ -351,19 +457,19 @@ mod tests {
         assert!(last.notices.iter().any(|n| n.reason == REASON_EVICTING && n.pod.as_deref() == Some("p5")));
 
         // Refused (still running): retried, never a second pod.
-        let d = decide(&q, "team-a", &pods, &mem, 1_011_000);
+        let d = decide(&q, &enforce(), "team-a", &pods, &mem, 1_011_000);
         assert_eq!((d.act, d.next.pending.as_ref().map(|p| p.pod.as_str())), (Some(Act::Evict), Some("p5")));
         // Accepted: p5 terminating, nothing more asked.
         let mut going = pods.clone();
         going[5].terminating = true;
-        let d = decide(&q, "team-a", &going, &d.next, 1_012_000);
+        let d = decide(&q, &enforce(), "team-a", &going, &d.next, 1_012_000);
         assert_eq!(d.act, None);
         assert!(d.next.pending.as_ref().is_some_and(|p| p.accepted));
         // Gone: counted once, 10Gi is not over, nothing more.
-        let d = decide(&q, "team-a", &pods[..5], &d.next, 1_013_000);
+        let d = decide(&q, &enforce(), "team-a", &pods[..5], &d.next, 1_013_000);
         assert_eq!(d.evicted.as_ref().map(|p| p.pod.as_str()), Some("p5"));
         assert_eq!((d.total, d.act.clone(), d.next.pending.clone()), (10 * GI, None, None));
-        let d = decide(&q, "team-a", &pods[..5], &d.next, 1_014_000);
+        let d = decide(&q, &enforce(), "team-a", &pods[..5], &d.next, 1_014_000);
         assert_eq!((d.act, d.evicted), (None, None));
     }
 
@@ -386,12 +492,12 @@ mod tests {
         // 12Gi; the agent evicts the 4Gi pod: 8Gi stay, within 10Gi. No eviction by the quota.
         let mut pods = vec![pod("a", 1, 4), pod("b", 2, 4), pod("c", 3, 4)];
         pods[2].state = BudgetState::Evicting;
-        let d = decide(&q, "team-a", &pods, &Remembered::default(), 1000);
+        let d = decide(&q, &enforce(), "team-a", &pods, &Remembered::default(), 1000);
         assert_eq!(d.next.tracker.state, BudgetState::Evicting);
         assert_eq!((d.act, d.next.pending), (None, None));
         // 16Gi with the agent's 4Gi going: 12Gi stay, still over: b (latest not going) goes.
         pods.push(pod("d", 0, 4));
-        let d = decide(&q, "team-a", &pods, &Remembered::default(), 1000);
+        let d = decide(&q, &enforce(), "team-a", &pods, &Remembered::default(), 1000);
         assert_eq!(d.next.pending.map(|p| p.pod), Some("b".into()));
     }
 
@@ -399,16 +505,16 @@ mod tests {
     fn a_blocked_eviction_is_retried_then_the_pod_deleted_and_dropped_when_back_under() {
         let q = quota("10Gi", serde_json::json!({"overLimitSeconds": 0, "blockedEvictionTimeoutSeconds": 30}));
         let pods = vec![pod("a", 1, 6), pod("b", 2, 6)];
-        let d = decide(&q, "team-a", &pods, &Remembered::default(), 0);
+        let d = decide(&q, &enforce(), "team-a", &pods, &Remembered::default(), 0);
         assert_eq!(d.act, Some(Act::Evict));
-        let d29 = decide(&q, "team-a", &pods, &d.next, 29_000);
+        let d29 = decide(&q, &enforce(), "team-a", &pods, &d.next, 29_000);
         assert_eq!(d29.act, Some(Act::Evict));
-        let d30 = decide(&q, "team-a", &pods, &d29.next, 30_000);
+        let d30 = decide(&q, &enforce(), "team-a", &pods, &d29.next, 30_000);
         assert_eq!(d30.act, Some(Act::Delete));
         assert!(d30.notices.iter().any(|n| n.reason == REASON_DELETING));
         // a shrinks to 2Gi while b's eviction is refused: 8Gi, within; the eviction is dropped.
         let shrunk = vec![pod("a", 1, 2), pod("b", 2, 6)];
-        let d = decide(&q, "team-a", &shrunk, &d29.next, 31_000);
+        let d = decide(&q, &enforce(), "team-a", &shrunk, &d29.next, 31_000);
         assert_eq!((d.act, d.next.pending), (None, None));
         assert!(d.notices.iter().any(|n| n.reason == REASON_CANCELLED));
     }
@@ -416,7 +522,7 @@ mod tests {
     #[test]
     fn warn_never_evicts_and_the_period_survives_in_what_is_remembered() {
         let q = quota("10Gi", serde_json::json!({"action": "Warn", "overLimitSeconds": 0}));
-        let d = decide(&q, "team-a", &[pod("a", 1, 12)], &Remembered::default(), 0);
+        let d = decide(&q, &enforce(), "team-a", &[pod("a", 1, 12)], &Remembered::default(), 0);
         assert_eq!((d.act, d.next.tracker.state), (None, BudgetState::Over));
         // A new leader reading the remembered state 6 s into a 10 s period acts 4 s later, not 10.
         let q = quota("10Gi", serde_json::json!({}));
@@ -425,6 +531,58 @@ mod tests {
         assert_eq!(mem.tracker.over_ms, 6000);
         let (_, decisions) = run(&q, &pods, mem, 7, 10);
         assert_eq!(decisions.iter().map(|d| d.act.is_some()).collect::<Vec<_>>(), [false, false, false, true]);
+    }
+
+    #[test]
+    fn observe_tells_the_pod_it_would_evict_once_per_episode_and_evicts_nothing() {
+        let q = quota("10Gi", serde_json::json!({}));
+        let pods: Vec<QuotaPod> = (0..6).map(|i| pod(&format!("p{i}"), 10 + i, 2)).collect();
+        let mut mem = Remembered::default();
+        let mut told = Vec::new();
+        for t in 0..=40u64 {
+            let d = decide(&q, &observe(), "team-a", &pods, &mem, t * 1000);
+            assert_eq!((&d.act, &d.next.pending), (&None, &None), "nothing is evicted at {t}s");
+            assert_ne!(d.next.tracker.state, BudgetState::Evicting, "the state stays Over");
+            told.extend(d.notices.iter().filter(|n| n.reason == REASON_WOULD_EVICT).map(|n| (t, n.clone())));
+            mem = d.next;
+        }
+        assert_eq!(told.len(), 1, "once per episode: {told:?}");
+        let (at, notice) = &told[0];
+        assert_eq!((*at, notice.pod.as_deref()), (10, Some("p5")), "due after overLimitSeconds, the latest pod");
+        assert!(
+            notice.note.contains("would evict p5") && notice.note.contains("nothing is evicted"),
+            "{}",
+            notice.note
+        );
+        assert!(notice.note.contains("the operator's default, --enforcement"), "says who set it: {}", notice.note);
+        assert_eq!(mem.withheld, Some(Withheld { pod: Some("p5".into()), since_ms: 10_000 }));
+        // Back within the limit: the episode ends; over again, told again.
+        let d = decide(&q, &observe(), "team-a", &pods[..5], &mem, 41_000);
+        assert_eq!(d.next.withheld, None);
+        let (mem, decisions) = run_as(&q, &observe(), &pods, d.next, 42, 80);
+        assert_eq!(decisions.iter().flat_map(|d| &d.notices).filter(|n| n.reason == REASON_WOULD_EVICT).count(), 1);
+        // Switched to Enforce with the period banked: the next pass evicts.
+        let d = decide(&q, &enforce(), "team-a", &pods, &mem, 81_000);
+        assert_eq!((d.act, d.next.pending.map(|p| p.pod)), (Some(Act::Evict), Some("p5".into())));
+    }
+
+    #[test]
+    fn observe_drops_a_refused_eviction_asked_for_before_the_switch_and_tells_when_none_may_go() {
+        let q = quota("10Gi", serde_json::json!({}));
+        let pods: Vec<QuotaPod> = (0..6).map(|i| pod(&format!("p{i}"), 10 + i, 2)).collect();
+        let (mem, _) = run(&q, &pods, Remembered::default(), 0, 10);
+        assert!(mem.pending.is_some(), "enforcing: p5's eviction asked for");
+        let d = decide(&q, &observe(), "team-a", &pods, &mem, 11_000);
+        assert_eq!((d.act, d.next.pending), (None, None));
+        let dropped = d.notices.iter().find(|n| n.reason == REASON_CANCELLED).expect("told");
+        assert!(dropped.note.contains("observe mode") && dropped.note.contains("p5"), "{}", dropped.note);
+        let exempt: Vec<QuotaPod> =
+            pods.iter().cloned().map(|p| QuotaPod { exempt: Some(Exempt::Critical), ..p }).collect();
+        let (_, decisions) = run_as(&q, &observe(), &exempt, Remembered::default(), 0, 30);
+        let none: Vec<&Notice> =
+            decisions.iter().flat_map(|d| &d.notices).filter(|n| n.reason == REASON_NO_CANDIDATE).collect();
+        assert_eq!(none.len(), 1, "once: {none:?}");
+        assert!(none[0].note.contains("nothing would be evicted"), "{}", none[0].note);
     }
 
     #[test]
@@ -479,7 +637,7 @@ mod tests {
                     kept.uid = p.uid.clone();
                     pods.push(kept);
                 }
-                let d = decide(&q, "team-a", &pods, &mem, now);
+                let d = decide(&q, &enforce(), "team-a", &pods, &mem, now);
                 prop_assert_eq!(d.total, pods.iter().map(|p| p.usage_bytes).sum::<u64>());
                 if let Some(act) = &d.act {
                     prop_assert!(d.total > q.limit_bytes, "{:?} under the limit", act);
@@ -509,10 +667,45 @@ mod tests {
         }
 
         /// `Warn` never acts, whatever the pods.
+        /// Observe never evicts, and tells the pod it would evict exactly when enforcing would first have
+        /// evicted it (the same period, the same pod): what an administrator watches is what switching does.
+        #[test]
+        fn observe_tells_what_enforcing_would_first_do_and_nothing_more(
+            steps in proptest::collection::vec((proptest::collection::vec(arb_pod(), 0..8), 0u64..4000), 1..40),
+            over_s in 0i64..5,
+        ) {
+            let q = quota("10Gi", serde_json::json!({"overLimitSeconds": over_s}));
+            let (mut seen, mut watched) = (Remembered::default(), Remembered::default());
+            let mut now = 0u64;
+            for (mut pods, dt) in steps {
+                now += dt;
+                let mut uids = std::collections::HashSet::new();
+                pods.retain(|p| uids.insert(p.uid.clone()));
+                let e = decide(&q, &enforce(), "team-a", &pods, &seen, now);
+                let o = decide(&q, &observe(), "team-a", &pods, &watched, now);
+                prop_assert!(o.act.is_none() && o.next.pending.is_none());
+                prop_assert_ne!(o.next.tracker.state, BudgetState::Evicting);
+                prop_assert_eq!(o.next.tracker.over_ms, e.next.tracker.over_ms, "the same period");
+                let told = o.notices.iter().find(|n| n.reason == REASON_WOULD_EVICT);
+                prop_assert!(told.is_none() || watched.withheld.is_none(), "once per episode");
+                if e.act.is_some() {
+                    // Enforcing's first eviction: observing tells it now, or told it already this episode.
+                    let target = e.next.pending.as_ref().map(|p| p.pod.clone());
+                    prop_assert!(o.next.withheld.is_some());
+                    if watched.withheld.is_none() {
+                        prop_assert_eq!(told.and_then(|n| n.pod.clone()), target);
+                    }
+                    break;
+                }
+                seen = e.next;
+                watched = o.next;
+            }
+        }
+
         #[test]
         fn warn_never_acts(pods in proptest::collection::vec(arb_pod(), 0..8), t in 0u64..100_000) {
             let q = quota("1Gi", serde_json::json!({"action": "Warn", "overLimitSeconds": 0}));
-            let d = decide(&q, "team-a", &pods, &Remembered::default(), t);
+            let d = decide(&q, &enforce(), "team-a", &pods, &Remembered::default(), t);
             prop_assert_eq!((d.act, d.next.pending), (None, None));
         }
     }

@@ -335,7 +335,7 @@ mod tests {
             .iter()
             .filter_map(|c| c["name"].as_str())
             .collect();
-        assert_eq!(columns, ["Limit", "Action", "Namespaces", "Over", "Evicted", "Age"]);
+        assert_eq!(columns, ["Limit", "Action", "Namespaces", "Over", "Evicted", "Enforcement", "Age"]);
         let spec =
             |c: &serde_json::Value| c["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"].clone();
         let (b, cl, q) = (spec(&budget), spec(&cluster), spec(&quota));
@@ -353,6 +353,7 @@ mod tests {
             "overLimitSeconds",
             "evictionGracePeriodSeconds",
             "blockedEvictionTimeoutSeconds",
+            "enforcement",
         ] {
             assert_eq!(
                 without(&q["properties"][field], &["description"]),

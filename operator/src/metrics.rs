@@ -51,6 +51,8 @@ pub struct Metrics {
     pub quota_eviction_requests: Counter,
     /// Pods gone after a namespace total evicted them (`_quota_evictions_total`).
     pub quota_evictions: Counter,
+    /// Evictions of namespace totals observe mode withheld, once per episode (`_quota_would_evict_total`).
+    pub quota_would_evict: Counter,
     /// Namespaces over a ClusterGpuMemoryQuota now, summed over quotas (`_quota_namespaces_over`).
     pub quota_namespaces_over: Gauge,
 }
@@ -80,6 +82,7 @@ impl Default for Metrics {
             namespace_label_writes: Counter::default(),
             quota_eviction_requests: Counter::default(),
             quota_evictions: Counter::default(),
+            quota_would_evict: Counter::default(),
             quota_namespaces_over: Gauge::default(),
         }
     }
@@ -128,6 +131,11 @@ impl Metrics {
             "quota_evictions",
             "Pods gone after a ClusterGpuMemoryQuota evicted them",
             m.quota_evictions.clone(),
+        );
+        r.register(
+            "quota_would_evict",
+            "Evictions of ClusterGpuMemoryQuota namespace totals that observe mode withheld (told, not asked for)",
+            m.quota_would_evict.clone(),
         );
         r.register(
             "quota_namespaces_over",

@@ -70,6 +70,11 @@ pub struct RunArgs {
     /// every status is written after a start (docs/performance.md, "Scale table").
     #[arg(long, env = "GPUBUDGET_STATUS_CONCURRENCY", default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub status_concurrency: u16,
+    /// "Enforce" carries a ClusterGpuMemoryQuota's evictions out; "Observe" only tells the pod it would evict
+    /// (NamespaceGpuMemoryWouldEvict, status.namespaces[].wouldEvict) and evicts nothing. A quota's own
+    /// spec.enforcement overrides it. The chart sets it from agent.enforcement, as the agents' default.
+    #[arg(long, env = "GPUBUDGET_ENFORCEMENT", default_value = "Enforce", value_parser = gpubudget_common::enforcement::parse_flag)]
+    pub enforcement: gpubudget_common::Enforcement,
     /// This replica's pod name (the Downward API's metadata.name): the lease identity and events' instance.
     #[arg(long, env = "POD_NAME")]
     pub pod_name: Option<String>,
@@ -110,7 +115,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<i32> {
     let identity =
         args.pod_name.clone().or_else(|| std::env::var("HOSTNAME").ok()).unwrap_or_else(|| "gpubudget-operator".into());
     let namespace = args.pod_namespace.clone().unwrap_or_else(|| client.default_namespace().to_owned());
-    tracing::info!(version = env!("CARGO_PKG_VERSION"), %identity, %namespace, leader_election = args.leader_election, "gpubudget operator starting");
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), %identity, %namespace, leader_election = args.leader_election, enforcement = %args.enforcement, "gpubudget operator starting");
 
     let mut tasks: JoinSet<Task> = JoinSet::new();
     tasks.spawn(named("admin", {
@@ -141,7 +146,8 @@ async fn serve(args: RunArgs) -> anyhow::Result<i32> {
         tasks
             .spawn(named("webhook", eviction_check::serve(addr, args.webhook_cert_dir.clone(), app, shutdown.clone())));
     }
-    tasks.spawn(named("quota", quota::run(ctx.clone(), QuotaSettings::default(), shutdown.clone())));
+    let quota_settings = QuotaSettings { enforcement: args.enforcement, ..QuotaSettings::default() };
+    tasks.spawn(named("quota", quota::run(ctx.clone(), quota_settings, shutdown.clone())));
     tasks.spawn(named("controller", {
         let (health, shutdown) = (health.clone(), shutdown.clone());
         async move {

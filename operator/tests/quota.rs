@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use gpubudget_common::ClusterGpuMemoryQuota;
 use gpubudget_common::crd::ClusterGpuMemoryQuotaStatus;
+use gpubudget_common::enforcement::Enforcement;
 use gpubudget_operator::quota::{self, QuotaSettings};
 use gpubudget_testkit::{FakeApi, Verb, pass_time};
 use serde_json::{Value, json};
@@ -66,9 +67,14 @@ fn many_small_pods(fake: &FakeApi) {
 
 /// The quota loop on `op`'s context, with a wall clock that follows tokio's (paused) clock.
 fn start_quota(op: &Operator) -> JoinHandle<anyhow::Result<()>> {
+    start_quota_as(op, Enforcement::Enforce)
+}
+
+/// The same with the operator's `--enforcement`.
+fn start_quota_as(op: &Operator, enforcement: Enforcement) -> JoinHandle<anyhow::Result<()>> {
     let start = tokio::time::Instant::now();
     let clock: quota::Clock = Arc::new(move || EPOCH_MS + u64::try_from(start.elapsed().as_millis()).unwrap_or(0));
-    let settings = QuotaSettings { clock, ..QuotaSettings::default() };
+    let settings = QuotaSettings { clock, enforcement, ..QuotaSettings::default() };
     tokio::spawn(quota::run(op.ctx.clone(), settings, op.shutdown.clone()))
 }
 
@@ -161,6 +167,42 @@ async fn a_total_reached_by_many_small_pods_on_several_nodes_evicts_the_latest_a
     for i in 0..5 {
         assert!(fake.get("pods", "team-a", &format!("p{i}")).is_some());
     }
+    op.stop().await;
+    quota_task.await.expect("joins").expect("runs cleanly");
+}
+
+/// #54: under `--enforcement Observe` (the chart's `agent.enforcement=Observe`) a namespace total evicts nothing: it
+/// tells the pod it would evict once, on the pod and the quota, names it in the status, counts it; the quota
+/// switched to `enforcement: Enforce` evicts it at the next pass.
+#[tokio::test(start_paused = true)]
+async fn observing_a_total_tells_the_pod_it_would_evict_and_evicts_nothing_until_the_quota_enforces() {
+    let fake = fake();
+    many_small_pods(&fake);
+    let op = Operator::start(&fake, true);
+    let quota_task = start_quota_as(&op, Enforcement::Observe);
+    let would = |f: &FakeApi| team(&status(f), "team-a")["wouldEvict"]["pod"].as_str().map(str::to_owned);
+    until(&fake, Duration::from_secs(45), "the pod it would evict", |f| would(f).is_some()).await;
+    assert_eq!(would(&fake).as_deref(), Some("p5"), "the most recently started");
+    pass_time(Duration::from_secs(120)).await;
+    assert!(evicted_pods(&fake).is_empty(), "observing, nothing is evicted: {:?}", evicted_pods(&fake));
+    let s = status(&fake);
+    assert_eq!(team(&s, "team-a")["state"], "Over", "never Evicting while nothing is");
+    assert_eq!(team(&s, "team-a").get("pendingEviction"), None);
+    assert_eq!(s.conditions.first().map(|c| c.reason.as_str()), Some("Observing"));
+    let told: Vec<_> = quota_events(&fake).into_iter().filter(|(r, _)| r == "NamespaceGpuMemoryWouldEvict").collect();
+    assert_eq!(told.len(), 1, "once per episode, not every pass: {told:?}");
+    assert!(told[0].1.contains("would evict p5") && told[0].1.contains("nothing is evicted"), "{}", told[0].1);
+    let on_pod = fake.events_for("team-a", "p5");
+    assert!(on_pod.iter().any(|e| e.reason == "NamespaceGpuMemoryWouldEvict" && e.type_ == "Warning"), "{on_pod:?}");
+    let metrics = op.ctx.metrics();
+    assert_eq!((metrics.quota_would_evict.get(), metrics.quota_eviction_requests.get()), (1, 0));
+
+    // The administrator enforces this quota: evicted at the next pass, the period already banked.
+    let mut q = fake.get("clustergpumemoryquotas", "", "tenant-totals").expect("quota");
+    q["spec"]["enforcement"] = "Enforce".into();
+    fake.put_object(q).expect("quota updated");
+    until(&fake, Duration::from_secs(15), "the eviction", |f| !evicted_pods(f).is_empty()).await;
+    assert_eq!(evicted_pods(&fake), ["p5"]);
     op.stop().await;
     quota_task.await.expect("joins").expect("runs cleanly");
 }

@@ -18,6 +18,9 @@
 //! - Evictions go through the Eviction API (PodDisruptionBudgets apply) with the quota's grace; a refusal is
 //!   told as an event and retried every `interval`; after `blockedEvictionTimeoutSeconds` the pod is
 //!   deleted with the same grace, as the agent does.
+//! - Observe (`--enforcement Observe`, or the quota's `spec.enforcement`): the same passes, and the eviction that
+//!   would be due is told (`NamespaceGpuMemoryWouldEvict`, `status.namespaces[].wouldEvict`,
+//!   `gpubudget_operator_quota_would_evict_total`) and never asked for; the condition says `Observing`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -26,11 +29,12 @@ use std::time::Duration;
 use futures::StreamExt;
 use gpubudget_common::crd::{
     ClusterGpuMemoryQuotaStatus, EvictionRecord, NamespaceTotal, PendingEviction, QUOTA_NAMESPACES_DETAILED,
-    QUOTA_NAMESPACES_MAX, QUOTA_STATUS_BYTES_MAX, QUOTA_TOP_PODS_MAX, TopPod,
+    QUOTA_NAMESPACES_MAX, QUOTA_STATUS_BYTES_MAX, QUOTA_TOP_PODS_MAX, TopPod, WouldEvict,
 };
+use gpubudget_common::enforcement::{Enforcement, Mode, for_quota};
 use gpubudget_common::eviction::eviction_body;
 use gpubudget_common::quantity::HumanBytes;
-use gpubudget_common::quota::{self, Act, Notice, Pending, QuotaPod, Remembered};
+use gpubudget_common::quota::{self, Act, Notice, Pending, QuotaPod, Remembered, Withheld};
 use gpubudget_common::state::Tracker;
 use gpubudget_common::{Budget, BudgetState, ClusterGpuMemoryQuota, PodLabels};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
@@ -64,6 +68,8 @@ pub struct QuotaSettings {
     pub field_manager: String,
     /// The time (tests give one that follows tokio's paused clock).
     pub clock: Clock,
+    /// Whether quotas that leave it unset evict (`--enforcement`).
+    pub enforcement: Enforcement,
 }
 
 impl std::fmt::Debug for QuotaSettings {
@@ -78,6 +84,7 @@ impl Default for QuotaSettings {
             interval: INTERVAL,
             field_manager: FIELD_MANAGER.to_owned(),
             clock: Arc::new(|| u64::try_from(Timestamp::now().as_millisecond()).unwrap_or(0)),
+            enforcement: Enforcement::Enforce,
         }
     }
 }
@@ -107,6 +114,10 @@ pub fn remembered(entry: &NamespaceTotal) -> Remembered {
             usage_bytes: u64::try_from(p.usage_bytes).unwrap_or(0),
             accepted: p.accepted,
         }),
+        withheld: entry
+            .would_evict
+            .as_ref()
+            .map(|w| Withheld { pod: w.pod.clone(), since_ms: parse_ms(&w.since).unwrap_or(0) }),
     }
 }
 
@@ -157,6 +168,8 @@ pub struct Outcome {
     pub notices: Vec<(String, Notice)>,
     /// Pods gone after an eviction, counted now.
     pub evicted: usize,
+    /// Evictions observe mode withheld, told now (once per episode).
+    pub would_evict: usize,
 }
 
 fn ready(previous: &ClusterGpuMemoryQuotaStatus, status: &str, reason: &str, message: String, now: u64) -> Condition {
@@ -175,9 +188,11 @@ fn ready(previous: &ClusterGpuMemoryQuotaStatus, status: &str, reason: &str, mes
     }
 }
 
-/// Computes a quota's status and actions from its pods (pure). `pods` are the selected pods per namespace.
+/// Computes a quota's status and actions from its pods (pure). `pods` are the selected pods per namespace;
+/// `operator` is the operator's `--enforcement`, for a quota that leaves it unset.
 pub fn compute(
     quota: &ClusterGpuMemoryQuota,
+    operator: Enforcement,
     pods: &BTreeMap<String, Vec<QuotaPod>>,
     previous: &ClusterGpuMemoryQuotaStatus,
     now: u64,
@@ -194,6 +209,7 @@ pub fn compute(
             return out;
         }
     };
+    let mode = for_quota(operator, quota.spec.enforcement, &quota.key());
     let before: BTreeMap<&str, &NamespaceTotal> =
         previous.namespaces.iter().map(|n| (n.namespace.as_str(), n)).collect();
     let names: std::collections::BTreeSet<&str> =
@@ -202,7 +218,8 @@ pub fn compute(
     for namespace in names {
         let here = pods.get(namespace).map(Vec::as_slice).unwrap_or_default();
         let prev = before.get(namespace).map(|e| remembered(e)).unwrap_or_default();
-        let decision = quota::decide(&compiled, namespace, here, &prev, now);
+        let decision = quota::decide(&compiled, &mode, namespace, here, &prev, now);
+        out.would_evict += decision.notices.iter().filter(|n| n.reason == quota::REASON_WOULD_EVICT).count();
         if let Some(done) = &decision.evicted {
             out.evicted += 1;
             out.status.evictions += 1;
@@ -238,6 +255,7 @@ pub fn compute(
                 usage_bytes: bytes_i64(p.usage_bytes),
                 accepted: p.accepted,
             }),
+            would_evict: next.withheld.as_ref().map(|w| WouldEvict { pod: w.pod.clone(), since: rfc3339(w.since_ms) }),
             top_pods: top
                 .iter()
                 .take(QUOTA_TOP_PODS_MAX)
@@ -267,17 +285,26 @@ pub fn compute(
     let (stored, not_stored) = stored_entries(entries);
     out.status.namespaces = stored;
     out.status.namespaces_not_stored = (not_stored > 0).then(|| i64::try_from(not_stored).unwrap_or(i64::MAX));
-    out.status.conditions = vec![ready(
-        previous,
-        "True",
-        "Enforced",
-        format!(
-            "each selected namespace may hold {} of GPU memory in total; action {} after {}s over",
-            compiled.limit_text, compiled.action, compiled.over_limit_seconds
-        ),
-        now,
-    )];
+    out.status.conditions = vec![ready_condition(previous, &compiled, &mode, now)];
     out
+}
+
+/// `Ready`: what the quota enforces, or, observing, that it evicts nothing and who said so.
+fn ready_condition(previous: &ClusterGpuMemoryQuotaStatus, compiled: &Budget, mode: &Mode, now: u64) -> Condition {
+    let rule = format!(
+        "each selected namespace may hold {} of GPU memory in total; action {} after {}s over",
+        compiled.limit_text, compiled.action, compiled.over_limit_seconds
+    );
+    if mode.observes() {
+        let note = format!(
+            "{rule}; observe mode ({}): the pod it would evict is told (NamespaceGpuMemoryWouldEvict, \
+             status.namespaces[].wouldEvict), nothing is evicted",
+            mode.set_by
+        );
+        ready(previous, "True", "Observing", note, now)
+    } else {
+        ready(previous, "True", "Enforced", rule, now)
+    }
 }
 
 /// Whether a namespace's entry holds something a later pass (or a new leader) needs: over or near the
@@ -364,7 +391,7 @@ impl Quotas {
             }
             Err(_) => BTreeMap::new(),
         };
-        let outcome = compute(quota, &pods, &previous, now);
+        let outcome = compute(quota, self.settings.enforcement, &pods, &previous, now);
         if !same_but_for_sample_times(&previous, &outcome.status) {
             let mut metadata = serde_json::json!({});
             if let Some(rv) = &resource_version {
@@ -393,6 +420,9 @@ impl Quotas {
         let metrics = self.ctx.metrics();
         for _ in 0..outcome.evicted {
             metrics.quota_evictions.inc();
+        }
+        for _ in 0..outcome.would_evict {
+            metrics.quota_would_evict.inc();
         }
         let reference = quota.object_ref(&());
         for (namespace, notice) in &outcome.notices {
@@ -591,7 +621,7 @@ mod tests {
         let mut pods: BTreeMap<String, Vec<QuotaPod>> =
             (0..150).map(|i| (format!("ns-{i:03}"), vec![pod("p", 0, GI + i)])).collect();
         pods.insert("zz-over".into(), (0..6).map(|i| pod(&format!("p{i}"), i, 2 * GI)).collect());
-        let first = compute(&q, &pods, &ClusterGpuMemoryQuotaStatus::default(), 1_000_000);
+        let first = compute(&q, Enforcement::Enforce, &pods, &ClusterGpuMemoryQuotaStatus::default(), 1_000_000);
         assert_eq!(first.status.namespaces.len(), QUOTA_NAMESPACES_DETAILED);
         assert_eq!(
             (first.status.namespaces_selected, first.status.namespaces_over),
@@ -603,19 +633,67 @@ mod tests {
         assert_eq!(over.top_pods.len(), QUOTA_TOP_PODS_MAX);
         assert_eq!(first.status.namespaces[1].namespace, "ns-149", "then the largest totals");
         // 10 s later: the bank read back from the status grows by 10 s.
-        let second = compute(&q, &pods, &first.status, 1_010_000);
+        let second = compute(&q, Enforcement::Enforce, &pods, &first.status, 1_010_000);
         let over = &second.status.namespaces[0];
         assert_eq!(over.over_millis, 10_000);
         assert_eq!(remembered(over).tracker.last, Some((1_010_000, true)));
         assert!(second.actions.is_empty());
         // At 30 s the latest pod goes; the status names it before anything is done.
-        let third = compute(&q, &pods, &compute(&q, &pods, &second.status, 1_020_000).status, 1_030_000);
+        let third = compute(
+            &q,
+            Enforcement::Enforce,
+            &pods,
+            &compute(&q, Enforcement::Enforce, &pods, &second.status, 1_020_000).status,
+            1_030_000,
+        );
         assert_eq!(third.actions.len(), 1);
         assert_eq!((third.actions[0].pending.pod.as_str(), &third.actions[0].act), ("p5", &Act::Evict));
         let pending = third.status.namespaces[0].pending_eviction.clone().expect("pending in the status");
         assert_eq!((pending.pod.as_str(), pending.requested_at.as_str()), ("p5", "1970-01-01T00:17:10Z"));
         assert_eq!(remembered(&third.status.namespaces[0]).pending.map(|p| p.requested_at_ms), Some(1_030_000));
-        assert!(same_but_for_sample_times(&third.status, &compute(&q, &pods, &third.status, 1_031_000).status));
+        assert!(same_but_for_sample_times(
+            &third.status,
+            &compute(&q, Enforcement::Enforce, &pods, &third.status, 1_031_000).status
+        ));
+    }
+
+    /// Observe: the status says `Over` (never `Evicting`), names the pod it would evict, keeps it across a change
+    /// of leader (told once, not again by a new leader), and the condition says nothing is evicted and why.
+    #[test]
+    fn observing_the_status_names_the_pod_it_would_evict_and_a_new_leader_does_not_tell_it_again() {
+        let q = quota(serde_json::json!({"limit": "10Gi", "overLimitSeconds": 10}));
+        let pods: BTreeMap<String, Vec<QuotaPod>> =
+            [("team-a".to_owned(), (0..6).map(|i| pod(&format!("p{i}"), i, 2 * GI)).collect())].into();
+        let mut status = ClusterGpuMemoryQuotaStatus::default();
+        let mut told = 0;
+        for pass in 0..=4u64 {
+            let out = compute(&q, Enforcement::Observe, &pods, &status, 1_000_000 + pass * 5_000);
+            assert!(out.actions.is_empty(), "pass {pass}: nothing is evicted");
+            told += out.would_evict;
+            status = out.status;
+        }
+        assert_eq!(told, 1, "told once");
+        let entry = &status.namespaces[0];
+        assert_eq!(entry.state, BudgetState::Over, "never Evicting while nothing is");
+        let would = entry.would_evict.clone().expect("the pod it would evict");
+        assert_eq!((would.pod.as_deref(), would.since.as_str()), (Some("p5"), "1970-01-01T00:16:50Z"));
+        let ready = &status.conditions[0];
+        assert_eq!(ready.reason, "Observing");
+        assert!(
+            ready.message.contains("nothing is evicted") && ready.message.contains("--enforcement"),
+            "{}",
+            ready.message
+        );
+        // A new leader reads it back: no second event; the quota's own Enforce evicts at once.
+        let again = compute(&q, Enforcement::Observe, &pods, &status, 1_100_000);
+        assert_eq!((again.would_evict, again.notices.len()), (0, 0));
+        let enforcing = quota(serde_json::json!({"limit": "10Gi", "overLimitSeconds": 10, "enforcement": "Enforce"}));
+        let acted = compute(&enforcing, Enforcement::Observe, &pods, &again.status, 1_105_000);
+        assert_eq!(acted.actions.iter().map(|a| a.pending.pod.as_str()).collect::<Vec<_>>(), ["p5"]);
+        assert_eq!(
+            (acted.status.conditions[0].reason.as_str(), acted.status.namespaces[0].would_evict.as_ref()),
+            ("Enforced", None)
+        );
     }
 
     /// #33: with 1 000 namespaces over at once (and 500 near), every one keeps its banked time across passes
@@ -633,7 +711,7 @@ mod tests {
         let mut near_notices = 0;
         let mut evicting = BTreeMap::new();
         for pass in 0..=6u64 {
-            let out = compute(&q, &pods, &status, 1_000_000 + pass * 5_000);
+            let out = compute(&q, Enforcement::Enforce, &pods, &status, 1_000_000 + pass * 5_000);
             near_notices += out.notices.iter().filter(|(ns, _)| ns.starts_with("near-")).count();
             for a in &out.actions {
                 *evicting.entry(a.namespace.clone()).or_insert(0) += 1;
@@ -686,7 +764,7 @@ mod tests {
     fn an_invalid_quota_says_why_and_enforces_nothing() {
         let q = quota(serde_json::json!({"limit": "1Gi", "warnAtPercent": 0}));
         let pods = BTreeMap::from([("a".to_owned(), vec![pod("p", 0, 4 * GI)])]);
-        let out = compute(&q, &pods, &ClusterGpuMemoryQuotaStatus::default(), 0);
+        let out = compute(&q, Enforcement::Enforce, &pods, &ClusterGpuMemoryQuotaStatus::default(), 0);
         assert!(out.actions.is_empty() && out.status.namespaces.is_empty());
         let ready = &out.status.conditions[0];
         assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("False", "InvalidSpec"));
