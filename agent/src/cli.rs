@@ -180,7 +180,7 @@ fn parse_blocked_timeout(text: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-/// `--namespaced-budgets` (docs/security.md, "No purchased immunity").
+/// `--namespaced-budgets` (docs/security.md, "No exemption a tenant can grant itself").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum NamespacedBudgetsArg {
     /// Administrators write them (the chart's default RBAC).

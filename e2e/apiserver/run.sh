@@ -111,7 +111,7 @@ done
 mkdir -p "$WORK/tls" "$WORK/proc"
 webhook_cert "$WORK/tls"
 CA_BUNDLE=$(base64 -w0 < "$WORK/tls/ca.crt")
-# The chart requires 1.33; the kinds rendered here are served the same by 1.32.
+# Rendered for 1.33 (the chart's floor is 1.32); the kinds rendered here are served the same by 1.32.
 "$HELM" template "$RELEASE" "$REPO/charts/gpubudget" -n "$NS" --kube-version 1.33.0 > "$WORK/chart.yaml"
 # shellcheck disable=SC2016 # $url and $ca are yq's variables
 yq -y --arg url "https://$WEBHOOK/validate-eviction" --arg ca "$CA_BUNDLE" '
