@@ -1,6 +1,6 @@
 //! A tenant can write any annotation on its own pods, the agent's `gpubudget.io/*` record included.
-//! What a forged record can and cannot do to the operator's eviction counts (docs/security.md, "Forged
-//! records"), through the real index and status computation.
+//! What a forged record can and cannot do to the operator's eviction counts (docs/security.md, "Hostile
+//! pods"), through the real index and status computation.
 
 use std::collections::BTreeMap;
 
