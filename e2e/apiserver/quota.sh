@@ -13,7 +13,10 @@
 #   and evicts, once, the pod that started last (on the other node from the one created last), with the
 #   quota's grace, through the Eviction API, after the period: not restarted by the leader change, not repeated;
 # - the other five stay; a namespace the quota does not select holds more and keeps all its pods;
-# - `kubectl get cgmq` and the quota's status show the total, the state and the top holders.
+# - `kubectl get cgmq` and the quota's status show the total, the state and the top holders;
+# - observe (#54): the quota set to `enforcement: Observe`, the five grow over again: the pod it would evict is
+#   told once (NamespaceGpuMemoryWouldEvict, status wouldEvict, Ready reason Observing, the metric) and nothing is
+#   evicted; set to `Enforce`, that pod is evicted at the next pass.
 # The test plays the kubelet (pod status with start times, /proc, deleting a pod once evicted) and NVML (one
 # sample file per node). OUT (optional) receives a copy of the output.
 #
@@ -263,5 +266,36 @@ info "$NS_Q: $(quota_ns "$NS_Q" '"\(.state) \(.total) of \(.limit), \(.pods) pod
 sleep 12   # longer than overLimitSeconds
 for pod in q-1 q-2 q-3 q-5 q-6; do terminating "$NS_Q" "$pod" && die "$pod evicted after the namespace was back within"; done
 
+say "observe (#54): the quota set to Observe, the five pods grow to 2.5Gi: 12.5Gi of 10Gi"
+kubectl patch cgmq "$QUOTA" --type merge -p '{"spec":{"enforcement":"Observe"}}' >/dev/null
+sample $((5 * GI / 2)) $((8 * GI)) q-4
+# Each record is rewritten for its usage at most every 30 s: the total crosses 10Gi with the first of them.
+STEP_TIMEOUT=$((STEP_TIMEOUT + 30)) wait_for "the quota's status: $NS_Q over the limit again" quota_ns_is "$NS_Q" '.lastOver' true
+OVER_AT=$SECONDS
+STEP_TIMEOUT=$((STEP_TIMEOUT + 30)) wait_for "the pod it would evict in the status" quota_ns_is "$NS_Q" '.wouldEvict.pod // ""' q-6
+TOLD_AFTER=$((SECONDS - OVER_AT))
+# Due by the same rule as an eviction: the period banked in full (what the dip at 10Gi took back, half its
+# length, had to be made up first).
+quota_ns_is "$NS_Q" '.overMillis' 10000 || die "told with $(quota_ns "$NS_Q" .overMillis) ms banked, not the 10 s period"
+wait_for "NamespaceGpuMemoryWouldEvict on q-6" has_event "$NS_Q" q-6 NamespaceGpuMemoryWouldEvict
+info "q-6 told ${TOLD_AFTER}s after the namespace was seen over again ($(quota_ns "$NS_Q" .total)), the 10 s period banked: $(event_messages "$NS_Q" q-6 NamespaceGpuMemoryWouldEvict | head -n1 | cut -c1-260)"
+quota_field_is "conditions[0].reason" Observing || die "Ready reason: $(kubectl get cgmq "$QUOTA" -o jsonpath='{.status.conditions[0].reason}')"
+sleep 20   # four passes past due
+for pod in q-1 q-2 q-3 q-5 q-6; do terminating "$NS_Q" "$pod" && die "$pod evicted while the quota observes"; done
+quota_ns_is "$NS_Q" '.state' Over || die "state $(quota_ns "$NS_Q" .state) while observing"
+[ "$(event_occurrences "$NS_Q" q-6 NamespaceGpuMemoryWouldEvict)" = 1 ] \
+  || die "NamespaceGpuMemoryWouldEvict on q-6, not once: $(events "$NS_Q" q-6 NamespaceGpuMemoryWouldEvict)"
+metric() { curl -fsS "http://${OP_ADMIN[${SURVIVOR#operator-}]}/metrics" | awk -v m="$1" '$1 == m {s += $2} END {print s + 0}'; }
+[ "$(metric gpubudget_operator_quota_would_evict_total)" = 1 ] || die "would_evict_total $(metric gpubudget_operator_quota_would_evict_total)"
+[ "$(metric gpubudget_operator_quota_eviction_requests_total)" = 1 ] || die "an eviction was asked for while observing"
+info "20 s past due: nothing evicted, state Over, one event, gpubudget_operator_quota_would_evict_total 1"
+
+say "the administrator enforces the quota: q-6 goes at the next pass"
+kubectl patch cgmq "$QUOTA" --type merge -p '{"spec":{"enforcement":"Enforce"}}' >/dev/null
+SWITCHED_AT=$SECONDS
+wait_for "q-6 terminating" terminating "$NS_Q" q-6
+info "q-6 evicted $((SECONDS - SWITCHED_AT)) s after the switch (a pass every 5 s)"
+quota_field_is "conditions[0].reason" Enforced || die "Ready reason after the switch"
+
 FAILED=0
-say "PASS: a namespace total reached by six small pods on two nodes, the leader killed mid-period: one eviction (the latest start) by the new leader after the period, with the quota's grace; neighbours and an unselected namespace untouched ($((SECONDS - START)) s)"
+say "PASS: a namespace total reached by six small pods on two nodes, the leader killed mid-period: one eviction (the latest start) by the new leader after the period, with the quota's grace; neighbours and an unselected namespace untouched; observing, the pod it would evict told once and kept; enforced, evicted at the next pass ($((SECONDS - START)) s)"
