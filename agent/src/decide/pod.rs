@@ -124,6 +124,17 @@ struct OwnThresholds {
     would_evict: bool,
 }
 
+/// Where a pod's eviction stands this tick ([`Enforcer::eviction_due`]).
+#[derive(Debug, Clone, Copy)]
+struct Due {
+    /// Due: by the budget's timer (`Evicting`) or for memory pressure on a GPU.
+    due: bool,
+    /// Due, and may be carried out (its action, its exemptions, its node).
+    evictable: bool,
+    /// Observe mode (#54): the budget's own eviction would have been due, and is told instead.
+    would_be_due: bool,
+}
+
 pub(in crate::decide) struct Context<'a> {
     pub(in crate::decide) view: &'a PodView,
     pub(in crate::decide) budget: &'a Budget,
@@ -274,8 +285,8 @@ impl Enforcer {
     }
 
     /// One tick of a budgeted pod, in its steps: its thresholds under its mode, the period started afresh on a
-    /// budget edit, the share and cap told, the state machine's step on its usage, the transition told, the
-    /// eviction moved on, and its record written when due.
+    /// budget edit, the share and cap told, the state machine's step on its usage, the transition told, whether
+    /// an eviction is due and its lifecycle moved on, and its record written when due.
     pub(in crate::decide) fn tick_pod(&mut self, now: Now, cx: &Context<'_>, out: &mut Vec<Action>) {
         let (thresholds, own) = self.own_thresholds(cx);
         let mut mem = self.take_memory(now, cx.view);
@@ -287,7 +298,8 @@ impl Enforcer {
         self.check_cap(now, &mut mem, cx, out);
         self.step_usage(now, &mut mem, cx, &thresholds.rules, prev_usage);
         self.tell_transition(now, &mut mem, cx, thresholds.would_evict, out);
-        let applied = self.move_eviction(now, &mut mem, cx, &thresholds, out);
+        let due = self.eviction_due(&mut mem, cx, &thresholds);
+        let applied = self.move_eviction(now, &mut mem, cx, due, out);
         self.write_record(now, &mut mem, cx, applied, out);
         self.pods.insert(cx.view.uid.clone(), mem);
     }
@@ -449,18 +461,11 @@ impl Enforcer {
         mem.reported = state;
     }
 
-    /// The eviction moved on: by the budget's timer, or for memory pressure on a GPU; in observe mode told as
-    /// "would evict" once per episode. Whether a record write went out (with the eviction's first step).
-    fn move_eviction(
-        &self,
-        now: Now,
-        mem: &mut PodMemory,
-        cx: &Context<'_>,
-        thresholds: &OwnThresholds,
-        out: &mut Vec<Action>,
-    ) -> bool {
+    /// Whether the pod's eviction is due, by the budget's timer or for memory pressure on a GPU, and whether it may
+    /// be carried out; or, in observe mode, whether it would have been due. Pressure relief ends for a pod back
+    /// within its guarantee, unless the request is already out.
+    fn eviction_due(&self, mem: &mut PodMemory, cx: &Context<'_>, thresholds: &OwnThresholds) -> Due {
         let (budget, view, total, state) = (cx.budget, cx.view, cx.usage.total, mem.tracker.state);
-        let would_evict = thresholds.would_evict;
         // Eviction: by the budget's timer (over the limit, so above any request), or for memory pressure on a
         // GPU, only while still above its request (without one, its limit): a pod back within it is not
         // evicted, unless the request is already out.
@@ -480,12 +485,22 @@ impl Enforcer {
             && view.node.as_deref() == Some(self.settings.node.as_str());
         // Observe mode: when the state machine would have said `Evicting`, by its rule (over now, and over for
         // `overLimitSeconds` in all); a pressure eviction already under way goes on.
-        let would_be_due = would_evict
+        let would_be_due = thresholds.would_evict
             && thresholds.rules.due(total, mem.tracker.over_for())
             && mem.pressure.is_none()
             && view.never_evicted(&self.settings.critical_namespaces).is_none()
             && !view.terminating
             && view.node.as_deref() == Some(self.settings.node.as_str());
+        Due { due, evictable, would_be_due }
+    }
+
+    /// The eviction's lifecycle moved on, as [`Self::eviction_due`] says: in observe mode told as "would evict"
+    /// once per episode; else the `Evicting` record first, then the request; refusals retried with backoff, and
+    /// the pod deleted after `blockedEvictionTimeoutSeconds`. Whether a record write went out (with the
+    /// eviction's first step).
+    fn move_eviction(&self, now: Now, mem: &mut PodMemory, cx: &Context<'_>, due: Due, out: &mut Vec<Action>) -> bool {
+        let (budget, view, total) = (cx.budget, cx.view, cx.usage.total);
+        let Due { due, evictable, would_be_due } = due;
         let mut applied = false;
         match mem.eviction {
             Eviction::Idle if would_be_due => {
