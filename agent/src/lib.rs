@@ -2,16 +2,17 @@
 //! before it:
 //!
 //! 1. [`sample`] — what the GPUs hold, per process (NVML, or a replayed sample file);
-//! 2. [`attribute`] — PID → container → pod (the `/proc` join), and the pure per-pod sum;
+//! 2. [`attribute`] — what Kubernetes says of the node's pods and budgets ([`attribute::kube`]), PID → container →
+//!    pod (the `/proc` join), and the pure per-pod sum;
 //! 3. [`decide`] — the pure decisions (records, events, evictions); no I/O, no logging;
 //! 4. [`act`] — the executors that carry decisions out (the API server, or JSON lines);
-//! 5. [`report`] — the metrics.
+//! 5. [`report`] — the metrics, and what `top` shows.
 //!
 //! Beside the tick, [`runtime_caps`] is an edge of its own: an input of the node's state (what the runtime made)
 //! and an actor at each container's creation (NRI), through a relay that alone holds the runtime's socket.
 //!
 //! [`pipeline`] runs stages 1–3 and 5 once per tick; [`cmd`] holds the subcommands (`run`, `top`,
-//! `capture`, `standalone`) that wire the pipeline to its inputs and an executor.
+//! `capture`, `standalone`) that wire the pipeline to its inputs and an executor, and nothing more.
 
 pub mod sample;
 

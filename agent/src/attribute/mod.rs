@@ -5,6 +5,8 @@
 //! - [`budgets`]: the cluster's budgets, compiled as the watch delivers them, per namespace;
 //! - [`spec_watch`]: budgets' specs without their status: a metadata watch, a read when `generation` moves;
 //! - [`mirror_watch`]: the same from the operator's mirrors once every budget has one: no status traffic;
+//! - [`kube`]: where the agent reads Kubernetes: the index of the node's pods, the budgets and the Node's labels (the
+//!   watches, the Node poll) and the pod table built from them; `top`'s one-shot list;
 //! - [`pods`]: the node's pods with their budgets, indexed for the join (rebuilt on cache changes);
 //! - [`join`]: each sampled process to its owner;
 //! - [`usage`]: the pure per-pod sum;
@@ -14,6 +16,7 @@ pub mod budgets;
 pub mod cgroup;
 pub mod driver_limits;
 pub mod join;
+pub mod kube;
 pub mod mirror_watch;
 pub mod pods;
 pub mod procfs;

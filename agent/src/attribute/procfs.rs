@@ -190,6 +190,13 @@ pub fn parse_start_time(stat: &[u8]) -> Option<u64> {
     rest.split_ascii_whitespace().nth(19)?.parse().ok()
 }
 
+/// The command name of process `pid` (`<proc root>/<pid>/comm`), or empty when it cannot be read.
+pub fn command(proc_root: &Path, pid: Option<u32>) -> String {
+    pid.and_then(|p| std::fs::read_to_string(proc_root.join(p.to_string()).join("comm")).ok())
+        .map(|c| c.trim().to_owned())
+        .unwrap_or_default()
+}
+
 /// Writes a fake process into a proc tree (tests and the e2e fixtures).
 pub fn write_fake_process(root: &Path, pid: u32, start_time: u64, cgroup: &str) -> std::io::Result<()> {
     let dir = root.join(pid.to_string());

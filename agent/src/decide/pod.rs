@@ -5,7 +5,7 @@
 use gpubudget_common::enforcement::{self, Enforcement, Mode};
 use gpubudget_common::pod_record::{DriverLimitsRecord, PodRecord};
 use gpubudget_common::quantity::HumanBytes;
-use gpubudget_common::{Budget, BudgetAction, BudgetState, Tracker, step};
+use gpubudget_common::{Budget, BudgetAction, BudgetState, Thresholds, Tracker, step};
 
 use super::notes::{bounded, holders_summary, seconds};
 use super::{Action, Enforcer, EvictOutcome, Feedback, Now, PodRef, Reason, cadence};
@@ -114,6 +114,25 @@ pub(in crate::decide) struct PodMemory {
     /// Why the pod's declared share could not be read, as last told (`GpuMemoryShareUnresolved`, once per
     /// reason).
     pub(in crate::decide) share_told: Option<String>,
+}
+
+/// A pod's thresholds under its budget, for its budget's own evictions.
+struct OwnThresholds {
+    /// The state machine's rules (in observe mode, never evicting).
+    rules: Thresholds,
+    /// Observe mode (#54): the eviction the rules would have made due is told as "would evict" instead.
+    would_evict: bool,
+}
+
+/// Where a pod's eviction stands this tick ([`Enforcer::eviction_due`]).
+#[derive(Debug, Clone, Copy)]
+struct Due {
+    /// Due: by the budget's timer (`Evicting`) or for memory pressure on a GPU.
+    due: bool,
+    /// Due, and may be carried out (its action, its exemptions, its node).
+    evictable: bool,
+    /// Observe mode (#54): the budget's own eviction would have been due, and is told instead.
+    would_be_due: bool,
 }
 
 pub(in crate::decide) struct Context<'a> {
@@ -265,25 +284,51 @@ impl Enforcer {
         self.pods.insert(view.uid.clone(), mem);
     }
 
+    /// One tick of a budgeted pod, in its steps: its thresholds under its mode, the period started afresh on a
+    /// budget edit, the share and cap told, the state machine's step on its usage, the transition told, whether
+    /// an eviction is due and its lifecycle moved on, and its record written when due.
     pub(in crate::decide) fn tick_pod(&mut self, now: Now, cx: &Context<'_>, out: &mut Vec<Action>) {
-        let budget = cx.budget;
-        let view = cx.view;
-        let total = cx.usage.total;
-        let mut thresholds = budget.thresholds(view.never_evicted(&self.settings.critical_namespaces).is_some());
-        // Observe mode (#54): the budget's own eviction is only told. The state machine then never says
-        // `Evicting` (nothing is, and records, metrics and `top` must not say so); when it would have is
-        // `would_be_due` below, by the same rule.
-        let own = budget.enforcement.unwrap_or(self.node_mode.enforcement);
-        let would_evict = thresholds.may_evict && own == Enforcement::Observe;
-        thresholds.may_evict &= !would_evict;
-        let mut mem = self.take_memory(now, view);
+        let (thresholds, own) = self.own_thresholds(cx);
+        let mut mem = self.take_memory(now, cx.view);
         // Its usage at the last tick, if it was seen then (the rate its usage moves at).
         let prev_usage = (mem.seen + 1 == self.generation && !mem.last_budget.is_empty()).then_some(mem.last_usage);
         mem.seen = self.generation;
-        // A budget edit (Warn → Evict, a shorter overLimitSeconds) or a move to a budget that acts otherwise
-        // does not act on the time already spent over the limit: the period starts afresh, and is told.
-        // So does a move between observe and enforce (#54): switching a pod that has been over for an hour to
-        // Enforce does not evict it at once.
+        self.restart_on_policy_change(now, &mut mem, cx, own, out);
+        self.tell_share(now, &mut mem, cx.budget, out);
+        self.check_cap(now, &mut mem, cx, out);
+        self.step_usage(now, &mut mem, cx, &thresholds.rules, prev_usage);
+        self.tell_transition(now, &mut mem, cx, thresholds.would_evict, out);
+        let due = self.eviction_due(&mut mem, cx, &thresholds);
+        let applied = self.move_eviction(now, &mut mem, cx, due, out);
+        self.write_record(now, &mut mem, cx, applied, out);
+        self.pods.insert(cx.view.uid.clone(), mem);
+    }
+
+    /// The pod's thresholds under its budget, and the mode of its budget's own evictions. Observe mode (#54): the
+    /// budget's own eviction is only told. The state machine then never says `Evicting` (nothing is, and records,
+    /// metrics and `top` must not say so); when it would have is [`Eviction::Observed`], by the same rule.
+    fn own_thresholds(&self, cx: &Context<'_>) -> (OwnThresholds, Enforcement) {
+        let budget = cx.budget;
+        let mut rules = budget.thresholds(cx.view.never_evicted(&self.settings.critical_namespaces).is_some());
+        let own = budget.enforcement.unwrap_or(self.node_mode.enforcement);
+        let would_evict = rules.may_evict && own == Enforcement::Observe;
+        rules.may_evict &= !would_evict;
+        (OwnThresholds { rules, would_evict }, own)
+    }
+
+    /// A budget edit (Warn → Evict, a shorter overLimitSeconds) or a move to a budget that acts otherwise
+    /// does not act on the time already spent over the limit: the period starts afresh, and is told.
+    /// So does a move between observe and enforce (#54): switching a pod that has been over for an hour to
+    /// Enforce does not evict it at once.
+    fn restart_on_policy_change(
+        &self,
+        now: Now,
+        mem: &mut PodMemory,
+        cx: &Context<'_>,
+        own: Enforcement,
+        out: &mut Vec<Action>,
+    ) {
+        let budget = cx.budget;
         let policy = (budget.action, budget.over_limit_seconds, own);
         if let Some(old) = mem.policy.filter(|old| *old != policy) {
             if mem.tracker.state.is_over() {
@@ -302,23 +347,39 @@ impl Enforcer {
                     policy.1,
                     cx.used_of()
                 );
-                self.event(&mut mem, now.mono_ms, Reason::BudgetChanged, note, out);
+                self.event(mem, now.mono_ms, Reason::BudgetChanged, note, out);
             }
             mem.tracker = Tracker { state: mem.tracker.state, ..Tracker::default() };
         }
         mem.policy = Some(policy);
+    }
+
+    /// Why the pod's declared share cannot be read, or why its change is ignored: told once per reason.
+    fn tell_share(&self, now: Now, mem: &mut PodMemory, budget: &Budget, out: &mut Vec<Action>) {
         if let Some(why) = budget.share_unresolved().filter(|why| mem.share_told.as_deref() != Some(*why)) {
             mem.share_told = Some(why.to_owned());
             let note = format!("its declared GPU memory share cannot be read; {}", budget.described());
-            self.event(&mut mem, now.mono_ms, Reason::ShareUnresolved, note, out);
+            self.event(mem, now.mono_ms, Reason::ShareUnresolved, note, out);
         }
         if let Some(why) = budget.share_change_ignored().filter(|why| mem.share_told.as_deref() != Some(*why)) {
             mem.share_told = Some(why.to_owned());
             let note = format!("its declared GPU memory share changed: {why}; {}", budget.described());
-            self.event(&mut mem, now.mono_ms, Reason::ShareChangeIgnored, note, out);
+            self.event(mem, now.mono_ms, Reason::ShareChangeIgnored, note, out);
         }
-        self.check_cap(now, &mut mem, cx, out);
-        mem.tracker = step(mem.tracker, &thresholds, now.mono_ms, total);
+    }
+
+    /// The state machine's step on the pod's usage; a pod near or over its limit, or moving fast, urges the pace
+    /// ([`cadence::pod`]). What feedback's messages say of the pod is kept.
+    fn step_usage(
+        &mut self,
+        now: Now,
+        mem: &mut PodMemory,
+        cx: &Context<'_>,
+        thresholds: &Thresholds,
+        prev_usage: Option<u64>,
+    ) {
+        let (budget, total) = (cx.budget, cx.usage.total);
+        mem.tracker = step(mem.tracker, thresholds, now.mono_ms, total);
         let cadence = self.settings.cadence;
         if let Some(why) =
             cadence::pod(&cadence, mem.tracker.state, total, prev_usage, self.pace.dt_ms(), thresholds.warn)
@@ -330,63 +391,81 @@ impl Enforcer {
         if !budget.has_key(&mem.last_budget) {
             mem.last_budget = budget.key();
         }
+    }
+
+    /// A move of the state machine since the last tick: the transition (metrics) and its event.
+    fn tell_transition(
+        &self,
+        now: Now,
+        mem: &mut PodMemory,
+        cx: &Context<'_>,
+        would_evict: bool,
+        out: &mut Vec<Action>,
+    ) {
+        let (budget, view) = (cx.budget, cx.view);
         let state = mem.tracker.state;
-
-        if state != mem.reported {
-            out.push(Action::Transition {
-                pod: mem.pod.clone(),
-                from: mem.reported,
-                to: state,
-                usage: total,
-                limit: budget.limit_bytes,
-                budget: mem.last_budget.clone(),
-            });
-            let event = match (mem.reported, state) {
-                (BudgetState::Within, BudgetState::Near) => Some((
-                    Reason::NearBudget,
-                    format!(
-                        "{}, at or above the {}% warning threshold; {}",
-                        cx.used_of(),
-                        budget.warn_at_percent,
-                        cx.held_by()
-                    ),
-                )),
-                (BudgetState::Within | BudgetState::Near, BudgetState::Over) => {
-                    let then = if budget.action == BudgetAction::Warn {
-                        "action is Warn: not evicted for being over its limit (only, as any pod above its \
-                         guarantee, where its GPU fills and a neighbour is short of its own)"
-                            .to_owned()
-                    } else if let Some(why) = view.never_evicted(&self.settings.critical_namespaces) {
-                        why.to_owned()
-                    } else if would_evict {
-                        format!(
-                            "observe mode ({}): would be evicted if it stays over for {}s, and is not",
-                            self.own_mode(budget).set_by,
-                            budget.over_limit_seconds
-                        )
-                    } else if budget.over_limit_seconds == 0 {
-                        "evicting now".to_owned()
-                    } else {
-                        format!("evicting if it stays over for {}s", budget.over_limit_seconds)
-                    };
-                    let why = self.not_exempt(view);
-                    Some((Reason::OverBudget, format!("{}; {then}; {}{why}", cx.used_of(), cx.held_by())))
-                }
-                (BudgetState::Over | BudgetState::Evicting, BudgetState::Within | BudgetState::Near) => {
-                    Some((Reason::WithinBudget, format!("back under the limit: {}; {}", cx.used_of(), cx.held_by())))
-                }
-                (BudgetState::Near, BudgetState::Within) => Some((
-                    Reason::WithinBudget,
-                    format!("{}, under the {}% warning threshold again", cx.used_of(), budget.warn_at_percent),
-                )),
-                _ => None,
-            };
-            if let Some((reason, note)) = event {
-                self.event(&mut mem, now.mono_ms, reason, note, out);
-            }
-            mem.reported = state;
+        if state == mem.reported {
+            return;
         }
+        out.push(Action::Transition {
+            pod: mem.pod.clone(),
+            from: mem.reported,
+            to: state,
+            usage: cx.usage.total,
+            limit: budget.limit_bytes,
+            budget: mem.last_budget.clone(),
+        });
+        let event = match (mem.reported, state) {
+            (BudgetState::Within, BudgetState::Near) => Some((
+                Reason::NearBudget,
+                format!(
+                    "{}, at or above the {}% warning threshold; {}",
+                    cx.used_of(),
+                    budget.warn_at_percent,
+                    cx.held_by()
+                ),
+            )),
+            (BudgetState::Within | BudgetState::Near, BudgetState::Over) => {
+                let then = if budget.action == BudgetAction::Warn {
+                    "action is Warn: not evicted for being over its limit (only, as any pod above its \
+                     guarantee, where its GPU fills and a neighbour is short of its own)"
+                        .to_owned()
+                } else if let Some(why) = view.never_evicted(&self.settings.critical_namespaces) {
+                    why.to_owned()
+                } else if would_evict {
+                    format!(
+                        "observe mode ({}): would be evicted if it stays over for {}s, and is not",
+                        self.own_mode(budget).set_by,
+                        budget.over_limit_seconds
+                    )
+                } else if budget.over_limit_seconds == 0 {
+                    "evicting now".to_owned()
+                } else {
+                    format!("evicting if it stays over for {}s", budget.over_limit_seconds)
+                };
+                let why = self.not_exempt(view);
+                Some((Reason::OverBudget, format!("{}; {then}; {}{why}", cx.used_of(), cx.held_by())))
+            }
+            (BudgetState::Over | BudgetState::Evicting, BudgetState::Within | BudgetState::Near) => {
+                Some((Reason::WithinBudget, format!("back under the limit: {}; {}", cx.used_of(), cx.held_by())))
+            }
+            (BudgetState::Near, BudgetState::Within) => Some((
+                Reason::WithinBudget,
+                format!("{}, under the {}% warning threshold again", cx.used_of(), budget.warn_at_percent),
+            )),
+            _ => None,
+        };
+        if let Some((reason, note)) = event {
+            self.event(mem, now.mono_ms, reason, note, out);
+        }
+        mem.reported = state;
+    }
 
+    /// Whether the pod's eviction is due, by the budget's timer or for memory pressure on a GPU, and whether it may
+    /// be carried out; or, in observe mode, whether it would have been due. Pressure relief ends for a pod back
+    /// within its guarantee, unless the request is already out.
+    fn eviction_due(&self, mem: &mut PodMemory, cx: &Context<'_>, thresholds: &OwnThresholds) -> Due {
+        let (budget, view, total, state) = (cx.budget, cx.view, cx.usage.total, mem.tracker.state);
         // Eviction: by the budget's timer (over the limit, so above any request), or for memory pressure on a
         // GPU, only while still above its request (without one, its limit): a pod back within it is not
         // evicted, unless the request is already out.
@@ -398,7 +477,7 @@ impl Enforcer {
         }
         let due = state == BudgetState::Evicting || mem.pressure.is_some();
         let evictable = due
-            && (thresholds.may_evict || mem.pressure.is_some())
+            && (thresholds.rules.may_evict || mem.pressure.is_some())
             // Pressure relief whatever the action: `Warn` is about the pod's own limit (#52).
             && (budget.action == BudgetAction::Evict || mem.pressure.is_some())
             && view.never_evicted(&self.settings.critical_namespaces).is_none()
@@ -406,12 +485,22 @@ impl Enforcer {
             && view.node.as_deref() == Some(self.settings.node.as_str());
         // Observe mode: when the state machine would have said `Evicting`, by its rule (over now, and over for
         // `overLimitSeconds` in all); a pressure eviction already under way goes on.
-        let would_be_due = would_evict
-            && thresholds.due(total, mem.tracker.over_for())
+        let would_be_due = thresholds.would_evict
+            && thresholds.rules.due(total, mem.tracker.over_for())
             && mem.pressure.is_none()
             && view.never_evicted(&self.settings.critical_namespaces).is_none()
             && !view.terminating
             && view.node.as_deref() == Some(self.settings.node.as_str());
+        Due { due, evictable, would_be_due }
+    }
+
+    /// The eviction's lifecycle moved on, as [`Self::eviction_due`] says: in observe mode told as "would evict"
+    /// once per episode; else the `Evicting` record first, then the request; refusals retried with backoff, and
+    /// the pod deleted after `blockedEvictionTimeoutSeconds`. Whether a record write went out (with the
+    /// eviction's first step).
+    fn move_eviction(&self, now: Now, mem: &mut PodMemory, cx: &Context<'_>, due: Due, out: &mut Vec<Action>) -> bool {
+        let (budget, view, total) = (cx.budget, cx.view, cx.usage.total);
+        let Due { due, evictable, would_be_due } = due;
         let mut applied = false;
         match mem.eviction {
             Eviction::Idle if would_be_due => {
@@ -439,7 +528,7 @@ impl Enforcer {
             Eviction::Idle if evictable => {
                 let at = now.wall.round(jiff::Unit::Second).unwrap_or(now.wall).to_string();
                 mem.eviction_requested_at = Some(at);
-                let record = self.desired(&mem, cx);
+                let record = self.desired(mem, cx);
                 mem.driver_pending = mem.driver_record.clone();
                 out.push(Action::Apply { pod: mem.pod.clone(), record, driver: mem.driver_record.clone() });
                 mem.write_in_flight = true;
@@ -458,8 +547,8 @@ impl Enforcer {
                 out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::Evicting, note: bounded(note) });
                 mem.eviction = Eviction::AwaitingRecord { since: now.mono_ms, failed: 0 };
             }
-            Eviction::AwaitingRecord { .. } if evictable && !mem.write_in_flight && record_landed(&mem) => {
-                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: self.grace(&mem, cx), recorded: true });
+            Eviction::AwaitingRecord { .. } if evictable && !mem.write_in_flight && record_landed(mem) => {
+                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: self.grace(mem, cx), recorded: true });
                 mem.eviction = Eviction::InFlight { attempts: 0, refused_since: None };
             }
             Eviction::AwaitingRecord { since, failed }
@@ -473,8 +562,8 @@ impl Enforcer {
                      misses this eviction",
                     seconds(now.mono_ms.saturating_sub(since))
                 );
-                self.event(&mut mem, now.mono_ms, Reason::RecordNotWritten, note, out);
-                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: self.grace(&mem, cx), recorded: false });
+                self.event(mem, now.mono_ms, Reason::RecordNotWritten, note, out);
+                out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds: self.grace(mem, cx), recorded: false });
                 mem.eviction = Eviction::InFlight { attempts: 0, refused_since: None };
             }
             // Back under before any request was accepted: no eviction happened, so the record must not say one
@@ -486,7 +575,7 @@ impl Enforcer {
             Eviction::Blocked { retry_at, attempts, refused_since }
                 if evictable && (now.mono_ms >= retry_at || blocked_too_long(budget, refused_since, now.mono_ms)) =>
             {
-                let grace_seconds = self.grace(&mem, cx);
+                let grace_seconds = self.grace(mem, cx);
                 if blocked_too_long(budget, refused_since, now.mono_ms) {
                     let note = format!(
                         "evictions refused for {}s (blockedEvictionTimeoutSeconds {}): deleting the pod with {}, as \
@@ -497,10 +586,10 @@ impl Enforcer {
                         cx.used_of(),
                         budget.under_generation()
                     );
-                    self.event(&mut mem, now.mono_ms, Reason::Deleting, note, out);
+                    self.event(mem, now.mono_ms, Reason::Deleting, note, out);
                     out.push(Action::Delete { pod: mem.pod.clone(), grace_seconds });
                 } else {
-                    out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds, recorded: record_landed(&mem) });
+                    out.push(Action::Evict { pod: mem.pod.clone(), grace_seconds, recorded: record_landed(mem) });
                 }
                 mem.eviction = Eviction::InFlight { attempts, refused_since: Some(refused_since) };
             }
@@ -510,9 +599,14 @@ impl Enforcer {
             }
             _ => {}
         }
+        applied
+    }
 
-        // The record: compared field by field, built only when due.
-        let state = record_state(&mem);
+    /// The pod's record (annotations), compared field by field and built only when due; none while a write is
+    /// out, or when the eviction's first step (`applied`) just wrote it.
+    fn write_record(&self, now: Now, mem: &mut PodMemory, cx: &Context<'_>, applied: bool, out: &mut Vec<Action>) {
+        let (budget, view) = (cx.budget, cx.view);
+        let state = record_state(mem);
         if !applied && !mem.write_in_flight && now.mono_ms >= mem.write_retry_at {
             let since_write = now.mono_ms.saturating_sub(mem.last_write_ms);
             let due = match &mem.written {
@@ -526,7 +620,7 @@ impl Enforcer {
                         || !budget.is_record_name(&w.budget)
                         || *w.node != *self.settings.node
                         || w.eviction_requested_at != mem.eviction_requested_at
-                        || cap_due(w, &mem, since_write >= self.settings.state_min_interval_ms)
+                        || cap_due(w, mem, since_write >= self.settings.state_min_interval_ms)
                         // What status counts besides the state: the pod's share and what the runtime made of its
                         // containers; they change rarely (a budget, a GPU, a container made), spaced as a move is.
                         || ((w.share != budget.held_share || w.runtime_caps != view.runtime_caps)
@@ -539,11 +633,10 @@ impl Enforcer {
             if due || driver_due {
                 mem.driver_pending = mem.driver_record.clone();
                 let driver = mem.driver_record.clone();
-                out.push(Action::Apply { pod: mem.pod.clone(), record: self.desired(&mem, cx), driver });
+                out.push(Action::Apply { pod: mem.pod.clone(), record: self.desired(mem, cx), driver });
                 mem.write_in_flight = true;
             }
         }
-        self.pods.insert(view.uid.clone(), mem);
     }
 
     /// The mode of the budget's own evictions of a pod (#54): the rules' `spec.enforcement`, else the node's.

@@ -120,6 +120,21 @@ impl Made {
     }
 }
 
+/// The pod table reads and prunes it through the index ([`crate::attribute::kube::Index::table`]).
+impl crate::attribute::kube::RuntimeMade for Made {
+    fn is_empty(&self) -> bool {
+        Made::is_empty(self)
+    }
+
+    fn retain_pods(&self, here: impl Fn(&str) -> bool) {
+        Made::retain_pods(self, here);
+    }
+
+    fn summary(&self, uid: &str) -> Option<(RuntimeCapsRecord, Option<MpsCap>)> {
+        Made::summary(self, uid)
+    }
+}
+
 /// What a pod's GPU containers as the runtime made them come to: the record (capped at the largest, or the first
 /// uncapped one and why) and, when every one is capped, the cap the agent's cap-in-force check judges.
 pub fn summary(containers: &BTreeMap<String, MadeContainer>) -> (RuntimeCapsRecord, Option<MpsCap>) {
