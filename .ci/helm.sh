@@ -182,7 +182,7 @@ METRICS = {"gpubudget_pod_gpu_memory_bytes", "gpubudget_pod_budget_bytes", "gpub
            "gpubudget_unattributed_bytes", "gpubudget_unbudgeted_bytes", "gpubudget_sample_duration_seconds",
            "gpubudget_gpu_free_bytes", "gpubudget_gpu_memory_pressure", "gpubudget_gpu_sampled",
            "gpubudget_gpu_unaccounted_bytes", "gpubudget_gpu_processes_unavailable",
-           "gpubudget_pod_table_rebuilds_total"}
+           "gpubudget_pod_table_rebuilds_total", "gpubudget_would_evict_total"}
 
 def env(container):
     return {e["name"]: e for e in container.get("env", [])}
