@@ -175,14 +175,22 @@ fn touch_operator(metrics: &OperatorMetrics) {
         namespace_label_writes,
         quota_eviction_requests,
         quota_evictions,
+        quota_would_evict,
         quota_namespaces_over,
     } = metrics;
     _ = failures.get_or_create(&ErrorLabels { error: "conflict".to_owned() });
     _ = caps_admissions.get_or_create(&CapsResult { result: "capped".to_owned() });
     _ = mirror_writes.get_or_create(&CapsResult { result: "written".to_owned() });
     duration.observe(0.001);
-    for counter in [reconciles, status_writes, events, namespace_label_writes, quota_eviction_requests, quota_evictions]
-    {
+    for counter in [
+        reconciles,
+        status_writes,
+        events,
+        namespace_label_writes,
+        quota_eviction_requests,
+        quota_evictions,
+        quota_would_evict,
+    ] {
         counter.get();
     }
     for gauge in [budgets, budgets_invalid, pods, matched_pods, leader, quota_namespaces_over] {
