@@ -135,7 +135,7 @@ impl BudgetCache {
         Change::of(changed, event, |b| key(b).0)
     }
 
-    /// Forgets the budget `namespace/name`, deleted (a metadata watch's deletion: [`super::spec_watch`]).
+    /// Forgets the budget `namespace/name`, deleted (a metadata watch's deletion: [`super::kube::spec_watch`]).
     pub fn forget(&mut self, namespace: &str, name: &str) -> Change {
         if self.index.live.remove_named(namespace, name) { Change::In(namespace.to_owned()) } else { Change::Nothing }
     }

@@ -11,7 +11,9 @@
 //! count, nor budgets of namespaces without pods here). Nothing is decided before [`Index::synced`].
 
 pub mod list;
+pub mod mirror_watch;
 mod node;
+pub mod spec_watch;
 pub mod table;
 mod watch;
 
@@ -32,9 +34,8 @@ use kube::{Api, Client};
 use tokio_util::sync::CancellationToken;
 
 use crate::attribute::budgets::{BudgetCache, Change, ClusterCache};
-use crate::attribute::mirror_watch;
 use crate::attribute::pods::{PodTable, slim_pod};
-use crate::attribute::spec_watch::{Scoped, Source, SpecEvent};
+use spec_watch::{Scoped, Source, SpecEvent};
 
 pub use table::{Cached, MadeSummary};
 
