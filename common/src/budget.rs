@@ -149,9 +149,10 @@ pub struct Budget {
     /// Only on the rules made for one pod ([`Budget::for_share`], [`Budget::for_unresolved_share`]): how its
     /// limit came from its declared share (`KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi`), or why it could not.
     pub held_share: Option<crate::share::Held>,
-    /// Only on those rules: the share could not be read because of the pod's own declaration (malformed, out of
-    /// range), not because the node's GPUs are not known yet; the agent tells the pod so.
-    pub share_fault: bool,
+    /// Only on the rules [`Budget::for_unresolved_share`] made: why the share could not be resolved, the pod's
+    /// own declaration ([`ShareFault::Invalid`](crate::share::ShareFault::Invalid): the agent tells the pod so)
+    /// or the node's GPUs not known yet.
+    pub share_fault: Option<crate::share::ShareFault>,
     /// Only on the rules made for one pod ([`Budget::for_declared_since`]): the share the pod declares now (or
     /// its removal, or an unreadable one) would loosen the share it was first held to, and is ignored; why, in
     /// words (#51: a share is fixed when the pod is placed and only tightens).
@@ -239,7 +240,7 @@ impl Budget {
             tightened_by: None,
             share: spec.share.as_ref().map(|s| crate::share::Sources::of(&s.sources)),
             held_share: None,
-            share_fault: false,
+            share_fault: None,
             share_kept: None,
         })
     }
@@ -288,7 +289,7 @@ impl Budget {
         let sources = self.share?;
         match declaration.under(sources, gpu_totals)? {
             Ok(share) => Some(self.for_share(&share)),
-            Err(why) => Some(self.for_unresolved_share(&why, declaration.fault(sources).is_some())),
+            Err(fault) => Some(self.for_unresolved_share(fault)),
         }
     }
 
@@ -315,10 +316,9 @@ impl Budget {
         let ignored = match held_now {
             Some(h) if h.resolved() && h.limit_bytes <= first.limit_bytes => return now,
             Some(h) if h.resolved() => format!("the share declared now ({}) is more", h.note),
-            Some(_) => match declaration.under(sources, gpu_totals) {
+            Some(_) => match now.as_ref().and_then(|r| r.share_fault.as_ref()) {
+                Some(why) if why.is_pods() => format!("the share declared now cannot be read ({why})"),
                 // The node's GPUs not known yet (an agent's restart): the first share holds, nothing to tell.
-                Some(Err(_)) if declaration.fault(sources).is_none() => String::new(),
-                Some(Err(why)) => format!("the share declared now cannot be read ({why})"),
                 _ => String::new(),
             },
             None => "the share was removed".to_owned(),
@@ -347,17 +347,24 @@ impl Budget {
         self.share_kept.as_deref()
     }
 
-    /// This budget's rules for a pod whose declared share could not be read (`why`; `fault`: because of the
-    /// pod's own declaration): the budget's own, with the reason in every message, never a guessed share.
-    pub fn for_unresolved_share(&self, why: &str, fault: bool) -> Budget {
-        let note = format!("share unresolved: {why}; held to the budget's limit {}", self.limit_text);
-        Budget { share_fault: fault, ..self.with_held(crate::share::Held::new(self.limit_bytes, Vec::new(), note)) }
+    /// This budget's rules for a pod whose declared share could not be resolved, for `fault`: the budget's own,
+    /// with the reason in every message, never a guessed share.
+    pub fn for_unresolved_share(&self, fault: crate::share::ShareFault) -> Budget {
+        let note = format!("share unresolved: {fault}; held to the budget's limit {}", self.limit_text);
+        let held = crate::share::Held::new(self.limit_bytes, Vec::new(), note);
+        Budget { share_fault: Some(fault), ..self.with_held(held) }
     }
 
     /// Where these are a pod's rules from a declared share that could not be read because of the pod (its
     /// declaration malformed or out of range, not the node's GPUs still unknown): the note saying why.
     pub fn share_unresolved(&self) -> Option<&str> {
-        self.held_share.as_ref().map(|h| h.note.as_str()).filter(|_| self.share_fault)
+        self.held_share.as_ref().map(|h| h.note.as_str()).filter(|_| self.share_fault_is_pods())
+    }
+
+    /// Whether these are a pod's rules from a declared share that could not be read because of the pod's own
+    /// declaration ([`ShareFault::is_pods`](crate::share::ShareFault::is_pods)).
+    pub fn share_fault_is_pods(&self) -> bool {
+        self.share_fault.as_ref().is_some_and(crate::share::ShareFault::is_pods)
     }
 
     /// The grace period (seconds) for evicting a pod whose own `terminationGracePeriodSeconds` is
@@ -1241,7 +1248,7 @@ mod tests {
         let garbage = since(&Declaration::invalid(ShareSource::KaiFraction, "gpu-fraction: \"lots\""), &gpu);
         assert_eq!(garbage.limit_bytes, 20 << 30);
         assert!(garbage.share_change_ignored().is_some_and(|w| w.contains("cannot be read (gpu-fraction: \"lots\")")));
-        assert!(!garbage.share_fault, "held to the first share, not to the budget's limit");
+        assert_eq!(garbage.share_fault, None, "held to the first share, not to the budget's limit");
         // A tighter share takes effect, with nothing to tell; so does the same one.
         let tighter = since(&kai_fraction(125_000), &gpu);
         assert_eq!((tighter.limit_bytes, tighter.guaranteed_bytes(), tighter.share_kept), (10 << 30, 10 << 30, None));

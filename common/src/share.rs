@@ -165,9 +165,42 @@ pub enum Declaration {
     },
 }
 
-/// Why a fraction is unresolved before NVML has told the node's GPU sizes: a moment at an agent's start, not a
-/// fault of the pod (`Budget::share_fault` stays false).
-const NOT_KNOWN_YET: &str = "the node's GPU memory is not known yet";
+/// Why a declared share could not be resolved on a node. Its `Display` is the reason as messages tell it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ShareFault {
+    /// A fraction or replica before NVML has told the node's GPU sizes: a moment at an agent's start, not a
+    /// fault of the pod.
+    NotKnownYet,
+    /// GPU replicas asked for, not yet read against the node's labels ([`Declaration::on_node`]).
+    ReplicasNotKnown,
+    /// A value the pod declares, from a source the budget reads, is malformed or out of range: the pod's own
+    /// fault (the first faulty source read, [`Declaration::fault`]).
+    Invalid {
+        /// The faulty source.
+        source: ShareSource,
+        /// Why, in words (`gpu-fraction: "lots" is not a decimal …`).
+        why: String,
+    },
+}
+
+impl fmt::Display for ShareFault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ShareFault::NotKnownYet => f.write_str("the node's GPU memory is not known yet"),
+            ShareFault::ReplicasNotKnown => f.write_str("the node's MPS replicas are not known"),
+            ShareFault::Invalid { why, .. } => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for ShareFault {}
+
+impl ShareFault {
+    /// Whether the pod's own declaration is at fault ([`ShareFault::Invalid`]), not the node's state.
+    pub fn is_pods(&self) -> bool {
+        matches!(self, ShareFault::Invalid { .. })
+    }
+}
 
 /// A declared share on this node's GPUs.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -329,13 +362,14 @@ impl Declaration {
         Declaration::Invalid { faults: vec![(source, why.into())], terms: Vec::new() }
     }
 
-    /// The reason a budget reading `sources` cannot resolve this declaration because of the pod's own values
-    /// (the first faulty source it reads); `None` when every source it reads is well formed.
-    pub fn fault(&self, sources: Sources) -> Option<&str> {
+    /// Why a budget reading `sources` cannot resolve this declaration because of the pod's own values (the
+    /// first faulty source it reads, [`ShareFault::Invalid`]); `None` when every source it reads is well formed.
+    pub fn fault(&self, sources: Sources) -> Option<ShareFault> {
         match self {
-            Declaration::Invalid { faults, .. } => {
-                faults.iter().find(|(s, _)| sources.has(*s)).map(|(_, why)| why.as_str())
-            }
+            Declaration::Invalid { faults, .. } => faults
+                .iter()
+                .find(|(s, _)| sources.has(*s))
+                .map(|(source, why)| ShareFault::Invalid { source: *source, why: why.clone() }),
             _ => None,
         }
     }
@@ -487,15 +521,15 @@ fn fraction(v: &str) -> Result<u32, String> {
 
 impl Term {
     /// Bytes on a node whose GPUs each hold at least `gpu_bytes` (the smallest GPU there).
-    fn bytes(&self, gpu_bytes: Option<u64>) -> Result<u64, String> {
+    fn bytes(&self, gpu_bytes: Option<u64>) -> Result<u64, ShareFault> {
         let per = match self.amount {
             Amount::Mib(mib) => mib * MIB,
             Amount::PerMillion(pm) => {
-                let total = gpu_bytes.ok_or(NOT_KNOWN_YET)?;
+                let total = gpu_bytes.ok_or(ShareFault::NotKnownYet)?;
                 ((u128::from(total) * u128::from(pm)) / u128::from(MILLION)) as u64
             }
-            Amount::Replica(r) => gpu_bytes.ok_or(NOT_KNOWN_YET)? / u64::from(r),
-            Amount::NodeReplicas => return Err("the node's MPS replicas are not known".to_owned()),
+            Amount::Replica(r) => gpu_bytes.ok_or(ShareFault::NotKnownYet)? / u64::from(r),
+            Amount::NodeReplicas => return Err(ShareFault::ReplicasNotKnown),
         };
         Ok(per.saturating_mul(u64::from(self.devices)))
     }
@@ -534,7 +568,7 @@ fn decimal(pm: u32) -> String {
 
 /// What `terms` come to on a node whose GPUs hold `gpu_totals` bytes each (the smallest counts, so that a
 /// fraction is never looser than on the GPU the pod got). Fractions and replicas need the totals; MiB do not.
-pub fn resolve(terms: &[Term], gpu_totals: &[u64]) -> Result<Resolved, String> {
+pub fn resolve(terms: &[Term], gpu_totals: &[u64]) -> Result<Resolved, ShareFault> {
     let smallest = gpu_totals.iter().copied().filter(|t| *t > 0).min();
     let mut bytes = 0u64;
     let mut parts = Vec::with_capacity(terms.len());
@@ -648,11 +682,11 @@ impl std::str::FromStr for Declaration {
 impl Declaration {
     /// The share this declaration gives under a budget reading `sources`, on GPUs of `gpu_totals` bytes:
     /// `None` when it declares nothing those sources read; `Some(Err(why))` when it cannot be resolved (a
-    /// source it reads is faulty, [`Declaration::fault`], or the node's GPUs are not known yet). A faulty
-    /// source the budget does not read spoils nothing.
-    pub fn under(&self, sources: Sources, gpu_totals: &[u64]) -> Option<Result<Resolved, String>> {
-        if let Some(why) = self.fault(sources) {
-            return Some(Err(why.to_owned()));
+    /// source it reads is faulty, [`ShareFault::Invalid`], or the node's GPUs are not known yet,
+    /// [`ShareFault::NotKnownYet`]). A faulty source the budget does not read spoils nothing.
+    pub fn under(&self, sources: Sources, gpu_totals: &[u64]) -> Option<Result<Resolved, ShareFault>> {
+        if let Some(fault) = self.fault(sources) {
+            return Some(Err(fault));
         }
         let terms = match self {
             Declaration::None => return None,

@@ -230,7 +230,7 @@ pub fn decide(view: &View, pod: &PodSandbox, container: &Container, mps_pipe: Op
     // A share the node cannot size yet (a fraction before NVML told the GPUs' memory) is not known: the container
     // waits for it like any unknown (#51), never capped at the budget's limit for its whole life. A share that
     // cannot be read because of the pod's own values is held to the limit, as enforcement holds it.
-    if let Some(held) = budget.held_share.as_ref().filter(|h| !h.resolved() && !budget.share_fault) {
+    if let Some(held) = budget.held_share.as_ref().filter(|h| !h.resolved() && !budget.share_fault_is_pods()) {
         let (namespace, name, note) = (pod.namespace.clone(), pod.name.clone(), held.note.clone());
         return Decision::Unknown(NotKnown::ShareNotSized { namespace, name, note });
     }

@@ -36,7 +36,7 @@ fn share(d: Declaration) -> Vec<Term> {
 
 fn invalid(d: Declaration) -> String {
     match d.fault(Sources::ALL) {
-        Some(why) => why.to_owned(),
+        Some(why) => why.to_string(),
         None => panic!("expected invalid, got {d:?}"),
     }
 }
@@ -47,7 +47,19 @@ fn a_kai_fraction_resolves_against_the_gpu_and_says_so() {
     let r = resolve(&terms, &[H100]).expect("resolves");
     assert_eq!(r.bytes, H100 / 2);
     assert_eq!(r.text, "KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi");
-    assert_eq!(resolve(&terms, &[]).unwrap_err(), "the node's GPU memory is not known yet");
+    assert_eq!(resolve(&terms, &[]), Err(ShareFault::NotKnownYet));
+}
+
+/// What each fault says in messages (users read these words: they are kept).
+#[test]
+fn share_faults_say_why_in_words() {
+    assert_eq!(ShareFault::NotKnownYet.to_string(), "the node's GPU memory is not known yet");
+    assert_eq!(ShareFault::ReplicasNotKnown.to_string(), "the node's MPS replicas are not known");
+    let invalid = ShareFault::Invalid { source: ShareSource::KaiFraction, why: "gpu-fraction: \"lots\"".into() };
+    assert_eq!(invalid.to_string(), "gpu-fraction: \"lots\"");
+    assert!(invalid.is_pods() && !ShareFault::NotKnownYet.is_pods() && !ShareFault::ReplicasNotKnown.is_pods());
+    let replicas = Term { source: ShareSource::MpsReplicas, amount: Amount::NodeReplicas, devices: 1 };
+    assert_eq!(resolve(&[replicas], &[H100]), Err(ShareFault::ReplicasNotKnown));
 }
 
 #[test]
@@ -195,9 +207,12 @@ fn a_budget_reads_only_its_sources_and_an_invalid_declaration_is_never_a_share()
     let d = Declaration::Share(d);
     assert_eq!(d.under(Sources::of(&[ShareSource::HamiMemory]), &[H100]), None);
     assert_eq!(d.under(Sources::ALL, &[H100]).unwrap().unwrap().bytes, H100 / 2);
-    assert!(d.under(Sources::ALL, &[]).unwrap().is_err(), "no GPU known: unresolved, not guessed");
     let x = Declaration::invalid(ShareSource::KaiFraction, "x");
-    assert_eq!(x.under(Sources::ALL, &[H100]), Some(Err("x".into())));
+    assert_eq!(
+        x.under(Sources::ALL, &[H100]),
+        Some(Err(ShareFault::Invalid { source: ShareSource::KaiFraction, why: "x".into() }))
+    );
+    assert_eq!(d.under(Sources::ALL, &[]), Some(Err(ShareFault::NotKnownYet)));
 }
 
 proptest! {
@@ -237,7 +252,7 @@ proptest! {
         limits.insert(HAMI_MEMORY.into(), k8s_openapi::apimachinery::pkg::api::resource::Quantity(junk.clone()));
         match declared(&p, None, Sources::ALL) {
             Declaration::Share(t) => prop_assert!(crate::quantity::parse_whole(&junk).is_ok() && t.len() == 1),
-            d => prop_assert!(d.fault(Sources::ALL).is_some_and(|w| w.len() < 600)),
+            d => prop_assert!(d.fault(Sources::ALL).is_some_and(|w| w.to_string().len() < 600)),
         }
     }
 
@@ -320,14 +335,18 @@ spec:
     let hami_only = Sources::of(&[ShareSource::HamiMemory]);
     assert_eq!(d.fault(hami_only), None);
     assert_eq!(d.under(hami_only, &[]).expect("declared").expect("resolves").bytes, 20_000 * MIB);
-    let why = d.fault(Sources::ALL).expect("KAI's value is faulty");
-    assert!(why.starts_with("gpu-fraction: \"lots\""), "{why}");
-    assert_eq!(d.under(Sources::ALL, &[H100]), Some(Err(why.to_owned())));
+    let fault = d.fault(Sources::ALL).expect("KAI's value is faulty");
+    assert!(
+        matches!(&fault, ShareFault::Invalid { source: ShareSource::KaiFraction, why } if why.starts_with("gpu-fraction: \"lots\"")),
+        "{fault:?}"
+    );
+    assert_eq!(d.under(Sources::ALL, &[H100]), Some(Err(fault)));
     assert_eq!(d.to_string().parse::<Declaration>(), Ok(d.clone()), "kept through the agent's cache");
     // A fault in the node's MPS labels spoils the replicas only.
     let q = hami("nvidia.com/gpu: 1, nvidia.com/gpumem: 1024");
     let bad = labels(&[(SHARING_STRATEGY, "mps"), (REPLICAS, "many")]);
     let on = declared_by_pod(&q, Sources::ALL).on_node(Some(&bad));
     assert_eq!(on.under(hami_only, &[]).expect("declared").expect("resolves").bytes, GIB);
-    assert!(on.fault(Sources::of(&[ShareSource::MpsReplicas])).expect("faulty").contains("nvidia.com/gpu.replicas"));
+    assert!(matches!(on.fault(Sources::of(&[ShareSource::MpsReplicas])),
+                 Some(ShareFault::Invalid { source: ShareSource::MpsReplicas, why }) if why.contains("nvidia.com/gpu.replicas")));
 }
