@@ -148,7 +148,7 @@ pub struct Budget {
     pub share: Option<crate::share::Sources>,
     /// Only on the rules made for one pod ([`Budget::for_share`], [`Budget::for_unresolved_share`]): how its
     /// limit came from its declared share (`KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi`), or why it could not.
-    pub held_share: Option<crate::share::Held>,
+    pub held_share: Option<crate::share::HeldShare>,
     /// Only on the rules [`Budget::for_unresolved_share`] made: why the share could not be resolved, the pod's
     /// own declaration ([`ShareFault::Invalid`](crate::share::ShareFault::Invalid): the agent tells the pod so)
     /// or the node's GPUs not known yet.
@@ -254,12 +254,12 @@ impl Budget {
         } else {
             share.text.clone()
         };
-        self.with_held(crate::share::Held::new(share.bytes, share.sources.clone(), note))
+        self.with_held(crate::share::HeldShare::new(share.bytes, share.sources.clone(), note))
     }
 
     /// This budget's rules for a pod held as `held` says (how the agent resolved its share, as its record
     /// carries it): the limit is the held one, at most the budget's; a resolved share is the pod's request too.
-    pub fn with_held(&self, mut held: crate::share::Held) -> Budget {
+    pub fn with_held(&self, mut held: crate::share::HeldShare) -> Budget {
         let limit = held.limit_bytes.clamp(1, self.limit_bytes);
         held.limit_bytes = limit;
         let (request_bytes, request_text) = if held.resolved() {
@@ -305,7 +305,7 @@ impl Budget {
         &self,
         declaration: &crate::share::Declaration,
         gpu_totals: &[u64],
-        first: Option<&crate::share::Held>,
+        first: Option<&crate::share::HeldShare>,
     ) -> Option<Budget> {
         let now = self.for_declared(declaration, gpu_totals);
         let sources = self.share?;
@@ -336,7 +336,7 @@ impl Budget {
                  first, {}",
                 first.note
             );
-            crate::share::Held::new(0, Vec::new(), why).note
+            crate::share::HeldShare::new(0, Vec::new(), why).note
         });
         Some(kept)
     }
@@ -351,7 +351,7 @@ impl Budget {
     /// with the reason in every message, never a guessed share.
     pub fn for_unresolved_share(&self, fault: crate::share::ShareFault) -> Budget {
         let note = format!("share unresolved: {fault}; held to the budget's limit {}", self.limit_text);
-        let held = crate::share::Held::new(self.limit_bytes, Vec::new(), note);
+        let held = crate::share::HeldShare::new(self.limit_bytes, Vec::new(), note);
         Budget { share_fault: Some(fault), ..self.with_held(held) }
     }
 
@@ -716,7 +716,7 @@ pub fn with_declared_since<'a>(
     budgets: impl IntoIterator<Item = &'a Budget>,
     declaration: &crate::share::Declaration,
     gpu_totals: &[u64],
-    first: Option<&crate::share::Held>,
+    first: Option<&crate::share::HeldShare>,
 ) -> Vec<std::borrow::Cow<'a, Budget>> {
     budgets
         .into_iter()
@@ -1259,7 +1259,7 @@ mod tests {
         // A budget that reads other sources, or no first share resolved: the declaration as it is.
         let hami_only = Budget { share: Some(Sources::of(&[ShareSource::HamiMemory])), ..b.clone() };
         assert_eq!(hami_only.for_declared_since(&kai_fraction(1_000_000), &gpu, Some(&first)), None);
-        let unresolved = crate::share::Held::new(80 << 30, Vec::new(), "share unresolved".into());
+        let unresolved = crate::share::HeldShare::new(80 << 30, Vec::new(), "share unresolved".into());
         assert_eq!(
             b.for_declared_since(&kai_fraction(1_000_000), &gpu, Some(&unresolved)),
             b.for_declared(&kai_fraction(1_000_000), &gpu)

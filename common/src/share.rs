@@ -217,7 +217,7 @@ pub struct Resolved {
 /// (`gpubudget.io/share`) and says in messages; status, `why` and `top` read it back.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Held {
+pub struct HeldShare {
     /// The pod's limit, bytes: its share (at most the budget's limit), or the budget's limit where unresolved.
     pub limit_bytes: u64,
     /// The sources the share was read from; empty where it is unresolved.
@@ -231,7 +231,7 @@ pub struct Held {
     pub ignored: Option<String>,
 }
 
-impl Held {
+impl HeldShare {
     /// The longest note kept: longer ones (many HAMi containers) are cut, ending in `…`.
     pub const NOTE_MAX: usize = 300;
     /// The longest annotation read back: more than any the agent writes (two notes, every character escaped).

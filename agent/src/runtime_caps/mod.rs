@@ -30,7 +30,7 @@ use std::time::Duration;
 use gpubudget_common::caps::runtime::{self, Adjustment};
 use gpubudget_common::{Budget, CriticalNamespaces};
 
-use gpubudget_common::caps::{Caps, Devices, Held};
+use gpubudget_common::caps::{Caps, ContainerCap, Devices};
 use gpubudget_nri::api::{Container, ContainerAdjustment, PodSandbox};
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
@@ -306,7 +306,7 @@ impl RuntimeCaps {
         let Some(devices) = devices_of(c, view.borrow().gpus) else { return };
         let held = runtime::held_in(&c.name, &c.env, devices);
         self.made.remember(&pod.uid, &c.name, held, devices.known().unwrap_or(0));
-        if let (Held::Uncapped(why), Decision::Adjust { pod: pod_ref, how, .. }) =
+        if let (ContainerCap::Uncapped(why), Decision::Adjust { pod: pod_ref, how, .. }) =
             (held, decide(&view.borrow(), pod, c, self.settings.mps_pipe.as_deref()))
         {
             let note = format!(
@@ -426,7 +426,7 @@ pub fn confirmation(
     name: &str,
     env: &[String],
     expected: Option<Expect>,
-    held: Held,
+    held: ContainerCap,
     decision: &Decision,
 ) -> Option<(Reason, String)> {
     let values = || {
@@ -435,14 +435,14 @@ pub fn confirmation(
         set.join(" ")
     };
     match (expected, held) {
-        (Some(Expect::Capped { how }), Held::Capped { .. }) => Some((
+        (Some(Expect::Capped { how }), ContainerCap::Capped { .. }) => Some((
             Reason::CappedAtCreation,
             format!(
                 "container {name} capped by the runtime at creation (read back from the container it made), {how}: {}",
                 values()
             ),
         )),
-        (Some(Expect::Capped { how }), Held::Uncapped(why)) => Some((
+        (Some(Expect::Capped { how }), ContainerCap::Uncapped(why)) => Some((
             Reason::NotCappedAtCreation,
             format!(
                 "container {name}: the runtime made it without the caps it was given ({why}); {how}; eviction still \
@@ -451,14 +451,14 @@ pub fn confirmation(
         )),
         (Some(Expect::Uncapped { note }), _) => Some((Reason::NotCappedAtCreation, note)),
         (None, held) => match (decision, held) {
-            (Decision::Adjust { how, .. }, Held::Uncapped(why)) => Some((
+            (Decision::Adjust { how, .. }, ContainerCap::Uncapped(why)) => Some((
                 Reason::NotCappedAtCreation,
                 format!(
                     "container {name} was made while the agent did not answer the runtime: not capped at creation \
                      ({why}); {how}; eviction still holds the pod to its budget"
                 ),
             )),
-            (Decision::Adjust { how, .. }, Held::Capped { .. }) => Some((
+            (Decision::Adjust { how, .. }, ContainerCap::Capped { .. }) => Some((
                 Reason::CappedAtCreation,
                 format!(
                     "container {name} made capped (read back from the container the runtime made), {how}: {}",

@@ -356,22 +356,22 @@ proptest! {
 
 #[test]
 fn a_held_share_round_trips_and_its_note_is_bounded() {
-    let held = Held::new(20 << 30, vec![ShareSource::KaiFraction], "KAI gpu-fraction 0.25 of 80Gi = 20Gi".into());
+    let held = HeldShare::new(20 << 30, vec![ShareSource::KaiFraction], "KAI gpu-fraction 0.25 of 80Gi = 20Gi".into());
     assert!(held.resolved());
-    assert_eq!(Held::from_annotation(&held.to_annotation()), Some(held));
+    assert_eq!(HeldShare::from_annotation(&held.to_annotation()), Some(held));
     // Many HAMi containers make a long note: cut on a character boundary, marked.
     let long = "HAMi gpumem 10240 MiB × 2 GPUs + ".repeat(40);
-    let cut = Held::new(1, vec![], long.clone());
-    assert!(cut.note.len() <= Held::NOTE_MAX && cut.note.ends_with('…') && long.starts_with(&cut.note[..200]));
+    let cut = HeldShare::new(1, vec![], long.clone());
+    assert!(cut.note.len() <= HeldShare::NOTE_MAX && cut.note.ends_with('…') && long.starts_with(&cut.note[..200]));
     assert!(!cut.resolved(), "no source: unresolved");
-    assert_eq!(Held::from_annotation(&cut.to_annotation()).map(|h| h.note), Some(cut.note));
+    assert_eq!(HeldShare::from_annotation(&cut.to_annotation()).map(|h| h.note), Some(cut.note));
     // Anything else is no record: garbage, or longer than the agent writes.
-    assert_eq!(Held::from_annotation("KAI 0.5"), None);
-    assert_eq!(Held::from_annotation(&format!("{{\"limitBytes\":1,\"note\":\"{}\"}}", "x".repeat(1800))), None);
+    assert_eq!(HeldShare::from_annotation("KAI 0.5"), None);
+    assert_eq!(HeldShare::from_annotation(&format!("{{\"limitBytes\":1,\"note\":\"{}\"}}", "x".repeat(1800))), None);
     // The longest the agent writes, a kept share's included, is read back.
     let quotes = "\"".repeat(400);
-    let longest = Held::new(1, vec![ShareSource::KaiMemory], quotes.clone()).kept_over(quotes);
-    assert_eq!(Held::from_annotation(&longest.to_annotation()), Some(longest));
+    let longest = HeldShare::new(1, vec![ShareSource::KaiMemory], quotes.clone()).kept_over(quotes);
+    assert_eq!(HeldShare::from_annotation(&longest.to_annotation()), Some(longest));
 }
 
 /// #51: the API server stores `nvidia.com/gpumem: 20000` as `20k` (every multiple of 1 000 is shortened): each
