@@ -99,12 +99,34 @@ impl std::fmt::Display for SetBy {
 }
 
 impl SetBy {
-    /// `agent`, `node` or `budget` (a metric's label).
-    pub fn level(&self) -> &'static str {
+    /// The level alone, without the rules that name a budget.
+    pub fn level(&self) -> Level {
         match self {
-            SetBy::Agent => "agent",
-            SetBy::Node => "node",
-            SetBy::Budget(_) => "budget",
+            SetBy::Agent => Level::Agent,
+            SetBy::Node => Level::Node,
+            SetBy::Budget(_) => Level::Budget,
+        }
+    }
+}
+
+/// The level that set a mode ([`SetBy`] without the budget's name): a metric's label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Level {
+    /// The agent's default.
+    Agent,
+    /// The Node's label.
+    Node,
+    /// The budget's `spec.enforcement`.
+    Budget,
+}
+
+impl Level {
+    /// `agent`, `node` or `budget` (a metric's label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Level::Agent => "agent",
+            Level::Node => "node",
+            Level::Budget => "budget",
         }
     }
 }
@@ -209,7 +231,7 @@ mod tests {
         fn the_nearest_level_set_decides(agent in any_mode(), label in prop::option::of(any_mode()), field in any_field()) {
             let mode = for_budget(&node(agent, label), field, || "b".into());
             prop_assert_eq!(mode.enforcement, field.or(label).unwrap_or(agent));
-            let level = if field.is_some() { "budget" } else if label.is_some() { "node" } else { "agent" };
+            let level = if field.is_some() { Level::Budget } else if label.is_some() { Level::Node } else { Level::Agent };
             prop_assert_eq!(mode.set_by.level(), level);
         }
     }

@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use gpubudget_common::share::Declaration;
 
-use crate::act::WriteLabels;
+use crate::act::SpecReadLabels;
 use crate::act::kube::KubeExecutor;
 use crate::act::usage::UsageWriter;
 use crate::attribute::ProcAttributor;
@@ -67,7 +67,7 @@ pub struct Mirroring {
     /// The Lease by which the operator vouches for the mirrors (namespace, name).
     pub lease: Option<(String, String)>,
     /// `gpubudget_budget_spec_reads_total`.
-    pub spec_reads: Family<WriteLabels, Counter>,
+    pub spec_reads: Family<SpecReadLabels, Counter>,
     /// `gpubudget_budget_specs_from_mirrors`.
     pub specs_from_mirrors: Family<KindLabels, Gauge>,
     /// Events on the Node (going back to the budgets).
@@ -410,11 +410,11 @@ fn from_mirrors(
 }
 
 /// Counts a budget spec read in `gpubudget_budget_spec_reads_total{kind,result}`.
-fn counted(reads: &Family<WriteLabels, Counter>) -> impl Fn(&'static str, bool) + Send + 'static {
+fn counted(reads: &Family<SpecReadLabels, Counter>) -> impl Fn(&'static str, bool) + Send + 'static {
     let reads = reads.clone();
     move |kind, ok| {
         let result = if ok { "ok" } else { "error" };
-        reads.get_or_create(&WriteLabels { kind: kind.to_owned(), result: result.to_owned() }).inc();
+        reads.get_or_create(&SpecReadLabels { kind: kind.to_owned(), result: result.to_owned() }).inc();
     }
 }
 

@@ -32,7 +32,7 @@ use gpubudget_common::{Budget, CriticalNamespaces};
 
 use gpubudget_common::caps::{Caps, ContainerCap, Devices};
 use gpubudget_nri::api::{Container, ContainerAdjustment, PodSandbox};
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
@@ -118,11 +118,7 @@ impl Outcome {
     }
 }
 
-impl EncodeLabelValue for Outcome {
-    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
-        std::fmt::Write::write_str(encoder, self.as_str())
-    }
-}
+gpubudget_daemon::label_values!(Outcome);
 
 /// `{outcome}` of a container creation the plugin saw.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -125,7 +125,7 @@ fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Evict { grace_seconds, .. } => format!("evict:{grace_seconds:?}"),
             Action::NodeEvent { reason, .. } => format!("node:{}", reason.as_str()),
             Action::Delete { grace_seconds, .. } => format!("delete:{grace_seconds:?}"),
-            Action::WouldEvict { cause, set_by, .. } => format!("would-evict:{cause}:{set_by}"),
+            Action::WouldEvict { cause, set_by, .. } => format!("would-evict:{}:{}", cause.as_str(), set_by.as_str()),
         })
         .collect()
 }
