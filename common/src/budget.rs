@@ -1012,7 +1012,7 @@ mod tests {
             )
             .expect("parses"),
         );
-        assert!(bad.expect_err("bad").to_string().starts_with("spec.namespaceSelector: "));
+        assert!(matches!(bad, Err(SpecError::NamespaceSelector(_))), "{bad:?}");
         let unnamed: ClusterGpuMemoryBudget =
             serde_yaml::from_str("apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {}\nspec: {selector: {}, limit: 1Gi}\n")
                 .expect("parses");
