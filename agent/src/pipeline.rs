@@ -113,7 +113,7 @@ impl Engine {
                 }
             }
             for _ in failures..reader.failures {
-                self.metrics.nvml_error("memory_limits");
+                self.metrics.nvml_error(crate::sample::Call::MemoryLimits);
             }
             self.driver_series.update(&self.metrics, table, &self.driver_views);
         }

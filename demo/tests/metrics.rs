@@ -140,7 +140,7 @@ fn touch_agent(metrics: &AgentMetrics) {
     _ = spec_reads.get_or_create(&SpecReadLabels { kind: s("get"), result: s("ok") });
     _ = specs_from_mirrors.get_or_create(&KindLabels { kind: s("GpuMemoryBudget") });
     evictions_without_record.get();
-    _ = nvml_errors.get_or_create(&CallLabels { call: s("init") });
+    _ = nvml_errors.get_or_create(&CallLabels { call: gpubudget_agent::sample::Call::Init });
     for family in [
         unattributed,
         unbudgeted,

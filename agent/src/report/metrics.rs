@@ -107,7 +107,7 @@ pub struct PodLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CallLabels {
     /// The failing call.
-    pub call: String,
+    pub call: crate::sample::Call,
 }
 
 /// `{gpu}`.
@@ -370,8 +370,8 @@ impl Metrics {
     }
 
     /// Counts one failed call.
-    pub fn nvml_error(&self, call: &str) {
-        self.nvml_errors.get_or_create(&CallLabels { call: call.to_owned() }).inc();
+    pub fn nvml_error(&self, call: crate::sample::Call) {
+        self.nvml_errors.get_or_create(&CallLabels { call }).inc();
     }
 }
 
