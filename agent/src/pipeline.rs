@@ -10,7 +10,7 @@ use crate::attribute::driver_limits::{DriverReader, DriverView};
 use crate::attribute::pods::PodTable;
 use crate::decide::Enforcer;
 use crate::decide::{Action, Feedback, Now, Settings};
-use crate::report::metrics::{DriverSeries, Metrics, SeriesTracker};
+use crate::report::metrics::{DriverLimitsResult, DriverSeries, Metrics, SeriesTracker};
 use crate::sample::{SamplerSlot, SlotOutcome, Snapshot, monotonic_now};
 
 /// What a tick did.
@@ -108,11 +108,12 @@ impl Engine {
                 };
                 reader.apply(snapshot, plan, now.mono_ms, &mut self.driver_views, &mut self.applied);
                 for a in &self.applied {
-                    self.metrics.driver_limits_applied(if a.held() { "applied" } else { "failed" });
+                    let result = if a.held() { DriverLimitsResult::Applied } else { DriverLimitsResult::Failed };
+                    self.metrics.driver_limits_applied(result);
                 }
             }
             for _ in failures..reader.failures {
-                self.metrics.nvml_error("memory_limits");
+                self.metrics.nvml_error(crate::sample::Call::MemoryLimits);
             }
             self.driver_series.update(&self.metrics, table, &self.driver_views);
         }

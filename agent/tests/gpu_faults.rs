@@ -7,7 +7,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use gpubudget_agent::sample::nvml::{Listed, NvmlSampler, ProcessList, RefreshMode};
-use gpubudget_agent::sample::{Backoff, GpuHealth, Snapshot};
+use gpubudget_agent::sample::{Backoff, Call, GpuHealth, SampleError, Snapshot};
 use support::fake_nvml::{FakeGpu, FakeNvml, Fault};
 
 const GI: u64 = 1 << 30;
@@ -28,10 +28,10 @@ fn pids(snapshot: &Snapshot) -> Vec<(usize, u32, Option<u64>)> {
     snapshot.processes.iter().map(|p| (p.gpu, p.pid.expect("pid"), p.bytes)).collect()
 }
 
-fn failed(snapshot: &Snapshot, gpu: usize) -> Option<(String, u32)> {
+fn failed(snapshot: &Snapshot, gpu: usize) -> Option<(SampleError, u32)> {
     match &snapshot.readings[gpu].health {
         GpuHealth::Sampled => None,
-        GpuHealth::Failed { error, failures } => Some((error.to_string(), *failures)),
+        GpuHealth::Failed { error, failures } => Some((error.clone(), *failures)),
     }
 }
 
@@ -57,7 +57,7 @@ fn a_gpu_lost_mid_run_fails_alone_is_retried_with_backoff_and_comes_back() {
     s.sample_at(t, &mut out).expect("one GPU lost is not a failed sample");
     assert_eq!(pids(&out), [(0, 100, Some(10 * GI))]);
     let (error, failures) = failed(&out, 1).expect("GPU 1 failed");
-    assert!(error.contains("GPU is lost"), "{error}");
+    assert_eq!((error.call, error.message.as_str()), (Call::DeviceByIndex, "GPU is lost"), "{error}");
     assert_eq!(failures, 1);
     assert_eq!(out.memory(1), None);
     assert!(out.memory(0).is_some());
@@ -148,7 +148,7 @@ fn a_list_that_fails_fails_its_gpu_only() {
     let mut out = Snapshot::default();
     s.sample_at(t0, &mut out).expect("sample");
     let (error, _) = failed(&out, 0).expect("GPU 0 failed");
-    assert!(error.starts_with("mps_running_compute_processes"), "{error}");
+    assert_eq!(error.call, Call::MpsRunningComputeProcesses, "{error}");
     assert_eq!(pids(&out), [(1, 200, Some(20 * GI))]);
 }
 

@@ -159,7 +159,7 @@ fn run(events: &[(Event, u64)]) -> Outcome {
         show(&nvml, &world);
         nvml.take_calls();
         sampler.sample_at(now, &mut out).expect("sampled");
-        if nvml.take_calls().iter().any(|c| c.starts_with(ProcessList::Compute.call())) {
+        if nvml.take_calls().iter().any(|c| c.starts_with(ProcessList::Compute.call().as_str())) {
             observed.lists += 1;
             observed.listed_at = Some(now);
             observed.seen = world.listed();

@@ -148,10 +148,11 @@ pub struct Budget {
     pub share: Option<crate::share::Sources>,
     /// Only on the rules made for one pod ([`Budget::for_share`], [`Budget::for_unresolved_share`]): how its
     /// limit came from its declared share (`KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi`), or why it could not.
-    pub held_share: Option<crate::share::Held>,
-    /// Only on those rules: the share could not be read because of the pod's own declaration (malformed, out of
-    /// range), not because the node's GPUs are not known yet; the agent tells the pod so.
-    pub share_fault: bool,
+    pub held_share: Option<crate::share::HeldShare>,
+    /// Only on the rules [`Budget::for_unresolved_share`] made: why the share could not be resolved, the pod's
+    /// own declaration ([`ShareFault::Invalid`](crate::share::ShareFault::Invalid): the agent tells the pod so)
+    /// or the node's GPUs not known yet.
+    pub share_fault: Option<crate::share::ShareFault>,
     /// Only on the rules made for one pod ([`Budget::for_declared_since`]): the share the pod declares now (or
     /// its removal, or an unreadable one) would loosen the share it was first held to, and is ignored; why, in
     /// words (#51: a share is fixed when the pod is placed and only tightens).
@@ -239,7 +240,7 @@ impl Budget {
             tightened_by: None,
             share: spec.share.as_ref().map(|s| crate::share::Sources::of(&s.sources)),
             held_share: None,
-            share_fault: false,
+            share_fault: None,
             share_kept: None,
         })
     }
@@ -253,12 +254,12 @@ impl Budget {
         } else {
             share.text.clone()
         };
-        self.with_held(crate::share::Held::new(share.bytes, share.sources.clone(), note))
+        self.with_held(crate::share::HeldShare::new(share.bytes, share.sources.clone(), note))
     }
 
     /// This budget's rules for a pod held as `held` says (how the agent resolved its share, as its record
     /// carries it): the limit is the held one, at most the budget's; a resolved share is the pod's request too.
-    pub fn with_held(&self, mut held: crate::share::Held) -> Budget {
+    pub fn with_held(&self, mut held: crate::share::HeldShare) -> Budget {
         let limit = held.limit_bytes.clamp(1, self.limit_bytes);
         held.limit_bytes = limit;
         let (request_bytes, request_text) = if held.resolved() {
@@ -288,7 +289,7 @@ impl Budget {
         let sources = self.share?;
         match declaration.under(sources, gpu_totals)? {
             Ok(share) => Some(self.for_share(&share)),
-            Err(why) => Some(self.for_unresolved_share(&why, declaration.fault(sources).is_some())),
+            Err(fault) => Some(self.for_unresolved_share(fault)),
         }
     }
 
@@ -304,7 +305,7 @@ impl Budget {
         &self,
         declaration: &crate::share::Declaration,
         gpu_totals: &[u64],
-        first: Option<&crate::share::Held>,
+        first: Option<&crate::share::HeldShare>,
     ) -> Option<Budget> {
         let now = self.for_declared(declaration, gpu_totals);
         let sources = self.share?;
@@ -315,10 +316,9 @@ impl Budget {
         let ignored = match held_now {
             Some(h) if h.resolved() && h.limit_bytes <= first.limit_bytes => return now,
             Some(h) if h.resolved() => format!("the share declared now ({}) is more", h.note),
-            Some(_) => match declaration.under(sources, gpu_totals) {
+            Some(_) => match now.as_ref().and_then(|r| r.share_fault.as_ref()) {
+                Some(why) if why.is_pods() => format!("the share declared now cannot be read ({why})"),
                 // The node's GPUs not known yet (an agent's restart): the first share holds, nothing to tell.
-                Some(Err(_)) if declaration.fault(sources).is_none() => String::new(),
-                Some(Err(why)) => format!("the share declared now cannot be read ({why})"),
                 _ => String::new(),
             },
             None => "the share was removed".to_owned(),
@@ -336,7 +336,7 @@ impl Budget {
                  first, {}",
                 first.note
             );
-            crate::share::Held::new(0, Vec::new(), why).note
+            crate::share::HeldShare::new(0, Vec::new(), why).note
         });
         Some(kept)
     }
@@ -347,17 +347,24 @@ impl Budget {
         self.share_kept.as_deref()
     }
 
-    /// This budget's rules for a pod whose declared share could not be read (`why`; `fault`: because of the
-    /// pod's own declaration): the budget's own, with the reason in every message, never a guessed share.
-    pub fn for_unresolved_share(&self, why: &str, fault: bool) -> Budget {
-        let note = format!("share unresolved: {why}; held to the budget's limit {}", self.limit_text);
-        Budget { share_fault: fault, ..self.with_held(crate::share::Held::new(self.limit_bytes, Vec::new(), note)) }
+    /// This budget's rules for a pod whose declared share could not be resolved, for `fault`: the budget's own,
+    /// with the reason in every message, never a guessed share.
+    pub fn for_unresolved_share(&self, fault: crate::share::ShareFault) -> Budget {
+        let note = format!("share unresolved: {fault}; held to the budget's limit {}", self.limit_text);
+        let held = crate::share::HeldShare::new(self.limit_bytes, Vec::new(), note);
+        Budget { share_fault: Some(fault), ..self.with_held(held) }
     }
 
     /// Where these are a pod's rules from a declared share that could not be read because of the pod (its
     /// declaration malformed or out of range, not the node's GPUs still unknown): the note saying why.
     pub fn share_unresolved(&self) -> Option<&str> {
-        self.held_share.as_ref().map(|h| h.note.as_str()).filter(|_| self.share_fault)
+        self.held_share.as_ref().map(|h| h.note.as_str()).filter(|_| self.share_fault_is_pods())
+    }
+
+    /// Whether these are a pod's rules from a declared share that could not be read because of the pod's own
+    /// declaration ([`ShareFault::is_pods`](crate::share::ShareFault::is_pods)).
+    pub fn share_fault_is_pods(&self) -> bool {
+        self.share_fault.as_ref().is_some_and(crate::share::ShareFault::is_pods)
     }
 
     /// The grace period (seconds) for evicting a pod whose own `terminationGracePeriodSeconds` is
@@ -709,7 +716,7 @@ pub fn with_declared_since<'a>(
     budgets: impl IntoIterator<Item = &'a Budget>,
     declaration: &crate::share::Declaration,
     gpu_totals: &[u64],
-    first: Option<&crate::share::Held>,
+    first: Option<&crate::share::HeldShare>,
 ) -> Vec<std::borrow::Cow<'a, Budget>> {
     budgets
         .into_iter()
@@ -1005,7 +1012,7 @@ mod tests {
             )
             .expect("parses"),
         );
-        assert!(bad.expect_err("bad").to_string().starts_with("spec.namespaceSelector: "));
+        assert!(matches!(bad, Err(SpecError::NamespaceSelector(_))), "{bad:?}");
         let unnamed: ClusterGpuMemoryBudget =
             serde_yaml::from_str("apiVersion: gpubudget.io/v1alpha1\nkind: ClusterGpuMemoryBudget\nmetadata: {}\nspec: {selector: {}, limit: 1Gi}\n")
                 .expect("parses");
@@ -1241,7 +1248,7 @@ mod tests {
         let garbage = since(&Declaration::invalid(ShareSource::KaiFraction, "gpu-fraction: \"lots\""), &gpu);
         assert_eq!(garbage.limit_bytes, 20 << 30);
         assert!(garbage.share_change_ignored().is_some_and(|w| w.contains("cannot be read (gpu-fraction: \"lots\")")));
-        assert!(!garbage.share_fault, "held to the first share, not to the budget's limit");
+        assert_eq!(garbage.share_fault, None, "held to the first share, not to the budget's limit");
         // A tighter share takes effect, with nothing to tell; so does the same one.
         let tighter = since(&kai_fraction(125_000), &gpu);
         assert_eq!((tighter.limit_bytes, tighter.guaranteed_bytes(), tighter.share_kept), (10 << 30, 10 << 30, None));
@@ -1252,7 +1259,7 @@ mod tests {
         // A budget that reads other sources, or no first share resolved: the declaration as it is.
         let hami_only = Budget { share: Some(Sources::of(&[ShareSource::HamiMemory])), ..b.clone() };
         assert_eq!(hami_only.for_declared_since(&kai_fraction(1_000_000), &gpu, Some(&first)), None);
-        let unresolved = crate::share::Held::new(80 << 30, Vec::new(), "share unresolved".into());
+        let unresolved = crate::share::HeldShare::new(80 << 30, Vec::new(), "share unresolved".into());
         assert_eq!(
             b.for_declared_since(&kai_fraction(1_000_000), &gpu, Some(&unresolved)),
             b.for_declared(&kai_fraction(1_000_000), &gpu)

@@ -1057,7 +1057,7 @@ pub enum Uncapped {
 
 /// Whether one GPU container's environment holds it to an MPS cap, as the driver reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Held {
+pub enum ContainerCap {
     /// Every device it sees is capped; the largest cap (or `NVIDIA_GPU_MEMORY_LIMIT`, if larger), MiB.
     Capped {
         /// The largest cap, read the largest way.
@@ -1068,35 +1068,35 @@ pub enum Held {
 }
 
 /// How the driver holds one GPU container, from its environment.
-pub fn held(c: &GpuContainer) -> Held {
+pub fn held(c: &GpuContainer) -> ContainerCap {
     let devices = match c.devices {
         Devices::Known(n) => n,
-        Devices::Unknown(why) => return Held::Uncapped(Uncapped::Devices(why)),
+        Devices::Unknown(why) => return ContainerCap::Uncapped(Uncapped::Devices(why)),
     };
     let text = match &c.mps_limit {
-        None => return Held::Uncapped(Uncapped::NoMps),
-        Some(EnvValue::FromSource) => return Held::Uncapped(Uncapped::MpsFromSource),
+        None => return ContainerCap::Uncapped(Uncapped::NoMps),
+        Some(EnvValue::FromSource) => return ContainerCap::Uncapped(Uncapped::MpsFromSource),
         &Some(EnvValue::FromEnvFrom { entry, secret }) => {
-            return Held::Uncapped(Uncapped::MpsFromEnvFrom { entry, secret });
+            return ContainerCap::Uncapped(Uncapped::MpsFromEnvFrom { entry, secret });
         }
         Some(EnvValue::Literal(text)) => text,
     };
     let value = match read_mps(text, devices) {
         Ok(value) => value,
-        Err(why) => return Held::Uncapped(Uncapped::Ignored(why)),
+        Err(why) => return ContainerCap::Uncapped(Uncapped::Ignored(why)),
     };
     if value.names_uuid {
-        return Held::Uncapped(Uncapped::NamesUuid);
+        return ContainerCap::Uncapped(Uncapped::NamesUuid);
     }
     let mut max_mib = 0;
     for (i, slot) in value.per_device.iter().enumerate() {
         match slot {
             Some(amount) => max_mib = max_mib.max(amount.high_mib),
-            None => return Held::Uncapped(Uncapped::Missing(u32::try_from(i).unwrap_or(u32::MAX))),
+            None => return ContainerCap::Uncapped(Uncapped::Missing(u32::try_from(i).unwrap_or(u32::MAX))),
         }
     }
     let toolkit = c.memory_limit.as_ref().and_then(EnvValue::literal).and_then(lenient_mib).unwrap_or(0);
-    Held::Capped { max_mib: max_mib.max(toolkit) }
+    ContainerCap::Capped { max_mib: max_mib.max(toolkit) }
 }
 
 /// What the operator keeps of a pod to count its caps: a few bytes, whatever its environment holds.
@@ -1120,11 +1120,11 @@ impl PodCaps {
         let mut out = Self::NoGpu;
         for c in containers {
             match (held(c), out) {
-                (Held::Uncapped(why), _) => return Self::Uncapped(why),
-                (Held::Capped { max_mib }, Self::Capped { max_mib: seen }) => {
+                (ContainerCap::Uncapped(why), _) => return Self::Uncapped(why),
+                (ContainerCap::Capped { max_mib }, Self::Capped { max_mib: seen }) => {
                     out = Self::Capped { max_mib: max_mib.max(seen) };
                 }
-                (Held::Capped { max_mib }, _) => out = Self::Capped { max_mib },
+                (ContainerCap::Capped { max_mib }, _) => out = Self::Capped { max_mib },
             }
         }
         out

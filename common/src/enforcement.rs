@@ -106,13 +106,38 @@ impl std::fmt::Display for SetBy {
 }
 
 impl SetBy {
-    /// `agent`, `node`, `budget` or `operator` (a metric's label).
-    pub fn level(&self) -> &'static str {
+    /// The level alone, without the rules that name a budget.
+    pub fn level(&self) -> Level {
         match self {
-            SetBy::Agent => "agent",
-            SetBy::Node => "node",
-            SetBy::Budget(_) => "budget",
-            SetBy::Operator => "operator",
+            SetBy::Agent => Level::Agent,
+            SetBy::Node => Level::Node,
+            SetBy::Budget(_) => Level::Budget,
+            SetBy::Operator => Level::Operator,
+        }
+    }
+}
+
+/// The level that set a mode ([`SetBy`] without the budget's name): a metric's label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Level {
+    /// The agent's default.
+    Agent,
+    /// The Node's label.
+    Node,
+    /// The budget's (or quota's) `spec.enforcement`.
+    Budget,
+    /// The operator's default, for namespace totals.
+    Operator,
+}
+
+impl Level {
+    /// `agent`, `node`, `budget` or `operator` (a metric's label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Level::Agent => "agent",
+            Level::Node => "node",
+            Level::Budget => "budget",
+            Level::Operator => "operator",
         }
     }
 }
@@ -207,7 +232,7 @@ mod tests {
         let default = for_quota(Enforcement::Observe, None, "tenant-totals");
         assert_eq!(
             (default.enforcement, &default.set_by, default.set_by.level()),
-            (Enforcement::Observe, &SetBy::Operator, "operator")
+            (Enforcement::Observe, &SetBy::Operator, Level::Operator)
         );
         assert!(for_quota(Enforcement::Enforce, Some(Enforcement::Observe), "q").observes());
     }
@@ -256,7 +281,7 @@ mod tests {
         fn the_nearest_level_set_decides(agent in any_mode(), label in prop::option::of(any_mode()), field in any_field()) {
             let mode = for_budget(&node(agent, label), field, || "b".into());
             prop_assert_eq!(mode.enforcement, field.or(label).unwrap_or(agent));
-            let level = if field.is_some() { "budget" } else if label.is_some() { "node" } else { "agent" };
+            let level = if field.is_some() { Level::Budget } else if label.is_some() { Level::Node } else { Level::Agent };
             prop_assert_eq!(mode.set_by.level(), level);
         }
     }

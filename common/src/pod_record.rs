@@ -30,7 +30,7 @@ pub const EVICTION_REQUESTED_AT: &str = "gpubudget.io/eviction-requested-at";
 /// a pod uncapped (`podsCapNotInForce`), and only the agent may write it (the records policy).
 pub const CAP_NOT_IN_FORCE: &str = "gpubudget.io/cap-not-in-force";
 
-/// How the pod's limit came from its declared share (#44), as JSON ([`crate::share::Held`]): its limit, the sources
+/// How the pod's limit came from its declared share (#44), as JSON ([`crate::share::HeldShare`]): its limit, the sources
 /// read (none where it is unresolved) and the note (`KAI gpu-fraction 0.5 of 79.6Gi = 39.8Gi`). Present only where
 /// the budget that applies takes shares (`spec.share`); the operator counts it in status, `why` and `top` show it.
 pub const SHARE: &str = "gpubudget.io/share";
@@ -73,7 +73,7 @@ pub struct PodRecord {
     /// Why the pod's cap is not in force ([`CAP_NOT_IN_FORCE`]), when the agent saw it is not.
     pub cap_not_in_force: Option<String>,
     /// How the pod's limit came from its declared share ([`SHARE`]), when its budget takes one.
-    pub share: Option<crate::share::Held>,
+    pub share: Option<crate::share::HeldShare>,
     /// The caps the runtime gave its GPU containers ([`RUNTIME_CAPS`]), when the agent saw them made.
     pub runtime_caps: Option<RuntimeCapsRecord>,
 }
@@ -88,7 +88,7 @@ impl PodRecord {
             node: annotations.get(NODE).map(|n| n.as_str().into()).unwrap_or_default(),
             eviction_requested_at: annotations.get(EVICTION_REQUESTED_AT).cloned(),
             cap_not_in_force: annotations.get(CAP_NOT_IN_FORCE).cloned(),
-            share: annotations.get(SHARE).and_then(|v| crate::share::Held::from_annotation(v)),
+            share: annotations.get(SHARE).and_then(|v| crate::share::HeldShare::from_annotation(v)),
             runtime_caps: annotations.get(RUNTIME_CAPS).and_then(|v| RuntimeCapsRecord::from_annotation(v)),
         })
     }

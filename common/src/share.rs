@@ -165,9 +165,42 @@ pub enum Declaration {
     },
 }
 
-/// Why a fraction is unresolved before NVML has told the node's GPU sizes: a moment at an agent's start, not a
-/// fault of the pod (`Budget::share_fault` stays false).
-const NOT_KNOWN_YET: &str = "the node's GPU memory is not known yet";
+/// Why a declared share could not be resolved on a node. Its `Display` is the reason as messages tell it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ShareFault {
+    /// A fraction or replica before NVML has told the node's GPU sizes: a moment at an agent's start, not a
+    /// fault of the pod.
+    NotKnownYet,
+    /// GPU replicas asked for, not yet read against the node's labels ([`Declaration::on_node`]).
+    ReplicasNotKnown,
+    /// A value the pod declares, from a source the budget reads, is malformed or out of range: the pod's own
+    /// fault (the first faulty source read, [`Declaration::fault`]).
+    Invalid {
+        /// The faulty source.
+        source: ShareSource,
+        /// Why, in words (`gpu-fraction: "lots" is not a decimal …`).
+        why: String,
+    },
+}
+
+impl fmt::Display for ShareFault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ShareFault::NotKnownYet => f.write_str("the node's GPU memory is not known yet"),
+            ShareFault::ReplicasNotKnown => f.write_str("the node's MPS replicas are not known"),
+            ShareFault::Invalid { why, .. } => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for ShareFault {}
+
+impl ShareFault {
+    /// Whether the pod's own declaration is at fault ([`ShareFault::Invalid`]), not the node's state.
+    pub fn is_pods(&self) -> bool {
+        matches!(self, ShareFault::Invalid { .. })
+    }
+}
 
 /// A declared share on this node's GPUs.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -184,7 +217,7 @@ pub struct Resolved {
 /// (`gpubudget.io/share`) and says in messages; status, `why` and `top` read it back.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Held {
+pub struct HeldShare {
     /// The pod's limit, bytes: its share (at most the budget's limit), or the budget's limit where unresolved.
     pub limit_bytes: u64,
     /// The sources the share was read from; empty where it is unresolved.
@@ -198,7 +231,7 @@ pub struct Held {
     pub ignored: Option<String>,
 }
 
-impl Held {
+impl HeldShare {
     /// The longest note kept: longer ones (many HAMi containers) are cut, ending in `…`.
     pub const NOTE_MAX: usize = 300;
     /// The longest annotation read back: more than any the agent writes (two notes, every character escaped).
@@ -329,13 +362,14 @@ impl Declaration {
         Declaration::Invalid { faults: vec![(source, why.into())], terms: Vec::new() }
     }
 
-    /// The reason a budget reading `sources` cannot resolve this declaration because of the pod's own values
-    /// (the first faulty source it reads); `None` when every source it reads is well formed.
-    pub fn fault(&self, sources: Sources) -> Option<&str> {
+    /// Why a budget reading `sources` cannot resolve this declaration because of the pod's own values (the
+    /// first faulty source it reads, [`ShareFault::Invalid`]); `None` when every source it reads is well formed.
+    pub fn fault(&self, sources: Sources) -> Option<ShareFault> {
         match self {
-            Declaration::Invalid { faults, .. } => {
-                faults.iter().find(|(s, _)| sources.has(*s)).map(|(_, why)| why.as_str())
-            }
+            Declaration::Invalid { faults, .. } => faults
+                .iter()
+                .find(|(s, _)| sources.has(*s))
+                .map(|(source, why)| ShareFault::Invalid { source: *source, why: why.clone() }),
             _ => None,
         }
     }
@@ -487,15 +521,15 @@ fn fraction(v: &str) -> Result<u32, String> {
 
 impl Term {
     /// Bytes on a node whose GPUs each hold at least `gpu_bytes` (the smallest GPU there).
-    fn bytes(&self, gpu_bytes: Option<u64>) -> Result<u64, String> {
+    fn bytes(&self, gpu_bytes: Option<u64>) -> Result<u64, ShareFault> {
         let per = match self.amount {
             Amount::Mib(mib) => mib * MIB,
             Amount::PerMillion(pm) => {
-                let total = gpu_bytes.ok_or(NOT_KNOWN_YET)?;
+                let total = gpu_bytes.ok_or(ShareFault::NotKnownYet)?;
                 ((u128::from(total) * u128::from(pm)) / u128::from(MILLION)) as u64
             }
-            Amount::Replica(r) => gpu_bytes.ok_or(NOT_KNOWN_YET)? / u64::from(r),
-            Amount::NodeReplicas => return Err("the node's MPS replicas are not known".to_owned()),
+            Amount::Replica(r) => gpu_bytes.ok_or(ShareFault::NotKnownYet)? / u64::from(r),
+            Amount::NodeReplicas => return Err(ShareFault::ReplicasNotKnown),
         };
         Ok(per.saturating_mul(u64::from(self.devices)))
     }
@@ -534,7 +568,7 @@ fn decimal(pm: u32) -> String {
 
 /// What `terms` come to on a node whose GPUs hold `gpu_totals` bytes each (the smallest counts, so that a
 /// fraction is never looser than on the GPU the pod got). Fractions and replicas need the totals; MiB do not.
-pub fn resolve(terms: &[Term], gpu_totals: &[u64]) -> Result<Resolved, String> {
+pub fn resolve(terms: &[Term], gpu_totals: &[u64]) -> Result<Resolved, ShareFault> {
     let smallest = gpu_totals.iter().copied().filter(|t| *t > 0).min();
     let mut bytes = 0u64;
     let mut parts = Vec::with_capacity(terms.len());
@@ -551,7 +585,7 @@ pub fn resolve(terms: &[Term], gpu_totals: &[u64]) -> Result<Resolved, String> {
 }
 
 impl ShareSource {
-    /// The short code a [`Declaration`] is written with in the agent's memory ([`Declaration`]'s `Display`).
+    /// The short code a [`Declaration`] is written with in the agent's memory ([`Declaration::encode`]).
     fn code(self) -> &'static str {
         match self {
             ShareSource::KaiFraction => "kf",
@@ -561,16 +595,44 @@ impl ShareSource {
             ShareSource::MpsReplicas => "mr",
         }
     }
+
+    /// The source written with `code` ([`ShareSource::code`]).
+    fn of_code(code: &str) -> Result<ShareSource, DecodeError> {
+        ShareSource::ALL.into_iter().find(|s| s.code() == code).ok_or_else(|| DecodeError::Source(code.to_owned()))
+    }
 }
 
-/// `none`, `share:kf/p500000/1,hm/m20000/2`, or `invalid:` with one line per faulty source (`kf:<why>`) and,
-/// where other sources were read well, a last line `share:…`: how the agent keeps a pod's declaration once the
-/// pod's containers and annotations are dropped from its cache; [`str::parse`] reads it back. A reason holds no
-/// line break: every value in it is quoted with its escapes.
-impl fmt::Display for Declaration {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let write_terms = |f: &mut fmt::Formatter<'_>, terms: &[Term]| -> fmt::Result {
-            f.write_str("share:")?;
+/// Why [`Declaration::decode`] refused a text: what in it is not what [`Declaration::encode`] writes.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// Neither `none`, `share:…` nor `invalid:…`.
+    #[error("{0:?} is none of `none`, `share:…`, `invalid:…`")]
+    Form(String),
+    /// A term is not `<source>/<p|m|r|n><number>/<devices>` (`kf/p500000/1`).
+    #[error("the term {0:?} is not <source>/<p|m|r|n><number>/<devices>")]
+    Term(String),
+    /// A source code is none of [`ShareSource`]'s (`kf`, `km`, `hm`, `hp`, `mr`).
+    #[error("{0:?} names no share source")]
+    Source(String),
+    /// A line after `invalid:` is not `<source>:<why>`.
+    #[error("the fault {0:?} is not <source>:<why>")]
+    Fault(String),
+    /// `invalid:` with no fault.
+    #[error("`invalid:` names no fault")]
+    NoFault,
+}
+
+impl Declaration {
+    /// How the agent keeps a pod's declaration in its memory once the pod's containers and annotations are
+    /// dropped from its cache (`attribute::pods::slim_pod`): `none`, `share:kf/p500000/1,hm/m20000/2`, or
+    /// `invalid:` with one line per faulty source (`kf:<why>`) and, where other sources were read well, a last
+    /// line `share:…`. A reason holds no line break: every value in it is quoted with its escapes (a line break
+    /// written anyway becomes a space). [`Declaration::decode`] reads it back; the form is pinned by a test
+    /// (`a_declaration_is_encoded_as_it_always_was`).
+    pub fn encode(&self) -> String {
+        use fmt::Write as _;
+        let write_terms = |out: &mut String, terms: &[Term]| {
+            out.push_str("share:");
             for (i, t) in terms.iter().enumerate() {
                 let (kind, n) = match t.amount {
                     Amount::PerMillion(pm) => ("p", u64::from(pm)),
@@ -578,81 +640,88 @@ impl fmt::Display for Declaration {
                     Amount::Replica(r) => ("r", u64::from(r)),
                     Amount::NodeReplicas => ("n", 0),
                 };
-                write!(f, "{}{}/{kind}{n}/{}", if i > 0 { "," } else { "" }, t.source.code(), t.devices)?;
+                let _ = write!(out, "{}{}/{kind}{n}/{}", if i > 0 { "," } else { "" }, t.source.code(), t.devices);
             }
-            Ok(())
         };
+        let mut out = String::new();
         match self {
-            Declaration::None => f.write_str("none"),
-            Declaration::Share(terms) => write_terms(f, terms),
+            Declaration::None => out.push_str("none"),
+            Declaration::Share(terms) => write_terms(&mut out, terms),
             Declaration::Invalid { faults, terms } => {
-                f.write_str("invalid:")?;
+                out.push_str("invalid:");
                 for (i, (source, why)) in faults.iter().enumerate() {
                     let why = why.replace(['\n', '\r'], " ");
-                    write!(f, "{}{}:{why}", if i > 0 { "\n" } else { "" }, source.code())?;
+                    let _ = write!(out, "{}{}:{why}", if i > 0 { "\n" } else { "" }, source.code());
                 }
                 if !terms.is_empty() {
-                    f.write_str("\n")?;
-                    write_terms(f, terms)?;
+                    out.push('\n');
+                    write_terms(&mut out, terms);
                 }
-                Ok(())
             }
         }
+        out
     }
-}
 
-fn parse_terms(terms: &str) -> Option<Vec<Term>> {
-    let term = |t: &str| -> Option<Term> {
-        let mut parts = t.split('/');
-        let code = parts.next()?;
-        let source = ShareSource::ALL.into_iter().find(|s| s.code() == code)?;
-        let amount = parts.next()?;
-        let devices = parts.next()?.parse().ok()?;
-        let (kind, n) = amount.split_at_checked(1)?;
-        let amount = match kind {
-            "p" => Amount::PerMillion(n.parse().ok()?),
-            "m" => Amount::Mib(n.parse().ok()?),
-            "r" => Amount::Replica(n.parse().ok().filter(|r| *r > 0)?),
-            "n" if n == "0" => Amount::NodeReplicas,
-            _ => return None,
-        };
-        parts.next().is_none().then_some(Term { source, amount, devices })
-    };
-    terms.split(',').map(term).collect::<Option<Vec<_>>>().filter(|t| !t.is_empty())
-}
-
-impl std::str::FromStr for Declaration {
-    type Err = ();
-
-    fn from_str(s: &str) -> Result<Self, ()> {
-        if s == "none" {
+    /// Reads back what [`Declaration::encode`] wrote; what is not that form is refused, saying what is wrong.
+    pub fn decode(text: &str) -> Result<Declaration, DecodeError> {
+        if text == "none" {
             return Ok(Declaration::None);
         }
-        if let Some(lines) = s.strip_prefix("invalid:") {
+        if let Some(lines) = text.strip_prefix("invalid:") {
             let (mut faults, mut terms) = (Vec::new(), Vec::new());
             for line in lines.split('\n') {
                 if let Some(t) = line.strip_prefix("share:") {
-                    terms = parse_terms(t).ok_or(())?;
+                    terms = decode_terms(t)?;
                     continue;
                 }
-                let (code, why) = line.split_once(':').ok_or(())?;
-                let source = ShareSource::ALL.into_iter().find(|s| s.code() == code).ok_or(())?;
-                faults.push((source, why.to_owned()));
+                let (code, why) = line.split_once(':').ok_or_else(|| DecodeError::Fault(line.to_owned()))?;
+                faults.push((ShareSource::of_code(code)?, why.to_owned()));
             }
-            return if faults.is_empty() { Err(()) } else { Ok(Declaration::Invalid { faults, terms }) };
+            return if faults.is_empty() {
+                Err(DecodeError::NoFault)
+            } else {
+                Ok(Declaration::Invalid { faults, terms })
+            };
         }
-        s.strip_prefix("share:").and_then(parse_terms).map(Declaration::Share).ok_or(())
+        match text.strip_prefix("share:") {
+            Some(terms) => decode_terms(terms).map(Declaration::Share),
+            None => Err(DecodeError::Form(text.to_owned())),
+        }
     }
+}
+
+/// The terms after `share:` ([`Declaration::encode`]), at least one.
+fn decode_terms(terms: &str) -> Result<Vec<Term>, DecodeError> {
+    let term = |t: &str| -> Result<Term, DecodeError> {
+        let bad = || DecodeError::Term(t.to_owned());
+        let mut parts = t.split('/');
+        let source = ShareSource::of_code(parts.next().ok_or_else(bad)?)?;
+        let (kind, n) = parts.next().and_then(|a| a.split_at_checked(1)).ok_or_else(bad)?;
+        let devices = parts.next().and_then(|d| d.parse().ok()).ok_or_else(bad)?;
+        let amount = match kind {
+            "p" => n.parse().ok().map(Amount::PerMillion),
+            "m" => n.parse().ok().map(Amount::Mib),
+            "r" => n.parse().ok().filter(|r| *r > 0).map(Amount::Replica),
+            "n" if n == "0" => Some(Amount::NodeReplicas),
+            _ => None,
+        }
+        .ok_or_else(bad)?;
+        if parts.next().is_some() {
+            return Err(bad());
+        }
+        Ok(Term { source, amount, devices })
+    };
+    terms.split(',').map(term).collect()
 }
 
 impl Declaration {
     /// The share this declaration gives under a budget reading `sources`, on GPUs of `gpu_totals` bytes:
     /// `None` when it declares nothing those sources read; `Some(Err(why))` when it cannot be resolved (a
-    /// source it reads is faulty, [`Declaration::fault`], or the node's GPUs are not known yet). A faulty
-    /// source the budget does not read spoils nothing.
-    pub fn under(&self, sources: Sources, gpu_totals: &[u64]) -> Option<Result<Resolved, String>> {
-        if let Some(why) = self.fault(sources) {
-            return Some(Err(why.to_owned()));
+    /// source it reads is faulty, [`ShareFault::Invalid`], or the node's GPUs are not known yet,
+    /// [`ShareFault::NotKnownYet`]). A faulty source the budget does not read spoils nothing.
+    pub fn under(&self, sources: Sources, gpu_totals: &[u64]) -> Option<Result<Resolved, ShareFault>> {
+        if let Some(fault) = self.fault(sources) {
+            return Some(Err(fault));
         }
         let terms = match self {
             Declaration::None => return None,

@@ -36,7 +36,7 @@ fn share_of(file: &str) -> Result<(u64, String), String> {
     assert_eq!(pods.len(), 1, "{file}: one pod");
     let pod = pods.values().next().expect("pod");
     match declared(pod, node.as_ref(), Sources::ALL) {
-        Declaration::Share(terms) => resolve(&terms, &[H100]).map(|r| (r.bytes, r.text)),
+        Declaration::Share(terms) => resolve(&terms, &[H100]).map(|r| (r.bytes, r.text)).map_err(|e| e.to_string()),
         Declaration::None => Err("none".into()),
         Declaration::Invalid { faults, .. } => Err(format!("invalid: {}", faults[0].1)),
     }
@@ -82,7 +82,7 @@ fn hostile_values_are_unresolved_and_forged_ones_ignored() {
             // Annotations on a pod KAI did not place, and HAMi's allocation annotations: nobody's share.
             "hostile-kai-bypass" | "hostile-hami-forged-alloc" => assert_eq!(d, Declaration::None, "{name}"),
             _ => {
-                let why = d.fault(Sources::ALL).unwrap_or_else(|| panic!("{name}: {d:?}"));
+                let why = d.fault(Sources::ALL).unwrap_or_else(|| panic!("{name}: {d:?}")).to_string();
                 assert!(why.len() < 200, "{name}: a bounded reason: {why}");
             }
         }

@@ -11,14 +11,20 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use gpubudget_agent::act::{Counters, ResultLabels, WriteLabels};
+use gpubudget_agent::act::{
+    Counters, EvictionResult, ResultLabels, SetByLabel, SpecReadLabels, WriteKind, WriteLabels, WriteResult,
+};
 use gpubudget_agent::report::metrics::{
-    BudgetLabels, CallLabels, ContainerLabels, GpuLabels, KindLabels, Metrics as AgentMetrics, PodLabels, StateLabels,
+    BudgetLabels, CallLabels, ContainerLabels, DriverLimitsLabels, DriverLimitsResult, GpuLabels, KindLabels,
+    Metrics as AgentMetrics, PodLabels, StateLabel, StateLabels,
 };
 use gpubudget_daemon::Health;
 use gpubudget_demo::stack::{agent_registry, operator_registry};
 use gpubudget_operator::controller::{CHECK_BUDGETS, CHECK_PODS};
-use gpubudget_operator::metrics::{ErrorLabels, Metrics as OperatorMetrics, ResultLabels as CapsResult};
+use gpubudget_operator::error::ErrorLabel;
+use gpubudget_operator::metrics::{
+    CapsResult, CapsResultLabels, ErrorLabels, Metrics as OperatorMetrics, MirrorWrite, MirrorWriteLabels,
+};
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -119,15 +125,22 @@ fn touch_agent(metrics: &AgentMetrics) {
         gpu: s("0"),
     });
     _ = pod_budget.get_or_create(&BudgetLabels { namespace: s("team-a"), pod: s("llm-0"), budget: s("b") });
-    _ = pod_state.get_or_create(&StateLabels { namespace: s("team-a"), pod: s("llm-0"), state: s("Within") });
+    _ = pod_state.get_or_create(&StateLabels {
+        namespace: s("team-a"),
+        pod: s("llm-0"),
+        state: StateLabel(gpubudget_common::BudgetState::Within),
+    });
     let Counters { evictions, api_writes, evictions_without_record, would_evict } = act;
-    _ = would_evict.get_or_create(&gpubudget_agent::act::WouldEvictLabels { cause: s("budget"), set_by: s("agent") });
-    _ = evictions.get_or_create(&ResultLabels { result: s("accepted") });
-    _ = api_writes.get_or_create(&WriteLabels { kind: s("apply"), result: s("ok") });
-    _ = spec_reads.get_or_create(&WriteLabels { kind: s("get"), result: s("ok") });
+    _ = would_evict.get_or_create(&gpubudget_agent::act::WouldEvictLabels {
+        cause: gpubudget_agent::decide::EvictCause::Budget,
+        set_by: SetByLabel(gpubudget_common::enforcement::Level::Agent),
+    });
+    _ = evictions.get_or_create(&ResultLabels { result: EvictionResult::Accepted });
+    _ = api_writes.get_or_create(&WriteLabels { kind: WriteKind::Apply, result: WriteResult::Ok });
+    _ = spec_reads.get_or_create(&SpecReadLabels { kind: s("get"), result: s("ok") });
     _ = specs_from_mirrors.get_or_create(&KindLabels { kind: s("GpuMemoryBudget") });
     evictions_without_record.get();
-    _ = nvml_errors.get_or_create(&CallLabels { call: s("init") });
+    _ = nvml_errors.get_or_create(&CallLabels { call: gpubudget_agent::sample::Call::Init });
     for family in [
         unattributed,
         unbudgeted,
@@ -146,7 +159,7 @@ fn touch_agent(metrics: &AgentMetrics) {
     sample_interval.get();
     driver_limits_available.get();
     caps_not_in_force.get();
-    _ = driver_applied.get_or_create(&ResultLabels { result: s("applied") });
+    _ = driver_applied.get_or_create(&DriverLimitsLabels { result: DriverLimitsResult::Applied });
     _ = pod_driver_hard.get_or_create(&pod());
     _ = pod_driver_soft.get_or_create(&pod());
     let gpubudget_agent::runtime_caps::RuntimeMetrics { containers, seconds, registrations } = runtime;
@@ -178,9 +191,9 @@ fn touch_operator(metrics: &OperatorMetrics) {
         quota_would_evict,
         quota_namespaces_over,
     } = metrics;
-    _ = failures.get_or_create(&ErrorLabels { error: "conflict".to_owned() });
-    _ = caps_admissions.get_or_create(&CapsResult { result: "capped".to_owned() });
-    _ = mirror_writes.get_or_create(&CapsResult { result: "written".to_owned() });
+    _ = failures.get_or_create(&ErrorLabels { error: ErrorLabel::Conflict });
+    _ = caps_admissions.get_or_create(&CapsResultLabels { result: CapsResult::Capped });
+    _ = mirror_writes.get_or_create(&MirrorWriteLabels { result: MirrorWrite::Written });
     duration.observe(0.001);
     for counter in [
         reconciles,

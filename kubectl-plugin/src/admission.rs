@@ -12,7 +12,7 @@
 //! - `NVIDIA_GPU_MEMORY_LIMIT` / `NVIDIA_GPU_MEMORY_REQUEST` (MiB): nvidia-container-toolkit's CDI hook
 //!   applies them to the container's cgroup as hard / soft limits, on driver R615 or newer only.
 
-use gpubudget_common::caps::{self, Devices, GpuContainer, Held};
+use gpubudget_common::caps::{self, ContainerCap, Devices, GpuContainer};
 use gpubudget_common::quantity::HumanBytes;
 use k8s_openapi::api::core::v1::{EnvVar, Pod};
 use serde::Serialize;
@@ -168,10 +168,12 @@ fn uncapped(gpu_containers: &[String]) -> String {
 
 fn verdict(gpu: &GpuContainer, env_from: &[k8s_openapi::api::core::v1::EnvFromSource]) -> Verdict {
     let (capped, max_bytes, reason) = match caps::held(gpu) {
-        Held::Capped { max_mib } => (true, Some(max_mib.saturating_mul(1 << 20)), None),
+        ContainerCap::Capped { max_mib } => (true, Some(max_mib.saturating_mul(1 << 20)), None),
         // A device count not in the pod: said as the webhook records it (naming an envFrom's ConfigMap).
-        Held::Uncapped(caps::Uncapped::Devices(why)) => (false, None, Some(caps::unknown_reason(why, env_from))),
-        Held::Uncapped(why) => (false, None, Some(why.to_string())),
+        ContainerCap::Uncapped(caps::Uncapped::Devices(why)) => {
+            (false, None, Some(caps::unknown_reason(why, env_from)))
+        }
+        ContainerCap::Uncapped(why) => (false, None, Some(why.to_string())),
     };
     Verdict { container: gpu.name.clone(), devices: gpu.devices.to_string(), capped, max_bytes, reason }
 }

@@ -162,7 +162,7 @@ mod tests {
     #[test]
     fn a_pod_held_to_its_share_shows_its_own_limit_and_how() {
         let mut p = pod("team-a", "kai-0", Some(("Over", 22 << 30, "shares", "n1")));
-        let held = gpubudget_common::share::Held::new(
+        let held = gpubudget_common::share::HeldShare::new(
             20 << 30,
             vec![gpubudget_common::share::ShareSource::KaiFraction],
             "KAI gpu-fraction 0.25 of 80Gi = 20Gi".into(),

@@ -498,7 +498,7 @@ fn share_sentence(budget: &Budget, pod: &Pod) -> Option<String> {
             "its declared share {} is its limit (at most the budget's {}) once its node's agent sees it",
             resolved.text, budget.limit_text
         ),
-        Some(Err(why)) if declaration.fault(sources).is_some() => {
+        Some(Err(why)) if why.is_pods() => {
             format!("its declared share is unresolved: {why}; it is held to the budget's limit {}", budget.limit_text)
         }
         Some(Err(_)) => format!(

@@ -8,7 +8,7 @@
 //! cargo run -q -p gpubudget-operator --example caps_values -- 3Gi > values.tsv
 //! ```
 
-use gpubudget_common::caps::{self, GpuContainer, Held};
+use gpubudget_common::caps::{self, ContainerCap, GpuContainer};
 use gpubudget_common::{Budget, GpuMemoryBudget};
 use k8s_openapi::api::core::v1::Pod;
 
@@ -68,8 +68,8 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_default();
             let held = GpuContainer::of(container, None).map(|c| caps::held(&c));
             let said = match held {
-                Some(Held::Capped { max_mib }) => format!("capped {max_mib} MiB"),
-                Some(Held::Uncapped(why)) => format!("uncapped: {why}"),
+                Some(ContainerCap::Capped { max_mib }) => format!("capped {max_mib} MiB"),
+                Some(ContainerCap::Uncapped(why)) => format!("uncapped: {why}"),
                 None => "not a GPU container".into(),
             };
             Ok((value, said))

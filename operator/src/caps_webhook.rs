@@ -45,6 +45,7 @@ use kube::runtime::events::{Event, EventType};
 
 pub use crate::caps_scope::NAMESPACE_LABEL;
 use crate::controller::Context;
+use crate::metrics::CapsResult;
 
 /// The path the chart's `MutatingWebhookConfiguration` calls.
 pub const PATH: &str = "/mutate-pod-caps";
@@ -79,13 +80,13 @@ pub enum Verdict {
 
 impl Verdict {
     /// The metric label: `skipped`, `uncapped`, `capped`, `failed` or `saturated`.
-    pub fn label(&self) -> &'static str {
+    pub fn label(&self) -> CapsResult {
         match self {
-            Verdict::NotPodCreate => "skipped",
-            Verdict::NoCaps => "uncapped",
-            Verdict::Capped(_) => "capped",
-            Verdict::Failed(_) => "failed",
-            Verdict::Saturated => "saturated",
+            Verdict::NotPodCreate => CapsResult::Skipped,
+            Verdict::NoCaps => CapsResult::Uncapped,
+            Verdict::Capped(_) => CapsResult::Capped,
+            Verdict::Failed(_) => CapsResult::Failed,
+            Verdict::Saturated => CapsResult::Saturated,
         }
     }
 }
@@ -201,7 +202,7 @@ pub fn router_with(ctx: Arc<Context>, slots: usize, wait: Duration) -> axum::Rou
 async fn mutate(State(state): State<Arc<Admitter>>, request: Request) -> Response {
     let ctx = state.ctx.clone();
     if !caches_synced(&ctx).await {
-        ctx.metrics().caps_admitted("failed");
+        ctx.metrics().caps_admitted(CapsResult::Failed);
         tracing::warn!("caps webhook: the budget caches have not listed yet; answering 503");
         return (StatusCode::SERVICE_UNAVAILABLE, "the gpubudget operator's budget caches have not listed yet")
             .into_response();
@@ -220,13 +221,13 @@ async fn mutate(State(state): State<Arc<Admitter>>, request: Request) -> Respons
     let body = match tokio::time::timeout(BODY_WAIT, axum::body::to_bytes(request.into_body(), MAX_BODY)).await {
         Ok(Ok(body)) => body,
         Ok(Err(error)) => {
-            ctx.metrics().caps_admitted("failed");
+            ctx.metrics().caps_admitted(CapsResult::Failed);
             tracing::warn!(%error, "caps webhook: the request body cannot be read (over {MAX_BODY} bytes?)");
             return (StatusCode::PAYLOAD_TOO_LARGE, format!("the request body cannot be read: {error}"))
                 .into_response();
         }
         Err(_) => {
-            ctx.metrics().caps_admitted("failed");
+            ctx.metrics().caps_admitted(CapsResult::Failed);
             tracing::warn!("caps webhook: the request body did not arrive within {BODY_WAIT:?}");
             return (StatusCode::REQUEST_TIMEOUT, "the request body did not arrive in time").into_response();
         }
@@ -248,7 +249,7 @@ async fn mutate(State(state): State<Arc<Admitter>>, request: Request) -> Respons
             Json(review).into_response()
         }
         Err(error) => {
-            ctx.metrics().caps_admitted("failed");
+            ctx.metrics().caps_admitted(CapsResult::Failed);
             tracing::warn!(%error, "caps webhook: the decision failed");
             (StatusCode::INTERNAL_SERVER_ERROR, "the caps decision failed").into_response()
         }
@@ -262,7 +263,7 @@ pub fn answer(ctx: &Context, body: &[u8]) -> (AdmissionReview<DynamicObject>, Op
         Ok(review) => review,
         Err(error) => {
             tracing::warn!(%error, "caps webhook: unreadable AdmissionReview; answering nothing to patch");
-            ctx.metrics().caps_admitted("failed");
+            ctx.metrics().caps_admitted(CapsResult::Failed);
             return (AdmissionResponse::invalid(error.to_string()).into_review(), None);
         }
     };
@@ -270,7 +271,7 @@ pub fn answer(ctx: &Context, body: &[u8]) -> (AdmissionReview<DynamicObject>, Op
         Ok(request) => request,
         Err(error) => {
             tracing::warn!(%error, "caps webhook: malformed AdmissionReview; answering nothing to patch");
-            ctx.metrics().caps_admitted("failed");
+            ctx.metrics().caps_admitted(CapsResult::Failed);
             // Without a request UID the API server cannot match the answer; `failurePolicy: Ignore` admits.
             return (AdmissionResponse::invalid(error.to_string()).into_review(), None);
         }

@@ -489,12 +489,12 @@ async fn reconcile_inner<K: StatusOwner>(obj: &K, ctx: &Context) -> Result<Actio
     let mut mirror_failed =
         match crate::mirror::ensure(obj, &key, mirrors, ctx.client.clone(), &ctx.settings.field_manager).await {
             Ok(true) => {
-                ctx.metrics.mirror_written("written");
+                ctx.metrics.mirror_written(crate::metrics::MirrorWrite::Written);
                 None
             }
             Ok(false) => None,
             Err(error) => {
-                ctx.metrics.mirror_written("failed");
+                ctx.metrics.mirror_written(crate::metrics::MirrorWrite::Failed);
                 tracing::warn!(budget = %key, %error, "cannot write the budget's mirror; retrying with backoff");
                 Some(error)
             }
@@ -1140,7 +1140,7 @@ fn log_result<K: StatusOwner>(result: RunResult<K>) {
             tracing::debug!(budget = %obj, %error, "invalid budget; waiting for a change");
         }
         Err(controller::Error::ReconcilerFailed(error, obj)) => {
-            tracing::warn!(budget = %obj, %error, label = error.metric_label(), "reconcile failed; retrying");
+            tracing::warn!(budget = %obj, %error, label = error.metric_label().as_str(), "reconcile failed; retrying");
         }
         Err(controller::Error::ObjectNotFound(obj)) => tracing::debug!(budget = %obj, "budget gone"),
         Err(error) => tracing::warn!(%error, "controller"),

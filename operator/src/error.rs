@@ -26,21 +26,21 @@ pub enum Error {
 impl Error {
     /// A stable, low-cardinality label: the `error` label of
     /// `gpubudget_operator_reconcile_failures_total` and the reason of failure events.
-    pub fn metric_label(&self) -> &'static str {
+    pub fn metric_label(&self) -> ErrorLabel {
         match self {
             Error::Kube(kube::Error::Api(status)) => match status.code {
-                403 => "api_forbidden",
-                404 => "api_not_found",
-                409 => "conflict",
-                429 => "api_throttled",
-                500..=599 => "api_unavailable",
-                _ => "api_rejected",
+                403 => ErrorLabel::ApiForbidden,
+                404 => ErrorLabel::ApiNotFound,
+                409 => ErrorLabel::Conflict,
+                429 => ErrorLabel::ApiThrottled,
+                500..=599 => ErrorLabel::ApiUnavailable,
+                _ => ErrorLabel::ApiRejected,
             },
-            Error::Kube(_) => "api_unreachable",
-            Error::Conflict => "conflict",
-            Error::InvalidSpec(_) => "invalid_spec",
-            Error::Unnamed => "unnamed",
-            Error::Serialize(_) => "serialize",
+            Error::Kube(_) => ErrorLabel::ApiUnreachable,
+            Error::Conflict => ErrorLabel::Conflict,
+            Error::InvalidSpec(_) => ErrorLabel::InvalidSpec,
+            Error::Unnamed => ErrorLabel::Unnamed,
+            Error::Serialize(_) => ErrorLabel::Serialize,
         }
     }
 
@@ -49,6 +49,52 @@ impl Error {
         !matches!(self, Error::InvalidSpec(_) | Error::Unnamed | Error::Serialize(_))
     }
 }
+
+/// The kind of a reconcile failure, as `gpubudget_operator_reconcile_failures_total{error}` names it
+/// ([`Error::metric_label`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorLabel {
+    /// `api_forbidden`: HTTP 403.
+    ApiForbidden,
+    /// `api_not_found`: HTTP 404.
+    ApiNotFound,
+    /// `conflict`: HTTP 409, the budget changed while its status was computed.
+    Conflict,
+    /// `api_throttled`: HTTP 429.
+    ApiThrottled,
+    /// `api_unavailable`: HTTP 5xx.
+    ApiUnavailable,
+    /// `api_rejected`: any other refusal.
+    ApiRejected,
+    /// `api_unreachable`: no answer.
+    ApiUnreachable,
+    /// `invalid_spec`.
+    InvalidSpec,
+    /// `unnamed`.
+    Unnamed,
+    /// `serialize`.
+    Serialize,
+}
+
+impl ErrorLabel {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorLabel::ApiForbidden => "api_forbidden",
+            ErrorLabel::ApiNotFound => "api_not_found",
+            ErrorLabel::Conflict => "conflict",
+            ErrorLabel::ApiThrottled => "api_throttled",
+            ErrorLabel::ApiUnavailable => "api_unavailable",
+            ErrorLabel::ApiRejected => "api_rejected",
+            ErrorLabel::ApiUnreachable => "api_unreachable",
+            ErrorLabel::InvalidSpec => "invalid_spec",
+            ErrorLabel::Unnamed => "unnamed",
+            ErrorLabel::Serialize => "serialize",
+        }
+    }
+}
+
+gpubudget_daemon::label_values!(ErrorLabel);
 
 impl From<kube::Error> for Error {
     fn from(error: kube::Error) -> Self {
@@ -69,14 +115,14 @@ mod tests {
 
     #[test]
     fn labels_are_stable_and_transience_is_right() {
-        assert_eq!(api(409).metric_label(), "conflict");
+        assert_eq!(api(409).metric_label(), ErrorLabel::Conflict);
         assert!(matches!(api(409), Error::Conflict));
-        assert_eq!(api(403).metric_label(), "api_forbidden");
-        assert_eq!(api(503).metric_label(), "api_unavailable");
-        assert_eq!(api(422).metric_label(), "api_rejected");
+        assert_eq!(api(403).metric_label(), ErrorLabel::ApiForbidden);
+        assert_eq!(api(503).metric_label(), ErrorLabel::ApiUnavailable);
+        assert_eq!(api(422).metric_label(), ErrorLabel::ApiRejected);
         assert!(api(503).is_transient());
         let invalid = Error::InvalidSpec(SpecError::ZeroLimit);
-        assert_eq!(invalid.metric_label(), "invalid_spec");
+        assert_eq!(invalid.metric_label(), ErrorLabel::InvalidSpec);
         assert!(!invalid.is_transient());
     }
 }

@@ -14,7 +14,7 @@ pub const READY_METRIC: &str = "gpubudget_operator_ready";
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ErrorLabels {
     /// [`crate::error::Error::metric_label`].
-    pub error: String,
+    pub error: crate::error::ErrorLabel,
 }
 
 /// Every metric the operator exports, all prefixed `gpubudget_operator_`.
@@ -37,13 +37,13 @@ pub struct Metrics {
     /// Status writes (`_status_writes_total`).
     pub status_writes: Counter,
     /// Budget mirror writes, by result (`_mirror_writes_total{result}`: `written`, `failed`).
-    pub mirror_writes: Family<ResultLabels, Counter>,
+    pub mirror_writes: Family<MirrorWriteLabels, Counter>,
     /// Events published on budgets (`_events_total`).
     pub events: Counter,
     /// 1 while this replica writes status (the leader, or election off) (`_leader`).
     pub leader: Gauge,
     /// Requests the caps webhook answered, by result (`_caps_admissions_total{result}`).
-    pub caps_admissions: Family<ResultLabels, Counter>,
+    pub caps_admissions: Family<CapsResultLabels, Counter>,
     /// Namespace label writes of the caps webhook's scope (`_caps_namespace_label_writes_total`).
     pub namespace_label_writes: Counter,
     /// Eviction requests (and deletes after blockedEvictionTimeoutSeconds) sent for namespace totals
@@ -59,10 +59,66 @@ pub struct Metrics {
 
 /// The `result` label of the caps webhook's answers.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
-pub struct ResultLabels {
+pub struct CapsResultLabels {
     /// `capped`, `uncapped`, `skipped`, `failed` or `saturated` ([`crate::caps_webhook::Verdict::label`]).
-    pub result: String,
+    pub result: CapsResult,
 }
+
+/// What the caps webhook answered (`_caps_admissions_total{result}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CapsResult {
+    /// `skipped`: not a pod's creation.
+    Skipped,
+    /// `uncapped`: no budget asks for caps.
+    Uncapped,
+    /// `capped`.
+    Capped,
+    /// `failed`.
+    Failed,
+    /// `saturated`: too many requests at once.
+    Saturated,
+}
+
+impl CapsResult {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CapsResult::Skipped => "skipped",
+            CapsResult::Uncapped => "uncapped",
+            CapsResult::Capped => "capped",
+            CapsResult::Failed => "failed",
+            CapsResult::Saturated => "saturated",
+        }
+    }
+}
+
+/// The `result` label of mirror writes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct MirrorWriteLabels {
+    /// `written` or `failed`.
+    pub result: MirrorWrite,
+}
+
+/// How a mirror write ended (`_mirror_writes_total{result}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MirrorWrite {
+    /// `written`.
+    Written,
+    /// `failed`.
+    Failed,
+}
+
+impl MirrorWrite {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MirrorWrite::Written => "written",
+            MirrorWrite::Failed => "failed",
+        }
+    }
+}
+
+gpubudget_daemon::label_values!(CapsResult, MirrorWrite);
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -146,18 +202,18 @@ impl Metrics {
     }
 
     /// Counts an answer of the caps webhook.
-    pub fn caps_admitted(&self, result: &str) {
-        self.caps_admissions.get_or_create(&ResultLabels { result: result.to_owned() }).inc();
+    pub fn caps_admitted(&self, result: CapsResult) {
+        self.caps_admissions.get_or_create(&CapsResultLabels { result }).inc();
     }
 
     /// Counts a mirror write.
-    pub fn mirror_written(&self, result: &str) {
-        self.mirror_writes.get_or_create(&ResultLabels { result: result.to_owned() }).inc();
+    pub fn mirror_written(&self, result: MirrorWrite) {
+        self.mirror_writes.get_or_create(&MirrorWriteLabels { result }).inc();
     }
 
     /// Counts a failed reconcile.
-    pub fn failed(&self, label: &str) {
-        self.failures.get_or_create(&ErrorLabels { error: label.to_owned() }).inc();
+    pub fn failed(&self, error: crate::error::ErrorLabel) {
+        self.failures.get_or_create(&ErrorLabels { error }).inc();
     }
 }
 
@@ -170,7 +226,7 @@ mod tests {
         let mut registry = Registry::default();
         let m = Metrics::register(&mut registry);
         m.reconciles.inc();
-        m.failed("conflict");
+        m.failed(crate::error::ErrorLabel::Conflict);
         m.duration.observe(0.001);
         m.matched_pods.set(7);
         let mut text = String::new();

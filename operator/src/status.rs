@@ -339,7 +339,7 @@ struct ShareTally {
 }
 
 impl ShareTally {
-    fn add(&mut self, held: Option<&gpubudget_common::share::Held>) {
+    fn add(&mut self, held: Option<&gpubudget_common::share::HeldShare>) {
         match held {
             Some(h) if h.resolved() => {
                 self.on_share += 1;
@@ -905,24 +905,24 @@ mod tests {
     /// budget's limit, which only the node can know for a fraction), by source, with the unresolved apart.
     #[test]
     fn a_share_budget_counts_the_pods_its_node_applied_by_source() {
-        use gpubudget_common::share::{Held, ShareSource};
+        use gpubudget_common::share::{HeldShare, ShareSource};
         let mut shares = resource("shares", "80Gi", "{}");
         shares.spec.share = Some(serde_json::from_value(serde_json::json!({})).expect("share spec"));
         let plain = resource("plain", "30Gi", "{}");
         let (bs, bp) = (compiled(&shares), compiled(&plain));
-        let with_share = |mut p: PodInfo, held: Held| {
+        let with_share = |mut p: PodInfo, held: HeldShare| {
             p.record.as_mut().expect("record").share = Some(held);
             p
         };
         let pods = [
             with_share(
                 pod("kai", "x", Some((BudgetState::Near, 19 * GI, "shares"))),
-                Held::new(20 * GI, vec![ShareSource::KaiFraction], "KAI gpu-fraction 0.25 of 80Gi = 20Gi".into()),
+                HeldShare::new(20 * GI, vec![ShareSource::KaiFraction], "KAI gpu-fraction 0.25 of 80Gi = 20Gi".into()),
             ),
             pod("none", "x", Some((BudgetState::Within, GI, "plain"))),
             with_share(
                 pod("bad", "x", Some((BudgetState::Within, 2 * GI, "shares"))),
-                Held::new(80 * GI, vec![], "share unresolved: gpu-fraction \"lots\" is no decimal".into()),
+                HeldShare::new(80 * GI, vec![], "share unresolved: gpu-fraction \"lots\" is no decimal".into()),
             ),
         ];
         let selected: Vec<Selected> =

@@ -14,7 +14,7 @@ use gpubudget_daemon::Health;
 use gpubudget_operator::caps_webhook::{self, NAMESPACE_LABEL};
 use gpubudget_operator::controller::{self, CHECK_BUDGETS, CHECK_PODS, Context, Settings};
 use gpubudget_operator::eviction_check::{self, PodLookup};
-use gpubudget_operator::metrics::Metrics;
+use gpubudget_operator::metrics::{CapsResult, Metrics};
 use gpubudget_testkit::FakeApi;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -189,14 +189,10 @@ async fn the_webhook_caps_from_the_controllers_cache_and_reports_it() {
     // Another namespace: no budget, nothing to do (the chart never sends it; the webhook copes anyway).
     let other = post(addr, &create_review("team-z")).await;
     assert!(other["response"]["patch"].is_null());
-    let count = |result: &str| {
-        op.ctx
-            .metrics()
-            .caps_admissions
-            .get_or_create(&gpubudget_operator::metrics::ResultLabels { result: result.into() })
-            .get()
+    let count = |result| {
+        op.ctx.metrics().caps_admissions.get_or_create(&gpubudget_operator::metrics::CapsResultLabels { result }).get()
     };
-    assert_eq!((count("capped"), count("uncapped")), (1, 1));
+    assert_eq!((count(CapsResult::Capped), count(CapsResult::Uncapped)), (1, 1));
     until(&fake, "the CapsSet event", |f| {
         f.list("events.events.k8s.io", Some("team-a")).iter().any(|e| {
             e["reason"] == "CapsSet"
@@ -284,7 +280,7 @@ async fn the_webhook_is_bounded_and_answers_when_saturated() {
         .ctx
         .metrics()
         .caps_admissions
-        .get_or_create(&gpubudget_operator::metrics::ResultLabels { result: "saturated".into() })
+        .get_or_create(&gpubudget_operator::metrics::CapsResultLabels { result: CapsResult::Saturated })
         .get();
     assert_eq!(saturated, 1);
     op.stop().await;

@@ -22,8 +22,8 @@ use kube::{Api, Client};
 use serde_json::json;
 use tokio::sync::{Semaphore, mpsc};
 
-use super::Counters;
 use super::denied::{Denial, Notices};
+use super::{Counters, EvictionResult, WriteKind, WriteResult};
 use crate::decide::{Action, EvictOutcome, Feedback, PodRef, Reason};
 
 /// The reporting controller of the agent's events.
@@ -87,8 +87,8 @@ impl KubeExecutor {
             }
             // Observe mode (#54): counted and logged; nothing goes to the API (its event is an action of its own).
             if let Action::WouldEvict { pod, cause, set_by } = &action {
-                self.shared.counters.would_evict(cause, set_by);
-                tracing::info!(%pod, cause, set_by, "would evict (observe mode): no eviction requested");
+                self.shared.counters.would_evict(*cause, *set_by);
+                tracing::info!(%pod, cause = cause.as_str(), set_by = set_by.as_str(), "would evict (observe mode): no eviction requested");
                 continue;
             }
             // Events on the Node have no pod: they share one worker, keyed by the empty UID.
@@ -162,13 +162,13 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
                 "metadata": {"name": &*pod.name, "namespace": &*pod.namespace, "uid": &*pod.uid,
                              "annotations": super::annotations(&record, driver.as_ref())},
             });
-            let ok = apply(shared, &pod, &body, "apply").await;
+            let ok = apply(shared, &pod, &body, WriteKind::Apply).await;
             Some(Feedback::Written { uid: pod.uid, record: Some(record), ok })
         }
         Action::Clear { pod } => {
             let body = json!({"apiVersion": "v1", "kind": "Pod",
                               "metadata": {"name": &*pod.name, "namespace": &*pod.namespace, "uid": &*pod.uid}});
-            let ok = apply(shared, &pod, &body, "clear").await;
+            let ok = apply(shared, &pod, &body, WriteKind::Clear).await;
             Some(Feedback::Written { uid: pod.uid, record: None, ok })
         }
         Action::Event { pod, reason, note } => {
@@ -183,9 +183,9 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
                 secondary: None,
             };
             match shared.recorder.publish(&event, &object_ref(&pod)).await {
-                Ok(()) => m.write("event", "ok"),
+                Ok(()) => m.write(WriteKind::Event, WriteResult::Ok),
                 Err(error) => {
-                    m.write("event", "error");
+                    m.write(WriteKind::Event, WriteResult::Error);
                     tracing::warn!(%pod, reason = reason.as_str(), %error, "cannot publish event");
                 }
             }
@@ -202,9 +202,9 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
             let regarding =
                 ObjectReference { field_path: Some(format!("spec.containers{{{container}}}")), ..object_ref(&pod) };
             match shared.recorder.publish(&event, &regarding).await {
-                Ok(()) => m.write("event", "ok"),
+                Ok(()) => m.write(WriteKind::Event, WriteResult::Ok),
                 Err(error) => {
-                    m.write("event", "error");
+                    m.write(WriteKind::Event, WriteResult::Error);
                     tracing::warn!(%pod, %container, %error, "event not recorded");
                 }
             }
@@ -225,9 +225,9 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
                 ..ObjectReference::default()
             };
             match shared.recorder.publish(&event, &node).await {
-                Ok(()) => m.write("event", "ok"),
+                Ok(()) => m.write(WriteKind::Event, WriteResult::Ok),
                 Err(error) => {
-                    m.write("event", "error");
+                    m.write(WriteKind::Event, WriteResult::Error);
                     tracing::warn!(node = %shared.node, reason = reason.as_str(), %error, "cannot publish event");
                 }
             }
@@ -250,13 +250,13 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
                 },
             };
             let (result, write) = match &outcome {
-                EvictOutcome::Accepted => ("accepted", "ok"),
-                EvictOutcome::Blocked(_) => ("blocked", "blocked"),
-                EvictOutcome::Gone => ("gone", "error"),
-                EvictOutcome::Failed(_) => ("error", "error"),
+                EvictOutcome::Accepted => (EvictionResult::Accepted, WriteResult::Ok),
+                EvictOutcome::Blocked(_) => (EvictionResult::Blocked, WriteResult::Blocked),
+                EvictOutcome::Gone => (EvictionResult::Gone, WriteResult::Error),
+                EvictOutcome::Failed(_) => (EvictionResult::Error, WriteResult::Error),
             };
             m.eviction(result);
-            m.write("evict", write);
+            m.write(WriteKind::Evict, write);
             match &outcome {
                 EvictOutcome::Accepted => tracing::info!(%pod, grace_seconds, "eviction requested and accepted"),
                 EvictOutcome::Blocked(message) => tracing::warn!(%pod, %message, "eviction blocked (HTTP 429)"),
@@ -282,7 +282,10 @@ async fn execute(shared: &Shared, action: Action) -> Option<Feedback> {
                 Err(error) if matches!(api_code(&error), Some(404 | 409)) => EvictOutcome::Gone,
                 Err(error) => EvictOutcome::Failed(error.to_string()),
             };
-            m.write("delete", if outcome == EvictOutcome::Accepted { "ok" } else { "error" });
+            m.write(
+                WriteKind::Delete,
+                if outcome == EvictOutcome::Accepted { WriteResult::Ok } else { WriteResult::Error },
+            );
             match &outcome {
                 EvictOutcome::Accepted => {
                     tracing::warn!(%pod, grace_seconds, "evictions refused too long: pod deleted")
@@ -308,22 +311,22 @@ async fn evict(client: &Client, pod: &PodRef, grace_seconds: Option<i64>) -> Res
         .map(|_| ())
 }
 
-async fn apply(shared: &Shared, pod: &PodRef, body: &serde_json::Value, kind: &str) -> bool {
+async fn apply(shared: &Shared, pod: &PodRef, body: &serde_json::Value, kind: WriteKind) -> bool {
     let api: Api<Pod> = Api::namespaced(shared.client.clone(), &pod.namespace);
     // Forced: these annotations are the agent's by contract, whoever touched them last.
     let params = PatchParams::apply(&shared.field_manager).force();
     match api.patch(&pod.name, &params, &Patch::Apply(body)).await {
         Ok(_) => {
-            shared.counters.write(kind, "ok");
+            shared.counters.write(kind, WriteResult::Ok);
             true
         }
         Err(error) => {
             if let Some(denial) = Denial::of(&error) {
-                shared.counters.write(kind, "denied");
+                shared.counters.write(kind, WriteResult::Denied);
                 let what = format!("the record of pod {pod}");
                 super::denied::tell(&shared.recorder, &shared.denials, &shared.node, &denial, &what).await;
             } else {
-                shared.counters.write(kind, "error");
+                shared.counters.write(kind, WriteResult::Error);
                 tracing::warn!(%pod, %error, "cannot write the pod's record");
             }
             false

@@ -44,7 +44,9 @@ pub fn action_line(action: &Action, now: jiff::Timestamp) -> Value {
             "type": if reason.is_warning() { "Warning" } else { "Normal" }, "note": note,
         }),
         Action::Delete { grace_seconds, .. } => json!({"kind": "delete", "grace_period_seconds": grace_seconds}),
-        Action::WouldEvict { cause, set_by, .. } => json!({"kind": "would_evict", "cause": cause, "set_by": set_by}),
+        Action::WouldEvict { cause, set_by, .. } => {
+            json!({"kind": "would_evict", "cause": cause.as_str(), "set_by": set_by.as_str()})
+        }
     };
     if let (Some(line), Some(extra)) = (line.as_object_mut(), extra.as_object()) {
         line.extend(extra.clone());

@@ -12,28 +12,132 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
+/// The `result` of an eviction request (`gpubudget_evictions_total`).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum EvictionResult {
+    /// `accepted`.
+    Accepted,
+    /// `blocked`: refused for now (HTTP 429, a PodDisruptionBudget).
+    Blocked,
+    /// `gone`: the pod was gone.
+    Gone,
+    /// `error`.
+    Error,
+}
+
+impl EvictionResult {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EvictionResult::Accepted => "accepted",
+            EvictionResult::Blocked => "blocked",
+            EvictionResult::Gone => "gone",
+            EvictionResult::Error => "error",
+        }
+    }
+}
+
+/// The `kind` of an API write (`gpubudget_api_writes_total`).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum WriteKind {
+    /// `apply`: a pod's record.
+    Apply,
+    /// `clear`: a pod's record removed.
+    Clear,
+    /// `event`.
+    Event,
+    /// `evict`.
+    Evict,
+    /// `delete`: a pod deleted after refused evictions.
+    Delete,
+    /// `usage`: the node's `GpuNodeUsage`.
+    Usage,
+}
+
+impl WriteKind {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WriteKind::Apply => "apply",
+            WriteKind::Clear => "clear",
+            WriteKind::Event => "event",
+            WriteKind::Evict => "evict",
+            WriteKind::Delete => "delete",
+            WriteKind::Usage => "usage",
+        }
+    }
+}
+
+/// The `result` of an API write (`gpubudget_api_writes_total`).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum WriteResult {
+    /// `ok`.
+    Ok,
+    /// `blocked`: an eviction refused for now.
+    Blocked,
+    /// `denied`: refused for good (an admission policy, RBAC; [`denied`]).
+    Denied,
+    /// `error`.
+    Error,
+}
+
+impl WriteResult {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WriteResult::Ok => "ok",
+            WriteResult::Blocked => "blocked",
+            WriteResult::Denied => "denied",
+            WriteResult::Error => "error",
+        }
+    }
+}
+
+/// The `set_by` of an eviction observe mode held back: the level that set the mode
+/// ([`gpubudget_common::enforcement::Level`]).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub struct SetByLabel(pub gpubudget_common::enforcement::Level);
+
+impl SetByLabel {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        self.0.as_str()
+    }
+}
+
+gpubudget_daemon::label_values!(EvictionResult, WriteKind, WriteResult, crate::decide::EvictCause, SetByLabel);
+
 /// `{result}` of an eviction request.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     /// `accepted`, `blocked`, `gone`, `error`.
-    pub result: String,
+    pub result: EvictionResult,
 }
 
 /// `{cause, set_by}` of an eviction observe mode held back (#54).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WouldEvictLabels {
     /// `budget` (over its own limit) or `pressure`.
-    pub cause: String,
+    pub cause: crate::decide::EvictCause,
     /// The level that set observe mode: `agent`, `node` or `budget`.
-    pub set_by: String,
+    pub set_by: SetByLabel,
 }
 
 /// `{kind, result}` of an API write.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WriteLabels {
     /// `apply`, `clear`, `event`, `evict`, `delete`, `usage` (the node's `GpuNodeUsage`).
-    pub kind: String,
+    pub kind: WriteKind,
     /// `ok`, `blocked`, `denied` (refused for good: an admission policy, RBAC; [`denied`]), `error`.
+    pub result: WriteResult,
+}
+
+/// `{kind, result}` of a budget spec read (`gpubudget_budget_spec_reads_total`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SpecReadLabels {
+    /// `get` or `list`.
+    pub kind: String,
+    /// `ok` or `error`.
     pub result: String,
 }
 
@@ -53,18 +157,18 @@ pub struct Counters {
 
 impl Counters {
     /// Counts one API write.
-    pub fn write(&self, kind: &str, result: &str) {
-        self.api_writes.get_or_create(&WriteLabels { kind: kind.to_owned(), result: result.to_owned() }).inc();
+    pub fn write(&self, kind: WriteKind, result: WriteResult) {
+        self.api_writes.get_or_create(&WriteLabels { kind, result }).inc();
     }
 
     /// Counts one eviction observe mode held back (nothing was requested).
-    pub fn would_evict(&self, cause: &str, set_by: &str) {
-        self.would_evict.get_or_create(&WouldEvictLabels { cause: cause.to_owned(), set_by: set_by.to_owned() }).inc();
+    pub fn would_evict(&self, cause: crate::decide::EvictCause, set_by: gpubudget_common::enforcement::Level) {
+        self.would_evict.get_or_create(&WouldEvictLabels { cause, set_by: SetByLabel(set_by) }).inc();
     }
 
     /// Counts one eviction request.
-    pub fn eviction(&self, result: &str) {
-        self.evictions.get_or_create(&ResultLabels { result: result.to_owned() }).inc();
+    pub fn eviction(&self, result: EvictionResult) {
+        self.evictions.get_or_create(&ResultLabels { result }).inc();
     }
 }
 

@@ -15,8 +15,8 @@ use kube::{Api, Client, Resource as _};
 use serde_json::json;
 use tokio::sync::oneshot;
 
-use super::Counters;
 use super::denied::{Denial, Notices};
+use super::{Counters, WriteKind, WriteResult};
 use crate::attribute::{PodTable, PodUsage};
 use crate::decide::Now;
 
@@ -149,16 +149,16 @@ impl UsageWriter {
             let api: Api<GpuNodeUsage> = Api::all(client);
             let ok = match api.patch(&node, &PatchParams::apply(&manager).force(), &Patch::Apply(&body)).await {
                 Ok(_) => {
-                    counters.write("usage", "ok");
+                    counters.write(WriteKind::Usage, WriteResult::Ok);
                     true
                 }
                 Err(error) => {
                     if let Some(denial) = Denial::of(&error) {
-                        counters.write("usage", "denied");
+                        counters.write(WriteKind::Usage, WriteResult::Denied);
                         let what = format!("the GpuNodeUsage of node {node}");
                         super::denied::tell(&recorder, &denials, &node, &denial, &what).await;
                     } else {
-                        counters.write("usage", "error");
+                        counters.write(WriteKind::Usage, WriteResult::Error);
                         tracing::warn!(%node, %error, "cannot write the node's GPU usage");
                     }
                     false

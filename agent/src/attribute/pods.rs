@@ -47,20 +47,37 @@ impl MpsCap {
     }
 }
 
-impl std::fmt::Display for MpsCap {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.mib, self.devices)
+impl MpsCap {
+    /// How [`slim_pod`] keeps the cap in the agent's memory: `<MiB>/<devices>` (`8192/1`); [`MpsCap::decode`]
+    /// reads it back.
+    pub fn encode(&self) -> String {
+        format!("{}/{}", self.mib, self.devices)
+    }
+
+    /// Reads back what [`MpsCap::encode`] wrote; what is not that form is refused, saying what is wrong.
+    pub fn decode(text: &str) -> Result<Self, MpsCapDecodeError> {
+        let (mib, devices) = text.split_once('/').ok_or_else(|| MpsCapDecodeError::Form(text.to_owned()))?;
+        let number = |n: &str| n.parse().map_err(|_| MpsCapDecodeError::Number(n.to_owned()));
+        let (mib, devices) = (number(mib)?, u32::try_from(number(devices)?));
+        match devices {
+            Ok(devices) if devices > 0 => Ok(Self { mib, devices }),
+            _ => Err(MpsCapDecodeError::Devices(text.to_owned())),
+        }
     }
 }
 
-impl std::str::FromStr for MpsCap {
-    type Err = ();
-    fn from_str(text: &str) -> Result<Self, ()> {
-        let (mib, devices) = text.split_once('/').ok_or(())?;
-        let devices = devices.parse().map_err(|_| ())?;
-        (devices > 0).then_some(()).ok_or(())?;
-        Ok(Self { mib: mib.parse().map_err(|_| ())?, devices })
-    }
+/// Why [`MpsCap::decode`] refused a text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MpsCapDecodeError {
+    /// Not `<MiB>/<devices>`.
+    #[error("{0:?} is not <MiB>/<devices>")]
+    Form(String),
+    /// A part is not a whole number.
+    #[error("{0:?} is not a whole number")]
+    Number(String),
+    /// The devices are 0 or more than a `u32`: a cap names at least one.
+    #[error("{0:?} names no device count from 1 to 2^32-1")]
+    Devices(String),
 }
 
 /// What enforcement needs of a pod.
@@ -180,13 +197,13 @@ impl PodView {
                 .is_some_and(|r| r.containers.iter().any(|c| c.env.contains_key(caps::MEMORY_LIMIT))),
             mps_cap_mib: match spec {
                 Some(s) if !s.containers.is_empty() => MpsCap::of_pod(pod),
-                _ => annotations.and_then(|a| a.get(SLIM_MPS_CAP)).and_then(|v| v.parse().ok()),
+                _ => annotations.and_then(|a| a.get(SLIM_MPS_CAP)).and_then(|v| MpsCap::decode(v).ok()),
             },
             share: match spec {
                 Some(s) if !s.containers.is_empty() => share::declared_by_pod(pod, share::Sources::ALL),
                 _ => annotations
                     .and_then(|a| a.get(SLIM_SHARE))
-                    .and_then(|v| v.parse().ok())
+                    .and_then(|v| Declaration::decode(v).ok())
                     .unwrap_or(Declaration::None),
             },
             runtime_caps: None,
@@ -236,10 +253,10 @@ pub fn slim_pod(pod: &mut Pod) {
         });
     }
     if let Some(cap) = mps_cap.flatten() {
-        meta.annotations.get_or_insert_default().insert(SLIM_MPS_CAP.to_owned(), cap.to_string());
+        meta.annotations.get_or_insert_default().insert(SLIM_MPS_CAP.to_owned(), cap.encode());
     }
     if let Some(d) = declared.filter(|d| *d != Declaration::None) {
-        meta.annotations.get_or_insert_default().insert(SLIM_SHARE.to_owned(), d.to_string());
+        meta.annotations.get_or_insert_default().insert(SLIM_SHARE.to_owned(), d.encode());
     }
     if let Some(spec) = pod.spec.as_mut() {
         *spec = PodSpec {
@@ -587,6 +604,33 @@ status:
         assert_eq!(PodView::from_pod(&two).expect("view").mps_cap_mib, Some(MpsCap { mib: 3072, devices: 1 }));
         slim_pod(&mut two);
         assert_eq!(PodView::from_pod(&two).expect("view").mps_cap_mib, Some(MpsCap { mib: 3072, devices: 1 }));
+    }
+
+    /// The slim copy keeps a cap as `<MiB>/<devices>` ([`MpsCap::encode`]): pinned, and refused with the reason
+    /// where it is not that form.
+    #[test]
+    fn an_mps_cap_is_encoded_as_it_always_was() {
+        assert_eq!(MpsCap { mib: 8192, devices: 1 }.encode(), "8192/1");
+        assert_eq!(MpsCap::decode("3072/2"), Ok(MpsCap { mib: 3072, devices: 2 }));
+        for (bad, why) in [
+            ("8192", MpsCapDecodeError::Form("8192".into())),
+            ("x/1", MpsCapDecodeError::Number("x".into())),
+            ("1/", MpsCapDecodeError::Number(String::new())),
+            ("1/0", MpsCapDecodeError::Devices("1/0".into())),
+            ("1/4294967296", MpsCapDecodeError::Devices("1/4294967296".into())),
+            ("1/2/3", MpsCapDecodeError::Number("2/3".into())),
+        ] {
+            assert_eq!(MpsCap::decode(bad), Err(why), "{bad}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever cap the slim copy keeps, it reads back the same.
+        #[test]
+        fn every_mps_cap_survives_the_slim_copy(mib in proptest::prelude::any::<u64>(), devices in 1u32..) {
+            let cap = MpsCap { mib, devices };
+            proptest::prop_assert_eq!(MpsCap::decode(&cap.encode()), Ok(cap));
+        }
     }
 
     /// #33: pods labelled into a cluster budget that another cluster budget tightens share one entry of the

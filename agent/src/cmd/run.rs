@@ -15,7 +15,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use crate::act::WriteLabels;
+use crate::act::SpecReadLabels;
 use crate::act::kube::KubeExecutor;
 use crate::act::usage::UsageWriter;
 use crate::attribute::ProcAttributor;
@@ -56,7 +56,7 @@ fn counted(metrics: &Metrics) -> SpecRead {
     let reads = metrics.spec_reads.clone();
     Arc::new(move |kind, ok| {
         let result = if ok { "ok" } else { "error" };
-        reads.get_or_create(&WriteLabels { kind: kind.to_owned(), result: result.to_owned() }).inc();
+        reads.get_or_create(&SpecReadLabels { kind: kind.to_owned(), result: result.to_owned() }).inc();
     })
 }
 

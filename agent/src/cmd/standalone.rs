@@ -207,7 +207,7 @@ pub async fn run(args: StandaloneArgs) -> anyhow::Result<()> {
             let text = error.to_string();
             if last_error.as_deref() != Some(text.as_str()) {
                 let (ts, ts_unix) = timestamp_fields(jiff::Timestamp::now());
-                executor.line(&json!({"ts": ts, "ts_unix": ts_unix, "kind": "sample_error", "call": error.call, "message": error.message}))?;
+                executor.line(&json!({"ts": ts, "ts_unix": ts_unix, "kind": "sample_error", "call": error.call.as_str(), "message": error.message}))?;
                 last_error = Some(text);
             }
         }

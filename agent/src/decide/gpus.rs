@@ -294,14 +294,14 @@ mod tests {
         let mut watch = GpuWatch::default();
         let s = AccountingSettings::DEFAULT;
         let mut out = Vec::new();
-        let lost = GpuReading::failed(SampleError::new("memory_info", "GPU is lost"), 1);
+        let lost = GpuReading::failed(SampleError::new(crate::sample::Call::MemoryInfo, "GPU is lost"), 1);
         watch.observe(&s, 0, &snapshot(vec![sampled(0), lost.clone()], &[]), &[Some(0), None], &mut out);
         let told = reasons(&out);
         assert_eq!(told.len(), 1);
         assert_eq!(told[0].0, NodeReason::GpuSampleFailed);
         assert!(told[0].1.contains("GPU 1 (GPU-1)") && told[0].1.contains("GPU is lost"), "{}", told[0].1);
         out.clear();
-        let again = GpuReading::failed(SampleError::new("memory_info", "GPU is lost"), 2);
+        let again = GpuReading::failed(SampleError::new(crate::sample::Call::MemoryInfo, "GPU is lost"), 2);
         watch.observe(&s, 250, &snapshot(vec![sampled(0), again], &[]), &[Some(0), None], &mut out);
         assert!(out.is_empty(), "told once per episode");
         watch.observe(&s, 500, &snapshot(vec![sampled(0), sampled(0)], &[]), &[Some(0), Some(0)], &mut out);
@@ -431,7 +431,7 @@ mod tests {
                     sampled(0)
                 } else {
                     failures += 1;
-                    GpuReading::failed(SampleError::new("memory_info", "GPU is lost"), failures)
+                    GpuReading::failed(SampleError::new(crate::sample::Call::MemoryInfo, "GPU is lost"), failures)
                 };
                 if ok != was_ok {
                     changes += 1;

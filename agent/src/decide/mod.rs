@@ -57,7 +57,7 @@ mod vocabulary;
 pub use enforcer::Enforcer;
 pub use notes::holders_summary;
 pub use settings::{Now, Settings};
-pub use vocabulary::{Action, EvictOutcome, Feedback, NodeReason, PodRef, Reason};
+pub use vocabulary::{Action, EvictCause, EvictOutcome, Feedback, NodeReason, PodRef, Reason};
 
 use notes::{bounded, seconds};
 

@@ -518,7 +518,7 @@ impl Enforcer {
                 mem.last_event_ms[Reason::WouldEvict.slot()] = Some(now.mono_ms);
                 out.push(Action::Event { pod: mem.pod.clone(), reason: Reason::WouldEvict, note: bounded(note) });
                 let set_by = self.own_mode(budget).set_by.level();
-                out.push(Action::WouldEvict { pod: mem.pod.clone(), cause: "budget", set_by });
+                out.push(Action::WouldEvict { pod: mem.pod.clone(), cause: super::EvictCause::Budget, set_by });
                 mem.eviction = Eviction::Observed { gpu: None };
             }
             // Back under (or enforcing again, which starts the period afresh): a later episode is told again.

@@ -260,10 +260,10 @@ pub enum Action {
     WouldEvict {
         /// The pod.
         pod: PodRef,
-        /// `budget` (over its own limit) or `pressure` (relief of a GPU where a neighbour is short).
-        cause: &'static str,
-        /// The level that set the mode: `agent`, `node` or `budget` ([`gpubudget_common::enforcement::SetBy::level`]).
-        set_by: &'static str,
+        /// Why it would be evicted.
+        cause: EvictCause,
+        /// The level that set the mode ([`gpubudget_common::enforcement::SetBy::level`]).
+        set_by: gpubudget_common::enforcement::Level,
     },
     /// Request the pod's eviction (policy/v1 Eviction).
     Evict {
@@ -294,6 +294,25 @@ impl Action {
             | Action::WouldEvict { pod, .. }
             | Action::Delete { pod, .. } => Some(pod),
             Action::NodeEvent { .. } => None,
+        }
+    }
+}
+
+/// Why a pod would be evicted ([`Action::WouldEvict`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EvictCause {
+    /// `budget`: over its own limit.
+    Budget,
+    /// `pressure`: relief of a GPU where a neighbour is short.
+    Pressure,
+}
+
+impl EvictCause {
+    /// `budget` or `pressure` (a metric's label, a log line's field).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EvictCause::Budget => "budget",
+            EvictCause::Pressure => "pressure",
         }
     }
 }

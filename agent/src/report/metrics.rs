@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use gpubudget_common::BudgetState;
 
-use crate::act::ResultLabels;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -16,7 +15,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::FastMap;
-use crate::act::{Counters, WriteLabels};
+use crate::act::{Counters, SpecReadLabels};
 use crate::attribute::Usage;
 use crate::attribute::pods::PodTable;
 use crate::sample::{GpuHealth, Snapshot};
@@ -53,7 +52,46 @@ pub struct StateLabels {
     /// Pod name.
     pub pod: String,
     /// `Within`, `Near`, `Over`, `Evicting`.
-    pub state: String,
+    pub state: StateLabel,
+}
+
+/// A pod's state as a label value: `Within`, `Near`, `Over`, `Evicting` ([`BudgetState::as_str`]).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub struct StateLabel(pub BudgetState);
+
+impl StateLabel {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        self.0.as_str()
+    }
+}
+
+/// The `result` of a set of `--apply-driver-limits` (`gpubudget_driver_limits_applied_total`).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum DriverLimitsResult {
+    /// `applied`: the driver holds the limits set.
+    Applied,
+    /// `failed`.
+    Failed,
+}
+
+impl DriverLimitsResult {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DriverLimitsResult::Applied => "applied",
+            DriverLimitsResult::Failed => "failed",
+        }
+    }
+}
+
+gpubudget_daemon::label_values!(StateLabel, DriverLimitsResult);
+
+/// `{result}` of a set of `--apply-driver-limits`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DriverLimitsLabels {
+    /// `applied` or `failed`.
+    pub result: DriverLimitsResult,
 }
 
 /// `{namespace, pod}`.
@@ -69,7 +107,7 @@ pub struct PodLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CallLabels {
     /// The failing call.
-    pub call: String,
+    pub call: crate::sample::Call,
 }
 
 /// `{gpu}`.
@@ -121,13 +159,13 @@ pub struct Metrics {
     /// `gpubudget_pods_cap_not_in_force`.
     pub caps_not_in_force: Gauge,
     /// `gpubudget_driver_limits_applied_total`.
-    pub driver_applied: Family<ResultLabels, Counter>,
+    pub driver_applied: Family<DriverLimitsLabels, Counter>,
     /// `gpubudget_pod_driver_hard_limit_bytes`.
     pub pod_driver_hard: Family<PodLabels, Gauge>,
     /// `gpubudget_pod_driver_soft_limit_bytes`.
     pub pod_driver_soft: Family<PodLabels, Gauge>,
     /// `gpubudget_budget_spec_reads_total`.
-    pub spec_reads: Family<WriteLabels, Counter>,
+    pub spec_reads: Family<SpecReadLabels, Counter>,
     /// `gpubudget_budget_specs_from_mirrors{kind}`.
     pub specs_from_mirrors: Family<KindLabels, Gauge>,
     /// `gpubudget_runtime_caps_*` (`--runtime-caps`).
@@ -327,13 +365,13 @@ impl Metrics {
     }
 
     /// Counts one set of `--apply-driver-limits`.
-    pub fn driver_limits_applied(&self, result: &str) {
-        self.driver_applied.get_or_create(&ResultLabels { result: result.to_owned() }).inc();
+    pub fn driver_limits_applied(&self, result: DriverLimitsResult) {
+        self.driver_applied.get_or_create(&DriverLimitsLabels { result }).inc();
     }
 
     /// Counts one failed call.
-    pub fn nvml_error(&self, call: &str) {
-        self.nvml_errors.get_or_create(&CallLabels { call: call.to_owned() }).inc();
+    pub fn nvml_error(&self, call: crate::sample::Call) {
+        self.nvml_errors.get_or_create(&CallLabels { call }).inc();
     }
 }
 
@@ -578,7 +616,7 @@ impl SeriesTracker {
                 let state = |s: BudgetState| StateLabels {
                     namespace: view.namespace.to_string(),
                     pod: view.name.to_string(),
-                    state: s.as_str().to_owned(),
+                    state: StateLabel(s),
                 };
                 let budget_labels = BudgetLabels {
                     namespace: view.namespace.to_string(),

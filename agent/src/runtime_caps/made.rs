@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use gpubudget_common::caps::{Held, Uncapped};
+use gpubudget_common::caps::{ContainerCap, Uncapped};
 use gpubudget_common::pod_record::RuntimeCapsRecord;
 
 use crate::attribute::pods::MpsCap;
@@ -36,7 +36,7 @@ pub struct MadeContainer {
     /// The runtime's ID of the container the runtime showed made (empty: not shown yet).
     pub confirmed: String,
     /// How the driver holds it (`Uncapped(Unconfirmed)` until the runtime showed it).
-    pub held: Held,
+    pub held: ContainerCap,
     /// The devices it sees (0: unknown).
     pub devices: u32,
 }
@@ -59,13 +59,13 @@ impl Made {
     }
 
     /// Remembers how the driver holds container `name` of the pod with UID `uid`.
-    pub fn remember(&self, uid: &str, name: &str, held: Held, devices: u32) {
+    pub fn remember(&self, uid: &str, name: &str, held: ContainerCap, devices: u32) {
         self.confirm(uid, "", name, held, devices);
     }
 
     /// Remembers how the driver holds the container with ID `id` as the runtime showed it made: what was asked for
     /// it no longer counts.
-    pub fn confirm(&self, uid: &str, id: &str, name: &str, held: Held, devices: u32) {
+    pub fn confirm(&self, uid: &str, id: &str, name: &str, held: ContainerCap, devices: u32) {
         let uid: Arc<str> = Arc::from(uid.to_ascii_lowercase());
         let mut s = self.state();
         s.expected.remove(id);
@@ -82,7 +82,8 @@ impl Made {
         if s.pods.get(key.as_str()).and_then(|p| p.get(name)).is_some_and(|c| !id.is_empty() && c.confirmed == id) {
             return;
         }
-        let c = MadeContainer { confirmed: String::new(), held: Held::Uncapped(Uncapped::Unconfirmed), devices };
+        let c =
+            MadeContainer { confirmed: String::new(), held: ContainerCap::Uncapped(Uncapped::Unconfirmed), devices };
         s.pods.entry(Arc::from(key.as_str())).or_default().insert(name.to_owned(), c);
         if s.expected.len() >= MAX_EXPECTED {
             let oldest = s.expected.iter().min_by_key(|(_, (_, _, n))| *n).map(|(k, _)| k.clone());
@@ -142,8 +143,8 @@ pub fn summary(containers: &BTreeMap<String, MadeContainer>) -> (RuntimeCapsReco
     let (mut capped, mut uncapped) = (Vec::new(), Vec::new());
     for (name, c) in containers {
         match c.held {
-            Held::Uncapped(why) => uncapped.push(format!("container {name}: {why}")),
-            Held::Capped { max_mib } => {
+            ContainerCap::Uncapped(why) => uncapped.push(format!("container {name}: {why}")),
+            ContainerCap::Capped { max_mib } => {
                 capped.push((name.clone(), max_mib));
                 let m = cap.get_or_insert(MpsCap { mib: max_mib, devices: c.devices });
                 m.mib = m.mib.max(max_mib);
@@ -172,7 +173,7 @@ mod tests {
         assert_eq!(cap, None);
         assert_eq!(made.take_expected("c1"), Some(Expect::Capped { how: "budget a/b (8Gi)".into() }));
         assert_eq!(made.take_expected("c1"), None, "read once");
-        made.confirm("uid-1", "c1", "main", Held::Capped { max_mib: 8192 }, 1);
+        made.confirm("uid-1", "c1", "main", ContainerCap::Capped { max_mib: 8192 }, 1);
         assert_eq!(made.summary("uid-1").map(|s| s.1), Some(Some(MpsCap { mib: 8192, devices: 1 })));
         // The agent's answer to that creation, arriving late (it was stopped): what the runtime showed stays.
         made.expect("uid-1", "c1", "main", 1, Expect::Capped { how: String::new() });
@@ -186,11 +187,11 @@ mod tests {
     #[test]
     fn the_record_names_each_gpu_container() {
         let made = Made::default();
-        made.confirm("uid-1", "a", "init", Held::Capped { max_mib: 4096 }, 1);
-        made.confirm("uid-1", "b", "main", Held::Capped { max_mib: 8192 }, 2);
+        made.confirm("uid-1", "a", "init", ContainerCap::Capped { max_mib: 4096 }, 1);
+        made.confirm("uid-1", "b", "main", ContainerCap::Capped { max_mib: 8192 }, 2);
         let (record, _) = made.summary("uid-1").expect("remembered");
         assert_eq!(record, RuntimeCapsRecord::capped([("init".to_owned(), 4096), ("main".to_owned(), 8192)]));
-        made.confirm("uid-1", "c", "sidecar", Held::Uncapped(Uncapped::NoMps), 1);
+        made.confirm("uid-1", "c", "sidecar", ContainerCap::Uncapped(Uncapped::NoMps), 1);
         let (record, cap) = made.summary("uid-1").expect("remembered");
         assert_eq!(cap, None);
         assert_eq!(

@@ -30,9 +30,9 @@ use std::time::Duration;
 use gpubudget_common::caps::runtime::{self, Adjustment};
 use gpubudget_common::{Budget, CriticalNamespaces};
 
-use gpubudget_common::caps::{Caps, Devices, Held};
+use gpubudget_common::caps::{Caps, ContainerCap, Devices};
 use gpubudget_nri::api::{Container, ContainerAdjustment, PodSandbox};
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
@@ -118,11 +118,7 @@ impl Outcome {
     }
 }
 
-impl EncodeLabelValue for Outcome {
-    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
-        std::fmt::Write::write_str(encoder, self.as_str())
-    }
-}
+gpubudget_daemon::label_values!(Outcome);
 
 /// `{outcome}` of a container creation the plugin saw.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -230,7 +226,7 @@ pub fn decide(view: &View, pod: &PodSandbox, container: &Container, mps_pipe: Op
     // A share the node cannot size yet (a fraction before NVML told the GPUs' memory) is not known: the container
     // waits for it like any unknown (#51), never capped at the budget's limit for its whole life. A share that
     // cannot be read because of the pod's own values is held to the limit, as enforcement holds it.
-    if let Some(held) = budget.held_share.as_ref().filter(|h| !h.resolved() && !budget.share_fault) {
+    if let Some(held) = budget.held_share.as_ref().filter(|h| !h.resolved() && !budget.share_fault_is_pods()) {
         let (namespace, name, note) = (pod.namespace.clone(), pod.name.clone(), held.note.clone());
         return Decision::Unknown(NotKnown::ShareNotSized { namespace, name, note });
     }
@@ -306,7 +302,7 @@ impl RuntimeCaps {
         let Some(devices) = devices_of(c, view.borrow().gpus) else { return };
         let held = runtime::held_in(&c.name, &c.env, devices);
         self.made.remember(&pod.uid, &c.name, held, devices.known().unwrap_or(0));
-        if let (Held::Uncapped(why), Decision::Adjust { pod: pod_ref, how, .. }) =
+        if let (ContainerCap::Uncapped(why), Decision::Adjust { pod: pod_ref, how, .. }) =
             (held, decide(&view.borrow(), pod, c, self.settings.mps_pipe.as_deref()))
         {
             let note = format!(
@@ -426,7 +422,7 @@ pub fn confirmation(
     name: &str,
     env: &[String],
     expected: Option<Expect>,
-    held: Held,
+    held: ContainerCap,
     decision: &Decision,
 ) -> Option<(Reason, String)> {
     let values = || {
@@ -435,14 +431,14 @@ pub fn confirmation(
         set.join(" ")
     };
     match (expected, held) {
-        (Some(Expect::Capped { how }), Held::Capped { .. }) => Some((
+        (Some(Expect::Capped { how }), ContainerCap::Capped { .. }) => Some((
             Reason::CappedAtCreation,
             format!(
                 "container {name} capped by the runtime at creation (read back from the container it made), {how}: {}",
                 values()
             ),
         )),
-        (Some(Expect::Capped { how }), Held::Uncapped(why)) => Some((
+        (Some(Expect::Capped { how }), ContainerCap::Uncapped(why)) => Some((
             Reason::NotCappedAtCreation,
             format!(
                 "container {name}: the runtime made it without the caps it was given ({why}); {how}; eviction still \
@@ -451,14 +447,14 @@ pub fn confirmation(
         )),
         (Some(Expect::Uncapped { note }), _) => Some((Reason::NotCappedAtCreation, note)),
         (None, held) => match (decision, held) {
-            (Decision::Adjust { how, .. }, Held::Uncapped(why)) => Some((
+            (Decision::Adjust { how, .. }, ContainerCap::Uncapped(why)) => Some((
                 Reason::NotCappedAtCreation,
                 format!(
                     "container {name} was made while the agent did not answer the runtime: not capped at creation \
                      ({why}); {how}; eviction still holds the pod to its budget"
                 ),
             )),
-            (Decision::Adjust { how, .. }, Held::Capped { .. }) => Some((
+            (Decision::Adjust { how, .. }, ContainerCap::Capped { .. }) => Some((
                 Reason::CappedAtCreation,
                 format!(
                     "container {name} made capped (read back from the container the runtime made), {how}: {}",

@@ -347,8 +347,8 @@ async fn capped_is_what_the_runtime_made_not_what_was_asked() {
 /// What is told from what was asked and what the runtime made (pure).
 #[test]
 fn confirmation_tells_what_the_runtime_made() {
-    let capped = Held::Capped { max_mib: 8192 };
-    let uncapped = Held::Uncapped(Uncapped::NoMps);
+    let capped = ContainerCap::Capped { max_mib: 8192 };
+    let uncapped = ContainerCap::Uncapped(Uncapped::NoMps);
     let env = ["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M".to_owned(), "PATH=/bin".to_owned()];
     let asked = || Some(Expect::Capped { how: "budget a/b (8Gi)".into() });
     let (reason, note) = confirmation("main", &env, asked(), capped, &Decision::NoBudget).expect("told");

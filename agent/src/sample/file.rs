@@ -31,7 +31,8 @@ use std::time::SystemTime;
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::{
-    DeviceMemory, DirectOwner, GpuHealth, GpuInfo, GpuReading, PodKey, ProcessSample, SampleError, Sampler, Snapshot,
+    Call, DeviceMemory, DirectOwner, GpuHealth, GpuInfo, GpuReading, PodKey, ProcessSample, SampleError, Sampler,
+    Snapshot,
 };
 
 /// A sample file.
@@ -200,7 +201,7 @@ impl SampleFile {
                 let slot = snapshot.gpus.len();
                 let unavailable = processes.iter().filter(|p| p.unavailable).count();
                 snapshot.readings.push(match &gpu.error {
-                    Some(error) => GpuReading::failed(SampleError::new("sample_file", error), 1),
+                    Some(error) => GpuReading::failed(SampleError::new(Call::SampleFile, error), 1),
                     None => GpuReading {
                         unavailable: u32::try_from(unavailable).unwrap_or(u32::MAX),
                         ..GpuReading::sampled(used.map(|u| DeviceMemory::from_used(u, total)))
@@ -336,7 +337,7 @@ impl RecordedSampler {
     }
 
     fn refresh(&mut self) -> Result<(), SampleError> {
-        let changed = self.watch.changed().map_err(|e| SampleError::new("read_sample_file", e))?;
+        let changed = self.watch.changed().map_err(|e| SampleError::new(Call::ReadSampleFile, e))?;
         if !changed {
             return Ok(());
         }
@@ -354,7 +355,7 @@ impl RecordedSampler {
             Err(e) => {
                 // Read it again next time, even if it does not change: it may have been caught mid-write.
                 self.watch.reset();
-                Err(SampleError::new("read_sample_file", format!("{}: {e}", self.watch.path().display())))
+                Err(SampleError::new(Call::ReadSampleFile, format!("{}: {e}", self.watch.path().display())))
             }
         }
     }
@@ -487,7 +488,7 @@ mod tests {
 
         // A broken update is an error (counted, the tick skipped), and is retried.
         std::fs::write(&path, "{").expect("write");
-        assert_eq!(sampler.sample(&mut out).expect_err("broken").call, "read_sample_file");
+        assert_eq!(sampler.sample(&mut out).expect_err("broken").call, Call::ReadSampleFile);
         std::fs::write(&path, EXAMPLE).expect("write");
         sampler.sample(&mut out).expect("recovers");
         assert_eq!(out.processes.len(), 4);

@@ -182,12 +182,67 @@ impl Snapshot {
     }
 }
 
+/// The sampling call that failed: an NVML call as nvml-wrapper names it, or the sample file's reading. Its
+/// `as_str` is the `call` label of `gpubudget_nvml_errors_total` and starts an error's message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Call {
+    /// `init`.
+    Init,
+    /// `device_count`.
+    DeviceCount,
+    /// `device_by_index`.
+    DeviceByIndex,
+    /// `uuid`.
+    Uuid,
+    /// `memory_info`.
+    MemoryInfo,
+    /// `mig_device_count`.
+    MigDeviceCount,
+    /// `mig_device_by_index`.
+    MigDeviceByIndex,
+    /// `running_compute_processes`.
+    RunningComputeProcesses,
+    /// `running_graphics_processes`.
+    RunningGraphicsProcesses,
+    /// `mps_running_compute_processes`.
+    MpsRunningComputeProcesses,
+    /// `memory_limits`: the driver's per-cgroup limits (`--apply-driver-limits`).
+    MemoryLimits,
+    /// `sample_file`: a GPU the sample file says failed.
+    SampleFile,
+    /// `read_sample_file`.
+    ReadSampleFile,
+}
+
+impl Call {
+    /// The call's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Call::Init => "init",
+            Call::DeviceCount => "device_count",
+            Call::DeviceByIndex => "device_by_index",
+            Call::Uuid => "uuid",
+            Call::MemoryInfo => "memory_info",
+            Call::MigDeviceCount => "mig_device_count",
+            Call::MigDeviceByIndex => "mig_device_by_index",
+            Call::RunningComputeProcesses => "running_compute_processes",
+            Call::RunningGraphicsProcesses => "running_graphics_processes",
+            Call::MpsRunningComputeProcesses => "mps_running_compute_processes",
+            Call::MemoryLimits => "memory_limits",
+            Call::SampleFile => "sample_file",
+            Call::ReadSampleFile => "read_sample_file",
+        }
+    }
+}
+
+gpubudget_daemon::label_values!(Call);
+
 /// A failed sampling call, named after the NVML call.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{call}: {message}")]
+#[error("{}: {message}", call.as_str())]
 pub struct SampleError {
-    /// The call that failed (`init`, `device_by_index`, `running_compute_processes`, `read_sample_file`, …).
-    pub call: &'static str,
+    /// The call that failed.
+    pub call: Call,
     /// What it said.
     pub message: String,
     /// The sampler cannot recover by itself (NVML must be initialised again).
@@ -196,7 +251,7 @@ pub struct SampleError {
 
 impl SampleError {
     /// An error of `call`.
-    pub fn new(call: &'static str, message: impl std::fmt::Display) -> Self {
+    pub fn new(call: Call, message: impl std::fmt::Display) -> Self {
         Self { call, message: message.to_string(), fatal: false }
     }
 
@@ -382,7 +437,8 @@ mod tests {
     #[test]
     fn rebuilds_with_backoff_and_recovers() {
         let script = Arc::new(Mutex::new(Vec::new()));
-        let builds = Arc::new(Mutex::new(vec![Ok(()), Err(SampleError::new("init", "NVML_ERROR_LIBRARY_NOT_FOUND"))]));
+        let builds =
+            Arc::new(Mutex::new(vec![Ok(()), Err(SampleError::new(Call::Init, "NVML_ERROR_LIBRARY_NOT_FOUND"))]));
         let (s, b) = (script.clone(), builds.clone());
         let mut slot = SamplerSlot::new(Box::new(move || match b.lock().expect("lock").pop() {
             Some(Ok(())) | None => Ok(Box::new(Scripted(s.clone())) as Box<dyn Sampler>),
@@ -390,7 +446,7 @@ mod tests {
         }));
         let mut out = Snapshot::default();
         let t0 = Instant::now();
-        assert!(matches!(slot.sample(t0, &mut out), SlotOutcome::Failed(e) if e.call == "init"));
+        assert!(matches!(slot.sample(t0, &mut out), SlotOutcome::Failed(e) if e.call == Call::Init));
         assert!(!slot.healthy());
         assert_eq!(slot.sample(t0 + Duration::from_millis(100), &mut out), SlotOutcome::Waiting);
         assert_eq!(slot.sample(t0 + Backoff::MIN, &mut out), SlotOutcome::Sampled);
@@ -398,9 +454,9 @@ mod tests {
 
         // Three failures in a row rebuild the sampler.
         *script.lock().expect("lock") = vec![
-            Err(SampleError::new("running_compute_processes", "GPU lost")),
-            Err(SampleError::new("running_compute_processes", "GPU lost")),
-            Err(SampleError::new("running_compute_processes", "GPU lost")),
+            Err(SampleError::new(Call::RunningComputeProcesses, "GPU lost")),
+            Err(SampleError::new(Call::RunningComputeProcesses, "GPU lost")),
+            Err(SampleError::new(Call::RunningComputeProcesses, "GPU lost")),
         ];
         let t1 = t0 + Duration::from_secs(10);
         for _ in 0..3 {

@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 
 use gpubudget_agent::sample::nvml::{Backend, Listed, ProcessList};
-use gpubudget_agent::sample::{DeviceMemory, GpuInfo, SampleError};
+use gpubudget_agent::sample::{Call, DeviceMemory, GpuInfo, SampleError};
 
 /// What goes wrong with a fake GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,14 +93,15 @@ impl FakeNvml {
         std::mem::take(&mut self.0.lock().expect("lock").calls)
     }
 
-    fn call(&self, call: &'static str, index: u32) -> Result<FakeGpu, SampleError> {
+    /// Logs `what` on GPU `index`; a fault fails it as NVML's `call` would.
+    fn call(&self, what: &'static str, call: Call, index: u32) -> Result<FakeGpu, SampleError> {
         let mut world = self.0.lock().expect("lock");
-        world.calls.push(format!("{call} {index}"));
+        world.calls.push(format!("{what} {index}"));
         let gpu = world.gpus.get(index as usize).cloned().ok_or_else(|| SampleError::new(call, "Invalid Argument"))?;
         match gpu.fault {
             Some(Fault::DriverGone) => Err(SampleError::new(call, "Driver Not Loaded").fatal()),
             Some(Fault::Undescribable) => Err(SampleError::new(call, "Unknown Error")),
-            Some(Fault::Lost) if call != "describe" => Err(SampleError::new(call, "GPU is lost")),
+            Some(Fault::Lost) if what != "describe" => Err(SampleError::new(call, "GPU is lost")),
             _ => Ok(gpu),
         }
     }
@@ -112,13 +113,13 @@ impl Backend for FakeNvml {
     fn device_count(&self) -> Result<u32, SampleError> {
         let world = self.0.lock().expect("lock");
         if world.gpus.iter().any(|g| g.fault == Some(Fault::DriverGone)) {
-            return Err(SampleError::new("device_count", "Driver Not Loaded").fatal());
+            return Err(SampleError::new(Call::DeviceCount, "Driver Not Loaded").fatal());
         }
         Ok(u32::try_from(world.gpus.len()).expect("count"))
     }
 
     fn describe(&self, index: u32) -> Result<Vec<GpuInfo>, SampleError> {
-        let gpu = self.call("describe", index)?;
+        let gpu = self.call("describe", Call::DeviceByIndex, index)?;
         Ok(vec![GpuInfo {
             index,
             mig: None,
@@ -130,17 +131,17 @@ impl Backend for FakeNvml {
     }
 
     fn device(&self, unit: &GpuInfo) -> Result<u32, SampleError> {
-        self.call("device_by_index", unit.index).map(|_| unit.index)
+        self.call("device_by_index", Call::DeviceByIndex, unit.index).map(|_| unit.index)
     }
 
     fn memory(&self, device: &u32) -> Result<DeviceMemory, SampleError> {
-        let gpu = self.call("memory_info", *device)?;
+        let gpu = self.call("memory_info", Call::MemoryInfo, *device)?;
         let used = gpu.used();
         Ok(DeviceMemory { used, free: gpu.total.saturating_sub(used) })
     }
 
     fn processes(&self, device: &u32, list: ProcessList) -> Result<Option<Vec<Listed>>, SampleError> {
-        let gpu = self.call(list.call(), *device)?;
+        let gpu = self.call(list.call().as_str(), list.call(), *device)?;
         if list == ProcessList::Mps && gpu.fault == Some(Fault::MpsListFails) {
             return Err(SampleError::new(list.call(), "Unknown Error"));
         }

@@ -9,7 +9,7 @@
 //! replaced, never trusted: the runtime's value is the one the process starts with.
 
 use super::{
-    Caps, ContainerRecord, Devices, EnvValue, GpuContainer, Held, MAX_DEVICES, MAX_ENV_VALUE, MEMORY_LIMIT,
+    Caps, ContainerCap, ContainerRecord, Devices, EnvValue, GpuContainer, MAX_DEVICES, MAX_ENV_VALUE, MEMORY_LIMIT,
     MEMORY_REQUEST, MPS_LIMIT, Outcome, Unknown, VISIBLE_DEVICES, Visible, held, merge_mib, merge_mps_outcome, visible,
 };
 use std::collections::BTreeMap;
@@ -98,7 +98,7 @@ pub fn devices_seen<'a>(
 /// How the driver holds a container the runtime makes (or made), from its final environment: the same reading as
 /// for a pod's spec ([`held`]), so a container counts capped only where the driver reads its cap on every device it
 /// sees.
-pub fn held_in(name: &str, env: &[String], devices: Devices) -> Held {
+pub fn held_in(name: &str, env: &[String], devices: Devices) -> ContainerCap {
     let literal = |n: &str| env_get(env, n).map(|v| EnvValue::Literal(v.to_owned()));
     held(&GpuContainer {
         name: name.to_owned(),
@@ -252,18 +252,21 @@ mod tests {
     #[test]
     fn a_container_counts_capped_only_as_the_driver_reads_its_final_environment() {
         let hostile = env(&["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=80G,1=1G", "PATH=/bin"]);
-        assert!(matches!(held_in("c", &hostile, Devices::Known(1)), Held::Uncapped(_)), "an unseen ordinal voids it");
+        assert!(
+            matches!(held_in("c", &hostile, Devices::Known(1)), ContainerCap::Uncapped(_)),
+            "an unseen ordinal voids it"
+        );
         let a = adjust("c", &hostile, Devices::Known(1), CAPS, None);
         let made = a.applied_to(&hostile);
         assert_eq!(
             made,
             env(&["PATH=/bin", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M", "NVIDIA_GPU_MEMORY_LIMIT=10240"])
         );
-        assert_eq!(held_in("c", &made, Devices::Known(1)), Held::Capped { max_mib: 10240 });
+        assert_eq!(held_in("c", &made, Devices::Known(1)), ContainerCap::Capped { max_mib: 10240 });
         let unknown = adjust("c", &hostile, Devices::Unknown(Unknown::All), CAPS, None);
         assert!(matches!(
             held_in("c", &unknown.applied_to(&hostile), Devices::Unknown(Unknown::All)),
-            Held::Uncapped(_)
+            ContainerCap::Uncapped(_)
         ));
     }
 

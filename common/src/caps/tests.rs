@@ -590,7 +590,7 @@ proptest! {
         });
         let caps = Caps { limit_mib: cap, request_mib: None };
         prop_assert_eq!(assess(std::slice::from_ref(&c), caps) == Assessment::Capped, capped_at_most(cap), "{:?}", text);
-        let capped = matches!(held(&c), Held::Capped { .. });
+        let capped = matches!(held(&c), ContainerCap::Capped { .. });
         prop_assert_eq!(capped, capped_at_most(u64::MAX), "{:?}", text);
     }
 
@@ -674,7 +674,7 @@ fn a_huge_value_is_replaced_without_being_read() {
     assert_eq!(read_mps(&huge, 1), Err(Ignored::TooLong));
     assert_eq!(merge_mps(Some(&huge), 2, 8192), "0=8192M,1=8192M");
     let c = GpuContainer { mps_limit: Some(EnvValue::Literal(huge)), ..gpu(1, None, None) };
-    assert_eq!(held(&c), Held::Uncapped(Uncapped::Ignored(Ignored::TooLong)));
+    assert_eq!(held(&c), ContainerCap::Uncapped(Uncapped::Ignored(Ignored::TooLong)));
 }
 
 fn generated_pod(devices: u32, mps: Option<String>, limit: Option<String>, forged: bool) -> Pod {

@@ -68,7 +68,7 @@ fn a_pod_created_under_a_caps_budget_gets_the_variables_and_the_record() {
     assert_eq!(env(&pod), [(MPS_LIMIT.into(), "0=2048M".into()), (MEMORY_LIMIT.into(), "8192".into())]);
     let annotation = pod["metadata"]["annotations"][ANNOTATION].as_str().expect("annotation");
     assert_eq!(&serde_json::from_str::<Record>(annotation).expect("record"), record);
-    assert_eq!(verdict.label(), "capped");
+    assert_eq!(verdict.label(), crate::metrics::CapsResult::Capped);
 }
 
 #[test]
@@ -146,7 +146,7 @@ fn only_pod_creations_are_touched_and_trouble_never_refuses_a_pod() {
     let (response, verdict) = decide(&review("CREATE", "pods", None, broken), &budgets, &BTreeMap::new());
     assert!(response.allowed && response.patch.is_none());
     assert!(matches!(&verdict, Verdict::Failed(why) if why.contains("cannot be read")), "{verdict:?}");
-    assert_eq!(verdict.label(), "failed");
+    assert_eq!(verdict.label(), crate::metrics::CapsResult::Failed);
 }
 
 fn cluster_budget(name: &str, limit: &str, namespace_selector: &str, caps: bool) -> Budget {

@@ -10,7 +10,7 @@ use crate::attribute::PodUsage;
 use crate::attribute::pods::PodTable;
 use crate::decide::notes::{bounded, holders_summary, seconds};
 use crate::decide::pod::{Context, Eviction};
-use crate::decide::{Action, Enforcer, NodeReason, Now, Reason, cadence};
+use crate::decide::{Action, Enforcer, EvictCause, NodeReason, Now, Reason, cadence};
 use crate::sample::Snapshot;
 
 /// One GPU's memory pressure between ticks.
@@ -337,7 +337,7 @@ impl Enforcer {
                             note: bounded(note),
                         });
                         let set_by = self.node_mode.set_by.level();
-                        out.push(Action::WouldEvict { pod: mem.pod.clone(), cause: "pressure", set_by });
+                        out.push(Action::WouldEvict { pod: mem.pod.clone(), cause: EvictCause::Pressure, set_by });
                         mem.eviction = Eviction::Observed { gpu: Some(g) };
                         self.pods.insert(view.uid.clone(), mem);
                         continue;

@@ -125,7 +125,7 @@ fn kinds(actions: &[Action]) -> Vec<String> {
             Action::Evict { grace_seconds, .. } => format!("evict:{grace_seconds:?}"),
             Action::NodeEvent { reason, .. } => format!("node:{}", reason.as_str()),
             Action::Delete { grace_seconds, .. } => format!("delete:{grace_seconds:?}"),
-            Action::WouldEvict { cause, set_by, .. } => format!("would-evict:{cause}:{set_by}"),
+            Action::WouldEvict { cause, set_by, .. } => format!("would-evict:{}:{}", cause.as_str(), set_by.as_str()),
         })
         .collect()
 }
@@ -973,8 +973,8 @@ fn what_the_runtime_made_reaches_the_record_after_the_first_write() {
 /// evicted in time, and told once that the change was ignored; after a restart the record holds it the same.
 #[test]
 fn a_rewritten_share_is_ignored_and_told_once() {
-    use gpubudget_common::share::Held;
-    let first = Held::new(
+    use gpubudget_common::share::HeldShare;
+    let first = HeldShare::new(
         20 * GI,
         vec![gpubudget_common::share::ShareSource::KaiFraction],
         "KAI gpu-fraction 0.25 of 80Gi = 20Gi".into(),

@@ -3,7 +3,9 @@
 //! `spec.enforcement` its own evictions, and a tenant's `Observe` never loosens a cluster budget's `Enforce`.
 
 use super::*;
+use crate::decide::EvictCause;
 use gpubudget_common::Enforcement;
+use gpubudget_common::enforcement::Level;
 
 fn harness(agent: Enforcement, label: Option<Enforcement>, budget_extra: &str) -> Harness {
     let mut h = Harness::new(pod("", ""), &[budget(budget_extra)]);
@@ -12,7 +14,7 @@ fn harness(agent: Enforcement, label: Option<Enforcement>, budget_extra: &str) -
     h
 }
 
-fn would(actions: &[Action]) -> Vec<(&'static str, &'static str)> {
+fn would(actions: &[Action]) -> Vec<(EvictCause, Level)> {
     actions
         .iter()
         .filter_map(|a| match a {
@@ -77,7 +79,7 @@ fn observe_tells_what_it_would_evict_once_per_episode_and_evicts_nothing() {
     let back = h.run(300_250, 320_000, GI);
     assert!(kinds(&back).contains(&"GpuMemoryWithinBudget".to_owned()), "{:?}", kinds(&back));
     let again = h.run(320_250, 331_000, 9 * GI);
-    assert_eq!(would(&again), [("budget", "agent")]);
+    assert_eq!(would(&again), [(EvictCause::Budget, Level::Agent)]);
     all.extend(back);
     all.extend(again);
     nothing_enforced(&all);
@@ -89,7 +91,7 @@ fn the_nodes_label_overrides_the_agents_default_both_ways() {
     let mut h = harness(Enforcement::Enforce, Some(Enforcement::Observe), "");
     let out = h.run(0, 20_000, 9 * GI);
     nothing_enforced(&out);
-    assert_eq!(would(&out), [("budget", "node")]);
+    assert_eq!(would(&out), [(EvictCause::Budget, Level::Node)]);
     let note = note_of(&out, Reason::WouldEvict).expect("told");
     assert!(note.contains("observe mode: the Node's label gpubudget.io/enforcement;"), "{note}");
     // An observing agent on a node labelled Enforce evicts.
@@ -109,7 +111,7 @@ fn a_budget_set_to_enforce_evicts_on_an_observing_node_and_one_set_to_observe_do
     let mut h = harness(Enforcement::Enforce, None, ", enforcement: Observe");
     let out = h.run(0, 20_000, 9 * GI);
     nothing_enforced(&out);
-    assert_eq!(would(&out), [("budget", "budget")]);
+    assert_eq!(would(&out), [(EvictCause::Budget, Level::Budget)]);
     let note = note_of(&out, Reason::WouldEvict).expect("told");
     assert!(note.contains("observe mode: spec.enforcement of budget team-a/llm;"), "{note}");
 }
@@ -130,7 +132,7 @@ fn warn_and_critical_pods_are_not_even_would_be_evicted() {
 fn switching_to_enforce_starts_the_period_afresh_then_evicts() {
     let mut h = harness(Enforcement::Observe, None, "");
     let observed = h.run(0, 60_000, 9 * GI);
-    assert_eq!(would(&observed), [("budget", "agent")]);
+    assert_eq!(would(&observed), [(EvictCause::Budget, Level::Agent)]);
     // The administrator labels the node Enforce: an hour over in observe mode is not acted on at once.
     h.table.node_enforcement = Some(Enforcement::Enforce);
     let switched = h.tick(60_250, 9 * GI);
@@ -158,7 +160,7 @@ fn an_eviction_under_way_when_the_node_turns_to_observe_is_dropped_before_its_re
     let after = h.run(10_250, 60_000, 9 * GI);
     assert_eq!(evicts(&after), 0, "{:?}", kinds(&after));
     assert!(after.iter().all(|a| !matches!(a, Action::Apply { record, .. } if record.eviction_requested_at.is_some())));
-    assert_eq!(would(&after), [("budget", "node")], "told once the new period ran out");
+    assert_eq!(would(&after), [(EvictCause::Budget, Level::Node)], "told once the new period ran out");
 }
 
 /// A tenant's namespaced budget saying Observe does not loosen the administrator's cluster budget saying
@@ -202,7 +204,7 @@ fn pressure_relief_is_observed_as_the_node_says() {
     let all: Vec<Action> = (0..200).flat_map(|k| node.tick(k * 250, &bytes, 0)).collect();
     nothing_enforced(&all);
     assert!(evicted(&all).is_empty());
-    assert_eq!(would(&all), [("pressure", "agent")], "one pod, once: {:?}", kinds(&all));
+    assert_eq!(would(&all), [(EvictCause::Pressure, Level::Agent)], "one pod, once: {:?}", kinds(&all));
     let note = note_of(&all, Reason::WouldEvict).expect("told");
     assert!(note.contains("nothing is evicted): GPU 0 is under memory pressure"), "{note}");
     assert!(note.contains("no budget selects it"), "nobudget goes first: {note}");
@@ -217,7 +219,7 @@ fn pressure_relief_is_observed_as_the_node_says() {
     // The pressure ends and comes back: told again.
     let _: Vec<Action> = (200..220).flat_map(|k| node.tick(k * 250, &[20 * GI, 30 * GI, 0], 0)).collect();
     let again: Vec<Action> = (220..224).flat_map(|k| node.tick(k * 250, &bytes, 0)).collect();
-    assert_eq!(would(&again), [("pressure", "agent")], "{:?}", kinds(&again));
+    assert_eq!(would(&again), [(EvictCause::Pressure, Level::Agent)], "{:?}", kinds(&again));
     // Labelled Enforce: relief acts at once.
     node.table.node_enforcement = Some(Enforcement::Enforce);
     let enforced: Vec<Action> = (224..228).flat_map(|k| node.tick(k * 250, &bytes, 0)).collect();

@@ -49,7 +49,7 @@ use std::time::{Duration, Instant};
 pub use gate::{Refresh, RefreshGate, RefreshMode};
 pub use real::RealNvml;
 
-use super::{Backoff, DeviceMemory, GpuInfo, GpuReading, ProcessSample, SampleError, Sampler, Snapshot};
+use super::{Backoff, Call, DeviceMemory, GpuInfo, GpuReading, ProcessSample, SampleError, Sampler, Snapshot};
 
 /// One process on one of NVML's lists.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,11 +73,11 @@ pub enum ProcessList {
 
 impl ProcessList {
     /// The nvml-wrapper call, for errors and metrics.
-    pub fn call(self) -> &'static str {
+    pub fn call(self) -> Call {
         match self {
-            Self::Compute => "running_compute_processes",
-            Self::Graphics => "running_graphics_processes",
-            Self::Mps => "mps_running_compute_processes",
+            Self::Compute => Call::RunningComputeProcesses,
+            Self::Graphics => Call::RunningGraphicsProcesses,
+            Self::Mps => Call::MpsRunningComputeProcesses,
         }
     }
 }

@@ -6,7 +6,7 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, struct_wrappers::device::ProcessInfo};
 
 use super::{Backend, Listed, ProcessList};
-use crate::sample::{DeviceMemory, GpuInfo, SampleError};
+use crate::sample::{Call, DeviceMemory, GpuInfo, SampleError};
 
 /// NVML, loaded and initialised.
 pub struct RealNvml(Nvml);
@@ -20,14 +20,14 @@ impl std::fmt::Debug for RealNvml {
 impl RealNvml {
     /// Loads `libnvidia-ml.so.1` and initialises it (about 15 ms on an H100).
     pub fn init() -> Result<Self, SampleError> {
-        Nvml::init().map(Self).map_err(|e| error("init", e).fatal())
+        Nvml::init().map(Self).map_err(|e| error(Call::Init, e).fatal())
     }
 }
 
 /// An NVML error as a [`SampleError`] named after `call`. Errors that mean NVML itself is gone (not
 /// initialised, the driver unloaded, the library or a symbol missing) are fatal: the whole sampler is
 /// built again. Every other error, `GpuLost` included, belongs to the one GPU it came from.
-pub fn error(call: &'static str, e: NvmlError) -> SampleError {
+pub fn error(call: Call, e: NvmlError) -> SampleError {
     let fatal = matches!(
         e,
         NvmlError::Uninitialized
@@ -58,23 +58,23 @@ impl Backend for RealNvml {
     type Device<'a> = Device<'a>;
 
     fn device_count(&self) -> Result<u32, SampleError> {
-        self.0.device_count().map_err(|e| error("device_count", e))
+        self.0.device_count().map_err(|e| error(Call::DeviceCount, e))
     }
 
     fn describe(&self, index: u32) -> Result<Vec<GpuInfo>, SampleError> {
-        let device = self.0.device_by_index(index).map_err(|e| error("device_by_index", e))?;
+        let device = self.0.device_by_index(index).map_err(|e| error(Call::DeviceByIndex, e))?;
         let name = device.name().unwrap_or_else(|_| "unknown".into());
         if !matches!(device.mig_mode(), Ok(mode) if mode.current == 1) {
             return Ok(vec![GpuInfo {
                 index,
                 mig: None,
-                uuid: device.uuid().map_err(|e| error("uuid", e))?,
+                uuid: device.uuid().map_err(|e| error(Call::Uuid, e))?,
                 name,
-                total_bytes: device.memory_info().map_err(|e| error("memory_info", e))?.total,
+                total_bytes: device.memory_info().map_err(|e| error(Call::MemoryInfo, e))?.total,
                 label: GpuInfo::label_for(index, None),
             }]);
         }
-        let slots = device.mig_device_count().map_err(|e| error("mig_device_count", e))?;
+        let slots = device.mig_device_count().map_err(|e| error(Call::MigDeviceCount, e))?;
         let mut units = Vec::new();
         for m in 0..slots {
             match device.mig_device_by_index(m) {
@@ -87,23 +87,23 @@ impl Backend for RealNvml {
                     label: GpuInfo::label_for(index, Some(m)),
                 }),
                 Err(NvmlError::NotFound) => {}
-                Err(e) => return Err(error("mig_device_by_index", e)),
+                Err(e) => return Err(error(Call::MigDeviceByIndex, e)),
             }
         }
         Ok(units)
     }
 
     fn device(&self, unit: &GpuInfo) -> Result<Device<'_>, SampleError> {
-        let parent = self.0.device_by_index(unit.index).map_err(|e| error("device_by_index", e))?;
+        let parent = self.0.device_by_index(unit.index).map_err(|e| error(Call::DeviceByIndex, e))?;
         match unit.mig {
-            Some(m) => parent.mig_device_by_index(m).map_err(|e| error("mig_device_by_index", e)),
+            Some(m) => parent.mig_device_by_index(m).map_err(|e| error(Call::MigDeviceByIndex, e)),
             None => Ok(parent),
         }
     }
 
     fn memory(&self, device: &Device<'_>) -> Result<DeviceMemory, SampleError> {
         // nvml-wrapper reads `nvmlDeviceGetMemoryInfo_v2`: `used` leaves out the driver's reserve.
-        let info = device.memory_info().map_err(|e| error("memory_info", e))?;
+        let info = device.memory_info().map_err(|e| error(Call::MemoryInfo, e))?;
         Ok(DeviceMemory { used: info.used, free: info.free })
     }
 
