@@ -167,18 +167,21 @@ fn cluster_keys(
     cluster_selecting(cluster, namespace, namespace_labels, labels).map(|b| ObjKey::cluster(&b.name)).collect()
 }
 
-/// Whether two readings of a budget select the same pods and resolve the same way (so no resolution
-/// changes): same selectors, and equal in every field [`gpubudget_common::resolve`] compares: the limit,
-/// and, when cluster budgets exist (`with_cluster`), every field that governs enforcement (a namespaced
-/// budget takes a pod over from a cluster budget only if no looser in any of them).
-fn same_matching(a: &Result<Budget, SpecError>, b: &Result<Budget, SpecError>, with_cluster: bool) -> bool {
+/// Whether two readings of a budget select the same pods and resolve the same way, so that no other budget's
+/// status changes: same selectors, and equal in every field [`gpubudget_common::resolve`] reads: the limit, every
+/// field that governs enforcement (a namespaced budget takes a pod over from a cluster budget only if no looser in
+/// any of them; and budgets of one kind selecting a pod tighten each other's rules field by field, which the other
+/// budgets' `Overlapping` condition tells) and `warnAtPercent` (the earlier warning is taken the same way).
+fn same_matching(a: &Result<Budget, SpecError>, b: &Result<Budget, SpecError>) -> bool {
     match (a, b) {
         (Err(_), Err(_)) => true,
         (Ok(a), Ok(b)) => {
             a.selector == b.selector
                 && a.scope == b.scope
                 && a.limit_bytes == b.limit_bytes
-                && (!with_cluster || (a.no_looser_than(b) && b.no_looser_than(a)))
+                && a.no_looser_than(b)
+                && b.no_looser_than(a)
+                && a.warn_at_percent == b.warn_at_percent
         }
         _ => false,
     }
@@ -209,7 +212,7 @@ impl Index {
         match old {
             Some(old) => {
                 self.invalid_budgets -= usize::from(old.is_err());
-                if same_matching(old, &compiled, !self.cluster.is_empty()) {
+                if same_matching(old, &compiled) {
                     self.invalid_budgets += usize::from(compiled.is_err());
                     if let Some(ns) = self.namespaces.get_mut(&key.namespace) {
                         ns.budgets.insert(key.name.as_str().into(), compiled);
@@ -353,7 +356,7 @@ impl Index {
         match self.cluster.get(&key.name) {
             Some(old) => {
                 self.invalid_budgets -= usize::from(old.is_err());
-                if same_matching(old, &compiled, true) {
+                if same_matching(old, &compiled) {
                     self.invalid_budgets += usize::from(compiled.is_err());
                     self.cluster.insert(key.name.clone(), compiled);
                     return Affected::from([key]);
@@ -1016,9 +1019,12 @@ mod tests {
         let mut index = fixture();
         index.apply_pod(pod("a", "p1", &[("app", "llm")]));
         index.apply_pod(pod("a", "p2", &[("app", "web")]));
-        // Only the action changes: the matching is the same, nothing else is affected.
+        // Only the action changes: the same pods, but budgets selecting a pod tighten each other's rules field by
+        // field (their `Overlapping` condition says by which), so the budgets sharing its pods are affected.
         let mut llm = budget("a", "llm", "8Gi", "{matchLabels: {app: llm}}");
         llm.spec.action = gpubudget_common::BudgetAction::Warn;
+        assert_eq!(index.apply_budget(&llm), keys(&["llm", "wide"]));
+        // The same spec again: nothing but itself.
         assert_eq!(index.apply_budget(&llm), keys(&["llm"]));
         // The limit changes: the budgets sharing its pods may resolve differently.
         assert_eq!(
@@ -1302,9 +1308,13 @@ mod tests {
         );
         let inputs = index.inputs(&ObjKey::cluster("tenants"));
         assert_eq!(inputs.selected.len(), 3);
-        // Only the warning threshold changes: nothing resolves differently, only itself.
+        // Only the warning threshold changes: the earlier warning is taken across the budgets selecting a pod, so
+        // those sharing its pods are affected; the same spec again affects only itself.
         let mut warn = tenants.clone();
         warn.spec.budget.warn_at_percent = 50;
+        let sharing: Affected =
+            [ObjKey::cluster("tenants"), ObjKey::new("a", "llm"), ObjKey::new("b", "loose")].into_iter().collect();
+        assert_eq!(index.apply_cluster_budget(&warn), sharing);
         assert_eq!(index.apply_cluster_budget(&warn), Affected::from([ObjKey::cluster("tenants")]));
         // A longer overLimitSeconds: a/llm (10 s) is no looser any more… still tighter; the cluster's
         // shorter one makes a/llm looser: p1 goes back to the cluster budget.
@@ -1365,7 +1375,7 @@ mod tests {
 
         #[derive(Debug, Clone)]
         enum Op {
-            Budget { ns: usize, id: usize, selector: usize, limit: u64, slow: bool },
+            Budget { ns: usize, id: usize, selector: usize, limit: u64, slow: bool, early: bool },
             DeleteBudget { ns: usize, id: usize },
             Cluster { id: usize, ns_selector: usize, selector: usize, limit: u64, slow: bool },
             DeleteCluster(usize),
@@ -1376,8 +1386,9 @@ mod tests {
 
         fn op() -> impl Strategy<Value = Op> {
             prop_oneof![
-                (0..3usize, 0..2usize, 0..3usize, 1..4u64, any::<bool>())
-                    .prop_map(|(ns, id, selector, limit, slow)| Op::Budget { ns, id, selector, limit, slow }),
+                (0..3usize, 0..2usize, 0..3usize, 1..4u64, any::<bool>(), any::<bool>()).prop_map(
+                    |(ns, id, selector, limit, slow, early)| Op::Budget { ns, id, selector, limit, slow, early }
+                ),
                 (0..3usize, 0..2usize).prop_map(|(ns, id)| Op::DeleteBudget { ns, id }),
                 (0..2usize, 0..3usize, 0..3usize, 1..4u64, any::<bool>()).prop_map(
                     |(id, ns_selector, selector, limit, slow)| Op::Cluster { id, ns_selector, selector, limit, slow }
@@ -1424,9 +1435,10 @@ mod tests {
                 for op in ops {
                     let before = statuses(&index, &world);
                     let affected = match op {
-                        Op::Budget { ns, id, selector, limit, slow } => {
+                        Op::Budget { ns, id, selector, limit, slow, early } => {
                             let mut b = budget(NAMESPACES[ns], &format!("b{id}"), &format!("{limit}Gi"), SELECTORS[selector]);
                             b.spec.over_limit_seconds = if slow { 30 } else { 10 };
+                            b.spec.warn_at_percent = if early { 50 } else { 90 };
                             world.budgets.insert((ns, id), b.clone());
                             index.apply_budget(&b)
                         }
