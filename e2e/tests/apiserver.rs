@@ -9,6 +9,8 @@
 mod harness;
 #[path = "apiserver/observe.rs"]
 mod observe;
+#[path = "apiserver/rbac.rs"]
+mod rbac;
 #[path = "apiserver/stories.rs"]
 mod stories;
 
@@ -35,6 +37,22 @@ async fn stories_and_node_restriction_on_a_real_api_server() {
 #[ignore = how!()]
 async fn observe_first_on_a_real_api_server() {
     observe::observe_first().await;
+}
+
+/// ClusterGpuMemoryBudget (issue 23, formerly cluster-budget-rbac.sh): tenants cannot write or read it, a
+/// cluster-wide viewer reads it, the agent lists and watches it, CEL refusals (~10 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn cluster_budget_rbac_on_a_real_api_server() {
+    rbac::cluster_budgets().await;
+}
+
+/// ClusterGpuMemoryQuota (issue 23, formerly quota-rbac.sh): tenants cannot write or read it nor its status, the
+/// operator writes its status and evicts, never its spec, CEL refusals (~10 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn quota_rbac_on_a_real_api_server() {
+    rbac::quotas().await;
 }
 
 /// The message of a run without the switch says how to run the tier, naming files that exist.

@@ -90,6 +90,7 @@ pub struct Run {
     namespaces: Vec<String>,
     nodes: Vec<String>,
     releases: Vec<String>,
+    owned: Vec<(GroupVersionKind, String)>,
     cluster: Value,
     port_base: u16,
     bin: PathBuf,
@@ -137,6 +138,7 @@ impl Run {
             namespaces: Vec::new(),
             nodes: Vec::new(),
             releases: Vec::new(),
+            owned: Vec::new(),
             cluster,
             port_base: 20_000 + u16::try_from(nanos % 20_000).expect("under 20 000"),
             bin: release_binaries(binaries),
@@ -482,6 +484,19 @@ impl Run {
         Identity { kubeconfig: path, client: Client::try_from(config).expect("a client") }
     }
 
+    /// The admin's client impersonating `user` (as `kubectl --as`: a ServiceAccount's name gets its groups from
+    /// the API server).
+    pub async fn as_user(&self, user: &str) -> Client {
+        let mut config = Config::infer().await.expect("the admin's config");
+        config.auth_info.impersonate = Some(user.to_owned());
+        Client::try_from(config).expect("a client")
+    }
+
+    /// Remembers a cluster-scoped object the run created, deleted with the run: `(group, version, kind, name)`.
+    pub fn owns(&mut self, group: &str, version: &str, kind: &str, name: &str) {
+        self.owned.push((GroupVersionKind::gvk(group, version, kind), name.to_owned()));
+    }
+
     /// A CA and a serving certificate for 127.0.0.1 (`ca.crt`, `tls.crt`, `tls.key`) in `<work>/tls`, for an
     /// operator's webhooks run on this machine (URL mode). Returns the directory.
     pub fn webhook_cert(&self) -> PathBuf {
@@ -573,6 +588,11 @@ impl Run {
                 };
                 let api = Api::<DynamicObject>::all_with(admin.clone(), &resource);
                 let _ = api.delete_collection(&background, &ListParams::default().labels(&selector)).await;
+            }
+        }
+        for (gvk, name) in &self.owned {
+            if let Ok((resource, _)) = pinned_kind(admin, gvk).await {
+                let _ = Api::<DynamicObject>::all_with(admin.clone(), &resource).delete(name, &background).await;
             }
         }
         for ns in &self.namespaces {
@@ -729,6 +749,29 @@ pub fn refusal<T: std::fmt::Debug>(result: kube::Result<T>, what: &str) -> Strin
         Err(kube::Error::Api(status)) => status.message,
         Err(e) => e.to_string(),
     }
+}
+
+/// A list as `kubectl get` shows it, from the API server's table (`path`: the list's URL path, as `client`): the
+/// column names (upper case) and each row's cells as text, the columns of priority 0 (kubectl's without `-o wide`).
+pub async fn table(client: &Client, path: &str) -> (Vec<String>, Vec<Vec<String>>) {
+    let request = http::Request::get(path)
+        .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+        .body(Vec::new())
+        .expect("a request");
+    let text = client.request_text(request).await.unwrap_or_else(|e| panic!("the table of {path}: {e}"));
+    let table: Value = serde_json::from_str(&text).expect("json");
+    let definitions = table["columnDefinitions"].as_array().expect("columns");
+    let shown: Vec<usize> =
+        (0..definitions.len()).filter(|&i| definitions[i]["priority"].as_i64().unwrap_or(0) == 0).collect();
+    let columns = shown.iter().map(|&i| definitions[i]["name"].as_str().unwrap_or_default().to_uppercase()).collect();
+    let cell = |c: &Value| match c {
+        Value::String(s) => s.clone(),
+        Value::Null => String::new(),
+        other => other.to_string(),
+    };
+    let rows = table["rows"].as_array().expect("rows");
+    let rows = rows.iter().map(|r| shown.iter().map(|&i| cell(&r["cells"][i])).collect()).collect();
+    (columns, rows)
 }
 
 /// `GET http://<addr><path>` (HTTP/1.0, the binaries' admin port): the status code and the body, or nothing when

@@ -20,7 +20,7 @@ use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
 use crate::harness::{
-    Binary, GI, Identity, RBAC_AND_POLICIES, Run, annotation, apply_as, http_get, metric, metrics, refusal,
+    Binary, GI, Identity, RBAC_AND_POLICIES, Run, annotation, apply_as, http_get, metric, metrics, refusal, table,
 };
 
 const AGENT: &str = "gpubudget-agent";
@@ -156,32 +156,9 @@ impl Core {
         self.run.pod(ns, pod).await.metadata.deletion_grace_period_seconds
     }
 
-    /// `kubectl get gmb -n <ns>` as the API server's table: the column names, and each row's cells as text (the
-    /// columns of priority 0, as kubectl shows them without `-o wide`).
+    /// `kubectl get gmb -n <ns>`: the column names and the rows.
     async fn gmb_table(&self, ns: &str) -> (Vec<String>, Vec<Vec<String>>) {
-        let request = http::Request::get(format!("/apis/gpubudget.io/v1alpha1/namespaces/{ns}/gpumemorybudgets"))
-            .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
-            .body(Vec::new())
-            .expect("a request");
-        let text = self.run.admin.request_text(request).await.expect("the table");
-        let table: Value = serde_json::from_str(&text).expect("json");
-        let definitions = table["columnDefinitions"].as_array().expect("columns");
-        let shown: Vec<usize> =
-            (0..definitions.len()).filter(|&i| definitions[i]["priority"].as_i64().unwrap_or(0) == 0).collect();
-        let columns =
-            shown.iter().map(|&i| definitions[i]["name"].as_str().unwrap_or_default().to_uppercase()).collect();
-        let cell = |c: &Value| match c {
-            Value::String(s) => s.clone(),
-            Value::Null => String::new(),
-            other => other.to_string(),
-        };
-        let rows = table["rows"]
-            .as_array()
-            .expect("rows")
-            .iter()
-            .map(|r| shown.iter().map(|&i| cell(&r["cells"][i])).collect())
-            .collect();
-        (columns, rows)
+        table(&self.run.admin, &format!("/apis/gpubudget.io/v1alpha1/namespaces/{ns}/gpumemorybudgets")).await
     }
 
     /// The first six non-empty cells of a budget's row, as `kubectl get gmb | tr -s ' '` shows them.
