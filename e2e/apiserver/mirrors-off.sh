@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Budget mirrors turned off, and the operator gone, against a real kube-apiserver, no kubelet (issue 43, item 2):
 # the operator (out of cluster, its ServiceAccount's token, POD_NAMESPACE the release's, no leader election as
-# run.sh runs it) keeps the mirrors' Lease; the agent (token bound to its Node) runs with `--mirrors-lease`.
+# the core stories of e2e/tests/apiserver run it) keeps the mirrors' Lease; the agent (token bound to its Node)
+# runs with `--mirrors-lease`.
 #
 #   GPUBUDGET_E2E_APISERVER=1 KUBECONFIG=/tmp/realk8s/run/kubeconfig e2e/apiserver/mirrors-off.sh [OUT]
 #   GPUBUDGET_E2E_APISERVER=1 REALK8S_DIR=/tmp/realk8s e2e/apiserver/mirrors-off.sh [OUT]   # starts it, stops it
@@ -21,7 +22,7 @@
 # The test plays the kubelet (pod status, /proc) and NVML (a sample file). OUT (optional) receives a copy of
 # the output.
 #
-# Environment: as run.sh (GPUBUDGET_E2E_BIN, HELM, GPUBUDGET_E2E_STEP_TIMEOUT, GPUBUDGET_E2E_KEEP, REALK8S).
+# Environment: as e2e/lib.sh says (GPUBUDGET_E2E_BIN, HELM, GPUBUDGET_E2E_STEP_TIMEOUT, GPUBUDGET_E2E_KEEP, REALK8S).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)

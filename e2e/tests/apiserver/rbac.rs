@@ -11,7 +11,7 @@ use std::fmt::Debug;
 
 use k8s_openapi::api::authorization::v1::{ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec};
 use k8s_openapi::api::core::v1::Namespace;
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams, ValidationDirective};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::GroupVersionKind;
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
@@ -27,7 +27,7 @@ enum Want {
     Denied,
     /// Invalid (422): the schema's or a CEL rule's refusal.
     Invalid,
-    /// An unknown field refused by strict field validation.
+    /// An unknown field refused by strict field validation (400, strict decoding).
     Unknown,
 }
 
@@ -47,7 +47,7 @@ fn expect<T: Debug>(run: &Run, want: Want, who: &str, what: &str, result: kube::
     let got = match (result.is_ok(), code) {
         (true, _) => Some(Want::Ok),
         (false, Some(403)) => Some(Want::Denied),
-        (false, Some(422)) if answer.contains("unknown field") => Some(Want::Unknown),
+        (false, Some(400 | 422)) if answer.contains("unknown field") => Some(Want::Unknown),
         (false, Some(422)) => Some(Want::Invalid),
         _ => None,
     };
@@ -95,12 +95,15 @@ fn resource(kind: &str, plural: &str) -> ApiResource {
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("gpubudget.io", "v1alpha1", kind), plural)
 }
 
-/// Server-side apply (strict field validation, as kubectl's) of a cluster-scoped object as `client`.
-async fn create(client: &Client, kind: &str, plural: &str, name: &str, spec: Value) -> kube::Result<DynamicObject> {
+/// `kubectl create -f` of a cluster-scoped object as `client`: a POST with strict field validation (an unknown
+/// field refused, not dropped).
+async fn create(client: &Client, kind: &str, plural: &str, name: &str, spec: Value) -> kube::Result<Value> {
     let object = json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": kind, "metadata": {"name": name}, "spec": spec});
-    let api = Api::<DynamicObject>::all_with(client.clone(), &resource(kind, plural));
-    let params = PatchParams { field_validation: Some(ValidationDirective::Strict), ..PatchParams::apply("e2e") };
-    api.patch(name, &params, &Patch::Apply(&object)).await
+    let request = http::Request::post(format!("/apis/gpubudget.io/v1alpha1/{plural}?fieldValidation=Strict"))
+        .header("Content-Type", "application/json")
+        .body(serde_json::to_vec(&object).expect("json"))
+        .expect("a request");
+    client.request::<Value>(request).await
 }
 
 /// The tenants' namespace, its tenants (alice admin, bob edit) and carol viewing cluster-wide; the chart's RBAC
