@@ -9,10 +9,14 @@
 mod harness;
 #[path = "apiserver/observe.rs"]
 mod observe;
+#[path = "apiserver/pressure.rs"]
+mod pressure;
 #[path = "apiserver/rbac.rs"]
 mod rbac;
 #[path = "apiserver/stories.rs"]
 mod stories;
+#[path = "apiserver/tenant.rs"]
+mod tenant;
 
 /// The ignore reason: how to run a story.
 macro_rules! how {
@@ -37,6 +41,23 @@ async fn stories_and_node_restriction_on_a_real_api_server() {
 #[ignore = how!()]
 async fn observe_first_on_a_real_api_server() {
     observe::observe_first().await;
+}
+
+/// Pressure relief where a neighbour is harmed (issue 52, formerly pressure-harm.sh): a lone pod at 77 GiB never
+/// evicted, a Warn grower beside a neighbour within its request is, a pod behind a PDB beside a flapping neighbour
+/// is deleted once 20 s of pressure have passed in all (~150 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn pressure_harm_on_a_real_api_server() {
+    pressure::harm().await;
+}
+
+/// No exemption a tenant can grant itself (issue 33, formerly tenant.sh): critical priority, a PodDisruptionBudget
+/// under GPU memory pressure and a label into a looser cluster budget buy nothing (~40 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn tenant_no_exemption_on_a_real_api_server() {
+    tenant::no_exemption().await;
 }
 
 /// ClusterGpuMemoryBudget (issue 23, formerly cluster-budget-rbac.sh): tenants cannot write or read it, a

@@ -20,6 +20,7 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{Event as CoreEvent, Namespace, Node, Pod, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -90,7 +91,7 @@ pub struct Run {
     namespaces: Vec<String>,
     nodes: Vec<String>,
     releases: Vec<String>,
-    owned: Vec<(GroupVersionKind, String)>,
+    owned: Vec<(GroupVersionKind, Option<String>, String)>,
     cluster: Value,
     port_base: u16,
     bin: PathBuf,
@@ -303,6 +304,15 @@ impl Run {
         api.list(&ListParams::default().fields(&selector)).await.expect("events").items
     }
 
+    /// The Node's events of that reason: each one's occurrences (a series counted with its count) and message.
+    pub async fn node_events(&self, node: &str, reason: &str) -> Vec<(i32, String)> {
+        let events = self.object_events("Node", node, reason).await;
+        events
+            .into_iter()
+            .map(|e| (e.series.map_or(1, |s| s.count.unwrap_or(1)), e.message.unwrap_or_default()))
+            .collect()
+    }
+
     /// Waits for an event about the Node with that reason; returns its message.
     pub async fn node_event(&self, node: &str, reason: &str) -> String {
         self.until(&format!("{reason} on node {node}"), || async {
@@ -406,13 +416,25 @@ impl Run {
     /// A running pod of one container `main` on `node`, labelled `labels` (and with the run's label), as its
     /// kubelet reports it: status Running and Ready, the container's ID [`container_id`]. Returns its UID.
     pub async fn make_pod(&self, ns: &str, name: &str, node: &str, labels: &[(&str, &str)]) -> String {
+        self.make_pod_with(ns, name, node, labels, json!({})).await
+    }
+
+    /// [`Self::make_pod`], with `spec` merged into the pod's spec (a `priorityClassName`, say).
+    pub async fn make_pod_with(
+        &self,
+        ns: &str,
+        name: &str,
+        node: &str,
+        labels: &[(&str, &str)],
+        spec: Value,
+    ) -> String {
         let mut all: BTreeMap<&str, &str> = labels.iter().copied().collect();
         all.insert("e2e.gpubudget.io/run", &self.id);
-        let pod: Pod = serde_json::from_value(json!({
-            "metadata": {"name": name, "namespace": ns, "labels": all},
-            "spec": {"nodeName": node, "terminationGracePeriodSeconds": 60,
-                     "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]},
-        }))
+        let mut pod_spec = json!({"nodeName": node, "terminationGracePeriodSeconds": 60,
+            "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]});
+        pod_spec.as_object_mut().expect("an object").extend(spec.as_object().cloned().unwrap_or_default());
+        let pod: Pod = serde_json::from_value(json!({"metadata": {"name": name, "namespace": ns, "labels": all},
+            "spec": pod_spec}))
         .expect("a pod");
         let api = Api::<Pod>::namespaced(self.admin.clone(), ns);
         let pod = api.create(&PostParams::default(), &pod).await.unwrap_or_else(|e| panic!("pod {ns}/{name}: {e}"));
@@ -492,9 +514,11 @@ impl Run {
         Client::try_from(config).expect("a client")
     }
 
-    /// Remembers a cluster-scoped object the run created, deleted with the run: `(group, version, kind, name)`.
-    pub fn owns(&mut self, group: &str, version: &str, kind: &str, name: &str) {
-        self.owned.push((GroupVersionKind::gvk(group, version, kind), name.to_owned()));
+    /// Remembers an object the run created outside its own namespaces (cluster-scoped, or in a namespace such as
+    /// kube-system), deleted with the run (at once for a pod: no kubelet finishes its deletion).
+    pub fn owns(&mut self, group: &str, version: &str, kind: &str, namespace: Option<&str>, name: &str) {
+        let gvk = GroupVersionKind::gvk(group, version, kind);
+        self.owned.push((gvk, namespace.map(str::to_owned), name.to_owned()));
     }
 
     /// A CA and a serving certificate for 127.0.0.1 (`ca.crt`, `tls.crt`, `tls.key`) in `<work>/tls`, for an
@@ -527,6 +551,39 @@ impl Run {
             .spawn()
             .unwrap_or_else(|e| panic!("{binary} starts: {e}"));
         Binary { child: Some(child), log: path }
+    }
+
+    /// Starts `gpubudget-agent run` as `identity` for `node`: the fixture `/proc`, the sample file every 250 ms, its
+    /// admin port on `admin`, and `extra` arguments and environment; waits until it is ready.
+    pub async fn start_agent(
+        &self,
+        identity: &Identity,
+        node: &str,
+        admin: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        log: &str,
+    ) -> Binary {
+        let (proc_root, sample) = (self.proc_root(), self.sample());
+        let mut args = vec![
+            "run",
+            "--node-name",
+            node,
+            "--proc-root",
+            proc_root.to_str().expect("utf-8"),
+            "--sample-file",
+            sample.path().to_str().expect("utf-8"),
+            "--interval",
+            "250ms",
+            "--admin-addr",
+            admin,
+        ];
+        args.extend_from_slice(extra);
+        let mut all_env = vec![("KUBECONFIG", identity.path())];
+        all_env.extend_from_slice(env);
+        let agent = self.spawn("gpubudget-agent", &args, &all_env, log);
+        self.ready(&format!("agent ready (pid {})", agent.pid()), admin).await;
+        agent
     }
 
     /// Runs a release binary to its end (the kubectl plugin, say) as the admin; returns its stdout, failing on a
@@ -590,9 +647,14 @@ impl Run {
                 let _ = api.delete_collection(&background, &ListParams::default().labels(&selector)).await;
             }
         }
-        for (gvk, name) in &self.owned {
+        let now = DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::background() };
+        for (gvk, namespace, name) in &self.owned {
             if let Ok((resource, _)) = pinned_kind(admin, gvk).await {
-                let _ = Api::<DynamicObject>::all_with(admin.clone(), &resource).delete(name, &background).await;
+                let api = match namespace {
+                    Some(ns) => Api::<DynamicObject>::namespaced_with(admin.clone(), ns, &resource),
+                    None => Api::<DynamicObject>::all_with(admin.clone(), &resource),
+                };
+                let _ = api.delete(name, if gvk.kind == "Pod" { &now } else { &background }).await;
             }
         }
         for ns in &self.namespaces {
@@ -628,6 +690,77 @@ impl Drop for Run {
         if !keep {
             let _ = std::fs::remove_dir_all(&self.work);
         }
+    }
+}
+
+/// Pods of one namespace on one node, each labelled `app=<name>` with one process (PIDs from a base), and the GPU
+/// they share: the stories where the pods are the workloads and the budgets select them by name.
+#[derive(Debug)]
+pub struct Workloads<'a> {
+    run: &'a Run,
+    ns: &'a str,
+    node: &'a str,
+    next_pid: u32,
+    pids: BTreeMap<String, u32>,
+}
+
+impl<'a> Workloads<'a> {
+    /// The workloads of `ns` on `node`, their processes numbered from `pid_base + 1`.
+    pub fn new(run: &'a Run, ns: &'a str, node: &'a str, pid_base: u32) -> Self {
+        Self { run, ns, node, next_pid: pid_base, pids: BTreeMap::new() }
+    }
+
+    /// A running pod on the node (the test is its kubelet), labelled app=NAME, with one process.
+    pub async fn pod(&mut self, name: &str) {
+        let uid = self.run.make_pod(self.ns, name, self.node, &[("app", name)]).await;
+        self.next_pid += 1;
+        self.run.process(self.next_pid, self.ns, name, &uid);
+        self.pids.insert(name.to_owned(), self.next_pid);
+    }
+
+    /// [`Self::pod`], behind a PodDisruptionBudget that never allows its eviction (waited for until the
+    /// disruption controller says so).
+    pub async fn pod_behind_pdb(&mut self, name: &str) {
+        self.pod(name).await;
+        let pdb = json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": {"name": name, "namespace": self.ns},
+            "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {"app": name}}}});
+        self.run.apply(&pdb, self.ns).await;
+        let api = Api::<PodDisruptionBudget>::namespaced(self.run.admin.clone(), self.ns);
+        let what = format!("the PodDisruptionBudget of {name} allows no disruption (1 healthy)");
+        self.run
+            .object_until(api, name, &what, |p| {
+                p.status.as_ref().is_some_and(|s| s.disruptions_allowed == 0 && s.current_healthy == 1)
+            })
+            .await;
+    }
+
+    /// The GPU's processes, by pod; the device's used bytes their sum (the pressure signal).
+    pub fn sample(&self, usage: &[(&str, u64)]) {
+        let processes: Vec<(u32, u64)> = usage.iter().map(|(pod, bytes)| (self.pids[*pod], *bytes)).collect();
+        self.run.sample().set_usage_and_device(&processes, usage.iter().map(|(_, b)| b).sum());
+    }
+
+    /// A budget selecting app=NAME, with `spec` besides.
+    pub async fn budget(&self, name: &str, spec: Value) -> kube::Result<DynamicObject> {
+        let mut full = json!({"selector": {"matchLabels": {"app": name}}});
+        full.as_object_mut().expect("an object").extend(spec.as_object().expect("an object").clone());
+        let budget = json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
+            "metadata": {"name": name, "namespace": self.ns}, "spec": full});
+        apply_as(&self.run.admin, &budget, self.ns).await
+    }
+
+    /// Fails if the pod is being deleted at any of `secs` checks a second apart.
+    pub async fn kept(&self, pod: &str, secs: u64) {
+        for _ in 0..secs {
+            assert!(!self.run.is_terminating(self.ns, pod).await, "{pod} was evicted");
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+
+    /// The kubelet's part after an eviction: the pod's process exits and the pod goes.
+    pub async fn gone(&self, pod: &str) {
+        self.run.gone(self.ns, pod, &[self.pids[pod]]).await;
     }
 }
 

@@ -11,58 +11,16 @@
 //! d. the budget of (a) switched to `enforcement: Enforce`: its pod is evicted;
 //! e. the Node labelled `gpubudget.io/enforcement=Enforce`: the pod of (b) is evicted for pressure.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::{Value, json};
 
-use crate::harness::{Binary, GI, RBAC_AND_POLICIES, Run, annotation, apply_as, metric, metrics, refusal};
+use crate::harness::{Binary, GI, RBAC_AND_POLICIES, Run, Workloads, annotation, metric, metrics, refusal};
 
 const AGENT: &str = "gpubudget-agent";
 const PLUGIN: &str = "kubectl-gpubudget";
-
-/// The workloads' pods and their processes.
-struct Workloads<'a> {
-    run: &'a Run,
-    ns: &'a str,
-    node: &'a str,
-    pids: BTreeMap<&'static str, u32>,
-}
-
-impl Workloads<'_> {
-    /// A running pod on the node (the test is its kubelet), labelled app=NAME, with one process.
-    async fn pod(&mut self, name: &'static str) {
-        let uid = self.run.make_pod(self.ns, name, self.node, &[("app", name)]).await;
-        let pid = 7401 + u32::try_from(self.pids.len()).expect("a few");
-        self.run.process(pid, self.ns, name, &uid);
-        self.pids.insert(name, pid);
-    }
-
-    /// The GPU's processes, by pod; the device's used bytes their sum (the pressure signal).
-    fn sample(&self, usage: &[(&str, u64)]) {
-        let processes: Vec<(u32, u64)> = usage.iter().map(|(pod, bytes)| (self.pids[pod], *bytes)).collect();
-        self.run.sample().set_usage_and_device(&processes, usage.iter().map(|(_, b)| b).sum());
-    }
-
-    /// A budget selecting app=NAME, with `spec` besides.
-    async fn budget(&self, name: &str, spec: Value) -> kube::Result<kube::api::DynamicObject> {
-        let mut full = json!({"selector": {"matchLabels": {"app": name}}});
-        full.as_object_mut().expect("an object").extend(spec.as_object().expect("an object").clone());
-        let budget = json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget",
-            "metadata": {"name": name, "namespace": self.ns}, "spec": full});
-        apply_as(&self.run.admin, &budget, self.ns).await
-    }
-
-    /// Fails if the pod is evicted within `secs` seconds.
-    async fn kept(&self, pod: &str, secs: u64) {
-        for _ in 0..secs {
-            assert!(!self.run.is_terminating(self.ns, pod).await, "{pod} was evicted in observe mode");
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-    }
-}
 
 pub async fn observe_first() {
     let mut run = Run::start("gpubudget-ob", &[AGENT, PLUGIN]).await;
@@ -81,24 +39,9 @@ pub async fn observe_first() {
     let token = run.token(&ns, &format!("{release}-agent"), Some((&node, &node_uid))).await;
     let agent_id = run.identity("agent", &token).await;
     let admin = run.addr(0);
-    let (proc_root, sample) = (run.proc_root(), run.sample());
-    let args = [
-        "run",
-        "--node-name",
-        &node,
-        "--proc-root",
-        proc_root.to_str().expect("utf-8"),
-        "--sample-file",
-        sample.path().to_str().expect("utf-8"),
-        "--interval",
-        "250ms",
-        "--admin-addr",
-        &admin,
-    ];
-    let env = [("KUBECONFIG", agent_id.path()), ("RUST_LOG", "info"), ("GPUBUDGET_ENFORCEMENT", "Observe")];
-    let _agent: Binary = run.spawn(AGENT, &args, &env, "agent.log");
-    run.ready("agent ready", &admin).await;
-    let mut w = Workloads { run: &run, ns: &ns_w, node: &node, pids: BTreeMap::new() };
+    let env = [("RUST_LOG", "info"), ("GPUBUDGET_ENFORCEMENT", "Observe")];
+    let _agent: Binary = run.start_agent(&agent_id, &node, &admin, &[], &env, "agent.log").await;
+    let mut w = Workloads::new(&run, &ns_w, &node, 7400);
     let mut summary = Vec::new();
 
     run.say("a. llm over its Evict budget (8Gi, overLimitSeconds 2) at 9 GiB, for 20 s");
@@ -189,7 +132,7 @@ pub async fn observe_first() {
     assert!(run.has_event(&ns_w, "llm", "GpuMemoryBudgetChanged").await, "no GpuMemoryBudgetChanged for the switch");
     assert!(!run.is_terminating(&ns_w, "nb").await, "nb evicted while the node observes");
     // The kubelet's part: llm's processes exit and it goes; nb grows so that serve is still short.
-    run.gone(&ns_w, "llm", &[w.pids["llm"]]).await;
+    w.gone("llm").await;
     w.sample(&[("serve", 27 * GI), ("nb", 51 * GI)]);
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(!run.is_terminating(&ns_w, "nb").await, "nb evicted while the node observes");

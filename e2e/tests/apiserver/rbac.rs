@@ -136,7 +136,7 @@ async fn setup(run: &mut Run, prefix: &str) -> (String, String, String) {
         "",
     )
     .await;
-    run.owns("rbac.authorization.k8s.io", "v1", "ClusterRoleBinding", &carol);
+    run.owns("rbac.authorization.k8s.io", "v1", "ClusterRoleBinding", None, &carol);
     (ns, release, release_ns)
 }
 
@@ -159,7 +159,7 @@ pub async fn cluster_budgets() {
     })
     .await;
     let name = format!("tenants-{}", run.id);
-    run.owns("gpubudget.io", "v1alpha1", KIND, &name);
+    run.owns("gpubudget.io", "v1alpha1", KIND, None, &name);
     let spec = json!({"namespaceSelector": {"matchLabels": {"gpubudget.io/tier": format!("tenant-{}", run.id)}},
         "selector": {}, "limit": "8Gi", "request": "4Gi", "overLimitSeconds": 30});
     expect(
@@ -288,7 +288,7 @@ pub async fn quotas() {
     })
     .await;
     let name = format!("tenant-totals-{}", run.id);
-    run.owns("gpubudget.io", "v1alpha1", KIND, &name);
+    run.owns("gpubudget.io", "v1alpha1", KIND, None, &name);
     let spec = json!({"namespaceSelector": {"matchLabels": {"gpubudget.io/tier": format!("tenant-{}", run.id)}},
         "limit": "64Gi", "overLimitSeconds": 60});
     expect(

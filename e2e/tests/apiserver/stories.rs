@@ -96,27 +96,11 @@ impl Core {
 
     async fn start_agent(&mut self) {
         self.agent_runs += 1;
-        let admin = self.addr(0);
-        let (proc_root, sample) = (self.run.proc_root(), self.run.sample());
         let lease = format!("{}/{}", self.ns, self.mirrors_lease());
-        let args = [
-            "run",
-            "--node-name",
-            &self.node,
-            "--proc-root",
-            proc_root.to_str().expect("utf-8"),
-            "--sample-file",
-            sample.path().to_str().expect("utf-8"),
-            "--interval",
-            "250ms",
-            "--admin-addr",
-            &admin,
-            "--mirrors-lease",
-            &lease,
-        ];
-        let env = [("KUBECONFIG", self.ids.agent.path()), ("RUST_LOG", "info,gpubudget_agent=debug")];
-        let binary = self.run.spawn(AGENT, &args, &env, &format!("agent-{}.log", self.agent_runs));
-        self.run.ready(&format!("agent ready (pid {}, run {})", binary.pid(), self.agent_runs), &admin).await;
+        let log = format!("agent-{}.log", self.agent_runs);
+        let env = [("RUST_LOG", "info,gpubudget_agent=debug")];
+        let (agent, node, admin) = (&self.ids.agent, &self.node, self.addr(0));
+        let binary = self.run.start_agent(agent, node, &admin, &["--mirrors-lease", &lease], &env, &log).await;
         self.agent = Some(binary);
     }
 
