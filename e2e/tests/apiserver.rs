@@ -5,6 +5,8 @@
 //! lists them as ignored, with how to run them (`-- --ignored` and the switch); asked to run without the switch
 //! (`--include-ignored`), they fail saying so rather than pass without running. See e2e/apiserver/README.md.
 
+#[path = "apiserver/bound.rs"]
+mod bound;
 #[path = "apiserver/harness.rs"]
 mod harness;
 #[path = "apiserver/observe.rs"]
@@ -50,6 +52,14 @@ async fn observe_first_on_a_real_api_server() {
 #[ignore = how!()]
 async fn pressure_harm_on_a_real_api_server() {
     pressure::harm().await;
+}
+
+/// The pressure bound (issue 43, formerly pressure-bound.sh): under pressure a PodDisruptionBudget holds relief back
+/// the node's --pressure-blocked-timeout (20 s here) at most, whatever the budget says (~150 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn pressure_bound_on_a_real_api_server() {
+    bound::pressure_bound().await;
 }
 
 /// No exemption a tenant can grant itself (issue 33, formerly tenant.sh): critical priority, a PodDisruptionBudget

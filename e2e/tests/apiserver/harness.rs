@@ -353,6 +353,15 @@ impl Run {
         name.to_owned()
     }
 
+    /// Labels a namespace (`key=value`).
+    pub async fn label_namespace(&self, ns: &str, key: &str, value: &str) {
+        let label = json!({"metadata": {"labels": {key: value}}});
+        Api::<Namespace>::all(self.admin.clone())
+            .patch(ns, &PatchParams::default(), &Patch::Merge(&label))
+            .await
+            .expect("namespace labelled");
+    }
+
     /// A Node with a GPU, Ready as its kubelet would report it; returns its UID.
     pub async fn node(&mut self, name: &str) -> String {
         let api = Api::<Node>::all(self.admin.clone());
@@ -693,41 +702,54 @@ impl Drop for Run {
     }
 }
 
-/// Pods of one namespace on one node, each labelled `app=<name>` with one process (PIDs from a base), and the GPU
-/// they share: the stories where the pods are the workloads and the budgets select them by name.
+/// Pods on one node, each labelled `app=<name>` with one process (PIDs from a base), and the GPU they share: the
+/// stories where the pods are the workloads and the budgets select them by name. Pods are in the workloads'
+/// namespace unless put in another ([`Self::pod_in`]); a name is one pod whichever its namespace.
 #[derive(Debug)]
 pub struct Workloads<'a> {
     run: &'a Run,
     ns: &'a str,
     node: &'a str,
     next_pid: u32,
-    pids: BTreeMap<String, u32>,
+    pods: BTreeMap<String, (String, u32)>,
 }
 
 impl<'a> Workloads<'a> {
     /// The workloads of `ns` on `node`, their processes numbered from `pid_base + 1`.
     pub fn new(run: &'a Run, ns: &'a str, node: &'a str, pid_base: u32) -> Self {
-        Self { run, ns, node, next_pid: pid_base, pids: BTreeMap::new() }
+        Self { run, ns, node, next_pid: pid_base, pods: BTreeMap::new() }
     }
 
     /// A running pod on the node (the test is its kubelet), labelled app=NAME, with one process.
     pub async fn pod(&mut self, name: &str) {
-        let uid = self.run.make_pod(self.ns, name, self.node, &[("app", name)]).await;
+        let ns = self.ns;
+        self.pod_in(ns, name).await;
+    }
+
+    /// [`Self::pod`] in namespace `ns`.
+    pub async fn pod_in(&mut self, ns: &str, name: &str) {
+        let uid = self.run.make_pod(ns, name, self.node, &[("app", name)]).await;
         self.next_pid += 1;
-        self.run.process(self.next_pid, self.ns, name, &uid);
-        self.pids.insert(name.to_owned(), self.next_pid);
+        self.run.process(self.next_pid, ns, name, &uid);
+        self.pods.insert(name.to_owned(), (ns.to_owned(), self.next_pid));
     }
 
     /// [`Self::pod`], behind a PodDisruptionBudget that never allows its eviction (waited for until the
     /// disruption controller says so).
     pub async fn pod_behind_pdb(&mut self, name: &str) {
-        self.pod(name).await;
+        let ns = self.ns;
+        self.pod_behind_pdb_in(ns, name).await;
+    }
+
+    /// [`Self::pod_behind_pdb`] in namespace `ns`.
+    pub async fn pod_behind_pdb_in(&mut self, ns: &str, name: &str) {
+        self.pod_in(ns, name).await;
         let pdb = json!({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": {"name": name, "namespace": self.ns},
+            "metadata": {"name": name, "namespace": ns},
             "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {"app": name}}}});
-        self.run.apply(&pdb, self.ns).await;
-        let api = Api::<PodDisruptionBudget>::namespaced(self.run.admin.clone(), self.ns);
-        let what = format!("the PodDisruptionBudget of {name} allows no disruption (1 healthy)");
+        self.run.apply(&pdb, ns).await;
+        let api = Api::<PodDisruptionBudget>::namespaced(self.run.admin.clone(), ns);
+        let what = format!("the PodDisruptionBudget of {ns}/{name} allows no disruption (1 healthy)");
         self.run
             .object_until(api, name, &what, |p| {
                 p.status.as_ref().is_some_and(|s| s.disruptions_allowed == 0 && s.current_healthy == 1)
@@ -737,7 +759,7 @@ impl<'a> Workloads<'a> {
 
     /// The GPU's processes, by pod; the device's used bytes their sum (the pressure signal).
     pub fn sample(&self, usage: &[(&str, u64)]) {
-        let processes: Vec<(u32, u64)> = usage.iter().map(|(pod, bytes)| (self.pids[*pod], *bytes)).collect();
+        let processes: Vec<(u32, u64)> = usage.iter().map(|(pod, bytes)| (self.pods[*pod].1, *bytes)).collect();
         self.run.sample().set_usage_and_device(&processes, usage.iter().map(|(_, b)| b).sum());
     }
 
@@ -760,7 +782,8 @@ impl<'a> Workloads<'a> {
 
     /// The kubelet's part after an eviction: the pod's process exits and the pod goes.
     pub async fn gone(&self, pod: &str) {
-        self.run.gone(self.ns, pod, &[self.pids[pod]]).await;
+        let (ns, pid) = &self.pods[pod];
+        self.run.gone(ns, pod, &[*pid]).await;
     }
 }
 

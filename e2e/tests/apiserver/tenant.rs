@@ -15,7 +15,7 @@
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use serde_json::json;
 
 use crate::harness::{GI, RBAC_AND_POLICIES, Run, annotation};
@@ -30,11 +30,7 @@ pub async fn no_exemption() {
     let ns_a = run.namespace(&format!("{release}-a")).await;
     let ns_b = run.namespace(&format!("{release}-b")).await;
     let ns_c = run.namespace(&format!("{release}-c")).await;
-    let label = json!({"metadata": {"labels": {"e2e.gpubudget.io/cluster-budgets": id}}});
-    Api::<k8s_openapi::api::core::v1::Namespace>::all(run.admin.clone())
-        .patch(&ns_c, &PatchParams::default(), &Patch::Merge(&label))
-        .await
-        .expect("labelled");
+    run.label_namespace(&ns_c, "e2e.gpubudget.io/cluster-budgets", &id).await;
     run.apply_chart(&release, &ns, RBAC_AND_POLICIES, None).await;
     let node = format!("{release}-n1");
     let node_uid = run.node(&node).await;
