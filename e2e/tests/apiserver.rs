@@ -9,6 +9,8 @@
 mod bound;
 #[path = "apiserver/harness.rs"]
 mod harness;
+#[path = "apiserver/mirrors.rs"]
+mod mirrors;
 #[path = "apiserver/observe.rs"]
 mod observe;
 #[path = "apiserver/pressure.rs"]
@@ -60,6 +62,15 @@ async fn pressure_harm_on_a_real_api_server() {
 #[ignore = how!()]
 async fn pressure_bound_on_a_real_api_server() {
     bound::pressure_bound().await;
+}
+
+/// Budget mirrors off, and the operator gone (issue 43, formerly mirrors-off.sh): the Lease deleted, every mirror
+/// deleted, budgets created and tightened, the operator SIGKILLed mid-edit: the agent enforces each budget's current
+/// spec (~100 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn mirrors_off_on_a_real_api_server() {
+    mirrors::mirrors_off().await;
 }
 
 /// No exemption a tenant can grant itself (issue 33, formerly tenant.sh): critical priority, a PodDisruptionBudget

@@ -200,6 +200,32 @@ impl Run {
         self.info(&format!("ok: {what}"));
     }
 
+    /// Polls `check` every 0.25 s until it holds (the step timeout at most); prints and returns the seconds from
+    /// `from` to the first poll that saw it.
+    pub async fn timed<F, Fut>(&self, what: &str, from: Instant, check: F) -> f64
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = bool>,
+    {
+        self.timed_within(what, from, step_timeout(), check).await
+    }
+
+    /// [`Self::timed`], `within` at most.
+    pub async fn timed_within<F, Fut>(&self, what: &str, from: Instant, within: Duration, mut check: F) -> f64
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = bool>,
+    {
+        let deadline = Instant::now() + within;
+        while !check().await {
+            assert!(Instant::now() < deadline, "timed out after {within:?} waiting for: {what}");
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let secs = from.elapsed().as_secs_f64();
+        self.info(&format!("ok after {secs:.1}s: {what}"));
+        secs
+    }
+
     /// Waits (a watch: `await_condition`) until the named object satisfies `check`; returns it.
     pub async fn object_until<K>(&self, api: Api<K>, name: &str, what: &str, check: impl Fn(&K) -> bool) -> K
     where
