@@ -15,6 +15,8 @@ mod mirrors;
 mod observe;
 #[path = "apiserver/pressure.rs"]
 mod pressure;
+#[path = "apiserver/quota.rs"]
+mod quota;
 #[path = "apiserver/rbac.rs"]
 mod rbac;
 #[path = "apiserver/stories.rs"]
@@ -71,6 +73,14 @@ async fn pressure_bound_on_a_real_api_server() {
 #[ignore = how!()]
 async fn mirrors_off_on_a_real_api_server() {
     mirrors::mirrors_off().await;
+}
+
+/// Namespace totals enforced (issue 23, formerly quota.sh): six small pods on two nodes (two release agents), two
+/// operator replicas, the leader killed mid-period: one eviction, the latest start (~80 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn quota_on_a_real_api_server() {
+    quota::namespace_totals().await;
 }
 
 /// No exemption a tenant can grant itself (issue 33, formerly tenant.sh): critical priority, a PodDisruptionBudget

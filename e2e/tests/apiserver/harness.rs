@@ -479,10 +479,18 @@ impl Run {
 
     /// The kubelet's status for a pod the test created.
     pub async fn pod_running(&self, ns: &str, name: &str) {
-        let status = json!({"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],
+        self.pod_running_since(ns, name, None).await;
+    }
+
+    /// [`Self::pod_running`], with `status.startTime` when given.
+    pub async fn pod_running_since(&self, ns: &str, name: &str, started: Option<jiff::Timestamp>) {
+        let mut status = json!({"status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],
             "containerStatuses": [{"name": "main", "containerID": format!("containerd://{}", container_id(ns, name)),
                 "image": "registry.k8s.io/pause:3.10", "imageID": "x", "ready": true, "restartCount": 0,
                 "started": true, "state": {"running": {}}}]}});
+        if let Some(started) = started {
+            status["status"]["startTime"] = started.round(jiff::Unit::Second).expect("rounds").to_string().into();
+        }
         Api::<Pod>::namespaced(self.admin.clone(), ns)
             .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
             .await
@@ -600,6 +608,21 @@ impl Run {
         log: &str,
     ) -> Binary {
         let (proc_root, sample) = (self.proc_root(), self.sample());
+        self.start_agent_on(identity, node, admin, (&proc_root, &sample), extra, env, log).await
+    }
+
+    /// [`Self::start_agent`] with its own fixture `/proc` and sample file (a second node's).
+    #[allow(clippy::too_many_arguments)] // an agent's flags, each named where it is called
+    pub async fn start_agent_on(
+        &self,
+        identity: &Identity,
+        node: &str,
+        admin: &str,
+        (proc_root, sample): (&Path, &SampleFile),
+        extra: &[&str],
+        env: &[(&str, &str)],
+        log: &str,
+    ) -> Binary {
         let mut args = vec![
             "run",
             "--node-name",
