@@ -7,6 +7,8 @@
 
 #[path = "apiserver/bound.rs"]
 mod bound;
+#[path = "apiserver/caps.rs"]
+mod caps;
 #[path = "apiserver/harness.rs"]
 mod harness;
 #[path = "apiserver/mirrors.rs"]
@@ -81,6 +83,14 @@ async fn mirrors_off_on_a_real_api_server() {
 #[ignore = how!()]
 async fn quota_on_a_real_api_server() {
     quota::namespace_totals().await;
+}
+
+/// Caps at admission (issue 22, formerly caps.sh): scope, merge, the tenant and the record, the operator down, the
+/// webhook's pod-create latency (~60 s with GPUBUDGET_E2E_CAPS_N=200).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn caps_on_a_real_api_server() {
+    caps::caps_at_admission().await;
 }
 
 /// No exemption a tenant can grant itself (issue 33, formerly tenant.sh): critical priority, a PodDisruptionBudget
