@@ -265,6 +265,13 @@ pub async fn caps_at_admission() {
             api.patch(pod, &PatchParams::default(), &Patch::Merge(&patch)).await
         }
     };
+    // The caps record policy is in force once a dry run of the change is refused (dry runs go through admission).
+    run.until("the caps record policy in force (a dry-run change of the record refused)", || async {
+        let patch = json!({"metadata": {"annotations": {"gpubudget.io/caps": "{}"}}});
+        let dry = PatchParams { dry_run: true, ..PatchParams::default() };
+        tenant_pods.patch("plain", &dry, &Patch::Merge(&patch)).await.is_err()
+    })
+    .await;
     refused(
         &run,
         "the tenant changing plain's record",
