@@ -1,5 +1,10 @@
 # shellcheck shell=bash
-# Shell helpers shared by the end-to-end scripts (e2e/cluster/run.sh, e2e/apiserver/*.sh). Sourced, not run.
+# Shell helpers shared by the end-to-end scripts (e2e/cluster/*.sh, e2e/apiserver/*.sh). Sourced, not run. (The
+# real API server's stories that are ported are Rust tests: e2e/tests/apiserver.rs.)
+# Environment: GPUBUDGET_E2E_BIN (default target/release; built with `cargo build --release` when missing), HELM
+# (default: helm in PATH, else the Helm .ci/helm.sh caches), GPUBUDGET_E2E_STEP_TIMEOUT (default 60 s per wait, where
+# the script reads it), GPUBUDGET_E2E_KEEP=1 keeps the namespaces, nodes and processes' logs, REALK8S (default
+# /work/shared/realk8s): where up.sh/down.sh are.
 # The script sets START (its $SECONDS at start), STEP_TIMEOUT (seconds a wait_for may take) and POLL (seconds
 # between two tries of wait_for) before calling them; kubectl talks to the cluster of KUBECONFIG. Sourcing it sets
 # HELM (below).
@@ -64,10 +69,6 @@ annotation_is() { [ "$(annotation "$1" "$2" "$3")" = "$4" ]; }
 # status_field NAMESPACE BUDGET FIELD: a field of the budget's status.
 status_field() { kubectl get gmb "$2" -n "$1" -o "jsonpath={.status.$3}"; }
 status_is() { [ "$(status_field "$1" "$2" "$3")" = "$4" ]; }
-# condition_is NAMESPACE BUDGET TYPE STATUS
-condition_is() {
-  [ "$(kubectl get gmb "$2" -n "$1" -o "jsonpath={.status.conditions[?(@.type==\"$3\")].status}")" = "$4" ]
-}
 uid() { kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.uid}'; }
 
 # apply_crd_and_chart RELEASE NAMESPACE KINDS [WEBHOOK CA_FILE]: the CRDs from crds/ (waited for until established),

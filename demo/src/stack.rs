@@ -5,7 +5,7 @@
 //!
 //! Waiting is done by polling a condition with a deadline ([`FakeApi::wait_until`]), never by sleeping.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -106,71 +106,33 @@ impl Stack {
     /// A process of a pod's container: a `/proc/<pid>` whose cgroup is the kubelet's (systemd driver,
     /// containerd, burstable QoS), as on a real node.
     pub fn process(&self, pid: u32, pod_uid: &str, container_id: &str) {
-        let cgroup = format!(
-            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{container_id}.scope\n",
-            pod_uid.replace('-', "_")
-        );
-        write_fake_process(&self.proc_root(), pid, 1000 + u64::from(pid), &cgroup).expect("fixture /proc");
+        kubelet_process(&self.proc_root(), pid, pod_uid, container_id);
+    }
+
+    /// The sample file the agent replays, to write what NVML reports.
+    pub fn sample(&self) -> SampleFile {
+        SampleFile::new(self.sample_path())
     }
 
     /// What NVML reports now: `(pid, bytes)` on GPU 0.
     pub fn set_usage(&self, processes: &[(u32, u64)]) {
-        let processes: Vec<Value> =
-            processes.iter().map(|(pid, bytes)| json!({"pid": pid, "used_bytes": bytes})).collect();
-        self.write_sample(processes, None);
+        self.sample().set_usage(processes);
     }
 
     /// [`Self::set_usage`], with the device's own used bytes (`memory_info`: what the pressure signal reads).
     pub fn set_usage_and_device(&self, processes: &[(u32, u64)], device_used: u64) {
-        let processes: Vec<Value> =
-            processes.iter().map(|(pid, bytes)| json!({"pid": pid, "used_bytes": bytes})).collect();
-        self.write_sample(processes, Some(device_used));
+        self.sample().set_usage_and_device(processes, device_used);
     }
 
     /// Usage charged to pods by name, `(namespace, pod, container, bytes)`: no `/proc` involved.
     pub fn set_named_usage(&self, entries: &[(&str, &str, &str, u64)]) {
-        let processes: Vec<Value> = entries
-            .iter()
-            .map(|(ns, pod, c, bytes)| json!({"namespace": ns, "pod": pod, "container": c, "used_bytes": bytes}))
-            .collect();
-        self.write_sample(processes, None);
+        self.sample().set_named_usage(entries);
     }
 
     /// Several GPUs, each `(processes as (pid, bytes), the error its sample fails with)`: GPU `i` is NVML
     /// index `i`, an H100 like GPU 0.
     pub fn set_gpus(&self, gpus: &[GpuUsage<'_>]) {
-        let gpus: Vec<Value> = gpus
-            .iter()
-            .enumerate()
-            .map(|(i, (processes, error))| {
-                let processes: Vec<Value> =
-                    processes.iter().map(|(pid, bytes)| json!({"pid": pid, "used_bytes": bytes})).collect();
-                let mut gpu = json!({"index": i, "uuid": format!("{GPU_UUID}-{i}"), "name": GPU_NAME,
-                    "memory_total_bytes": GPU_TOTAL, "processes": processes});
-                if let Some(error) = error {
-                    gpu["error"] = (*error).into();
-                }
-                gpu
-            })
-            .collect();
-        self.write_file(&json!({"version": 1, "gpus": gpus}));
-    }
-
-    /// Written to a temporary file and renamed, so the agent never reads half a file.
-    fn write_sample(&self, processes: Vec<Value>, device_used: Option<u64>) {
-        let mut gpu = json!({"index": 0, "uuid": GPU_UUID, "name": GPU_NAME, "memory_total_bytes": GPU_TOTAL,
-            "processes": processes});
-        if let Some(used) = device_used {
-            gpu["memory_used_bytes"] = used.into();
-        }
-        self.write_file(&json!({"version": 1, "gpus": [gpu]}));
-    }
-
-    fn write_file(&self, sample: &Value) {
-        let path = self.sample_path();
-        let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, sample.to_string()).expect("sample written");
-        std::fs::rename(&tmp, &path).expect("sample renamed");
+        self.sample().set_gpus(gpus);
     }
 
     /// Starts the operator (leader, one replica), writing mirrors and vouching for them through
@@ -319,11 +281,104 @@ pub const EXAMPLES: [(&str, &str); 3] = [
     ("training-warn.yaml", include_str!("../../examples/training-warn.yaml")),
 ];
 
-/// A budget of [`EXAMPLES`] by file name, moved to `namespace`, with `tweak` applied.
-pub fn put_example(fake: &FakeApi, file: &str, namespace: &str, tweak: impl FnOnce(&mut Value)) {
+/// A budget of [`EXAMPLES`] by file name, moved to `namespace`.
+pub fn example(file: &str, namespace: &str) -> Value {
     let (_, text) = EXAMPLES.iter().find(|(name, _)| *name == file).unwrap_or_else(|| panic!("no example {file}"));
     let mut value: Value = serde_yaml::from_str(text).expect("example parses");
     value["metadata"]["namespace"] = namespace.into();
+    value
+}
+
+/// A budget of [`EXAMPLES`] by file name, moved to `namespace`, with `tweak` applied.
+pub fn put_example(fake: &FakeApi, file: &str, namespace: &str, tweak: impl FnOnce(&mut Value)) {
+    let mut value = example(file, namespace);
     tweak(&mut value);
     fake.put_object(value).expect("budget stored");
+}
+
+/// A process of a pod's container in the fixture `/proc` at `proc_root`: its cgroup is the kubelet's (systemd
+/// driver, containerd, burstable QoS), as on a real node. The in-memory stack and the real API server tier
+/// (e2e/tests/apiserver) both lay their processes out this way.
+pub fn kubelet_process(proc_root: &Path, pid: u32, pod_uid: &str, container_id: &str) {
+    let cgroup = format!(
+        "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{container_id}.scope\n",
+        pod_uid.replace('-', "_")
+    );
+    write_fake_process(proc_root, pid, 1000 + u64::from(pid), &cgroup).expect("fixture /proc");
+}
+
+/// The sample file an agent replays (`--sample-file`), in the format `gpubudget-agent capture` writes: what
+/// NVML reports, GPU 0 an H100 ([`GPU_UUID`]). Each write goes to a temporary file and is renamed, so the agent
+/// never reads half a file. The in-memory stack and the real API server tier write it the same way.
+#[derive(Debug, Clone)]
+pub struct SampleFile {
+    path: PathBuf,
+}
+
+impl SampleFile {
+    /// The sample file at `path` (written by the first set).
+    pub fn new(path: PathBuf) -> Self {
+        Self { path }
+    }
+
+    /// Where it is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// What NVML reports now: `(pid, bytes)` on GPU 0.
+    pub fn set_usage(&self, processes: &[(u32, u64)]) {
+        self.write_gpu0(pid_processes(processes), None);
+    }
+
+    /// [`Self::set_usage`], with the device's own used bytes (`memory_info`: what the pressure signal reads).
+    pub fn set_usage_and_device(&self, processes: &[(u32, u64)], device_used: u64) {
+        self.write_gpu0(pid_processes(processes), Some(device_used));
+    }
+
+    /// Usage charged to pods by name, `(namespace, pod, container, bytes)`: no `/proc` involved.
+    pub fn set_named_usage(&self, entries: &[(&str, &str, &str, u64)]) {
+        let processes: Vec<Value> = entries
+            .iter()
+            .map(|(ns, pod, c, bytes)| json!({"namespace": ns, "pod": pod, "container": c, "used_bytes": bytes}))
+            .collect();
+        self.write_gpu0(processes, None);
+    }
+
+    /// Several GPUs, each `(processes as (pid, bytes), the error its sample fails with)`: GPU `i` is NVML
+    /// index `i`, an H100 like GPU 0.
+    pub fn set_gpus(&self, gpus: &[GpuUsage<'_>]) {
+        let gpus: Vec<Value> = gpus
+            .iter()
+            .enumerate()
+            .map(|(i, (processes, error))| {
+                let mut gpu = json!({"index": i, "uuid": format!("{GPU_UUID}-{i}"), "name": GPU_NAME,
+                    "memory_total_bytes": GPU_TOTAL, "processes": pid_processes(processes)});
+                if let Some(error) = error {
+                    gpu["error"] = (*error).into();
+                }
+                gpu
+            })
+            .collect();
+        self.write(&json!({"version": 1, "gpus": gpus}));
+    }
+
+    fn write_gpu0(&self, processes: Vec<Value>, device_used: Option<u64>) {
+        let mut gpu = json!({"index": 0, "uuid": GPU_UUID, "name": GPU_NAME, "memory_total_bytes": GPU_TOTAL,
+            "processes": processes});
+        if let Some(used) = device_used {
+            gpu["memory_used_bytes"] = used.into();
+        }
+        self.write(&json!({"version": 1, "gpus": [gpu]}));
+    }
+
+    fn write(&self, sample: &Value) {
+        let tmp = self.path.with_extension("tmp");
+        std::fs::write(&tmp, sample.to_string()).expect("sample written");
+        std::fs::rename(&tmp, &self.path).expect("sample renamed");
+    }
+}
+
+fn pid_processes(processes: &[(u32, u64)]) -> Vec<Value> {
+    processes.iter().map(|(pid, bytes)| json!({"pid": pid, "used_bytes": bytes})).collect()
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""What the operator's Service does for the eviction check in a cluster, for e2e/apiserver/run.sh: listens on
-LISTEN (host:port) and hands each TCP connection to the first of the BACKENDS that accepts one (TLS passes
-through untouched: the webhook's certificate is for 127.0.0.1). A replica that is down refuses at once, as a
+"""What the operator's Service does for the eviction check in a cluster, for the core stories
+(e2e/tests/apiserver/stories.rs): listens on LISTEN (host:port) and hands each TCP connection to the first of the
+BACKENDS that accepts one (TLS passes through untouched: the webhook's certificate is for 127.0.0.1). A replica that is down refuses at once, as a
 Service's endpoint that is not ready is left out. Each connection is logged with the backend it went to.
 
     failover.py LISTEN BACKEND...

@@ -15,7 +15,7 @@
 # The chart is rendered with `helm template` (Kubernetes 1.33), its webhooks pointed at the operator on 127.0.0.1
 # (URL mode, a certificate made here). OUT (optional) receives a copy of the output.
 #
-# Environment: as run.sh (GPUBUDGET_E2E_BIN, HELM, GPUBUDGET_E2E_STEP_TIMEOUT, GPUBUDGET_E2E_KEEP, REALK8S).
+# Environment: as e2e/lib.sh says (GPUBUDGET_E2E_BIN, HELM, GPUBUDGET_E2E_STEP_TIMEOUT, GPUBUDGET_E2E_KEEP, REALK8S).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)

@@ -8,8 +8,8 @@
 # What it checks, on real objects:
 # - every step succeeds with Helm (3.10 and newer) and keeps every budget, its spec and its status (evictions,
 #   lastEviction) as they were;
-# - a rollout of the agent and of the operator, modelled as in run.sh (the release binaries run on this machine
-#   out of cluster, so a rollout is a stop and a start of them, with the new values), in the middle of an
+# - a rollout of the agent and of the operator, modelled as in the core stories of e2e/tests/apiserver (the
+#   release binaries run on this machine out of cluster, so a rollout is a stop and a start of them, with the new values), in the middle of an
 #   eviction's grace period and of another pod's overLimitSeconds: no pod is evicted twice, none early, a Warn
 #   budget's pod and a pod of another node never; each eviction is counted once;
 # - after uninstall, no ValidatingWebhookConfiguration, ValidatingAdmissionPolicy or binding, ClusterRole or
@@ -24,7 +24,7 @@
 # upgrades them) and moves to this chart and these binaries; the rollback returns to the older ones. The same
 # checks hold across both directions: the older agent's Evicting record is neither forgotten nor acted on twice.
 #
-# Environment: as run.sh (GPUBUDGET_E2E_BIN, HELM, GPUBUDGET_E2E_STEP_TIMEOUT, GPUBUDGET_E2E_KEEP, REALK8S),
+# Environment: as e2e/lib.sh says (GPUBUDGET_E2E_BIN, HELM, GPUBUDGET_E2E_STEP_TIMEOUT, GPUBUDGET_E2E_KEEP, REALK8S),
 # GPUBUDGET_E2E_FROM.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)

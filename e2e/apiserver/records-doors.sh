@@ -23,7 +23,7 @@
 # The chart is a copy whose kubeVersion admits 1.32 (the chart's own floor since 2026-11-27; HEAD's older chart kept >=1.33). OUT (optional)
 # receives a copy of the output.
 #
-# Environment: as run.sh (GPUBUDGET_E2E_BIN, HELM, GPUBUDGET_E2E_STEP_TIMEOUT, GPUBUDGET_E2E_KEEP, REALK8S).
+# Environment: as e2e/lib.sh says (GPUBUDGET_E2E_BIN, HELM, GPUBUDGET_E2E_STEP_TIMEOUT, GPUBUDGET_E2E_KEEP, REALK8S).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)

@@ -98,27 +98,28 @@ T0=$(date +%s.%N)
 KUBECONFIG=$WORK/operator.kubeconfig POD_NAMESPACE=$P RUST_LOG=warn "$BIN/gpubudget-operator" run \
   --admin-addr "$ADMIN" > "$WORK/operator.log" 2>&1 &
 OPERATOR_PID=$!
-since() { echo "$(date +%s.%N) - $T0" | bc -l | xargs printf '%.1f'; }
 READY_AT=""
 metric() { curl -fsS "http://$ADMIN/metrics" 2>/dev/null | awk -v m="$1" '$1 ~ "^"m {s += $2} END {print s + 0}'; }
 with_status() {
   kubectl get gmb -A -o json | jq --arg p "$P-" \
     '[.items[] | select((.metadata.namespace | startswith($p)) and .status.observedGeneration != null)] | length'
 }
-wait_for() { # wait_for COMMAND: until the count it prints reaches BUDGETS (and /ready answered)
+# every_budget COMMAND: waits until the count COMMAND prints reaches BUDGETS (and /ready answered): lib.sh's wait_for
+# with the operator's readiness time taken on the way, and an hour to converge.
+every_budget() {
   until [ -n "$READY_AT" ] && [ "$("$@")" -ge "$BUDGETS" ]; do
-    kill -0 "$OPERATOR_PID" || { cat "$WORK/operator.log"; echo "FAIL: the operator exited" >&2; exit 1; }
-    if [ -z "$READY_AT" ] && curl -fsS "http://$ADMIN/ready" >/dev/null 2>&1; then READY_AT=$(since); fi
-    [ "$((SECONDS - START))" -lt 3600 ] || { echo "FAIL: no convergence" >&2; exit 1; }
+    kill -0 "$OPERATOR_PID" || { cat "$WORK/operator.log"; die "the operator exited"; }
+    if [ -z "$READY_AT" ] && ready "$ADMIN" 2>/dev/null; then READY_AT=$(since "$T0"); fi
+    [ "$((SECONDS - START))" -lt 3600 ] || die "no convergence"
     sleep 0.2
   done
 }
-wait_for metric gpubudget_operator_status_writes_total
-CONVERGED=$(since)
-wait_for with_status
+every_budget metric gpubudget_operator_status_writes_total
+CONVERGED=$(since "$T0")
+every_budget with_status
 printf '    RESULT operator pods=%s budgets=%s ready=%ss every_status=%ss (after ready: %ss; list checked at %ss) rss=%sMiB peak=%sMiB events=%s mirror_writes=%s\n' \
   "$((NAMESPACES * PER_NS))" "$BUDGETS" "$READY_AT" "$CONVERGED" "$(echo "$CONVERGED - $READY_AT" | bc -l | xargs printf '%.1f')" \
-  "$(since)" "$(mib VmRSS)" "$(mib VmHWM)" "$(metric gpubudget_operator_events_total)" \
+  "$(since "$T0")" "$(mib VmRSS)" "$(mib VmHWM)" "$(metric gpubudget_operator_events_total)" \
   "$(metric gpubudget_operator_mirror_writes_total)" | tee "$WORK/results.txt"
 IDLE=${GPUBUDGET_E2E_IDLE_SECONDS:-30}
 W0=$(metric gpubudget_operator_status_writes_total)

@@ -18,7 +18,7 @@
 # GPUBUDGET_E2E_SETTLE_SECONDS (default 0: a wait before that window, for the operator's status writes that the
 # records cause to reach the agent's budget watch first),
 # GPUBUDGET_E2E_PERF=PREFIX (a perf profile of that window, PREFIX-BUDGETS.data), GPUBUDGET_E2E_KEEP=1.
-# The agent runs with the chart's RBAC and admission policies and a node-bound token, as in run.sh; its budgets are all Within (no events, no evictions): what is measured is the records.
+# The agent runs with the chart's RBAC and admission policies and a node-bound token, as in the core stories (e2e/tests/apiserver); its budgets are all Within (no events, no evictions): what is measured is the records.
 #
 # GPUBUDGET_E2E_WRITES=1: the agent's write load (issue 25), every API write it makes (records, events,
 # evictions: gpubudget_api_writes_total) per phase, as writes per minute: `steady` (60 s, nothing moves),

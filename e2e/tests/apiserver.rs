@@ -1,30 +1,129 @@
-//! The real API server tier (e2e/apiserver/run.sh) as a cargo test: the release binaries against a real
-//! kube-apiserver (with etcd and kube-controller-manager, no kubelet), with the chart's RBAC, admission
-//! policies and eviction webhook. It runs only when asked with `GPUBUDGET_E2E_APISERVER=1`, against the
-//! control plane of `KUBECONFIG` (its admin), or one it starts with /work/shared/realk8s/up.sh when
-//! `REALK8S_DIR` holds a build and `KUBECONFIG` is unset. A plain `cargo test` lists it as ignored, with how to
-//! run it (`-- --ignored` and the switch); asked to run without the switch (`--include-ignored`), it fails
-//! saying so rather than pass without running. It takes about 75 s on a 2-core VM (plus a release build when
-//! target/release has no binaries). See e2e/apiserver/README.md.
+//! The real API server tier: the release binaries against a real kube-apiserver (with etcd and
+//! kube-controller-manager, no kubelet), with the chart's RBAC, admission policies and eviction webhook, driven
+//! and checked over a `kube::Client` ([`harness`]). Each story runs only when asked with
+//! `GPUBUDGET_E2E_APISERVER=1`, against the control plane of `KUBECONFIG` (its admin). A plain `cargo test`
+//! lists them as ignored, with how to run them (`-- --ignored` and the switch); asked to run without the switch
+//! (`--include-ignored`), they fail saying so rather than pass without running. See e2e/apiserver/README.md.
 
-use std::path::Path;
-use std::process::Command;
+#[path = "apiserver/bound.rs"]
+mod bound;
+#[path = "apiserver/caps.rs"]
+mod caps;
+#[path = "apiserver/harness.rs"]
+mod harness;
+#[path = "apiserver/mirrors.rs"]
+mod mirrors;
+#[path = "apiserver/observe.rs"]
+mod observe;
+#[path = "apiserver/pressure.rs"]
+mod pressure;
+#[path = "apiserver/quota.rs"]
+mod quota;
+#[path = "apiserver/rbac.rs"]
+mod rbac;
+#[path = "apiserver/stories.rs"]
+mod stories;
+#[path = "apiserver/tenant.rs"]
+mod tenant;
 
-/// The switch that lets this test touch a control plane.
-const SWITCH: &str = "GPUBUDGET_E2E_APISERVER";
+/// The ignore reason: how to run a story.
+macro_rules! how {
+    () => {
+        "opt-in, needs a real kube-apiserver: GPUBUDGET_E2E_APISERVER=1 KUBECONFIG=/tmp/realk8s/run/kubeconfig \
+         cargo test -p gpubudget-e2e --test apiserver -- --ignored --nocapture (e2e/apiserver/README.md)"
+    };
+}
 
+/// Records, usage objects, events, eviction with the budget's grace, the agent restarted mid-grace, Warn,
+/// overlaps, node restriction both ways, mirrors, the operator down and back, a PodDisruptionBudget escalated,
+/// pressure, a GPU lost and back, two operator replicas with the leader crashed (formerly run.sh; ~130 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn stories_and_node_restriction_on_a_real_api_server() {
+    stories::core().await;
+}
+
+/// Observe first (issue 54, formerly observe.sh): the agent as `agent.enforcement=Observe` starts it tells and
+/// does not evict; `enforcement: observe` refused; a budget, then the Node, switched to Enforce act (~90 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn observe_first_on_a_real_api_server() {
+    observe::observe_first().await;
+}
+
+/// Pressure relief where a neighbour is harmed (issue 52, formerly pressure-harm.sh): a lone pod at 77 GiB never
+/// evicted, a Warn grower beside a neighbour within its request is, a pod behind a PDB beside a flapping neighbour
+/// is deleted once 20 s of pressure have passed in all (~150 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn pressure_harm_on_a_real_api_server() {
+    pressure::harm().await;
+}
+
+/// The pressure bound (issue 43, formerly pressure-bound.sh): under pressure a PodDisruptionBudget holds relief back
+/// the node's --pressure-blocked-timeout (20 s here) at most, whatever the budget says (~150 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn pressure_bound_on_a_real_api_server() {
+    bound::pressure_bound().await;
+}
+
+/// Budget mirrors off, and the operator gone (issue 43, formerly mirrors-off.sh): the Lease deleted, every mirror
+/// deleted, budgets created and tightened, the operator SIGKILLed mid-edit: the agent enforces each budget's current
+/// spec (~100 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn mirrors_off_on_a_real_api_server() {
+    mirrors::mirrors_off().await;
+}
+
+/// Namespace totals enforced (issue 23, formerly quota.sh): six small pods on two nodes (two release agents), two
+/// operator replicas, the leader killed mid-period: one eviction, the latest start (~80 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn quota_on_a_real_api_server() {
+    quota::namespace_totals().await;
+}
+
+/// Caps at admission (issue 22, formerly caps.sh): scope, merge, the tenant and the record, the operator down, the
+/// webhook's pod-create latency (~60 s with GPUBUDGET_E2E_CAPS_N=200).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn caps_on_a_real_api_server() {
+    caps::caps_at_admission().await;
+}
+
+/// No exemption a tenant can grant itself (issue 33, formerly tenant.sh): critical priority, a PodDisruptionBudget
+/// under GPU memory pressure and a label into a looser cluster budget buy nothing (~40 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn tenant_no_exemption_on_a_real_api_server() {
+    tenant::no_exemption().await;
+}
+
+/// ClusterGpuMemoryBudget (issue 23, formerly cluster-budget-rbac.sh): tenants cannot write or read it, a
+/// cluster-wide viewer reads it, the agent lists and watches it, CEL refusals (~10 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn cluster_budget_rbac_on_a_real_api_server() {
+    rbac::cluster_budgets().await;
+}
+
+/// ClusterGpuMemoryQuota (issue 23, formerly quota-rbac.sh): tenants cannot write or read it nor its status, the
+/// operator writes its status and evicts, never its spec, CEL refusals (~10 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn quota_rbac_on_a_real_api_server() {
+    rbac::quotas().await;
+}
+
+/// The message of a run without the switch says how to run the tier, naming files that exist.
 #[test]
-#[ignore = "opt-in, needs a real kube-apiserver: GPUBUDGET_E2E_APISERVER=1 KUBECONFIG=/tmp/realk8s/run/kubeconfig \
-            cargo test -p gpubudget-e2e --test apiserver -- --ignored --nocapture (e2e/apiserver/README.md)"]
-fn stories_and_node_restriction_on_a_real_api_server() {
-    assert!(
-        std::env::var(SWITCH).as_deref() == Ok("1"),
-        "not run: the real API server tier touches a control plane only with {SWITCH}=1. To run it: {SWITCH}=1 \
-         KUBECONFIG=/tmp/realk8s/run/kubeconfig cargo test -p gpubudget-e2e --test apiserver -- --ignored \
-         --nocapture (or REALK8S_DIR=/tmp/realk8s instead of KUBECONFIG to start one; e2e/apiserver/README.md tells \
-         how to build it)"
-    );
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("apiserver/run.sh");
-    let status = Command::new("bash").arg(&script).status().expect("bash runs");
-    assert!(status.success(), "{} failed: {status}", script.display());
+fn the_not_asked_message_says_how_to_run_it() {
+    let message = harness::not_asked_message();
+    assert!(message.contains("GPUBUDGET_E2E_APISERVER=1"), "{message}");
+    assert!(message.contains("--ignored"), "{message}");
+    let readme = "e2e/apiserver/README.md";
+    assert!(message.contains(readme), "the message does not name {readme}: {message}");
+    assert!(harness::repo().join(readme).is_file(), "{readme}, named by the message, does not exist");
 }
