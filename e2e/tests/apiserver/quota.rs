@@ -7,14 +7,17 @@
 //!   evicts, once, the pod that started last (on the other node from the one created last), with the quota's
 //!   grace, through the Eviction API, after the period: not restarted by the leader change, not repeated;
 //! - the other five stay; a namespace the quota does not select holds more and keeps all its pods;
-//! - `kubectl get cgmq` and the quota's status show the total, the state and the top holders.
+//! - `kubectl get cgmq` and the quota's status show the total, the state and the top holders;
+//! - observe (#54): the quota set to `enforcement: Observe`, the five left grow over again: the pod it would evict
+//!   is told once (NamespaceGpuMemoryWouldEvict, `status.namespaces[].wouldEvict`, Ready reason `Observing`, the
+//!   metric) and nothing is evicted; set to `Enforce`, that pod is evicted at the next pass.
 
 use std::time::{Duration, Instant};
 
 use gpubudget_common::crd::{ClusterGpuMemoryQuota, NamespaceTotal};
 use gpubudget_demo::stack::SampleFile;
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::api::Api;
+use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 
 use crate::harness::{Binary, GI, RBAC_AND_POLICIES, Run, metrics, table};
@@ -250,7 +253,7 @@ pub async fn namespace_totals() {
     )
     .await;
     let q = run
-        .object_until(quotas, &quota_name, "the quota counts one eviction", |q| {
+        .object_until(quotas.clone(), &quota_name, "the quota counts one eviction", |q| {
             q.status.as_ref().is_some_and(|s| s.evictions == 1)
         })
         .await;
@@ -267,10 +270,93 @@ pub async fn namespace_totals() {
     for pod in ["q-1", "q-2", "q-3", "q-5", "q-6"] {
         assert!(!run.is_terminating(&ns_q, pod).await, "{pod} evicted after the namespace was back within");
     }
+
+    run.say("observe (#54): the quota set to Observe, the five pods grow to 2.5Gi: 12.5Gi of 10Gi");
+    set_enforcement(&quotas, &quota_name, "Observe").await;
+    sample(&samples, 5 * GI / 2, 8 * GI, Some("q-4"));
+    // Each record is rewritten for its usage at most every 30 s: the total crosses 10Gi with the first of them.
+    entry_until(&quotas, &quota_name, &ns_q, "over the limit again", |n| n.last_over).await;
+    let over_again = Instant::now();
+    let n =
+        entry_until(&quotas, &quota_name, &ns_q, "the pod it would evict in the status", |n| n.would_evict.is_some())
+            .await;
+    let told_after = over_again.elapsed().as_secs();
+    assert_eq!(n.would_evict.as_ref().and_then(|w| w.pod.as_deref()), Some("q-6"), "the most recently started left");
+    // Due by the eviction's rule: the period banked in full (what the dip at 10Gi took back had to be made up).
+    assert_eq!(n.over_millis, 10_000, "told with {} ms banked, not the 10 s period", n.over_millis);
+    let note = run.event(&ns_q, "q-6", "NamespaceGpuMemoryWouldEvict").await.note.unwrap_or_default();
+    run.info(&format!(
+        "q-6 told {told_after} s after the namespace was seen over again ({}), the 10 s period banked: {}",
+        n.total,
+        note.chars().take(260).collect::<String>()
+    ));
+    let reason =
+        |q: &ClusterGpuMemoryQuota| q.status.as_ref().and_then(|s| s.conditions.first()).map(|c| c.reason.clone());
+    assert_eq!(reason(&quotas.get(&quota_name).await.expect("the quota")).as_deref(), Some("Observing"));
+    tokio::time::sleep(Duration::from_secs(20)).await; // four passes past due
+    for pod in ["q-1", "q-2", "q-3", "q-5", "q-6"] {
+        assert!(!run.is_terminating(&ns_q, pod).await, "{pod} evicted while the quota observes");
+    }
+    let q = quotas.get(&quota_name).await.expect("the quota");
+    assert_eq!(namespace(&q, &ns_q).map(state).as_deref(), Some("Over"), "never Evicting while nothing is");
+    assert_eq!(run.occurrences(&ns_q, "q-6", "NamespaceGpuMemoryWouldEvict").await, 1, "told once per episode");
+    let text = metrics(survivor_admin).await;
+    let sum = |name: &str| {
+        text.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    assert_eq!(
+        (sum("gpubudget_operator_quota_would_evict_total"), sum("gpubudget_operator_quota_eviction_requests_total")),
+        (1.0, 1.0),
+        "told once, and no eviction asked for while observing"
+    );
+    run.info("20 s past due: nothing evicted, state Over, one event, gpubudget_operator_quota_would_evict_total 1");
+
+    run.say("the administrator enforces the quota: q-6 goes at the next pass");
+    set_enforcement(&quotas, &quota_name, "Enforce").await;
+    let switched = Instant::now();
+    tokio::time::timeout(crate::harness::step_timeout(), run.terminating(&ns_q, "q-6"))
+        .await
+        .expect("q-6 terminating once the quota enforces");
+    run.info(&format!("q-6 evicted {} s after the switch (a pass every 5 s)", switched.elapsed().as_secs()));
+    let q = quotas.get(&quota_name).await.expect("the quota");
+    assert_eq!(reason(&q).as_deref(), Some("Enforced"));
     run.say(&format!(
         "PASS: a namespace total reached by six small pods on two nodes, the leader killed mid-period: one eviction (the \
          latest start) by the new leader after the period, with the quota's grace; neighbours and an unselected \
-         namespace untouched ({} s)",
+         namespace untouched; observing, the pod it would evict told once and kept; enforced, evicted at the next \
+         pass ({} s)",
         run.elapsed()
     ));
+}
+
+/// Sets the quota's `spec.enforcement` (a merge patch, as an administrator would).
+async fn set_enforcement(quotas: &Api<ClusterGpuMemoryQuota>, name: &str, mode: &str) {
+    let patch = Patch::Merge(json!({"spec": {"enforcement": mode}}));
+    quotas.patch(name, &PatchParams::default(), &patch).await.expect("the quota patched");
+}
+
+/// Waits until the namespace's entry in the quota's status passes `check`, polling every 0.5 s for the step
+/// timeout plus 30 s (records are rewritten for usage at most every 30 s).
+async fn entry_until(
+    quotas: &Api<ClusterGpuMemoryQuota>,
+    name: &str,
+    ns: &str,
+    what: &str,
+    check: impl Fn(&NamespaceTotal) -> bool,
+) -> NamespaceTotal {
+    let poll = async {
+        loop {
+            let entry = quotas.get(name).await.ok().and_then(|q| namespace(&q, ns).cloned());
+            if let Some(entry) = entry.filter(|n| check(n)) {
+                return entry;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    };
+    tokio::time::timeout(crate::harness::step_timeout() + Duration::from_secs(30), poll)
+        .await
+        .unwrap_or_else(|_| panic!("timed out: {what}"))
 }
