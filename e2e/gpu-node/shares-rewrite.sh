@@ -3,7 +3,7 @@
 # KAI-shaped pods at gpu-fraction 0.5 under one share budget; after both are placed, the annotation of one of them
 # (the "rewriter") is rewritten to gpu-fraction 1, as an identity the chart's admission policy lets through would
 # (values.yaml turns the policy off here: this is the agent's own defence, the policy's test is
-# e2e/apiserver/shares-tenant.sh). Then the rewriter grows past half the card.
+# shares_tenant_on_a_real_api_server, e2e/tests/apiserver/shares_tenant.rs). Then the rewriter grows past half the card.
 #   - the agent keeps the share it first resolved: GpuMemoryShareChangeIgnored on the rewriter, its record still
 #     "KAI gpu-fraction 0.5 of <card>";
 #   - the rewriter goes Over at its placed share and is evicted overLimitSeconds (10 s) later;

@@ -21,6 +21,8 @@ mod pressure;
 mod quota;
 #[path = "apiserver/rbac.rs"]
 mod rbac;
+#[path = "apiserver/shares_tenant.rs"]
+mod shares_tenant;
 #[path = "apiserver/stories.rs"]
 mod stories;
 #[path = "apiserver/tenant.rs"]
@@ -99,6 +101,15 @@ async fn caps_on_a_real_api_server() {
 #[ignore = how!()]
 async fn tenant_no_exemption_on_a_real_api_server() {
     tenant::no_exemption().await;
+}
+
+/// Shares that hold against the tenant (issue 51, formerly shares-tenant.sh): a tenant with `edit` tries each
+/// door to its share (a Binding of its own, annotate after binding, remove, num-devices, gpu-memory, pods/status,
+/// create with nodeName) and is refused; HAMi's gpumem as stored; an exempt rewrite ignored by the agent (~60 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn shares_tenant_on_a_real_api_server() {
+    shares_tenant::doors().await;
 }
 
 /// ClusterGpuMemoryBudget (issue 23, formerly cluster-budget-rbac.sh): tenants cannot write or read it, a

@@ -791,6 +791,15 @@ impl<'a> Workloads<'a> {
         self.pods.insert(name.to_owned(), (ns.to_owned(), self.next_pid));
     }
 
+    /// The kubelet's part for a pod someone else created (or bound) on the node: status Running, one process.
+    pub async fn running(&mut self, name: &str, uid: &str) {
+        let ns = self.ns;
+        self.run.pod_running(ns, name).await;
+        self.next_pid += 1;
+        self.run.process(self.next_pid, ns, name, uid);
+        self.pods.insert(name.to_owned(), (ns.to_owned(), self.next_pid));
+    }
+
     /// [`Self::pod`], behind a PodDisruptionBudget that never allows its eviction (waited for until the
     /// disruption controller says so).
     pub async fn pod_behind_pdb(&mut self, name: &str) {
@@ -818,6 +827,12 @@ impl<'a> Workloads<'a> {
     pub fn sample(&self, usage: &[(&str, u64)]) {
         let processes: Vec<(u32, u64)> = usage.iter().map(|(pod, bytes)| (self.pods[*pod].1, *bytes)).collect();
         self.run.sample().set_usage_and_device(&processes, usage.iter().map(|(_, b)| b).sum());
+    }
+
+    /// [`Self::sample`] without the device's used bytes: no pressure signal, whatever the processes hold.
+    pub fn sample_processes(&self, usage: &[(&str, u64)]) {
+        let processes: Vec<(u32, u64)> = usage.iter().map(|(pod, bytes)| (self.pods[*pod].1, *bytes)).collect();
+        self.run.sample().set_usage(&processes);
     }
 
     /// A budget selecting app=NAME, with `spec` besides.
