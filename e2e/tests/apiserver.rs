@@ -21,6 +21,8 @@ mod pressure;
 mod quota;
 #[path = "apiserver/rbac.rs"]
 mod rbac;
+#[path = "apiserver/records_doors.rs"]
+mod records_doors;
 #[path = "apiserver/shares_tenant.rs"]
 mod shares_tenant;
 #[path = "apiserver/stories.rs"]
@@ -110,6 +112,15 @@ async fn tenant_no_exemption_on_a_real_api_server() {
 #[ignore = how!()]
 async fn shares_tenant_on_a_real_api_server() {
     shares_tenant::doors().await;
+}
+
+/// Records through every door (issue 43, formerly records-doors.sh): the chart's records policies refuse forged
+/// records through pods/status, pods/binding and bindings, the kubelet's and the agent's writes pass; a second
+/// release's helm install refused; another install's policies told on the agent's Node (~50 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn records_doors_on_a_real_api_server() {
+    records_doors::through_every_door().await;
 }
 
 /// ClusterGpuMemoryBudget (issue 23, formerly cluster-budget-rbac.sh): tenants cannot write or read it, a

@@ -413,18 +413,9 @@ impl Run {
         kinds: &[&str],
         webhook: Option<(&str, &Path)>,
     ) -> Vec<Value> {
-        let out = Command::new(helm())
-            .args(["template", release])
-            .arg(repo().join("charts/gpubudget"))
-            .args(["-n", namespace, "--kube-version", "1.33.0"])
-            .output()
-            .expect("helm runs");
-        assert!(out.status.success(), "helm template: {}", String::from_utf8_lossy(&out.stderr));
-        self.releases.push(release.to_owned());
         let ca = webhook.map(|(_, ca)| json!(ByteString(std::fs::read(ca).expect("the CA reads"))));
         let mut applied = Vec::new();
-        for doc in serde_yaml::Deserializer::from_slice(&out.stdout) {
-            let Ok(mut value) = Value::deserialize(doc) else { continue };
+        for mut value in self.render_chart(release, namespace) {
             let Some(kind) = value["kind"].as_str().map(str::to_owned) else { continue };
             if !kinds.contains(&kind.as_str()) {
                 continue;
@@ -447,6 +438,61 @@ impl Run {
             tokio::time::sleep(Duration::from_secs(5)).await;
         }
         applied
+    }
+
+    /// The chart's objects as `helm template` renders them (Kubernetes 1.33) into `namespace` as `release`; what the
+    /// release leaves cluster-wide is deleted with the run.
+    pub fn render_chart(&mut self, release: &str, namespace: &str) -> Vec<Value> {
+        let out = Command::new(helm())
+            .args(["template", release])
+            .arg(repo().join("charts/gpubudget"))
+            .args(["-n", namespace, "--kube-version", "1.33.0"])
+            .output()
+            .expect("helm runs");
+        assert!(out.status.success(), "helm template: {}", String::from_utf8_lossy(&out.stderr));
+        self.releases.push(release.to_owned());
+        serde_yaml::Deserializer::from_slice(&out.stdout).filter_map(|doc| Value::deserialize(doc).ok()).collect()
+    }
+
+    /// `helm <verb> <release> <the chart> -n <namespace>` (install, upgrade) against the control plane of
+    /// `KUBECONFIG`: whether it succeeded, and its output (stdout and stderr). The release is one of the run's
+    /// ([`Self::owns_release`]).
+    pub fn helm(&self, verb: &str, release: &str, namespace: &str) -> (bool, String) {
+        assert!(self.releases.iter().any(|r| r == release), "helm {verb} {release}: not a release of the run");
+        let out = Command::new(helm())
+            .args([verb, release])
+            .arg(repo().join("charts/gpubudget"))
+            .args(["-n", namespace])
+            .output()
+            .expect("helm runs");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), text)
+    }
+
+    /// Remembers a release the run installs (with [`Self::helm`]): what it leaves cluster-wide is deleted with the
+    /// run, its namespaced objects with its namespace.
+    pub fn owns_release(&mut self, release: &str) {
+        self.releases.push(release.to_owned());
+    }
+
+    /// Deletes any object (namespaced ones in their namespace), as the admin; gone already is fine.
+    pub async fn delete(&self, value: &Value) {
+        let (group, version) = match value["apiVersion"].as_str().expect("an apiVersion").split_once('/') {
+            Some((g, v)) => (g.to_owned(), v.to_owned()),
+            None => (String::new(), value["apiVersion"].as_str().expect("v1").to_owned()),
+        };
+        let gvk = GroupVersionKind::gvk(&group, &version, value["kind"].as_str().expect("a kind"));
+        let (resource, _) = pinned_kind(&self.admin, &gvk).await.expect("a known kind");
+        let name = value["metadata"]["name"].as_str().expect("a name");
+        let api = match value["metadata"]["namespace"].as_str() {
+            Some(ns) => Api::<DynamicObject>::namespaced_with(self.admin.clone(), ns, &resource),
+            None => Api::<DynamicObject>::all_with(self.admin.clone(), &resource),
+        };
+        match api.delete(name, &DeleteParams::background()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(e) => panic!("deleting {} {name}: {e}", gvk.kind),
+        }
     }
 
     /// Server-side apply of any object (namespaced ones into their namespace, else `namespace`), as the admin.
@@ -560,8 +606,17 @@ impl Run {
     /// The admin's client impersonating `user` (as `kubectl --as`: a ServiceAccount's name gets its groups from
     /// the API server).
     pub async fn as_user(&self, user: &str) -> Client {
+        self.as_member(user, &[]).await
+    }
+
+    /// [`Self::as_user`] in `groups` too (as `kubectl --as --as-group`: a kubelet is `system:node:<node>` in
+    /// `system:nodes`).
+    pub async fn as_member(&self, user: &str, groups: &[&str]) -> Client {
         let mut config = Config::infer().await.expect("the admin's config");
         config.auth_info.impersonate = Some(user.to_owned());
+        if !groups.is_empty() {
+            config.auth_info.impersonate_groups = Some(groups.iter().map(|g| (*g).to_owned()).collect());
+        }
         Client::try_from(config).expect("a client")
     }
 

@@ -64,20 +64,20 @@ fn pod(ns: &str, id: &str, name: &str, scheduler: &str, node: Option<&str>, anno
 }
 
 /// A Binding of `pod` to `node`, carrying `annotations`.
-fn binding(ns: &str, pod: &str, node: &str, annotations: Value) -> Binding {
+pub fn binding(ns: &str, pod: &str, node: &str, annotations: Value) -> Binding {
     serde_json::from_value(json!({"metadata": {"name": pod, "namespace": ns, "annotations": annotations},
         "target": {"apiVersion": "v1", "kind": "Node", "name": node}}))
     .expect("a binding")
 }
 
 /// `POST pods/<pod>/binding` as `client` (what a scheduler's binder sends).
-async fn bind(client: &Client, b: &Binding) -> kube::Result<Value> {
+pub async fn bind(client: &Client, b: &Binding) -> kube::Result<Value> {
     let (ns, name) = (b.namespace().expect("a namespace"), b.name_any());
     Api::<Pod>::namespaced(client.clone(), &ns).create_subresource("binding", &name, &PostParams::default(), b).await
 }
 
 /// `POST bindings` as `client` (the older door to the same thing).
-async fn bindings(client: &Client, b: &Binding) -> kube::Result<Binding> {
+pub async fn bindings(client: &Client, b: &Binding) -> kube::Result<Binding> {
     let ns = b.namespace().expect("a namespace");
     Api::<Binding>::namespaced(client.clone(), &ns).create(&PostParams::default(), b).await
 }
@@ -93,7 +93,7 @@ fn annotate(key: &str, value: Option<&str>) -> Value {
 }
 
 /// Fails unless the API server itself refused `what` (403 Forbidden) saying `expected`; prints the refusal.
-fn forbidden<T: std::fmt::Debug>(run: &Run, what: &str, expected: &str, result: kube::Result<T>) {
+pub fn forbidden<T: std::fmt::Debug>(run: &Run, what: &str, expected: &str, result: kube::Result<T>) {
     match result {
         Ok(t) => panic!("{what} was allowed: {t:?}"),
         Err(kube::Error::Api(status)) => {
@@ -106,7 +106,7 @@ fn forbidden<T: std::fmt::Debug>(run: &Run, what: &str, expected: &str, result: 
 }
 
 /// Fails unless `what` was allowed; prints it and returns the answer.
-fn allowed<T>(run: &Run, what: &str, result: kube::Result<T>) -> T {
+pub fn allowed<T>(run: &Run, what: &str, result: kube::Result<T>) -> T {
     let t = result.unwrap_or_else(|e| panic!("{what} was refused: {e}"));
     run.info(&format!("allowed: {what}"));
     t
