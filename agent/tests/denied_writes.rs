@@ -2,7 +2,7 @@
 //! second gpubudget release's records policy admits only its own agent) says so on its Node, once per policy
 //! per ten minutes, and counts the writes `denied`; against gpubudget-testkit's in-memory API server, whose
 //! injected 403 stands for the policy (the classification of the real API server's wording is unit-tested in
-//! src/act/denied.rs; the real thing in e2e/apiserver/records-doors.sh).
+//! src/act/denied.rs; the real thing in records_doors_on_a_real_api_server, e2e/tests/apiserver/records_doors.rs).
 
 use std::time::Duration;
 
