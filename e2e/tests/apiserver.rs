@@ -11,6 +11,8 @@ mod bound;
 mod caps;
 #[path = "apiserver/harness.rs"]
 mod harness;
+#[path = "apiserver/hostile_caps.rs"]
+mod hostile_caps;
 #[path = "apiserver/mirrors.rs"]
 mod mirrors;
 #[path = "apiserver/observe.rs"]
@@ -95,6 +97,14 @@ async fn quota_on_a_real_api_server() {
 #[ignore = how!()]
 async fn caps_on_a_real_api_server() {
     caps::caps_at_admission().await;
+}
+
+/// A tenant who cannot stall the operator (issue 32, formerly hostile-caps.sh): the eviction check's latency idle
+/// and while 4 loops send 1.5 MB dry-run creates through the caps webhook; every check allowed (~60 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn hostile_caps_on_a_real_api_server() {
+    hostile_caps::hostile_tenant().await;
 }
 
 /// No exemption a tenant can grant itself (issue 33, formerly tenant.sh): critical priority, a PodDisruptionBudget

@@ -22,7 +22,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
-use crate::harness::{Binary, Identity, Run, metrics, refusal};
+use crate::harness::{Binary, Identity, Run, latencies, metrics, refusal};
 
 /// A pod with one container asking for 2 GPUs, pinned to nodes that do not share them (without, 2 may be replicas
 /// of one card: no MPS cap is written).
@@ -55,20 +55,22 @@ async fn admissions(admin: &str) -> f64 {
         .sum()
 }
 
-/// The operator with its webhooks on 127.0.0.1.
-struct Operator<'a> {
-    run: &'a Run,
-    identity: Identity,
-    ns: String,
-    runs: u32,
+/// The operator with its webhooks on 127.0.0.1 (the run's port 1, the certificate of the run's `tls/`; its admin on
+/// port 0), as `identity` in the release's namespace `ns`; `runs` counts its starts (`operator-<n>.log`).
+#[derive(Debug)]
+pub struct Operator<'a> {
+    pub run: &'a Run,
+    pub identity: Identity,
+    pub ns: String,
+    pub runs: u32,
 }
 
 impl Operator<'_> {
-    fn admin(&self) -> String {
+    pub fn admin(&self) -> String {
         self.run.addr(0)
     }
 
-    async fn start(&mut self) -> Binary {
+    pub async fn start(&mut self) -> Binary {
         self.runs += 1;
         let (admin, webhook, tls) = (self.admin(), self.run.addr(1), self.run.file("tls"));
         let args = [
@@ -119,17 +121,7 @@ async fn latency(client: &Client, ns: &str, n: usize) -> (String, bool) {
         }
         capped = env_of(&created).contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT");
     }
-    times.sort_by(f64::total_cmp);
-    let at = |q: f64| times[((times.len() as f64 * q).ceil() as usize).clamp(1, times.len()) - 1];
-    let mean = times.iter().sum::<f64>() / times.len() as f64;
-    let line = format!(
-        "n={} p50={:.1} ms p90={:.1} ms p99={:.1} ms mean={mean:.1} ms max={:.1} ms capped={capped}",
-        times.len(),
-        at(0.50),
-        at(0.90),
-        at(0.99),
-        times[times.len() - 1]
-    );
+    let line = format!("{} capped={capped}", latencies(&mut times));
     let _ = api.delete_collection(&DeleteParams::background(), &ListParams::default()).await;
     (line, capped)
 }

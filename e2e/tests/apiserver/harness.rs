@@ -1079,6 +1079,26 @@ pub fn metric(text: &str, prefix: &str) -> Option<String> {
     text.lines().find(|l| l.starts_with(prefix)).and_then(|l| l.rsplit(' ').next()).map(str::to_owned)
 }
 
+/// The value at quantile `q` of `sorted` (nearest rank: the smallest value with at least `q` of them at or below).
+pub fn nearest_rank(sorted: &[f64], q: f64) -> f64 {
+    sorted[((sorted.len() as f64 * q).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+/// Latencies in ms as the results files show them, `n=… p50=… ms p90=… ms p99=… ms mean=… ms max=… ms`; sorts
+/// `times` (at least one).
+pub fn latencies(times: &mut [f64]) -> String {
+    times.sort_by(f64::total_cmp);
+    let mean = times.iter().sum::<f64>() / times.len() as f64;
+    format!(
+        "n={} p50={:.1} ms p90={:.1} ms p99={:.1} ms mean={mean:.1} ms max={:.1} ms",
+        times.len(),
+        nearest_rank(times, 0.50),
+        nearest_rank(times, 0.90),
+        nearest_rank(times, 0.99),
+        times[times.len() - 1]
+    )
+}
+
 /// The helm binary: `HELM`, else helm in PATH, else the one .ci/helm.sh installs.
 fn helm() -> PathBuf {
     if let Some(helm) = std::env::var_os("HELM") {
@@ -1127,6 +1147,15 @@ mod tests {
         assert!(id.chars().all(|c| c.is_ascii_hexdigit()));
         assert_eq!(id, container_id("ns", "pod"));
         assert_ne!(id, container_id("ns", "other"));
+    }
+
+    #[test]
+    fn latencies_are_nearest_rank_quantiles_of_the_sorted_times() {
+        let mut times: Vec<f64> = (1..=200).rev().map(f64::from).collect();
+        assert_eq!(latencies(&mut times), "n=200 p50=100.0 ms p90=180.0 ms p99=198.0 ms mean=100.5 ms max=200.0 ms");
+        assert_eq!(times[0], 1.0, "sorted");
+        assert_eq!(nearest_rank(&[7.0], 0.99), 7.0);
+        assert_eq!(nearest_rank(&[1.0, 2.0], 0.0), 1.0);
     }
 
     #[test]
