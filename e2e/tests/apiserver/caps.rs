@@ -22,7 +22,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
-use crate::harness::{Binary, Identity, Run, latencies, metrics, refusal};
+use crate::harness::{Binary, CAPS_WEBHOOK, Identity, Run, latencies, metrics, refusal};
 
 /// A pod with one container asking for 2 GPUs, pinned to nodes that do not share them (without, 2 may be replicas
 /// of one card: no MPS cap is written).
@@ -139,16 +139,8 @@ pub async fn caps_at_admission() {
     let ns_l1 = run.namespace(&format!("{release}-l1")).await; // latency: served by the webhook
     let ns_l2 = run.namespace(&format!("{release}-l2")).await; // latency: not served
     let tls = run.webhook_cert();
-    let kinds = [
-        "ServiceAccount",
-        "ClusterRole",
-        "ClusterRoleBinding",
-        "ValidatingAdmissionPolicy",
-        "ValidatingAdmissionPolicyBinding",
-        "MutatingWebhookConfiguration",
-    ];
     let webhook = run.addr(1);
-    run.apply_chart(&release, &ns, &kinds, Some((&webhook, &tls.join("ca.crt")))).await;
+    run.apply_chart(&release, &ns, CAPS_WEBHOOK, Some((&webhook, &tls.join("ca.crt")))).await;
     run.apply(
         &json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "tenant", "namespace": ns_a}}),
         &ns_a,

@@ -49,6 +49,16 @@ pub const RBAC_AND_POLICIES: &[&str] = &[
     "ValidatingAdmissionPolicyBinding",
 ];
 
+/// What the caps stories apply from the chart: the cluster-wide RBAC, the admission policies and the caps webhook.
+pub const CAPS_WEBHOOK: &[&str] = &[
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+    "MutatingWebhookConfiguration",
+];
+
 /// What a run without the switch says: how to run this tier.
 pub fn not_asked_message() -> String {
     format!(

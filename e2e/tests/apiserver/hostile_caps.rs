@@ -26,7 +26,7 @@ use kube::{Client, Config, ResourceExt};
 use serde_json::{Value, json};
 
 use crate::caps::Operator;
-use crate::harness::{Run, latencies, metrics, nearest_rank};
+use crate::harness::{CAPS_WEBHOOK, Run, latencies, metrics, nearest_rank};
 
 const MPS: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
 
@@ -135,16 +135,8 @@ pub async fn hostile_tenant() {
     let node = format!("{release}-n1");
     run.node(&node).await;
     let tls = run.webhook_cert();
-    let kinds = [
-        "ServiceAccount",
-        "ClusterRole",
-        "ClusterRoleBinding",
-        "ValidatingAdmissionPolicy",
-        "ValidatingAdmissionPolicyBinding",
-        "MutatingWebhookConfiguration",
-    ];
     let webhook = run.addr(1);
-    run.apply_chart(&release, &ns, &kinds, Some((&webhook, &tls.join("ca.crt")))).await;
+    run.apply_chart(&release, &ns, CAPS_WEBHOOK, Some((&webhook, &tls.join("ca.crt")))).await;
     run.apply(
         &json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget", "metadata": {"name": "capped", "namespace": ns_a},
                 "spec": {"selector": {}, "limit": "8Gi", "admissionCaps": "Enabled"}}),
