@@ -22,7 +22,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
-use crate::harness::{Binary, CAPS_WEBHOOK, Identity, Run, latencies, metrics, refusal};
+use crate::harness::{Binary, CAPS_WEBHOOK, Identity, OperatorRun, Run, latencies, metrics, refusal};
 
 /// A pod with one container asking for 2 GPUs, pinned to nodes that do not share them (without, 2 may be replicas
 /// of one card: no MPS cap is written).
@@ -72,24 +72,18 @@ impl Operator<'_> {
 
     pub async fn start(&mut self) -> Binary {
         self.runs += 1;
-        let (admin, webhook, tls) = (self.admin(), self.run.addr(1), self.run.file("tls"));
-        let args = [
-            "run",
-            "--admin-addr",
-            &admin,
-            "--webhook-addr",
-            &webhook,
-            "--webhook-cert-dir",
-            tls.to_str().expect("utf-8"),
-        ];
-        let pod_name = format!("operator-{}", self.runs);
-        let env = [
-            ("KUBECONFIG", self.identity.path()),
-            ("POD_NAMESPACE", self.ns.as_str()),
-            ("POD_NAME", pod_name.as_str()),
-            ("RUST_LOG", "info"),
-        ];
-        let binary = self.run.spawn("gpubudget-operator", &args, &env, &format!("operator-{}.log", self.runs));
+        let (admin, webhook) = (self.admin(), self.run.addr(1));
+        let (pod, log) = (format!("operator-{}", self.runs), format!("operator-{}.log", self.runs));
+        let binary = self.run.spawn_operator(&OperatorRun {
+            identity: &self.identity,
+            ns: &self.ns,
+            pod: &pod,
+            admin: &admin,
+            webhook: Some(&webhook),
+            extra: &[],
+            rust_log: "info",
+            log: &log,
+        });
         self.run.ready(&format!("operator ready (run {})", self.runs), &admin).await;
         binary
     }
@@ -141,18 +135,7 @@ pub async fn caps_at_admission() {
     let tls = run.webhook_cert();
     let webhook = run.addr(1);
     run.apply_chart(&release, &ns, CAPS_WEBHOOK, Some((&webhook, &tls.join("ca.crt")))).await;
-    run.apply(
-        &json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "tenant", "namespace": ns_a}}),
-        &ns_a,
-    )
-    .await;
-    run.apply(
-        &json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "tenant-edit", "namespace": ns_a},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
-                "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": ns_a}]}),
-        &ns_a,
-    )
-    .await;
+    run.tenant_with_edit(&ns_a).await;
     let operator_token = run.token(&ns, &format!("{release}-operator"), None).await;
     let tenant_token = run.token(&ns_a, "tenant", None).await;
     let tenant = run.identity("tenant", &tenant_token).await.client;

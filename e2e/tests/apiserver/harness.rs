@@ -59,6 +59,26 @@ pub const CAPS_WEBHOOK: &[&str] = &[
     "MutatingWebhookConfiguration",
 ];
 
+/// One `gpubudget-operator run` of a story ([`Run::spawn_operator`]).
+pub struct OperatorRun<'a> {
+    /// Its credential.
+    pub identity: &'a Identity,
+    /// `POD_NAMESPACE`: where its Leases live.
+    pub ns: &'a str,
+    /// `POD_NAME`: its identity in the Lease and in events.
+    pub pod: &'a str,
+    /// The admin port's address.
+    pub admin: &'a str,
+    /// The webhooks' address (with the run's certificate), if it serves them.
+    pub webhook: Option<&'a str>,
+    /// More arguments.
+    pub extra: &'a [&'a str],
+    /// `RUST_LOG`.
+    pub rust_log: &'a str,
+    /// Its log file, under the run's work directory.
+    pub log: &'a str,
+}
+
 /// What a run without the switch says: how to run this tier.
 pub fn not_asked_message() -> String {
     format!(
@@ -652,6 +672,36 @@ impl Run {
             assert!(out.status.success(), "openssl {args}: {}", String::from_utf8_lossy(&out.stderr));
         }
         dir
+    }
+
+    /// `gpubudget-operator run` as a story runs it: as `o.identity`, in `o.ns` as pod `o.pod`, its admin port on
+    /// `o.admin`, the webhooks on `o.webhook` with the run's certificate ([`Self::webhook_cert`]) where given, then
+    /// `o.extra`. Its output goes to `<work>/<o.log>`.
+    pub fn spawn_operator(&self, o: &OperatorRun<'_>) -> Binary {
+        let tls = self.file("tls");
+        let mut args = vec!["run", "--admin-addr", o.admin];
+        if let Some(webhook) = o.webhook {
+            args.extend(["--webhook-addr", webhook, "--webhook-cert-dir", tls.to_str().expect("utf-8")]);
+        }
+        args.extend_from_slice(o.extra);
+        let env =
+            [("KUBECONFIG", o.identity.path()), ("POD_NAMESPACE", o.ns), ("POD_NAME", o.pod), ("RUST_LOG", o.rust_log)];
+        self.spawn("gpubudget-operator", &args, &env, o.log)
+    }
+
+    /// The ServiceAccount `tenant` in `ns`, bound to the `edit` ClusterRole there (a namespace's ordinary user).
+    pub async fn tenant_with_edit(&self, ns: &str) {
+        let account =
+            json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "tenant", "namespace": ns}});
+        self.apply(&account, ns).await;
+        self.apply(
+            &json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                    "metadata": {"name": "tenant-edit", "namespace": ns},
+                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
+                    "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": ns}]}),
+            ns,
+        )
+        .await;
     }
 
     /// Starts a release binary with `args` and `env`, its output appended to `<work>/<log>`.

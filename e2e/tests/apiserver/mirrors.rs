@@ -22,7 +22,9 @@ use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch
 use kube::core::GroupVersionKind;
 use serde_json::{Value, json};
 
-use crate::harness::{Binary, GI, Identity, RBAC_AND_POLICIES, Run, Workloads, annotation, metric, metrics};
+use crate::harness::{
+    Binary, GI, Identity, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, annotation, metric, metrics,
+};
 
 /// The operator's runs.
 struct Operator<'a> {
@@ -38,15 +40,19 @@ impl Operator<'_> {
     /// `gpubudget-operator run` with `extra` arguments; waits until it is ready.
     async fn start(&mut self, extra: &[&str]) -> Binary {
         self.runs += 1;
-        let mut args = vec!["run", "--admin-addr", &self.admin, "--mirrors-lease-name", &self.lease];
+        let mut args = vec!["--mirrors-lease-name", self.lease.as_str()];
         args.extend_from_slice(extra);
-        let env = [
-            ("KUBECONFIG", self.identity.path()),
-            ("POD_NAMESPACE", self.ns.as_str()),
-            ("POD_NAME", "operator-e2e"),
-            ("RUST_LOG", "info"),
-        ];
-        let binary = self.run.spawn("gpubudget-operator", &args, &env, &format!("operator-{}.log", self.runs));
+        let log = format!("operator-{}.log", self.runs);
+        let binary = self.run.spawn_operator(&OperatorRun {
+            identity: &self.identity,
+            ns: &self.ns,
+            pod: "operator-e2e",
+            admin: &self.admin,
+            webhook: None,
+            extra: &args,
+            rust_log: "info",
+            log: &log,
+        });
         self.run
             .ready(
                 &format!(

@@ -20,7 +20,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::json;
 
-use crate::harness::{Binary, GI, RBAC_AND_POLICIES, Run, metrics, table};
+use crate::harness::{Binary, GI, OperatorRun, RBAC_AND_POLICIES, Run, metrics, table};
 
 /// The pods: name, namespace suffix, node index, start offset (s), PID.
 const PODS: [(&str, &str, usize, i64, u32); 8] = [
@@ -100,7 +100,7 @@ pub async fn namespace_totals() {
     sample(&samples, 3 * GI / 2, 8 * GI, None);
 
     run.say("two agents, one per node (tokens bound to their Node), and two operator replicas (leader election)");
-    let tls = run.webhook_cert();
+    run.webhook_cert();
     let operator_token = run.token(&ns, &format!("{release}-operator"), None).await;
     let operator = run.identity("operator", &operator_token).await;
     let mut agents: Vec<Binary> = Vec::new();
@@ -115,19 +115,17 @@ pub async fn namespace_totals() {
     let mut replicas = Vec::new();
     for (k, name) in ["operator-a", "operator-b"].into_iter().enumerate() {
         let (admin, webhook) = (run.addr(12 + 2 * k as u16), run.addr(13 + 2 * k as u16));
-        let args = [
-            "run",
-            "--leader-election",
-            "--admin-addr",
-            &admin,
-            "--webhook-addr",
-            &webhook,
-            "--webhook-cert-dir",
-            tls.to_str().expect("utf-8"),
-        ];
-        let env =
-            [("KUBECONFIG", operator.path()), ("POD_NAMESPACE", ns.as_str()), ("POD_NAME", name), ("RUST_LOG", "info")];
-        let binary = run.spawn("gpubudget-operator", &args, &env, &format!("{name}.log"));
+        let log = format!("{name}.log");
+        let binary = run.spawn_operator(&OperatorRun {
+            identity: &operator,
+            ns: &ns,
+            pod: name,
+            admin: &admin,
+            webhook: Some(&webhook),
+            extra: &["--leader-election"],
+            rust_log: "info",
+            log: &log,
+        });
         replicas.push((name, admin.clone(), binary));
     }
     let leases = Api::<Lease>::namespaced(run.admin.clone(), &ns);

@@ -33,7 +33,7 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
-use crate::harness::{GI, RBAC_AND_POLICIES, Run, Workloads, annotation, is_terminating};
+use crate::harness::{GI, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, annotation, is_terminating};
 
 /// A mebibyte.
 const MI: u64 = 1 << 20;
@@ -139,15 +139,7 @@ pub async fn doors() {
         json!({"apiVersion": "v1", "kind": "ServiceAccount",
             "metadata": {"name": name, "namespace": ns}})
     };
-    run.apply(&account("tenant", &ns_t), &ns_t).await;
-    run.apply(
-        &json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-            "metadata": {"name": "tenant-edit", "namespace": ns_t},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
-            "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": ns_t}]}),
-        &ns_t,
-    )
-    .await;
+    run.tenant_with_edit(&ns_t).await;
     run.apply(&account("binder", NS_KAI), NS_KAI).await; // left in place with its namespace
     run.apply(&account("other-scheduler", &ns), &ns).await;
     // What a scheduler's binder may do: bind pods, and patch them (KAI's binder writes annotations).
@@ -189,24 +181,16 @@ pub async fn doors() {
     ));
     let (agent_admin, operator_admin) = (run.addr(0), run.addr(1));
     let lease = format!("{release}-operator-mirrors");
-    let args = [
-        "run",
-        "--admin-addr",
-        &operator_admin,
-        "--webhook-addr",
-        &webhook,
-        "--webhook-cert-dir",
-        tls.to_str().expect("utf-8"),
-        "--mirrors-lease-name",
-        &lease,
-    ];
-    let env = [
-        ("KUBECONFIG", operator.path()),
-        ("POD_NAMESPACE", ns.as_str()),
-        ("POD_NAME", "operator-e2e"),
-        ("RUST_LOG", "info"),
-    ];
-    let operator_binary = run.spawn("gpubudget-operator", &args, &env, "operator.log");
+    let operator_binary = run.spawn_operator(&OperatorRun {
+        identity: &operator,
+        ns: &ns,
+        pod: "operator-e2e",
+        admin: &operator_admin,
+        webhook: Some(&webhook),
+        extra: &["--mirrors-lease-name", &lease],
+        rust_log: "info",
+        log: "operator.log",
+    });
     run.ready(&format!("operator ready (pid {})", operator_binary.pid()), &operator_admin).await;
     let mirrors_lease = format!("{ns}/{lease}");
     let extra = ["--mirrors-lease", mirrors_lease.as_str()];

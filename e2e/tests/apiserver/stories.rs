@@ -20,7 +20,8 @@ use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
 use crate::harness::{
-    Binary, GI, Identity, RBAC_AND_POLICIES, Run, annotation, apply_as, http_get, metric, metrics, refusal, table,
+    Binary, GI, Identity, OperatorRun, RBAC_AND_POLICIES, Run, annotation, apply_as, http_get, metric, metrics,
+    refusal, table,
 };
 
 const AGENT: &str = "gpubudget-agent";
@@ -70,26 +71,17 @@ impl Core {
 
     async fn start_operator(&mut self) {
         let (admin, webhook) = (self.addr(1), self.addr(2));
-        let tls = self.run.file("tls");
         let lease = self.mirrors_lease();
-        let args = [
-            "run",
-            "--admin-addr",
-            &admin,
-            "--webhook-addr",
-            &webhook,
-            "--webhook-cert-dir",
-            tls.to_str().expect("utf-8"),
-            "--mirrors-lease-name",
-            &lease,
-        ];
-        let env = [
-            ("KUBECONFIG", self.ids.operator.path()),
-            ("POD_NAMESPACE", self.ns.as_str()),
-            ("POD_NAME", "operator-e2e"),
-            ("RUST_LOG", "info,gpubudget_operator=debug"),
-        ];
-        let binary = self.run.spawn(OPERATOR, &args, &env, "operator.log");
+        let binary = self.run.spawn_operator(&OperatorRun {
+            identity: &self.ids.operator,
+            ns: &self.ns,
+            pod: "operator-e2e",
+            admin: &admin,
+            webhook: Some(&webhook),
+            extra: &["--mirrors-lease-name", &lease],
+            rust_log: "info,gpubudget_operator=debug",
+            log: "operator.log",
+        });
         self.run.ready(&format!("operator ready (pid {})", binary.pid()), &admin).await;
         self.operator = Some(binary);
     }
@@ -257,19 +249,7 @@ pub async fn core() {
     let agent_token = token(&agent_sa, Some((&node, &node_uid))).await;
     let agent2_token = token(&agent_sa, Some((&node2, &node2_uid))).await;
     let unbound_token = token(&agent_sa, None).await;
-    run.apply(
-        &json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "tenant", "namespace": ns_a}}),
-        &ns_a,
-    )
-    .await;
-    run.apply(
-        &json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-                "metadata": {"name": "tenant-edit", "namespace": ns_a},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
-                "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": ns_a}]}),
-        &ns_a,
-    )
-    .await;
+    run.tenant_with_edit(&ns_a).await;
     let tenant_token = run.token(&ns_a, "tenant", None).await;
     let ids = Ids {
         operator: run.identity("operator", &operator_token).await,
@@ -937,28 +917,18 @@ async fn leader_crash(core: &mut Core) {
     core.operator.take().expect("running").stop();
     let (webhook_a, webhook_b, admin_a, admin_b, front) =
         (core.addr(3), core.addr(4), core.addr(5), core.addr(6), core.addr(7));
-    let tls = core.run.file("tls");
     let lease = core.mirrors_lease();
     let replica = |name: &str, admin: &str, webhook: &str| {
-        let args = [
-            "run",
-            "--leader-election",
-            "--admin-addr",
+        core.run.spawn_operator(&OperatorRun {
+            identity: &core.ids.operator,
+            ns: &ns,
+            pod: name,
             admin,
-            "--webhook-addr",
-            webhook,
-            "--webhook-cert-dir",
-            tls.to_str().expect("utf-8"),
-            "--mirrors-lease-name",
-            &lease,
-        ];
-        let env = [
-            ("KUBECONFIG", core.ids.operator.path()),
-            ("POD_NAMESPACE", ns.as_str()),
-            ("POD_NAME", name),
-            ("RUST_LOG", "info,gpubudget_operator=debug"),
-        ];
-        core.run.spawn(OPERATOR, &args, &env, &format!("operator-{name}.log"))
+            webhook: Some(webhook),
+            extra: &["--leader-election", "--mirrors-lease-name", &lease],
+            rust_log: "info,gpubudget_operator=debug",
+            log: &format!("operator-{name}.log"),
+        })
     };
     let mut a = replica("operator-a", &admin_a, &webhook_a);
     let mut b = replica("operator-b", &admin_b, &webhook_b);
