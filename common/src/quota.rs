@@ -288,61 +288,57 @@ pub fn decide(
             }
         }
     }
-    if pending.is_none() && due {
-        // Pods already going free their memory once gone: pick only if the namespace stays over without them.
-        let staying: u64 = pods.iter().filter(|p| !p.going()).map(|p| p.usage_bytes).fold(0, u64::saturating_add);
-        if staying > quota.limit_bytes {
-            match pick(pods) {
-                Some(pod) => {
-                    notices.push(Notice {
-                        reason: REASON_EVICTING,
-                        warning: true,
-                        pod: Some(pod.name.clone()),
-                        note: format!(
-                            "namespace {namespace} holds {} of GPU memory, over its quota of {limit} for {}s: evicting \
-                             {} ({}, the most recently started)",
-                            human(total),
-                            quota.over_limit_seconds,
-                            pod.name,
-                            human(pod.usage_bytes)
-                        ),
-                    });
-                    pending = Some(Pending {
-                        pod: pod.name.clone(),
-                        uid: pod.uid.clone(),
-                        node: pod.node.clone(),
-                        requested_at_ms: now_ms,
-                        usage_bytes: pod.usage_bytes,
-                        accepted: false,
-                    });
-                    act = Some(Act::Evict);
-                }
-                None if was != BudgetState::Evicting => notices.push(Notice {
-                    reason: REASON_NO_CANDIDATE,
+    // Pods already going free their memory once gone: pick only if the namespace stays over without them.
+    let stays_over =
+        || pods.iter().filter(|p| !p.going()).map(|p| p.usage_bytes).fold(0, u64::saturating_add) > quota.limit_bytes;
+    if pending.is_none() && due && stays_over() {
+        match pick(pods) {
+            Some(pod) => {
+                notices.push(Notice {
+                    reason: REASON_EVICTING,
                     warning: true,
-                    pod: None,
+                    pod: Some(pod.name.clone()),
                     note: format!(
-                        "namespace {namespace} holds {} of GPU memory, over its quota of {limit}, but no pod may be \
-                         evicted (critical, static, or already going)",
-                        human(total)
+                        "namespace {namespace} holds {} of GPU memory, over its quota of {limit} for {}s: evicting \
+                         {} ({}, the most recently started)",
+                        human(total),
+                        quota.over_limit_seconds,
+                        pod.name,
+                        human(pod.usage_bytes)
                     ),
-                }),
-                None => {}
+                });
+                pending = Some(Pending {
+                    pod: pod.name.clone(),
+                    uid: pod.uid.clone(),
+                    node: pod.node.clone(),
+                    requested_at_ms: now_ms,
+                    usage_bytes: pod.usage_bytes,
+                    accepted: false,
+                });
+                act = Some(Act::Evict);
             }
+            None if was != BudgetState::Evicting => notices.push(Notice {
+                reason: REASON_NO_CANDIDATE,
+                warning: true,
+                pod: None,
+                note: format!(
+                    "namespace {namespace} holds {} of GPU memory, over its quota of {limit}, but no pod may be \
+                     evicted (critical, static, or already going)",
+                    human(total)
+                ),
+            }),
+            None => {}
         }
     }
     let mut withheld = None;
-    if pending.is_none() && would_be_due {
-        let staying: u64 = pods.iter().filter(|p| !p.going()).map(|p| p.usage_bytes).fold(0, u64::saturating_add);
-        if staying > quota.limit_bytes {
-            let candidate = pick(pods);
-            let since_ms = prev.withheld.as_ref().map_or(now_ms, |w| w.since_ms);
-            // Told once per episode: when it becomes due (the status remembers it across leaders).
-            if prev.withheld.is_none() {
-                notices.push(would_evict_notice(quota, mode, namespace, total, candidate));
-            }
-            withheld = Some(Withheld { pod: candidate.map(|p| p.name.clone()), since_ms });
+    if pending.is_none() && would_be_due && stays_over() {
+        let candidate = pick(pods);
+        let since_ms = prev.withheld.as_ref().map_or(now_ms, |w| w.since_ms);
+        // Told once per episode: when it becomes due (the status remembers it across leaders).
+        if prev.withheld.is_none() {
+            notices.push(would_evict_notice(quota, mode, namespace, total, candidate));
         }
+        withheld = Some(Withheld { pod: candidate.map(|p| p.name.clone()), since_ms });
     }
     Decision { total, next: Remembered { tracker, pending, withheld }, act, evicted, notices }
 }
