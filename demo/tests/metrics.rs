@@ -14,6 +14,7 @@ use std::sync::Arc;
 use gpubudget_agent::act::{
     Counters, EvictionResult, ResultLabels, SetByLabel, SpecReadLabels, WriteKind, WriteLabels, WriteResult,
 };
+use gpubudget_agent::attribute::kube::{BudgetKind, ReadKind, ReadResult};
 use gpubudget_agent::report::metrics::{
     BudgetLabels, CallLabels, ContainerLabels, DriverLimitsLabels, DriverLimitsResult, GpuLabels, KindLabels,
     Metrics as AgentMetrics, PodLabels, StateLabel, StateLabels,
@@ -137,8 +138,8 @@ fn touch_agent(metrics: &AgentMetrics) {
     });
     _ = evictions.get_or_create(&ResultLabels { result: EvictionResult::Accepted });
     _ = api_writes.get_or_create(&WriteLabels { kind: WriteKind::Apply, result: WriteResult::Ok });
-    _ = spec_reads.get_or_create(&SpecReadLabels { kind: s("get"), result: s("ok") });
-    _ = specs_from_mirrors.get_or_create(&KindLabels { kind: s("GpuMemoryBudget") });
+    _ = spec_reads.get_or_create(&SpecReadLabels { kind: ReadKind::Get, result: ReadResult::Ok });
+    _ = specs_from_mirrors.get_or_create(&KindLabels { kind: BudgetKind::Namespaced });
     evictions_without_record.get();
     _ = nvml_errors.get_or_create(&CallLabels { call: gpubudget_agent::sample::Call::Init });
     for family in [

@@ -136,9 +136,9 @@ pub struct WriteLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SpecReadLabels {
     /// `get` or `list`.
-    pub kind: String,
+    pub kind: crate::attribute::kube::ReadKind,
     /// `ok` or `error`.
-    pub result: String,
+    pub result: crate::attribute::kube::ReadResult,
 }
 
 /// What the executors count (cheap to clone: the families are shared). [`crate::report::metrics`]

@@ -40,7 +40,7 @@ pub const READY_METRIC: &str = "gpubudget_ready";
 fn from_mirrors(metrics: &Metrics, node_events: mpsc::UnboundedSender<Action>) -> FromMirrors {
     let gauge = metrics.specs_from_mirrors.clone();
     Arc::new(move |kind, mirrors, why| {
-        gauge.get_or_create(&KindLabels { kind: kind.to_owned() }).set(i64::from(mirrors));
+        gauge.get_or_create(&KindLabels { kind }).set(i64::from(mirrors));
         if let Some(why) = why {
             let note = format!(
                 "{kind}: reading the budgets themselves again, not their mirrors: {why}; every budget's current \
@@ -54,9 +54,8 @@ fn from_mirrors(metrics: &Metrics, node_events: mpsc::UnboundedSender<Action>) -
 /// Counts a budget spec read in `gpubudget_budget_spec_reads_total{kind,result}`.
 fn counted(metrics: &Metrics) -> SpecRead {
     let reads = metrics.spec_reads.clone();
-    Arc::new(move |kind, ok| {
-        let result = if ok { "ok" } else { "error" };
-        reads.get_or_create(&SpecReadLabels { kind: kind.to_owned(), result: result.to_owned() }).inc();
+    Arc::new(move |kind, result| {
+        reads.get_or_create(&SpecReadLabels { kind, result }).inc();
     })
 }
 

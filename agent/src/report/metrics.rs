@@ -176,7 +176,7 @@ pub struct Metrics {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabels {
     /// The budget kind.
-    pub kind: String,
+    pub kind: crate::attribute::kube::BudgetKind,
 }
 
 impl Metrics {

@@ -158,7 +158,7 @@ pub fn spawn<K, F, E>(
     page_size: u32,
     name: &'static str,
     shutdown: CancellationToken,
-    reads: impl Fn(&'static str, bool) + Send + Sync + 'static,
+    reads: impl Fn(spec_watch::ReadKind, spec_watch::ReadResult) + Send + Sync + 'static,
     mirrored: impl Fn(bool, Option<&str>) + Send + 'static,
     on: F,
     failed: E,
@@ -183,7 +183,7 @@ pub fn spawn<K, F, E>(
                 page_size,
                 name,
                 token,
-                move |kind, ok| reads(kind, ok),
+                move |kind, result| reads(kind, result),
                 move |event| {
                     let mut s = lock(&shared);
                     if !s.on_mirrors {

@@ -35,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::attribute::budgets::{BudgetCache, Change, ClusterCache};
 use crate::attribute::pods::{PodTable, slim_pod};
+pub use spec_watch::{ReadKind, ReadResult};
 use spec_watch::{Scoped, Source, SpecEvent};
 
 pub use table::{Cached, MadeSummary};
@@ -44,10 +45,37 @@ pub use table::{Cached, MadeSummary};
 pub const LIST_PAGE_SIZE: u32 = 100;
 
 /// A budget spec read: `get` or `list`, and whether it was answered (`gpubudget_budget_spec_reads_total`).
-pub type SpecRead = Arc<dyn Fn(&'static str, bool) + Send + Sync>;
+pub type SpecRead = Arc<dyn Fn(ReadKind, ReadResult) + Send + Sync>;
 /// A kind's specs now read from its mirrors (`true`) or from the budgets themselves, with why it went back to them
 /// if it did (`gpubudget_budget_specs_from_mirrors`, and an event on the Node).
-pub type FromMirrors = Arc<dyn Fn(&'static str, bool, Option<&str>) + Send + Sync>;
+pub type FromMirrors = Arc<dyn Fn(BudgetKind, bool, Option<&str>) + Send + Sync>;
+
+/// The kind of budget whose specs a watch reads (`{kind}` of `gpubudget_budget_specs_from_mirrors`).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum BudgetKind {
+    /// `GpuMemoryBudget`.
+    Namespaced,
+    /// `ClusterGpuMemoryBudget`.
+    Cluster,
+}
+
+impl BudgetKind {
+    /// The kind's name: the label value, and how a Node event names it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BudgetKind::Namespaced => "GpuMemoryBudget",
+            BudgetKind::Cluster => "ClusterGpuMemoryBudget",
+        }
+    }
+}
+
+impl std::fmt::Display for BudgetKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+gpubudget_daemon::label_values!(BudgetKind);
 
 /// How the budget caches read specs: the mirrors' Lease (`None`: the budgets always), and whom they tell.
 pub struct Mirroring {
@@ -151,13 +179,13 @@ impl Index {
                 }
             }
         };
-        let told = |kind: &'static str| {
+        let told = |kind: BudgetKind| {
             let from_mirrors = from_mirrors.clone();
             move |mirrors: bool, why: Option<&str>| from_mirrors(kind, mirrors, why)
         };
         let counted = || {
             let spec_read = spec_read.clone();
-            move |kind: &'static str, ok: bool| spec_read(kind, ok)
+            move |kind: ReadKind, result: ReadResult| spec_read(kind, result)
         };
         {
             let (changes, cache, announce) = (changes.clone(), cluster.clone(), announce.clone());
@@ -175,7 +203,7 @@ impl Index {
                 "clusterbudgets",
                 shutdown.clone(),
                 counted(),
-                told("ClusterGpuMemoryBudget"),
+                told(BudgetKind::Cluster),
                 move |event| {
                     let changed = match event {
                         SpecEvent::Event(event) => lock(&cache).apply_budget(&event),
@@ -231,7 +259,7 @@ impl Index {
                 "budgets",
                 shutdown,
                 counted(),
-                told("GpuMemoryBudget"),
+                told(BudgetKind::Namespaced),
                 move |event| {
                     let mut cache = lock(&cache);
                     let change = match event {

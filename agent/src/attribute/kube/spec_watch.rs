@@ -23,6 +23,46 @@ use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 
+/// A read of budgets' objects (`{kind}` of `gpubudget_budget_spec_reads_total`).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum ReadKind {
+    /// `get`: one budget, by name.
+    Get,
+    /// `list`: a page of a full list.
+    List,
+}
+
+impl ReadKind {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReadKind::Get => "get",
+            ReadKind::List => "list",
+        }
+    }
+}
+
+/// Whether a read was answered (`{result}` of `gpubudget_budget_spec_reads_total`).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum ReadResult {
+    /// `ok`: answered (a budget gone included).
+    Ok,
+    /// `error`: not answered; retried with backoff.
+    Error,
+}
+
+impl ReadResult {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReadResult::Ok => "ok",
+            ReadResult::Error => "error",
+        }
+    }
+}
+
+gpubudget_daemon::label_values!(ReadKind, ReadResult);
+
 /// A relist that finds more budgets changed than this reads them in one paged list, not one by one.
 pub const READ_ONE_BY_ONE_MAX: usize = 32;
 /// The first wait before a failed read is retried; it doubles up to [`RETRY_MAX`].
@@ -136,14 +176,14 @@ impl<K> std::fmt::Debug for Source<K> {
 }
 
 /// Watches `source`'s metadata and hands `on` what changed in specs, until `shutdown`; `failed` gets every
-/// watch failure (after it is logged). Each read is told to `reads` (its kind, `get` or `list`, and whether
+/// watch failure (after it is logged). Each read is told to `reads` (its [`ReadKind`] and whether
 /// it was answered), which counts it (`gpubudget_budget_spec_reads_total`).
 pub fn spawn<K, F, E>(
     source: Source<K>,
     page_size: u32,
     name: &'static str,
     shutdown: CancellationToken,
-    reads: impl Fn(&'static str, bool) + Send + 'static,
+    reads: impl Fn(ReadKind, ReadResult) + Send + 'static,
     mut on: F,
     mut failed: E,
 ) where
@@ -254,10 +294,10 @@ struct Reader<K, R> {
 impl<K, R> Reader<K, R>
 where
     K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-    R: Fn(&'static str, bool),
+    R: Fn(ReadKind, ReadResult),
 {
-    fn count(&self, kind: &'static str, ok: bool) {
-        (self.reads)(kind, ok);
+    fn count(&self, kind: ReadKind, result: ReadResult) {
+        (self.reads)(kind, result);
     }
 
     /// Reads every object in pages and hands them on as a list; whether the list completed (if not, what was
@@ -270,12 +310,12 @@ where
             let page = match self.source.all.list(&params).await {
                 Ok(page) => page,
                 Err(error) => {
-                    self.count("list", false);
+                    self.count(ReadKind::List, ReadResult::Error);
                     tracing::warn!(cache = self.name, %error, "cannot list budgets' specs; retrying with backoff");
                     return false;
                 }
             };
-            self.count("list", true);
+            self.count(ReadKind::List, ReadResult::Ok);
             let next = page.metadata.continue_.clone().filter(|c| !c.is_empty());
             for object in page.items {
                 let (key, seen) = Seen::of(object.meta());
@@ -297,18 +337,18 @@ where
         for key in keys {
             match (self.source.scoped)(&key.0).get_opt(&key.1).await {
                 Ok(Some(object)) => {
-                    self.count("get", true);
+                    self.count(ReadKind::Get, ReadResult::Ok);
                     let (key, seen) = Seen::of(object.meta());
                     self.generations.record(key, seen);
                     on(SpecEvent::Event(watcher::Event::Apply(object)));
                 }
                 Ok(None) => {
-                    self.count("get", true);
+                    self.count(ReadKind::Get, ReadResult::Ok);
                     self.generations.forget(&key);
                     on(SpecEvent::Deleted(key));
                 }
                 Err(error) => {
-                    self.count("get", false);
+                    self.count(ReadKind::Get, ReadResult::Error);
                     tracing::warn!(cache = self.name, budget = %format!("{}/{}", key.0, key.1), %error,
                         "cannot read a budget's spec; retrying with backoff");
                     failed.insert(key);

@@ -68,13 +68,13 @@ impl RuntimeMade for Runtime {
 
 /// The index over `fake` (the budgets themselves: no mirrors' Lease), once synced, with its health and the spec
 /// reads it told.
-async fn synced(fake: &FakeApi) -> (Index, Health, Arc<Mutex<Vec<(&'static str, bool)>>>) {
+async fn synced(fake: &FakeApi) -> (Index, Health, Arc<Mutex<Vec<(ReadKind, ReadResult)>>>) {
     let health = Health::new(&["pods", "budgets"]);
     let reads = Arc::new(Mutex::new(Vec::new()));
     let told = reads.clone();
     let mirroring = Mirroring {
         lease: None,
-        spec_read: Arc::new(move |kind, ok| told.lock().expect("lock").push((kind, ok))),
+        spec_read: Arc::new(move |kind, result| told.lock().expect("lock").push((kind, result))),
         from_mirrors: Arc::new(|_, _, _| {}),
     };
     let index = Index::start(fake.client(), NODE, health.clone(), mirroring, CancellationToken::new());
@@ -99,7 +99,7 @@ async fn the_index_lists_its_nodes_pods_their_budgets_and_the_nodes_labels() {
     assert_eq!(pods, ["llm-0"], "only this node's pods");
     assert_eq!(table.budget(0).map(|b| b.key()), Some("team-a/llm".to_owned()));
     assert_eq!(table.node_enforcement, Some(Enforcement::Observe));
-    assert!(reads.lock().expect("lock").iter().any(|(read, ok)| *read == "list" && *ok), "spec reads told");
+    assert!(reads.lock().expect("lock").contains(&(ReadKind::List, ReadResult::Ok)), "spec reads told");
 }
 
 #[tokio::test(start_paused = true)]
