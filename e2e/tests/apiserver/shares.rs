@@ -361,8 +361,9 @@ pub async fn declared() {
     for (name, limit, note) in
         [("kai-half", half, note_half), ("kai-quarter", quarter, note_quarter), ("hami", 10 * GI, note_hami)]
     {
-        run.pod_until(&ns_t, name, &format!("{name} held to {limit} bytes ({note})"), |p| held_to(p, limit, note))
-            .await;
+        // The note ends in the figure it holds the pod to: `… = 39.8Gi`.
+        let figure = note.rsplit("= ").next().unwrap_or_default();
+        run.pod_until(&ns_t, name, &format!("{name} held to {figure} ({note})"), |p| held_to(p, limit, note)).await;
     }
     run.pod_until(&ns_t, "kai-nan", "kai-nan recorded", |p| held_share(p).is_some()).await;
     for name in ["kai-half", "kai-quarter", "hami", "kai-nan"] {
