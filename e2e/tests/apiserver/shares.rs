@@ -52,6 +52,8 @@ use crate::shares_tenant::{bind, binding};
 
 /// The kubectl plugin.
 const PLUGIN: &str = "kubectl-gpubudget";
+/// The GPU the share fixtures name (their ConfigMaps' NVIDIA_VISIBLE_DEVICES, HAMi's allocation).
+const FIXTURE_GPU: &str = "GPU-5f2c7a1e-3b4d-4e8f-9a01-2c3d4e5f6a7b";
 
 /// The fixture's documents with its names made the run's: `from` (the fixture's pod name, which its ConfigMaps'
 /// names start with) renamed `to` in every string, the pod's container `main` (as the harness's kubelet reports
@@ -61,7 +63,7 @@ fn from_fixture(file: &str, from: &str, to: &str, ns: &str, id: &str) -> Vec<Val
     share_fixture(file)
         .into_iter()
         .map(|doc| {
-            let text = doc.to_string().replace(from, to).replace("GPU-5f2c7a1e-3b4d-4e8f-9a01-2c3d4e5f6a7b", GPU_UUID);
+            let text = doc.to_string().replace(from, to).replace(FIXTURE_GPU, GPU_UUID);
             let mut doc: Value = serde_json::from_str(&text).expect("json");
             let meta = doc["metadata"].as_object_mut().expect("metadata");
             meta.remove("uid");
@@ -77,7 +79,7 @@ fn from_fixture(file: &str, from: &str, to: &str, ns: &str, id: &str) -> Vec<Val
         .collect()
 }
 
-/// The fixture's pod of `kind` Pod.
+/// The fixture's Pod (its one document of kind Pod).
 fn pod_of(docs: &[Value]) -> Pod {
     let pod = docs.iter().find(|d| d["kind"] == "Pod").expect("a pod in the fixture");
     serde_json::from_value(pod.clone()).expect("a pod")
