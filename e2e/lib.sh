@@ -102,28 +102,7 @@ token_kubeconfig() {
 
 # since EPOCH: seconds (one decimal) from EPOCH (`date +%s.%N`, fractional) to now.
 since() { awk -v a="$(date +%s.%N)" -v b="$1" 'BEGIN {printf "%.1f", a - b}'; }
-# timed DESCRIPTION FROM COMMAND...: waits (0.25 s polls, STEP_TIMEOUT at most) for COMMAND; prints (to stderr)
-# and echoes the seconds from FROM (an epoch, fractional) to the first poll that saw it.
-timed() {
-  local what=$1 from=$2 deadline=$((SECONDS + STEP_TIMEOUT)) t
-  shift 2
-  until "$@" >/dev/null 2>&1; do
-    [ "$SECONDS" -lt "$deadline" ] || die "timed out after ${STEP_TIMEOUT}s waiting for: $what"
-    sleep 0.25
-  done
-  t=$(since "$from")
-  info "ok after ${t}s: $what" >&2
-  echo "$t"
-}
-
 # stop_process PID: SIGTERM, then wait (at most 25 s), then SIGKILL. Nothing when PID is empty or gone.
-# delete_release_objects RELEASE [KINDS]: the cluster-scoped objects a test release left (named after it), of
-# KINDS (default: the admission policies and their bindings, ClusterRoles and their bindings); failures ignored.
-delete_release_objects() {
-  local kinds=${2:-validatingadmissionpolicy,validatingadmissionpolicybinding,clusterrole,clusterrolebinding}
-  kubectl get "$kinds" -o name 2>/dev/null | grep "/$1" | xargs -r kubectl delete --ignore-not-found >/dev/null 2>&1 || true
-}
-
 stop_process() {
   local pid=$1
   [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0

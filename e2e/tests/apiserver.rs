@@ -25,6 +25,8 @@ mod quota;
 mod rbac;
 #[path = "apiserver/records_doors.rs"]
 mod records_doors;
+#[path = "apiserver/shares.rs"]
+mod shares;
 #[path = "apiserver/shares_tenant.rs"]
 mod shares_tenant;
 #[path = "apiserver/stories.rs"]
@@ -113,6 +115,15 @@ async fn hostile_caps_on_a_real_api_server() {
 #[ignore = how!()]
 async fn tenant_no_exemption_on_a_real_api_server() {
     tenant::no_exemption().await;
+}
+
+/// Budgets on declared shares (issue 44, formerly shares.sh): KAI gpu-fraction, HAMi gpumem and MPS replicas as
+/// each pod's limit: caps at admission, records, events, evictions, status, why/top, the smallest limit with
+/// shares, the Node's MPS labels read by a running agent (~80 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn shares_on_a_real_api_server() {
+    shares::declared().await;
 }
 
 /// Shares that hold against the tenant (issue 51, formerly shares-tenant.sh): a tenant with `edit` tries each

@@ -15,6 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpubudget_common::GpuMemoryBudget;
+use gpubudget_common::share::HeldShare;
 use gpubudget_demo::stack::{SampleFile, kubelet_process};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
@@ -345,6 +346,29 @@ impl Run {
     pub async fn event(&self, ns: &str, pod: &str, reason: &str) -> Event {
         self.until(&format!("{reason} on {pod}"), || self.has_event(ns, pod, reason)).await;
         self.events(ns, pod, reason).await.into_iter().next().expect("seen")
+    }
+
+    /// Waits for the pod's eviction after its first event `over` (GpuMemoryOverBudget): the API server took it
+    /// (`deletionTimestamp` less the grace, whole seconds) at least `over_limit_seconds` (less one: the event's
+    /// time has microseconds) after the event's `eventTime`, and the agent told `EvictingForGpuMemory`. Prints
+    /// the figures; returns the seconds from the event to the eviction, and the grace.
+    pub async fn evicted_after(&self, ns: &str, pod: &str, over: &Event, over_limit_seconds: i64) -> (i64, i64) {
+        let terminating = self.terminating(ns, pod).await;
+        let deletion = terminating.metadata.deletion_timestamp.as_ref().expect("terminating").0;
+        let grace = terminating.metadata.deletion_grace_period_seconds.expect("a grace");
+        let over_at = over.event_time.as_ref().expect("an eventTime").0.as_second();
+        let after = deletion.as_second() - grace - over_at;
+        assert!(
+            after >= over_limit_seconds - 1,
+            "{pod} was evicted {after}s after its Over event, before overLimitSeconds ({over_limit_seconds} s)"
+        );
+        let evicting = self.event(ns, pod, "EvictingForGpuMemory").await;
+        let now = jiff::Timestamp::now().strftime("%H:%M:%S");
+        self.info(&format!(
+            "{pod} evicted {after}s after its Over event (deletionTimestamp {deletion} less grace {grace}s), at {now}"
+        ));
+        self.info(&format!("EvictingForGpuMemory: {}", evicting.note.unwrap_or_default()));
+        (after, grace)
     }
 
     /// The notes of the pod's events of that reason.
@@ -1036,6 +1060,11 @@ impl Binary {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// Whether its process still runs (neither exited nor stopped).
+    pub fn is_running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
 }
 
 impl Drop for Binary {
@@ -1068,6 +1097,24 @@ pub fn annotation(pod: &Pod, key: &str) -> Option<String> {
     pod.annotations().get(&format!("gpubudget.io/{key}")).cloned()
 }
 
+/// A pod's share record `gpubudget.io/share` (what its node's agent held it to), parsed.
+pub fn held_share(pod: &Pod) -> Option<HeldShare> {
+    annotation(pod, "share").map(|s| serde_json::from_str(&s).unwrap_or_else(|e| panic!("the share record {s}: {e}")))
+}
+
+/// Whether the pod's share record holds it to `limit` bytes, noting `note`.
+pub fn held_to(pod: &Pod, limit: u64, note: &str) -> bool {
+    held_share(pod).is_some_and(|s| s.limit_bytes == limit && s.note == note)
+}
+
+/// The documents of a share fixture, `common/tests/fixtures/shares/<file>`: pods (and what comes with them) as
+/// KAI-Scheduler, HAMi and the NVIDIA device plugin leave them.
+pub fn share_fixture(file: &str) -> Vec<Value> {
+    let path = repo().join("common/tests/fixtures/shares").join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_yaml::Deserializer::from_str(&text).filter_map(|doc| Value::deserialize(doc).ok()).collect()
+}
+
 /// Whether the pod is being deleted.
 pub fn is_terminating(pod: &Pod) -> bool {
     pod.metadata.deletion_timestamp.is_some()
@@ -1097,6 +1144,15 @@ pub fn refusal<T: std::fmt::Debug>(result: kube::Result<T>, what: &str) -> Strin
 /// A list as `kubectl get` shows it, from the API server's table (`path`: the list's URL path, as `client`): the
 /// column names (upper case) and each row's cells as text, the columns of priority 0 (kubectl's without `-o wide`).
 pub async fn table(client: &Client, path: &str) -> (Vec<String>, Vec<Vec<String>>) {
+    table_of(client, path, false).await
+}
+
+/// [`table`] with every column, as `kubectl get -o wide` shows it.
+pub async fn wide_table(client: &Client, path: &str) -> (Vec<String>, Vec<Vec<String>>) {
+    table_of(client, path, true).await
+}
+
+async fn table_of(client: &Client, path: &str, wide: bool) -> (Vec<String>, Vec<Vec<String>>) {
     let request = http::Request::get(path)
         .header("Accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
         .body(Vec::new())
@@ -1105,7 +1161,7 @@ pub async fn table(client: &Client, path: &str) -> (Vec<String>, Vec<Vec<String>
     let table: Value = serde_json::from_str(&text).expect("json");
     let definitions = table["columnDefinitions"].as_array().expect("columns");
     let shown: Vec<usize> =
-        (0..definitions.len()).filter(|&i| definitions[i]["priority"].as_i64().unwrap_or(0) == 0).collect();
+        (0..definitions.len()).filter(|&i| wide || definitions[i]["priority"].as_i64().unwrap_or(0) == 0).collect();
     let columns = shown.iter().map(|&i| definitions[i]["name"].as_str().unwrap_or_default().to_uppercase()).collect();
     let cell = |c: &Value| match c {
         Value::String(s) => s.clone(),

@@ -33,22 +33,14 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
-use crate::harness::{GI, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, annotation, is_terminating};
+use crate::harness::{
+    GI, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, annotation, held_share, held_to, is_terminating,
+};
 
 /// A mebibyte.
 const MI: u64 = 1 << 20;
 /// KAI-Scheduler's namespace, as the chart's default `shares.kai.namespace`.
 const NS_KAI: &str = "kai-scheduler";
-
-/// The pod's `gpubudget.io/share` record, parsed.
-fn share(pod: &Pod) -> Option<Value> {
-    annotation(pod, "share").map(|s| serde_json::from_str(&s).expect("the share record is JSON"))
-}
-
-/// Whether the pod's share record holds it to `limit` bytes, noting `note`.
-fn held_to(pod: &Pod, limit: u64, note: &str) -> bool {
-    share(pod).is_some_and(|s| s["limitBytes"] == json!(limit) && s["note"] == json!(note))
-}
 
 /// A tenant's pod of one container `main` (the run's label), `annotations` and `limits` as given; bound to `node`
 /// when given (created with `spec.nodeName`).
@@ -359,9 +351,9 @@ pub async fn doors() {
     let what = "kai's record keeps 19.9Gi and says what it ignored";
     let p = run
         .pod_until(&ns_t, "kai", what, |p| {
-            share(p).is_some_and(|s| {
-                s["limitBytes"] == json!(quarter)
-                    && s["ignored"].as_str().is_some_and(|i| i.contains("KAI gpu-fraction 1 of 79.6Gi"))
+            held_share(p).is_some_and(|s| {
+                s.limit_bytes == quarter
+                    && s.ignored.as_deref().is_some_and(|i| i.contains("KAI gpu-fraction 1 of 79.6Gi"))
             })
         })
         .await;
@@ -381,16 +373,8 @@ pub async fn doors() {
     let note = run.notes(&ns_t, "kai", "GpuMemoryOverBudget").await.pop().unwrap_or_default();
     run.info(&format!("kai: {note}"));
     assert!(note.contains("of 19.9Gi"), "kai is not held to 19.9Gi: {note}");
-    let pod_after = run.pod_until(&ns_t, "kai", "kai terminating (evicted)", is_terminating).await;
-    // When the API server took the eviction (deletionTimestamp - grace, whole seconds) against when the agent
-    // published GpuMemoryOverBudget (eventTime, microseconds): at least overLimitSeconds apart, less one second.
     let over = run.events(&ns_t, "kai", "GpuMemoryOverBudget").await.remove(0);
-    let over_at = over.event_time.as_ref().expect("an eventTime").0.as_second();
-    let deletion = pod_after.metadata.deletion_timestamp.as_ref().expect("terminating").0.as_second();
-    let grace = pod_after.metadata.deletion_grace_period_seconds.expect("a grace");
-    let after = deletion - grace - over_at;
-    assert!(after >= 9, "kai evicted {after}s after Over, before overLimitSeconds (10 s)");
-    run.info(&format!("kai evicted {after}s after its Over event"));
+    let (after, _) = run.evicted_after(&ns_t, "kai", &over, 10).await;
     summary.push(format!(
         "kai at 30Gi (rewritten to 1 by an exempt identity): Over {t_over:.1}s after the sample, evicted {after}s \
          after Over"
