@@ -77,11 +77,18 @@ impl Lifecycle {
         self.run.info(&format!("run {runs}: the operator as pod operator-{runs}, the agent every {interval}"));
     }
 
-    /// The rollout stops the old pods (SIGTERM, as the kubelet does): the agent, then the operator.
+    /// The rollout stops the old pods (SIGTERM, as the kubelet does): the agent, then the operator; prints how long
+    /// each took to exit (the operator keeps serving its webhook for its 5 s drain).
     fn stop_binaries(&mut self) {
-        for binary in [self.agent.take(), self.operator.take()].into_iter().flatten() {
-            drop(binary);
+        let mut took = Vec::new();
+        for (name, binary) in [("agent", self.agent.take()), ("operator", self.operator.take())] {
+            let stopping = std::time::Instant::now();
+            if let Some(mut binary) = binary {
+                binary.stop();
+            }
+            took.push(format!("the {name} in {:.1} s", stopping.elapsed().as_secs_f64()));
         }
+        self.run.info(&format!("stopped (SIGTERM): {}", took.join(", ")));
     }
 
     /// What NVML reports: first (4201), second (4202), trainer (4203) and remote (4204: sampled here, its pod on the
@@ -340,7 +347,9 @@ pub async fn chart_lifecycle() {
         "logFormat=text",
     ];
     let (release, ns) = (lc.release.clone(), lc.ns.clone());
+    let upgrading = std::time::Instant::now();
     let out = helm_chart(&lc.run, "upgrade", &release, &chart, &ns, &lc.post_renderer, &upgrade);
+    let upgrade_took = upgrading.elapsed().as_secs_f64();
     lc.show(&out, 3);
     let image = lc.agent_image().await;
     assert_eq!(
@@ -348,13 +357,20 @@ pub async fn chart_lifecycle() {
         "the agent DaemonSet's image after the upgrade"
     );
     assert!(lc.run.is_terminating(&ns_a, "first").await, "first is not in its grace period at the rollout");
+    let stopping = std::time::Instant::now();
     lc.stop_binaries();
-    let rolled = jiff::Timestamp::now();
+    let (rolled, stop_took) = (jiff::Timestamp::now(), stopping.elapsed().as_secs_f64());
+    // Else the old agent evicted second before the rollout, and the story did not test what it says.
+    assert!(
+        !lc.run.is_terminating(&ns_a, "second").await,
+        "second evicted before the rollout (the upgrade took too long)"
+    );
     lc.run.use_binaries(this_bin.clone());
     lc.start_binaries("500ms").await;
     let since_over = |t: jiff::Timestamp| (t - over_second).get_seconds();
     lc.run.info(&format!(
-        "rollout: the old binaries stopped {} s after second went over; first still in its grace",
+        "rollout: the old binaries stopped {} s after second went over (helm upgrade {upgrade_took:.1} s, the stop \
+         {stop_took:.1} s); first still in its grace",
         since_over(rolled)
     ));
     assert!(
@@ -390,7 +406,8 @@ pub async fn chart_lifecycle() {
         let what = "the node's GpuNodeUsage, written by the upgraded agent";
         let usage = lc.run.object_until(api, &lc.node, what, |_| true).await;
         let spec = &usage.data["spec"];
-        lc.run.info(&format!("GpuNodeUsage {}: {} pods, {} in all", lc.node, spec["podCount"], spec["total"]));
+        let total = spec["total"].as_str().unwrap_or_default();
+        lc.run.info(&format!("GpuNodeUsage {}: {} pods, {total} in all", lc.node, spec["podCount"]));
     }
     lc.evictions_are("llm-inference", 2, "llm-inference EVICTED 2 (first, second: each once)").await;
 
