@@ -13,6 +13,10 @@ mod caps;
 mod harness;
 #[path = "apiserver/hostile_caps.rs"]
 mod hostile_caps;
+#[path = "apiserver/kubectl_plugin.rs"]
+mod kubectl_plugin;
+#[path = "apiserver/lifecycle.rs"]
+mod lifecycle;
 #[path = "apiserver/mirrors.rs"]
 mod mirrors;
 #[path = "apiserver/observe.rs"]
@@ -158,6 +162,25 @@ async fn cluster_budget_rbac_on_a_real_api_server() {
 #[ignore = how!()]
 async fn quota_rbac_on_a_real_api_server() {
     rbac::quotas().await;
+}
+
+/// The chart's lifecycle with Helm itself (issue 24, formerly lifecycle.sh): install → upgrade → rollback →
+/// uninstall while budgets are enforced; the rollouts mid-grace and mid-overLimitSeconds evict each pod once and
+/// none early; uninstall leaves no admission or RBAC object, and the CRD, budgets, status and records stay
+/// (`GPUBUDGET_E2E_FROM=<dir>`: from an older release's bin/ and chart/; ~60 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn lifecycle_on_a_real_api_server() {
+    lifecycle::chart_lifecycle().await;
+}
+
+/// `kubectl gpubudget` (formerly kubectl-plugin.sh): found by kubectl on PATH, run as a tenant with `edit` before
+/// and after the chart's budgets-view ClusterRole, and as the admin, on budgets, records, events and a gone pod's
+/// status.lastEviction written by hand; `GPUBUDGET_E2E_TRANSCRIPT=<file>` writes what it printed (~10 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn kubectl_plugin_on_a_real_api_server() {
+    kubectl_plugin::tenant_and_admin().await;
 }
 
 /// The message of a run without the switch says how to run the tier, naming files that exist.

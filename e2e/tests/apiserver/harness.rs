@@ -180,9 +180,11 @@ impl Run {
         run
     }
 
-    /// A step, as the results files show it: `=== [  12s] what`.
-    pub fn say(&self, what: &str) {
-        println!("\n=== [{:3}s] {what}", self.started.elapsed().as_secs());
+    /// A step, as the results files show it: `=== [  12s] what`; returns what it printed.
+    pub fn say(&self, what: &str) -> String {
+        let text = format!("\n=== [{:3}s] {what}", self.started.elapsed().as_secs());
+        println!("{text}");
+        text
     }
 
     /// A detail under a step.
@@ -417,9 +419,15 @@ impl Run {
             names.push(name);
         }
         for name in names {
-            let established = await_condition(api.clone(), &name, conditions::is_crd_established());
-            tokio::time::timeout(step_timeout(), established).await.expect("established in time").expect("watched");
+            self.crd_established(&name).await;
         }
+    }
+
+    /// Waits until the CRD `name` is established.
+    pub async fn crd_established(&self, name: &str) {
+        let api = Api::<CustomResourceDefinition>::all(self.admin.clone());
+        let established = await_condition(api, name, conditions::is_crd_established());
+        tokio::time::timeout(step_timeout(), established).await.expect("established in time").expect("watched");
     }
 
     /// A namespace of the run, `<prefix>` followed by `suffix`, with its default ServiceAccount (which pods need).
@@ -467,18 +475,15 @@ impl Run {
         kinds: &[&str],
         webhook: Option<(&str, &Path)>,
     ) -> Vec<Value> {
-        let ca = webhook.map(|(_, ca)| json!(ByteString(std::fs::read(ca).expect("the CA reads"))));
+        let ca = webhook.map(|(_, ca)| ca_bundle(ca));
         let mut applied = Vec::new();
         for mut value in self.render_chart(release, namespace) {
             let Some(kind) = value["kind"].as_str().map(str::to_owned) else { continue };
             if !kinds.contains(&kind.as_str()) {
                 continue;
             }
-            if let (Some((host, _)), Some(ca), true) = (webhook, &ca, kind.ends_with("WebhookConfiguration")) {
-                for hook in value["webhooks"].as_array_mut().expect("webhooks") {
-                    let path = hook["clientConfig"]["service"]["path"].as_str().unwrap_or("/").to_owned();
-                    hook["clientConfig"] = json!({"url": format!("https://{host}{path}"), "caBundle": ca});
-                }
+            if let (Some((host, _)), Some(ca)) = (webhook, &ca) {
+                gpubudget_e2e::url_mode(&mut value, host, ca);
             }
             self.apply(&value, namespace).await;
             applied.push(value);
@@ -513,14 +518,57 @@ impl Run {
     /// ([`Self::owns_release`]).
     pub fn helm(&self, verb: &str, release: &str, namespace: &str) -> (bool, String) {
         assert!(self.releases.iter().any(|r| r == release), "helm {verb} {release}: not a release of the run");
-        let out = Command::new(helm())
-            .args([verb, release])
-            .arg(repo().join("charts/gpubudget"))
-            .args(["-n", namespace])
-            .output()
-            .expect("helm runs");
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        (out.status.success(), text)
+        let chart = repo().join("charts/gpubudget");
+        let (ok, stdout, stderr) = self.helm_args(&[verb, release, chart.to_str().expect("utf-8"), "-n", namespace]);
+        (ok, format!("{stdout}{stderr}"))
+    }
+
+    /// `helm <args>` against the control plane of `KUBECONFIG`: whether it succeeded, its stdout and its stderr.
+    pub fn helm_args(&self, args: &[&str]) -> (bool, String, String) {
+        let out = Command::new(helm()).args(args).output().expect("helm runs");
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.success(), text(&out.stdout), text(&out.stderr))
+    }
+
+    /// `helm version --short`.
+    pub fn helm_version(&self) -> String {
+        self.helm_args(&["version", "--short"]).1.trim().to_owned()
+    }
+
+    /// A Helm post-renderer (`helm install|upgrade --post-renderer <it>`) that puts the release's webhook
+    /// configurations in URL mode ([`gpubudget_e2e::url_mode`]) for an operator on `host` (`127.0.0.1:<port>`)
+    /// whose certificate `ca` signed: `<work>/post-render.sh`, which runs this package's `gpubudget-e2e-url-mode`
+    /// with those two (Helm 3.10 takes an executable; the script holds its arguments).
+    pub fn url_mode_post_renderer(&self, host: &str, ca: &Path) -> PathBuf {
+        let path = self.file("post-render.sh");
+        let script = format!(
+            "#!/bin/sh\nexec '{}' '{host}' '{}'\n",
+            env!("CARGO_BIN_EXE_gpubudget-e2e-url-mode"),
+            ca_bundle(ca)
+        );
+        std::fs::write(&path, script).expect("the post-renderer written");
+        let status = Command::new("chmod").arg("+x").arg(&path).status().expect("chmod runs");
+        assert!(status.success(), "chmod +x {}", path.display());
+        path
+    }
+
+    /// A copy of the chart at `chart` in `<work>/<name>` whose `kubeVersion` admits 1.32 (/work/shared/realk8s's
+    /// control plane; an older chart may require 1.33, and the kinds it installs are served alike), for `helm
+    /// install` and `upgrade`.
+    pub fn chart_admitting_1_32(&self, chart: &Path, name: &str) -> PathBuf {
+        let copy = self.file(name);
+        let status = Command::new("cp").arg("-r").arg(chart).arg(&copy).status().expect("cp runs");
+        assert!(status.success(), "cp -r {} {}", chart.display(), copy.display());
+        let manifest = copy.join("Chart.yaml");
+        let text = std::fs::read_to_string(&manifest).expect("Chart.yaml reads");
+        let text: Vec<String> = text
+            .lines()
+            .map(
+                |l| if l.starts_with("kubeVersion:") { "kubeVersion: \">=1.32.0-0\"".to_owned() } else { l.to_owned() },
+            )
+            .collect();
+        std::fs::write(&manifest, text.join("\n") + "\n").expect("Chart.yaml written");
+        copy
     }
 
     /// Remembers a release the run installs (with [`Self::helm`]): what it leaves cluster-wide is deleted with the
@@ -643,11 +691,16 @@ impl Run {
 
     /// An identity with that bearer token: its kubeconfig (for a binary) and a client (for the test).
     pub async fn identity(&self, name: &str, token: &str) -> Identity {
+        self.identity_in(name, token, "default").await
+    }
+
+    /// [`Self::identity`], its kubeconfig's context in `namespace` (what a command without `-n` uses).
+    pub async fn identity_in(&self, name: &str, token: &str, namespace: &str) -> Identity {
         let config = json!({
             "apiVersion": "v1", "kind": "Config",
             "clusters": [{"name": "e2e", "cluster": self.cluster}],
             "users": [{"name": name, "user": {"token": token}}],
-            "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": name, "namespace": "default"}}],
+            "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": name, "namespace": namespace}}],
             "current-context": "e2e",
         });
         let path = self.file(&format!("{name}.kubeconfig"));
@@ -728,6 +781,16 @@ impl Run {
         .await;
     }
 
+    /// The release binaries run from now on are `dir`'s (an older release's, say); returns those run so far.
+    pub fn use_binaries(&mut self, dir: PathBuf) -> PathBuf {
+        std::mem::replace(&mut self.bin, dir)
+    }
+
+    /// The directory of the release binaries run now.
+    pub fn binaries(&self) -> &Path {
+        &self.bin
+    }
+
     /// Starts a release binary with `args` and `env`, its output appended to `<work>/<log>`.
     pub fn spawn(&self, binary: &str, args: &[&str], env: &[(&str, &str)], log: &str) -> Binary {
         let path = self.file(log);
@@ -743,8 +806,9 @@ impl Run {
         Binary { child: Some(child), log: path }
     }
 
-    /// Starts `gpubudget-agent run` as `identity` for `node`: the fixture `/proc`, the sample file every 250 ms, its
-    /// admin port on `admin`, and `extra` arguments and environment; waits until it is ready.
+    /// Starts `gpubudget-agent run` as `identity` for `node`: the fixture `/proc`, the sample file every 250 ms
+    /// (unless `extra` has an `--interval`), its admin port on `admin`, and `extra` arguments and environment; waits
+    /// until it is ready.
     pub async fn start_agent(
         &self,
         identity: &Identity,
@@ -778,11 +842,12 @@ impl Run {
             proc_root.to_str().expect("utf-8"),
             "--sample-file",
             sample.path().to_str().expect("utf-8"),
-            "--interval",
-            "250ms",
             "--admin-addr",
             admin,
         ];
+        if !extra.contains(&"--interval") {
+            args.extend(["--interval", "250ms"]);
+        }
         args.extend_from_slice(extra);
         let mut all_env = vec![("KUBECONFIG", identity.path())];
         all_env.extend_from_slice(env);
@@ -1213,6 +1278,12 @@ pub fn latencies(times: &mut [f64]) -> String {
         nearest_rank(times, 0.99),
         times[times.len() - 1]
     )
+}
+
+/// A CA certificate's file as a webhook's `caBundle` (base64).
+fn ca_bundle(ca: &Path) -> String {
+    let bundle = json!(ByteString(std::fs::read(ca).expect("the CA reads")));
+    bundle.as_str().expect("base64").to_owned()
 }
 
 /// The helm binary: `HELM`, else helm in PATH, else the one .ci/helm.sh installs.
