@@ -140,9 +140,10 @@ pub struct Budget {
     /// `spec.admissionCaps` is `Enabled`: the admission webhook sets the driver's caps in new pods
     /// (`crate::caps`).
     pub admission_caps: bool,
-    /// Only on the rules [`resolve`] made for a pod, never on a compiled spec: the cluster budgets that
+    /// Only on the rules [`resolve`] made for a pod, never on a compiled spec: the budgets of the same kind that
     /// selected the pod too and made this budget's rules tighter than its spec (`ClusterGpuMemoryBudget/x
-    /// (action, overLimitSeconds)`), for messages. `None`: the rules are this budget's own.
+    /// (action, overLimitSeconds)`, `GpuMemoryBudget/ns/y (overLimitSeconds)`), for messages. `None`: the rules
+    /// are this budget's own.
     pub tightened_by: Option<String>,
     /// `spec.share`: the declarations each pod's limit is taken from ([`crate::share`]). `None`: unset.
     pub share: Option<crate::share::Sources>,

@@ -372,10 +372,7 @@ pub fn why(input: WhyInput<'_>) -> Result<WhyReport, NotFound> {
         ));
     }
     if let Some(by) = applying.filter(|_| by_share.is_none()).and_then(|b| b.tightened_by.as_deref()) {
-        why.push_str(&format!(
-            "; no rule applied is looser than any cluster budget that selects the pod, so its rules are tightened by \
-             {by}"
-        ));
+        why.push_str(&format!("; its rules are tightened by {by}: no rule applied is looser than theirs"));
     }
     if let (Some(r), Some(b)) = (&record, applying)
         && !b.is_record_name(&r.budget)

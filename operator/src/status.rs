@@ -194,7 +194,8 @@ struct Overlap {
     winners: BTreeMap<String, usize>,
     /// A cluster budget is among them (the rule the message states is then the cluster one).
     cluster: bool,
-    /// Where this budget applies with its rules tightened by other cluster budgets (#33): by which.
+    /// Where this budget applies with its rules tightened by other budgets selecting the same pods (cluster budgets,
+    /// #33; or namespaced ones, #51): by which.
     tightened_by: Option<String>,
 }
 
@@ -476,8 +477,8 @@ fn overlapping(budget: &Budget, overlap: &Overlap) -> Draft {
             winners.join(", "),
             tightened = match &overlap.tightened_by {
                 Some(by) => format!(
-                    "; no rule applied is looser than any cluster budget that selects a pod, so where this budget \
-                     applies its rules are tightened by {by}"
+                    "; where this budget applies its rules are tightened by {by}: no rule applied is looser \
+                     than theirs"
                 ),
                 None => String::new(),
             },
@@ -1214,7 +1215,10 @@ mod tests {
         assert_eq!(s.matched_pods, 1);
         let c = condition_status(Some(&s), OVERLAPPING).expect("overlapping");
         assert!(
-            c.message.ends_with("its rules are tightened by ClusterGpuMemoryBudget/admin (action)"),
+            c.message.ends_with(
+                "its rules are tightened by ClusterGpuMemoryBudget/admin (action): no rule applied is looser \
+                 than theirs"
+            ),
             "{}",
             c.message
         );
