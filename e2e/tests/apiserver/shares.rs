@@ -574,9 +574,9 @@ pub async fn declared() {
     run.info(&format!("mps: {message}"));
     let note_mps = "MPS replica of 4 per GPU of 79.6Gi = 19.9Gi";
     assert!(message.contains(note_mps), "mps's Over message does not name its replica's share: {message}");
-    let mps = run.pod(&ns_t, "mps").await;
-    let budget = annotation(&mps, "budget").unwrap_or_default();
-    assert_eq!(budget, "shares", "mps is recorded under {budget}, not shares");
+    // The Over event can be seen before the record that goes with it (a run read plain here): waited for.
+    let what = "mps recorded under shares";
+    let mps = run.pod_until(&ns_t, "mps", what, |p| annotation(p, "budget").as_deref() == Some("shares")).await;
     let share = held_share(&mps).expect("mps's share");
     assert_eq!((share.limit_bytes, share.sources.as_slice()), (quarter, &[ShareSource::MpsReplicas][..]), "{share:?}");
     run.info(&format!("mps: gpubudget.io/share {}", annotation(&mps, "share").unwrap_or_default()));
