@@ -22,7 +22,10 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
-use crate::harness::{Binary, CAPS_WEBHOOK, Identity, OperatorRun, Run, latencies, metrics, refusal};
+use crate::harness::{
+    Binary, CAPS_WEBHOOK, Identity, OperatorRun, Run, annotate, caps_record, env_of, latencies, metrics, patch_pod,
+    refused,
+};
 
 /// A pod with one container asking for 2 GPUs, pinned to nodes that do not share them (without, 2 may be replicas
 /// of one card: no MPS cap is written).
@@ -32,17 +35,6 @@ fn gpu_pod(name: &str, env: Value, annotations: Value) -> Pod {
                  "containers": [{"name": "main", "image": "local/busybox:1", "env": env,
                                  "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}))
     .expect("a pod")
-}
-
-/// The container's env as NAME=VALUE lines.
-fn env_of(pod: &Pod) -> String {
-    let containers = pod.spec.as_ref().map(|s| s.containers.clone()).unwrap_or_default();
-    let env = containers.first().and_then(|c| c.env.clone()).unwrap_or_default();
-    env.iter().map(|e| format!("{}={}", e.name, e.value.clone().unwrap_or_default())).collect::<Vec<_>>().join("\n")
-}
-
-fn caps_record(pod: &Pod) -> Value {
-    pod.annotations().get("gpubudget.io/caps").map_or(Value::Null, |r| serde_json::from_str(r).expect("a JSON record"))
 }
 
 /// The operator's caps_admissions_total, all results.
@@ -89,12 +81,8 @@ impl Operator<'_> {
     }
 }
 
-/// Fails unless the tenant's change to the record is refused by the caps record policy.
-fn refused<T: std::fmt::Debug>(run: &Run, what: &str, result: kube::Result<T>) {
-    let message = refusal(result, what);
-    assert!(message.contains("cannot be added, changed or removed"), "{what}: refused for another reason: {message}");
-    run.info(&format!("ok: refused: {what}: {}", message.chars().take(150).collect::<String>()));
-}
+/// What the caps record policy says when it refuses a tenant's change to the record.
+const RECORD_REFUSED: &str = "cannot be added, changed or removed";
 
 /// `n` sequential pod creates (after 10 not counted) in `ns`: p50, p90, p99, mean and max in ms, and whether the
 /// last one came back capped.
@@ -113,7 +101,7 @@ async fn latency(client: &Client, ns: &str, n: usize) -> (String, bool) {
         if i >= 10 {
             times.push(ms);
         }
-        capped = env_of(&created).contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT");
+        capped = env_of(&created).iter().any(|l| l.contains("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"));
     }
     let line = format!("{} capped={capped}", latencies(&mut times));
     let _ = api.delete_collection(&DeleteParams::background(), &ListParams::default()).await;
@@ -167,20 +155,20 @@ pub async fn caps_at_admission() {
     run.say(&format!("a tenant's GPU pod in {ns_a} gets the variables and the record"));
     let plain =
         tenant_pods.create(&PostParams::default(), &gpu_pod("plain", json!([]), json!({}))).await.expect("created");
-    for line in env_of(&plain).lines() {
+    for line in env_of(&plain) {
         run.info(&format!("env: {line}"));
     }
     assert_eq!(
-        env_of(&plain),
+        env_of(&plain).join("\n"),
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=8192M,1=8192M\nNVIDIA_GPU_MEMORY_LIMIT=8192\nNVIDIA_GPU_MEMORY_REQUEST=6144",
         "unexpected env on {ns_a}/plain"
     );
-    let record = caps_record(&plain);
-    run.info(&format!("record: {record}"));
+    let (text, record) = caps_record(&plain);
+    run.info(&format!("record: {text}"));
     assert_eq!(
-        (&record["budget"], &record["limitMib"], &record["requestMib"]),
-        (&json!("llm"), &json!(8192), &json!(6144)),
-        "unexpected record"
+        (record.budget.as_str(), record.limit_mib, record.request_mib),
+        ("llm", 8192, Some(6144)),
+        "unexpected record: {text}"
     );
     run.info("ok: three variables, one MPS entry per device, the record");
 
@@ -188,11 +176,11 @@ pub async fn caps_at_admission() {
     let env = json!([{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=2G,1=20G"}, {"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "1000"}]);
     let smaller =
         tenant_pods.create(&PostParams::default(), &gpu_pod("smaller", env, json!({}))).await.expect("created");
-    for line in env_of(&smaller).lines() {
+    for line in env_of(&smaller) {
         run.info(&format!("env: {line}"));
     }
     assert_eq!(
-        env_of(&smaller),
+        env_of(&smaller).join("\n"),
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M,1=8192M\nNVIDIA_GPU_MEMORY_LIMIT=1000\nNVIDIA_GPU_MEMORY_REQUEST=6144",
         "unexpected env on {ns_a}/smaller"
     );
@@ -204,7 +192,7 @@ pub async fn caps_at_admission() {
         .create(&PostParams::default(), &gpu_pod("outside", json!([]), json!({})))
         .await
         .expect("created");
-    assert_eq!(env_of(&outside), "", "{ns_b}/outside got env");
+    assert!(env_of(&outside).is_empty(), "{ns_b}/outside got env");
     let after = admissions(&admin).await;
     run.info(&format!("webhook answers before/after: {before}/{after}"));
     assert_eq!(before, after, "the webhook was called for {ns_b}");
@@ -216,38 +204,31 @@ pub async fn caps_at_admission() {
         .create(&PostParams::default(), &gpu_pod("forged-at-create", json!([]), forged))
         .await
         .expect("created");
-    let record = caps_record(&pod);
-    assert!(
-        record["limitMib"] == 8192 && record["containers"].as_array().map(Vec::len) == Some(1),
-        "a record written at creation survived: {record}"
-    );
+    let (text, record) = caps_record(&pod);
+    assert!(record.limit_mib == 8192 && record.containers.len() == 1, "a record written at creation survived: {text}");
     run.info(&format!(
         "ok: written at creation: replaced by the webhook's (limitMib {}, containers {})",
-        record["limitMib"], record["containers"]
+        record.limit_mib,
+        serde_json::to_string(&record.containers).expect("json")
     ));
-    let annotate = |pod: &'static str, value: Option<&'static str>| {
-        let api = tenant_pods.clone();
-        async move {
-            let patch = json!({"metadata": {"annotations": {"gpubudget.io/caps": value}}});
-            api.patch(pod, &PatchParams::default(), &Patch::Merge(&patch)).await
-        }
+    let record = |pod: &'static str, value: Option<&'static str>| {
+        patch_pod(&tenant, &ns_a, pod, annotate("gpubudget.io/caps", value))
     };
     // The caps record policy is in force once a dry run of the change is refused (dry runs go through admission).
     run.until("the caps record policy in force (a dry-run change of the record refused)", || async {
-        let patch = json!({"metadata": {"annotations": {"gpubudget.io/caps": "{}"}}});
+        let patch = annotate("gpubudget.io/caps", Some("{}"));
         let dry = PatchParams { dry_run: true, ..PatchParams::default() };
         tenant_pods.patch("plain", &dry, &Patch::Merge(&patch)).await.is_err()
     })
     .await;
     refused(
         &run,
+        RECORD_REFUSED,
         "the tenant changing plain's record",
-        annotate("plain", Some(r#"{"budget":"llm","limitMib":1}"#)).await,
+        record("plain", Some(r#"{"budget":"llm","limitMib":1}"#)).await,
     );
-    refused(&run, "the tenant removing plain's record", annotate("plain", None).await);
-    let note = json!({"metadata": {"annotations": {"example.com/note": "fine"}}});
-    tenant_pods
-        .patch("plain", &PatchParams::default(), &Patch::Merge(&note))
+    refused(&run, RECORD_REFUSED, "the tenant removing plain's record", record("plain", None).await);
+    patch_pod(&tenant, &ns_a, "plain", annotate("example.com/note", Some("fine")))
         .await
         .expect("another annotation allowed");
     run.info("ok: another annotation: allowed");
@@ -263,12 +244,13 @@ pub async fn caps_at_admission() {
         .create(&PostParams::default(), &gpu_pod("forged-while-down", json!([]), forged))
         .await
         .expect("created");
-    assert_eq!(env_of(&down), "", "caps set while the operator was down?");
+    assert!(env_of(&down).is_empty(), "caps set while the operator was down?");
     run.info("ok: created without variables (failurePolicy Ignore)");
     refused(
         &run,
+        RECORD_REFUSED,
         "the tenant adding while-down's record",
-        annotate("while-down", Some(r#"{"budget":"llm","limitMib":8192,"containers":[]}"#)).await,
+        record("while-down", Some(r#"{"budget":"llm","limitMib":8192,"containers":[]}"#)).await,
     );
     let _op = operator.start().await;
     let budgets = Api::<GpuMemoryBudget>::namespaced(run.admin.clone(), &ns_a);

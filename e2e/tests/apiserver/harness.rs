@@ -15,15 +15,16 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use gpubudget_common::GpuMemoryBudget;
+use gpubudget_common::caps::Record;
 use gpubudget_common::share::HeldShare;
 use gpubudget_demo::stack::{SampleFile, kubelet_process};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{Event as CoreEvent, Namespace, Node, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{Binding, Event as CoreEvent, Namespace, Node, Pod, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::core::GroupVersionKind;
 use kube::discovery::{Scope, pinned_kind};
@@ -1172,6 +1173,25 @@ pub fn held_to(pod: &Pod, limit: u64, note: &str) -> bool {
     held_share(pod).is_some_and(|s| s.limit_bytes == limit && s.note == note)
 }
 
+/// The pod's caps record (`gpubudget.io/caps`, what the operator's webhook wrote at admission), as the annotation
+/// says it and parsed.
+pub fn caps_record(pod: &Pod) -> (String, Record) {
+    let text = annotation(pod, "caps").unwrap_or_else(|| panic!("{} has no caps record", pod.name_any()));
+    let record = serde_json::from_str(&text).unwrap_or_else(|e| panic!("the caps record {text}: {e}"));
+    (text, record)
+}
+
+/// The pod's first container's env as `NAME=VALUE` lines (`valueFrom`: `NAME<-configMapKeyRef NAME/KEY`).
+pub fn env_of(pod: &Pod) -> Vec<String> {
+    let env = pod.spec.as_ref().and_then(|s| s.containers[0].env.clone()).unwrap_or_default();
+    env.into_iter()
+        .map(|e| match e.value_from.and_then(|f| f.config_map_key_ref) {
+            Some(r) => format!("{}<-configMapKeyRef {}/{}", e.name, r.name, r.key),
+            None => format!("{}={}", e.name, e.value.unwrap_or_default()),
+        })
+        .collect()
+}
+
 /// The documents of a share fixture, `common/tests/fixtures/shares/<file>`: pods (and what comes with them) as
 /// KAI-Scheduler, HAMi and the NVIDIA device plugin leave them.
 pub fn share_fixture(file: &str) -> Vec<Value> {
@@ -1204,6 +1224,72 @@ pub fn refusal<T: std::fmt::Debug>(result: kube::Result<T>, what: &str) -> Strin
         Err(kube::Error::Api(status)) => status.message,
         Err(e) => e.to_string(),
     }
+}
+
+/// Fails unless `result` was refused saying `expected`; prints the refusal (its first 220 characters).
+pub fn refused<T: std::fmt::Debug>(run: &Run, expected: &str, what: &str, result: kube::Result<T>) {
+    let message = refusal(result, what);
+    assert!(message.contains(expected), "{what} was refused, but not for the expected reason ({expected}): {message}");
+    run.info(&format!("refused: {what}: {}", message.chars().take(220).collect::<String>()));
+}
+
+/// Fails unless the API server itself refused `what` (403 Forbidden) saying `expected`; prints the refusal.
+pub fn forbidden<T: std::fmt::Debug>(run: &Run, what: &str, expected: &str, result: kube::Result<T>) {
+    match result {
+        Ok(t) => panic!("{what} was allowed: {t:?}"),
+        Err(kube::Error::Api(status)) => {
+            assert_eq!(status.code, 403, "{what}: not Forbidden: {status:?}");
+            assert!(status.message.contains(expected), "{what}: refused, but not for {expected:?}: {}", status.message);
+            run.info(&format!("refused (403): {what}: {}", status.message));
+        }
+        Err(e) => panic!("{what}: not refused by the API server: {e}"),
+    }
+}
+
+/// Fails unless `what` was allowed; prints it and returns the answer.
+pub fn allowed<T>(run: &Run, what: &str, result: kube::Result<T>) -> T {
+    let t = result.unwrap_or_else(|e| panic!("{what} was refused: {e}"));
+    run.info(&format!("allowed: {what}"));
+    t
+}
+
+// --- a pod's annotations and its binding, written as an identity
+
+/// The merge patch of one annotation (`None` removes it).
+pub fn annotate(key: &str, value: Option<&str>) -> Value {
+    json!({"metadata": {"annotations": {key: value}}})
+}
+
+/// A merge patch of the pod as `client` (what `kubectl annotate` and `kubectl label` send, and the agent's record
+/// writes).
+pub async fn patch_pod(client: &Client, ns: &str, pod: &str, patch: Value) -> kube::Result<Pod> {
+    Api::<Pod>::namespaced(client.clone(), ns).patch(pod, &PatchParams::default(), &Patch::Merge(&patch)).await
+}
+
+/// A Binding of `pod` to `node`, carrying `annotations`.
+pub fn binding(ns: &str, pod: &str, node: &str, annotations: Value) -> Binding {
+    serde_json::from_value(json!({"metadata": {"name": pod, "namespace": ns, "annotations": annotations},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": node}}))
+    .expect("a binding")
+}
+
+/// `POST pods/<pod>/binding` as `client` (what a scheduler's binder sends).
+pub async fn bind(client: &Client, b: &Binding) -> kube::Result<Value> {
+    let (ns, name) = (b.namespace().expect("a namespace"), b.name_any());
+    Api::<Pod>::namespaced(client.clone(), &ns).create_subresource("binding", &name, &PostParams::default(), b).await
+}
+
+/// `POST bindings` as `client` (the older door to the same thing).
+pub async fn bindings(client: &Client, b: &Binding) -> kube::Result<Binding> {
+    let ns = b.namespace().expect("a namespace");
+    Api::<Binding>::namespaced(client.clone(), &ns).create(&PostParams::default(), b).await
+}
+
+/// The API resource of a gpubudget.io kind (v1alpha1; its plural the kind in lower case and an s, as every
+/// gpubudget.io CRD names it).
+pub fn gpubudget_resource(kind: &str) -> ApiResource {
+    let plural = format!("{}s", kind.to_lowercase());
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("gpubudget.io", "v1alpha1", kind), &plural)
 }
 
 /// A list as `kubectl get` shows it, from the API server's table (`path`: the list's URL path, as `client`): the

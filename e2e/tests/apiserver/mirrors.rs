@@ -18,12 +18,12 @@ use std::time::{Duration, Instant};
 
 use gpubudget_common::GpuMemoryBudget;
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
-use kube::core::GroupVersionKind;
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::{Value, json};
 
 use crate::harness::{
-    Binary, GI, Identity, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, annotation, metric, metrics,
+    Binary, GI, Identity, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, annotation, gpubudget_resource, metric,
+    metrics,
 };
 
 /// The operator's runs.
@@ -88,11 +88,6 @@ fn show_status(run: &Run, b: &GpuMemoryBudget) {
     ));
 }
 
-fn mirror_resource() -> ApiResource {
-    let gvk = GroupVersionKind::gvk("gpubudget.io", "v1alpha1", "GpuMemoryBudgetMirror");
-    ApiResource::from_gvk_with_plural(&gvk, "gpumemorybudgetmirrors")
-}
-
 pub async fn mirrors_off() {
     let mut run = Run::start("gpubudget-mo", &["gpubudget-agent", "gpubudget-operator"]).await;
     let id = run.id.clone();
@@ -123,7 +118,8 @@ pub async fn mirrors_off() {
     let agent_admin = run.addr(0);
     let leases = Api::<Lease>::namespaced(run.admin.clone(), &ns);
     let budgets = Api::<GpuMemoryBudget>::namespaced(run.admin.clone(), &ns_a);
-    let mirrors = Api::<DynamicObject>::namespaced_with(run.admin.clone(), &ns_a, &mirror_resource());
+    let mirrors =
+        Api::<DynamicObject>::namespaced_with(run.admin.clone(), &ns_a, &gpubudget_resource("GpuMemoryBudgetMirror"));
     let gauge = || async {
         metric(&metrics(&agent_admin).await, "gpubudget_budget_specs_from_mirrors{kind=\"GpuMemoryBudget\"}")
     };

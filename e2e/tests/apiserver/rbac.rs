@@ -11,12 +11,11 @@ use std::fmt::Debug;
 
 use k8s_openapi::api::authorization::v1::{ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec};
 use k8s_openapi::api::core::v1::Namespace;
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
-use kube::core::GroupVersionKind;
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
-use crate::harness::{RBAC_AND_POLICIES, Run, table};
+use crate::harness::{RBAC_AND_POLICIES, Run, gpubudget_resource, table};
 
 /// What a request should get.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,54 +89,175 @@ async fn may(run: &Run, client: &Client, who: &str, verb: &str, resource: &str, 
     assert_eq!(allowed, want, "{who} may {verb} {resource}{ns}: {allowed}");
 }
 
-/// A gpubudget.io cluster-scoped kind.
-fn resource(kind: &str, plural: &str) -> ApiResource {
-    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("gpubudget.io", "v1alpha1", kind), plural)
+/// A cluster-scoped gpubudget.io kind: who may write and read it, and what its CRD's rules refuse.
+struct Kind {
+    /// The kind.
+    kind: &'static str,
+    /// Its short name, as the printed `kubectl` lines say it (`cgmb`).
+    short: &'static str,
+    /// A limit no tenant may give itself (what the refused writes ask for).
+    limit: &'static str,
+    /// The status the operator writes, where the story checks who may write it.
+    status: Option<Value>,
 }
 
-/// `kubectl create -f` of a cluster-scoped object as `client`: a POST with strict field validation (an unknown
-/// field refused, not dropped).
-async fn create(client: &Client, kind: &str, plural: &str, name: &str, spec: Value) -> kube::Result<Value> {
-    let object = json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": kind, "metadata": {"name": name}, "spec": spec});
-    let request = http::Request::post(format!("/apis/gpubudget.io/v1alpha1/{plural}?fieldValidation=Strict"))
-        .header("Content-Type", "application/json")
-        .body(serde_json::to_vec(&object).expect("json"))
-        .expect("a request");
-    client.request::<Value>(request).await
-}
-
-/// The tenants' namespace, its tenants (alice admin, bob edit) and carol viewing cluster-wide; the chart's RBAC
-/// in the release namespace. Returns (the tenants' namespace, the release's name and namespace).
-async fn setup(run: &mut Run, prefix: &str) -> (String, String, String) {
-    let id = run.id.clone();
-    run.say("as the admin: the CRDs, the chart's RBAC, the tenants' namespace (tier=tenant), alice (admin), bob (edit), carol (view)");
-    run.apply_crds().await;
-    let release = format!("{prefix}-{id}");
-    let release_ns = run.namespace(&release).await;
-    run.apply_chart(&release, &release_ns, RBAC_AND_POLICIES, None).await;
-    let ns = run.namespace(&format!("{prefix}-{id}-team")).await;
-    let tier = json!({"metadata": {"labels": {"gpubudget.io/tier": format!("tenant-{id}")}}});
-    Api::<Namespace>::all(run.admin.clone())
-        .patch(&ns, &PatchParams::default(), &Patch::Merge(&tier))
-        .await
-        .expect("labelled");
-    for (name, role, user) in [("alice-admin", "admin", "alice"), ("bob-edit", "edit", "bob")] {
-        let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-            "metadata": {"name": name, "namespace": ns},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
-            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]});
-        run.apply(&binding, &ns).await;
+impl Kind {
+    /// `<plural>.gpubudget.io`, as `kubectl auth can-i` names it.
+    fn rule(&self) -> String {
+        format!("{}.gpubudget.io", gpubudget_resource(self.kind).plural)
     }
-    let carol = format!("{prefix}-{id}-carol-view");
-    run.apply(
-        &json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": carol},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "view"},
-                "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "carol"}]}),
-        "",
-    )
-    .await;
-    run.owns("rbac.authorization.k8s.io", "v1", "ClusterRoleBinding", None, &carol);
-    (ns, release, release_ns)
+
+    /// The kind as `client`.
+    fn api(&self, client: &Client) -> Api<DynamicObject> {
+        Api::all_with(client.clone(), &gpubudget_resource(self.kind))
+    }
+
+    /// `kubectl create -f` of one as `client`: a POST with strict field validation (an unknown field refused, not
+    /// dropped).
+    async fn create(&self, client: &Client, name: &str, spec: Value) -> kube::Result<Value> {
+        let object =
+            json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": self.kind, "metadata": {"name": name}, "spec": spec});
+        let plural = gpubudget_resource(self.kind).plural;
+        let request = http::Request::post(format!("/apis/gpubudget.io/v1alpha1/{plural}?fieldValidation=Strict"))
+            .header("Content-Type", "application/json")
+            .body(serde_json::to_vec(&object).expect("json"))
+            .expect("a request");
+        client.request::<Value>(request).await
+    }
+
+    /// A status write as the operator makes it, as `client`: server-side apply of /status (a PATCH, no GET),
+    /// forcing ownership.
+    async fn write_status(&self, client: &Client, name: &str) -> kube::Result<DynamicObject> {
+        let status = self.status.clone().expect("a kind whose status the story writes");
+        let object = json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": self.kind, "metadata": {"name": name},
+            "status": status});
+        let apply = PatchParams::apply("gpubudget-operator/quota").force();
+        self.api(client).patch_status(name, &apply, &Patch::Apply(&object)).await
+    }
+}
+
+/// A story on one cluster-scoped kind: the run, the tenants' namespace (alice admin, bob edit), the chart's
+/// release, carol viewing cluster-wide, and the one object the admin created.
+struct Story {
+    run: Run,
+    kind: Kind,
+    /// The tenants' namespace.
+    ns: String,
+    /// The chart's release and its namespace.
+    release: (String, String),
+    carol: Client,
+    /// The admin's object.
+    name: String,
+}
+
+impl Story {
+    /// As the admin: the CRDs, the chart's RBAC in the release namespace, the tenants' namespace and its tenants,
+    /// carol (once `view` aggregates the chart's read rule), and the object `<name>-<id>` selecting the tenants'
+    /// namespace, `spec` besides.
+    async fn start(prefix: &str, kind: Kind, name: &str, spec: Value) -> Self {
+        let mut run = Run::start(prefix, &[]).await;
+        let id = run.id.clone();
+        run.say("as the admin: the CRDs, the chart's RBAC, the tenants' namespace (tier=tenant), alice (admin), bob (edit), carol (view)");
+        run.apply_crds().await;
+        let release = format!("{prefix}-{id}");
+        let release_ns = run.namespace(&release).await;
+        run.apply_chart(&release, &release_ns, RBAC_AND_POLICIES, None).await;
+        let ns = run.namespace(&format!("{prefix}-{id}-team")).await;
+        let tier = format!("tenant-{id}");
+        run.label_namespace(&ns, "gpubudget.io/tier", &tier).await;
+        for (name, role, user) in [("alice-admin", "admin", "alice"), ("bob-edit", "edit", "bob")] {
+            let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                "metadata": {"name": name, "namespace": ns},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+                "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]});
+            run.apply(&binding, &ns).await;
+        }
+        let viewer = format!("{prefix}-{id}-carol-view");
+        run.apply(
+            &json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": viewer},
+                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "view"},
+                    "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "carol"}]}),
+            "",
+        )
+        .await;
+        run.owns("rbac.authorization.k8s.io", "v1", "ClusterRoleBinding", None, &viewer);
+        let carol = run.as_user("carol").await;
+        let what = format!("view to aggregate the chart's budgets-view rule ({} read)", kind.short);
+        let rule = kind.rule();
+        run.until(&what, || can_i(&carol, "list", &rule, None)).await;
+        let name = format!("{name}-{id}");
+        run.owns("gpubudget.io", "v1alpha1", kind.kind, None, &name);
+        let mut full = json!({"namespaceSelector": {"matchLabels": {"gpubudget.io/tier": tier}}});
+        full.as_object_mut().expect("an object").extend(spec.as_object().expect("an object").clone());
+        let created = kind.create(&run.admin, &name, full).await;
+        expect(&run, Want::Ok, "admin", &format!("create {} {name}", kind.short), created);
+        Self { run, kind, ns, release: (release, release_ns), carol, name }
+    }
+
+    /// Tenants (alice, bob): may not create, edit, delete or read the kind (nor write its status, where the story
+    /// checks it), each write refused (`mine`: the spec of the one each tries to create); no relabelling of their
+    /// namespace.
+    async fn tenants_refused(&self, mine: Value) {
+        let (run, kind, name) = (&self.run, &self.kind, &self.name);
+        let short = kind.short;
+        for who in ["alice", "bob"] {
+            let client = run.as_user(who).await;
+            for verb in ["create", "update", "patch", "delete", "get", "list", "watch"] {
+                may(run, &client, who, verb, &kind.rule(), None, false).await;
+            }
+            if kind.status.is_some() {
+                may(run, &client, who, "patch", &format!("{}/status", kind.rule()), None, false).await;
+            }
+            let api = kind.api(&client);
+            let theirs = format!("mine-{who}-{}", run.id);
+            let created = kind.create(&client, &theirs, mine.clone()).await;
+            expect(run, Want::Denied, who, &format!("create {short} {theirs}"), created);
+            for patch in [json!({"spec": {"limit": kind.limit}}), json!({"spec": {"action": "Warn"}})] {
+                let patched = api.patch(name, &PatchParams::default(), &Patch::Merge(&patch)).await;
+                expect(run, Want::Denied, who, &format!("patch {short} {name} {patch}"), patched);
+            }
+            if kind.status.is_some() {
+                let what = format!("apply {short} {name} --subresource=status");
+                expect(run, Want::Denied, who, &what, kind.write_status(&client, name).await);
+            }
+            let deleted = api.delete(name, &DeleteParams::default()).await;
+            expect(run, Want::Denied, who, &format!("delete {short} {name}"), deleted);
+            expect(run, Want::Denied, who, &format!("get {short} {name}"), api.get(name).await);
+            no_relabelling(run, who, &client, &self.ns).await;
+        }
+    }
+
+    /// carol, viewing cluster-wide: reads the object, and its printer columns (`columns`); writes nothing.
+    async fn viewer_reads(&self, columns: &str) {
+        let (run, kind, name, carol) = (&self.run, &self.kind, &self.name, &self.carol);
+        let short = kind.short;
+        let api = kind.api(carol);
+        expect(run, Want::Ok, "carol", &format!("get {short} {name}"), api.get(name).await);
+        let limit = json!({"spec": {"limit": kind.limit}});
+        let patched = api.patch(name, &PatchParams::default(), &Patch::Merge(&limit)).await;
+        expect(run, Want::Denied, "carol", &format!("patch {short} {name}"), patched);
+        if kind.status.is_some() {
+            let what = format!("apply {short} {name} --subresource=status");
+            expect(run, Want::Denied, "carol", &what, kind.write_status(carol, name).await);
+        }
+        let deleted = api.delete(name, &DeleteParams::default()).await;
+        expect(run, Want::Denied, "carol", &format!("delete {short} {name}"), deleted);
+        let path = format!("/apis/gpubudget.io/v1alpha1/{}", gpubudget_resource(kind.kind).plural);
+        let (got, rows) = table(carol, &path).await;
+        assert_eq!(got.join(" "), columns, "kubectl get {short} columns");
+        run.info(&format!("columns: {}", got.join(" ")));
+        let row = rows.iter().find(|r| r[0] == *name).unwrap_or_else(|| panic!("{name}'s row"));
+        run.info(&format!("row: {}", row.join(" | ")));
+    }
+
+    /// The admin's creates of `specs`, each refused by the CRD's rules (422).
+    async fn bad_specs(&self, specs: Vec<Value>) {
+        let bad = format!("bad-{}", self.run.id);
+        for spec in specs {
+            let what = format!("create {} {bad} {spec}", self.kind.short);
+            expect(&self.run, Want::Invalid, "admin", &what, self.kind.create(&self.run.admin, &bad, spec).await);
+        }
+    }
 }
 
 /// Tenants may not move their namespace out of a namespaceSelector.
@@ -149,126 +269,48 @@ async fn no_relabelling(run: &Run, who: &str, client: &Client, ns: &str) {
 }
 
 pub async fn cluster_budgets() {
-    const KIND: &str = "ClusterGpuMemoryBudget";
-    const PLURAL: &str = "clustergpumemorybudgets";
-    let mut run = Run::start("gpubudget-cgmb", &[]).await;
-    let (ns, release, release_ns) = setup(&mut run, "gpubudget-cgmb").await;
-    let carol = run.as_user("carol").await;
-    run.until("view to aggregate the chart's budgets-view rule (cgmb read)", || {
-        can_i(&carol, "list", "clustergpumemorybudgets.gpubudget.io", None)
-    })
-    .await;
-    let name = format!("tenants-{}", run.id);
-    run.owns("gpubudget.io", "v1alpha1", KIND, None, &name);
-    let spec = json!({"namespaceSelector": {"matchLabels": {"gpubudget.io/tier": format!("tenant-{}", run.id)}},
-        "selector": {}, "limit": "8Gi", "request": "4Gi", "overLimitSeconds": 30});
-    expect(
-        &run,
-        Want::Ok,
-        "admin",
-        &format!("create cgmb {name}"),
-        create(&run.admin, KIND, PLURAL, &name, spec).await,
-    );
+    let kind = Kind { kind: "ClusterGpuMemoryBudget", short: "cgmb", limit: "64Gi", status: None };
+    let spec = json!({"selector": {}, "limit": "8Gi", "request": "4Gi", "overLimitSeconds": 30});
+    let story = Story::start("gpubudget-cgmb", kind, "tenants", spec).await;
+    let (run, ns) = (&story.run, &story.ns);
 
     run.say("tenants: no write, no read of the cluster kind; no relabelling of their namespace");
-    for who in ["alice", "bob"] {
-        let client = run.as_user(who).await;
-        for verb in ["create", "update", "patch", "delete", "get", "list", "watch"] {
-            may(&run, &client, who, verb, "clustergpumemorybudgets.gpubudget.io", None, false).await;
-        }
-        let api = Api::<DynamicObject>::all_with(client.clone(), &resource(KIND, PLURAL));
-        let mine = format!("mine-{who}-{}", run.id);
-        expect(
-            &run,
-            Want::Denied,
-            who,
-            &format!("create cgmb {mine}"),
-            create(&client, KIND, PLURAL, &mine, json!({"selector": {}, "limit": "64Gi"})).await,
-        );
-        for patch in [json!({"spec": {"limit": "64Gi"}}), json!({"spec": {"action": "Warn"}})] {
-            expect(
-                &run,
-                Want::Denied,
-                who,
-                &format!("patch cgmb {name} {patch}"),
-                api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await,
-            );
-        }
-        expect(
-            &run,
-            Want::Denied,
-            who,
-            &format!("delete cgmb {name}"),
-            api.delete(&name, &DeleteParams::default()).await,
-        );
-        expect(&run, Want::Denied, who, &format!("get cgmb {name}"), api.get(&name).await);
-        no_relabelling(&run, who, &client, &ns).await;
-    }
+    story.tenants_refused(json!({"selector": {}, "limit": "64Gi"})).await;
     let alice = run.as_user("alice").await;
-    may(&run, &alice, "alice", "get", "pods", Some(&ns), true).await;
-    may(&run, &alice, "alice", "create", "gpumemorybudgets.gpubudget.io", Some(&ns), false).await;
+    may(run, &alice, "alice", "get", "pods", Some(ns), true).await;
+    may(run, &alice, "alice", "create", "gpumemorybudgets.gpubudget.io", Some(ns), false).await;
 
     run.say("carol, view cluster-wide: reads the cluster budget (the printer columns), writes nothing");
-    let api = Api::<DynamicObject>::all_with(carol.clone(), &resource(KIND, PLURAL));
-    expect(&run, Want::Ok, "carol", &format!("get cgmb {name}"), api.get(&name).await);
-    expect(
-        &run,
-        Want::Denied,
-        "carol",
-        &format!("patch cgmb {name}"),
-        api.patch(&name, &PatchParams::default(), &Patch::Merge(&json!({"spec": {"limit": "64Gi"}}))).await,
-    );
-    expect(
-        &run,
-        Want::Denied,
-        "carol",
-        &format!("delete cgmb {name}"),
-        api.delete(&name, &DeleteParams::default()).await,
-    );
-    let (columns, rows) = table(&carol, "/apis/gpubudget.io/v1alpha1/clustergpumemorybudgets").await;
-    assert_eq!(
-        columns.join(" "),
-        "NAME REQUEST LIMIT ACTION MATCHED OVER CAPPED SHARE EVICTED AGE",
-        "kubectl get cgmb columns"
-    );
-    run.info(&format!("columns: {}", columns.join(" ")));
-    let row = rows.iter().find(|r| r[0] == name).expect("the budget's row");
-    run.info(&format!("row: {}", row.join(" | ")));
+    story.viewer_reads("NAME REQUEST LIMIT ACTION MATCHED OVER CAPPED SHARE EVICTED AGE").await;
 
     run.say("the agent's ServiceAccount: list and watch cluster budgets and namespaces, nothing more");
-    let agent_name = format!("system:serviceaccount:{release_ns}:{release}-agent");
-    let agent = run.as_user(&agent_name).await;
+    let (release, release_ns) = &story.release;
+    let agent = run.as_user(&format!("system:serviceaccount:{release_ns}:{release}-agent")).await;
+    let rule = story.kind.rule();
     for verb in ["list", "watch"] {
-        may(&run, &agent, "the agent", verb, "clustergpumemorybudgets.gpubudget.io", None, true).await;
-        may(&run, &agent, "the agent", verb, "namespaces", None, true).await;
+        may(run, &agent, "the agent", verb, &rule, None, true).await;
+        may(run, &agent, "the agent", verb, "namespaces", None, true).await;
     }
     for verb in ["create", "update", "patch", "delete"] {
-        may(&run, &agent, "the agent", verb, "clustergpumemorybudgets.gpubudget.io", None, false).await;
-        may(&run, &agent, "the agent", verb, "namespaces", None, false).await;
+        may(run, &agent, "the agent", verb, &rule, None, false).await;
+        may(run, &agent, "the agent", verb, "namespaces", None, false).await;
     }
 
     run.say("the CRD's rules refuse bad specs (the same CEL rules as GpuMemoryBudget, and namespaceSelector's)");
-    for spec in [
-        json!({"selector": {}, "limit": "1Gi", "request": "2Gi"}),
-        json!({"selector": {}, "limit": "0"}),
-        json!({"selector": {}, "limit": "8 GiB"}),
-        json!({"selector": {}, "limit": "1Gi", "warnAtPercent": 0}),
-        json!({"selector": {}, "limit": "1Gi", "overLimitSeconds": -1}),
-        json!({"selector": {}, "limit": "1Gi", "evictionGracePeriodSeconds": 0}),
-        json!({"selector": {}, "limit": "1Gi", "action": "Kill"}),
-        json!({"namespaceSelector": {"matchExpressions": [{"key": "tier", "operator": "Equals", "values": ["x"]}]}, "selector": {}, "limit": "1Gi"}),
-        json!({"namespaceSelector": {"matchExpressions": [{"key": "tier", "operator": "In"}]}, "selector": {}, "limit": "1Gi"}),
-        json!({"limit": "1Gi"}),
-    ] {
-        let bad = format!("bad-{}", run.id);
-        expect(
-            &run,
-            Want::Invalid,
-            "admin",
-            &format!("create cgmb {bad} {spec}"),
-            create(&run.admin, KIND, PLURAL, &bad, spec).await,
-        );
-    }
+    story
+        .bad_specs(vec![
+            json!({"selector": {}, "limit": "1Gi", "request": "2Gi"}),
+            json!({"selector": {}, "limit": "0"}),
+            json!({"selector": {}, "limit": "8 GiB"}),
+            json!({"selector": {}, "limit": "1Gi", "warnAtPercent": 0}),
+            json!({"selector": {}, "limit": "1Gi", "overLimitSeconds": -1}),
+            json!({"selector": {}, "limit": "1Gi", "evictionGracePeriodSeconds": 0}),
+            json!({"selector": {}, "limit": "1Gi", "action": "Kill"}),
+            json!({"namespaceSelector": {"matchExpressions": [{"key": "tier", "operator": "Equals", "values": ["x"]}]}, "selector": {}, "limit": "1Gi"}),
+            json!({"namespaceSelector": {"matchExpressions": [{"key": "tier", "operator": "In"}]}, "selector": {}, "limit": "1Gi"}),
+            json!({"limit": "1Gi"}),
+        ])
+        .await;
     run.say(&format!(
         "PASS: tenants (admin, edit of a namespace) cannot create, edit, delete or read a ClusterGpuMemoryBudget nor \
          relabel their namespace; a cluster-wide viewer reads it; the agent lists and watches; bad specs are refused \
@@ -278,164 +320,60 @@ pub async fn cluster_budgets() {
 }
 
 pub async fn quotas() {
-    const KIND: &str = "ClusterGpuMemoryQuota";
-    const PLURAL: &str = "clustergpumemoryquotas";
-    let mut run = Run::start("gpubudget-cgmq", &[]).await;
-    let (ns, release, release_ns) = setup(&mut run, "gpubudget-cgmq").await;
-    let carol = run.as_user("carol").await;
-    run.until("view to aggregate the chart's budgets-view rule (cgmq read)", || {
-        can_i(&carol, "list", "clustergpumemoryquotas.gpubudget.io", None)
-    })
-    .await;
-    let name = format!("tenant-totals-{}", run.id);
-    run.owns("gpubudget.io", "v1alpha1", KIND, None, &name);
-    let spec = json!({"namespaceSelector": {"matchLabels": {"gpubudget.io/tier": format!("tenant-{}", run.id)}},
-        "limit": "64Gi", "overLimitSeconds": 60});
-    expect(
-        &run,
-        Want::Ok,
-        "admin",
-        &format!("create cgmq {name}"),
-        create(&run.admin, KIND, PLURAL, &name, spec).await,
-    );
-    // A status write as the operator makes it: server-side apply of /status (a PATCH, no GET), forcing ownership.
-    let status = json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": KIND, "metadata": {"name": name},
-        "status": {"namespacesOver": 0, "evictions": 0}});
-    let write_status = |client: &Client| {
-        let api = Api::<DynamicObject>::all_with(client.clone(), &resource(KIND, PLURAL));
-        let (name, status) = (name.clone(), status.clone());
-        async move {
-            api.patch_status(&name, &PatchParams::apply("gpubudget-operator/quota").force(), &Patch::Apply(&status))
-                .await
-        }
-    };
+    let status = json!({"namespacesOver": 0, "evictions": 0});
+    let kind = Kind { kind: "ClusterGpuMemoryQuota", short: "cgmq", limit: "1Ti", status: Some(status) };
+    let spec = json!({"limit": "64Gi", "overLimitSeconds": 60});
+    let story = Story::start("gpubudget-cgmq", kind, "tenant-totals", spec).await;
+    let (run, kind, ns, name) = (&story.run, &story.kind, &story.ns, &story.name);
 
     run.say("tenants: no write, no read of the quota or its status");
-    for who in ["alice", "bob"] {
-        let client = run.as_user(who).await;
-        for verb in ["create", "update", "patch", "delete", "get", "list", "watch"] {
-            may(&run, &client, who, verb, "clustergpumemoryquotas.gpubudget.io", None, false).await;
-        }
-        may(&run, &client, who, "patch", "clustergpumemoryquotas.gpubudget.io/status", None, false).await;
-        let api = Api::<DynamicObject>::all_with(client.clone(), &resource(KIND, PLURAL));
-        let mine = format!("mine-{who}-{}", run.id);
-        expect(
-            &run,
-            Want::Denied,
-            who,
-            &format!("create cgmq {mine}"),
-            create(&client, KIND, PLURAL, &mine, json!({"limit": "1Ti"})).await,
-        );
-        for patch in [json!({"spec": {"limit": "1Ti"}}), json!({"spec": {"action": "Warn"}})] {
-            expect(
-                &run,
-                Want::Denied,
-                who,
-                &format!("patch cgmq {name} {patch}"),
-                api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch)).await,
-            );
-        }
-        expect(
-            &run,
-            Want::Denied,
-            who,
-            &format!("apply cgmq {name} --subresource=status"),
-            write_status(&client).await,
-        );
-        expect(
-            &run,
-            Want::Denied,
-            who,
-            &format!("delete cgmq {name}"),
-            api.delete(&name, &DeleteParams::default()).await,
-        );
-        expect(&run, Want::Denied, who, &format!("get cgmq {name}"), api.get(&name).await);
-        no_relabelling(&run, who, &client, &ns).await;
-    }
+    story.tenants_refused(json!({"limit": "1Ti"})).await;
 
     run.say("carol, view cluster-wide: reads the quota (the printer columns), writes nothing");
-    let api = Api::<DynamicObject>::all_with(carol.clone(), &resource(KIND, PLURAL));
-    expect(&run, Want::Ok, "carol", &format!("get cgmq {name}"), api.get(&name).await);
-    expect(
-        &run,
-        Want::Denied,
-        "carol",
-        &format!("patch cgmq {name}"),
-        api.patch(&name, &PatchParams::default(), &Patch::Merge(&json!({"spec": {"limit": "1Ti"}}))).await,
-    );
-    expect(&run, Want::Denied, "carol", &format!("apply cgmq {name} --subresource=status"), write_status(&carol).await);
-    expect(
-        &run,
-        Want::Denied,
-        "carol",
-        &format!("delete cgmq {name}"),
-        api.delete(&name, &DeleteParams::default()).await,
-    );
-    let (columns, rows) = table(&carol, "/apis/gpubudget.io/v1alpha1/clustergpumemoryquotas").await;
-    assert_eq!(columns.join(" "), "NAME LIMIT ACTION NAMESPACES OVER EVICTED AGE", "kubectl get cgmq columns");
-    run.info(&format!("columns: {}", columns.join(" ")));
-    let row = rows.iter().find(|r| r[0] == name).expect("the quota's row");
-    run.info(&format!("row: {}", row.join(" | ")));
+    story.viewer_reads("NAME LIMIT ACTION NAMESPACES OVER EVICTED AGE").await;
 
     run.say("the operator's ServiceAccount: reads quotas, writes their status, evicts; never writes a quota's spec");
-    let operator_name = format!("system:serviceaccount:{release_ns}:{release}-operator");
-    let operator = run.as_user(&operator_name).await;
-    let who = "the operator";
+    let (release, release_ns) = &story.release;
+    let operator = run.as_user(&format!("system:serviceaccount:{release_ns}:{release}-operator")).await;
+    let (who, rule) = ("the operator", kind.rule());
     for verb in ["get", "list", "watch"] {
-        may(&run, &operator, who, verb, "clustergpumemoryquotas.gpubudget.io", None, true).await;
+        may(run, &operator, who, verb, &rule, None, true).await;
     }
-    may(&run, &operator, who, "patch", "clustergpumemoryquotas.gpubudget.io/status", None, true).await;
-    may(&run, &operator, who, "create", "pods/eviction", Some(&ns), true).await;
-    may(&run, &operator, who, "delete", "pods", Some(&ns), true).await;
-    may(&run, &operator, who, "list", "namespaces", None, true).await;
-    may(&run, &operator, who, "watch", "namespaces", None, true).await;
+    may(run, &operator, who, "patch", &format!("{rule}/status"), None, true).await;
+    may(run, &operator, who, "create", "pods/eviction", Some(ns), true).await;
+    may(run, &operator, who, "delete", "pods", Some(ns), true).await;
+    may(run, &operator, who, "list", "namespaces", None, true).await;
+    may(run, &operator, who, "watch", "namespaces", None, true).await;
     for verb in ["create", "update", "patch", "delete"] {
-        may(&run, &operator, who, verb, "clustergpumemoryquotas.gpubudget.io", None, false).await;
+        may(run, &operator, who, verb, &rule, None, false).await;
     }
-    expect(&run, Want::Ok, who, &format!("apply cgmq {name} --subresource=status"), write_status(&operator).await);
-    let api = Api::<DynamicObject>::all_with(operator.clone(), &resource(KIND, PLURAL));
-    expect(
-        &run,
-        Want::Denied,
-        who,
-        &format!("patch cgmq {name}"),
-        api.patch(&name, &PatchParams::default(), &Patch::Merge(&json!({"spec": {"limit": "1Ti"}}))).await,
-    );
+    let what = format!("apply cgmq {name} --subresource=status");
+    expect(run, Want::Ok, who, &what, kind.write_status(&operator, name).await);
+    let limit = json!({"spec": {"limit": "1Ti"}});
+    let patched = kind.api(&operator).patch(name, &PatchParams::default(), &Patch::Merge(&limit)).await;
+    expect(run, Want::Denied, who, &format!("patch cgmq {name}"), patched);
 
     run.say("the CRD's rules refuse bad specs (the budgets' CEL rules and namespaceSelector's, shared)");
-    for spec in [
-        json!({"limit": "0"}),
-        json!({"limit": "8 GiB"}),
-        json!({"limit": "1Gi", "warnAtPercent": 0}),
-        json!({"limit": "1Gi", "overLimitSeconds": -1}),
-        json!({"limit": "1Gi", "evictionGracePeriodSeconds": 0}),
-        json!({"limit": "1Gi", "blockedEvictionTimeoutSeconds": 90000}),
-        json!({"limit": "1Gi", "action": "Kill"}),
-        json!({"namespaceSelector": {"matchExpressions": [{"key": "tier", "operator": "Equals", "values": ["x"]}]}, "limit": "1Gi"}),
-        json!({"namespaceSelector": {"matchExpressions": [{"key": "tier", "operator": "In"}]}, "limit": "1Gi"}),
-        json!({"selector": {"matchExpressions": [{"key": "app", "operator": "Exists", "values": ["x"]}]}, "limit": "1Gi"}),
-        json!({"selector": {}}),
-    ] {
-        let bad = format!("bad-{}", run.id);
-        expect(
-            &run,
-            Want::Invalid,
-            "admin",
-            &format!("create cgmq {bad} {spec}"),
-            create(&run.admin, KIND, PLURAL, &bad, spec).await,
-        );
-    }
+    story
+        .bad_specs(vec![
+            json!({"limit": "0"}),
+            json!({"limit": "8 GiB"}),
+            json!({"limit": "1Gi", "warnAtPercent": 0}),
+            json!({"limit": "1Gi", "overLimitSeconds": -1}),
+            json!({"limit": "1Gi", "evictionGracePeriodSeconds": 0}),
+            json!({"limit": "1Gi", "blockedEvictionTimeoutSeconds": 90000}),
+            json!({"limit": "1Gi", "action": "Kill"}),
+            json!({"namespaceSelector": {"matchExpressions": [{"key": "tier", "operator": "Equals", "values": ["x"]}]}, "limit": "1Gi"}),
+            json!({"namespaceSelector": {"matchExpressions": [{"key": "tier", "operator": "In"}]}, "limit": "1Gi"}),
+            json!({"selector": {"matchExpressions": [{"key": "app", "operator": "Exists", "values": ["x"]}]}, "limit": "1Gi"}),
+            json!({"selector": {}}),
+        ])
+        .await;
     let bad = format!("bad-{}", run.id);
     let spec = json!({"limit": "1Gi", "request": "1Gi"});
-    expect(
-        &run,
-        Want::Unknown,
-        "admin",
-        &format!("create cgmq {bad} {spec}"),
-        create(&run.admin, KIND, PLURAL, &bad, spec).await,
-    );
-    let created =
-        Api::<DynamicObject>::all_with(run.admin.clone(), &resource(KIND, PLURAL)).get_opt(&bad).await.expect("read");
+    let what = format!("create cgmq {bad} {spec}");
+    expect(run, Want::Unknown, "admin", &what, kind.create(&run.admin, &bad, spec).await);
+    let created = kind.api(&run.admin).get_opt(&bad).await.expect("read");
     assert!(created.is_none(), "a refused quota was stored: {:?}", created.map(|c| c.name_any()));
     run.say(&format!(
         "PASS: tenants (admin, edit of a namespace) cannot create, edit, delete or read a ClusterGpuMemoryQuota nor \

@@ -31,8 +31,9 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
-use crate::harness::{GI, Run, Workloads, annotation, metric, metrics};
-use crate::shares_tenant::{allowed, bind, binding, bindings, forbidden};
+use crate::harness::{
+    GI, Run, Workloads, allowed, annotate, annotation, bind, binding, bindings, forbidden, metric, metrics, patch_pod,
+};
 
 /// The `gpubudget.io/` annotations of a pod, as JSON.
 fn records(pod: &Pod) -> String {
@@ -43,11 +44,6 @@ fn records(pod: &Pod) -> String {
         .map(|(k, v)| (k.clone(), Value::from(v.as_str())))
         .collect();
     Value::Object(ours).to_string()
-}
-
-/// The merge patch of one annotation.
-fn annotate(key: &str, value: &str) -> Value {
-    json!({"metadata": {"annotations": {key: value}}})
 }
 
 /// The admission policies of a rendering and their bindings.
@@ -212,7 +208,7 @@ pub async fn through_every_door() {
     doors.refused(
         what,
         "only the agent may set",
-        pods(&tenant).patch("before-bound", &pp, &Patch::Merge(&annotate("gpubudget.io/state", "Evicting"))).await,
+        patch_pod(&tenant, &ns_t, "before-bound", annotate("gpubudget.io/state", Some("Evicting"))).await,
     );
     let forged = json!({"metadata": {"annotations": {"gpubudget.io/state": "Evicting", "gpubudget.io/caps": "{\"budget\":\"forged\"}"}}});
     let what = "the tenant writes gpubudget.io/state and gpubudget.io/caps on before-bound through pods/status";
@@ -260,15 +256,15 @@ pub async fn through_every_door() {
     for key in ["state", "usage-bytes", "budget", "node", "eviction-requested-at", "cap-not-in-force", "driver-limits"]
     {
         let what = format!("the tenant patches gpubudget.io/{key} on t-bound through pods/status");
-        let patch = annotate(&format!("gpubudget.io/{key}"), "1");
+        let patch = annotate(&format!("gpubudget.io/{key}"), Some("1"));
         doors.refused(&what, status_door, pods(&tenant).patch_status("t-bound", &pp, &Patch::Merge(&patch)).await);
     }
     let caps = "gpubudget.io/caps records what the gpubudget caps webhook did";
     let what = "the tenant patches gpubudget.io/caps on t-bound through pods/status";
-    let patch = annotate("gpubudget.io/caps", "{\"budget\":\"forged\"}");
+    let patch = annotate("gpubudget.io/caps", Some("{\"budget\":\"forged\"}"));
     doors.refused(what, caps, pods(&tenant).patch_status("t-bound", &pp, &Patch::Merge(&patch)).await);
     let what = "the tenant patches gpubudget.io/caps=x on t-bound through pods/status (the answer names the door)";
-    let patch = annotate("gpubudget.io/caps", "x");
+    let patch = annotate("gpubudget.io/caps", Some("x"));
     doors.refused(what, status_door, pods(&tenant).patch_status("t-bound", &pp, &Patch::Merge(&patch)).await);
     let set = |key: &'static str, value: &'static str| {
         move |p: &mut Pod| {
@@ -284,15 +280,11 @@ pub async fn through_every_door() {
     let what = "the tenant updates t-bound's status with gpubudget.io/caps={}";
     doors.refused(what, status_door, status_put(&run, &tenant, &ns_t, "t-bound", set("gpubudget.io/caps", "{}")).await);
     let what = "the tenant annotates t-bound gpubudget.io/state=Evicting";
-    let patch = annotate("gpubudget.io/state", "Evicting");
-    doors.refused(what, "refused through pods)", pods(&tenant).patch("t-bound", &pp, &Patch::Merge(&patch)).await);
+    let patch = annotate("gpubudget.io/state", Some("Evicting"));
+    doors.refused(what, "refused through pods)", patch_pod(&tenant, &ns_t, "t-bound", patch).await);
     let what = "the tenant annotates t-bound gpubudget.io/caps=x";
-    let patch = annotate("gpubudget.io/caps", "x");
-    doors.refused(
-        what,
-        "cannot be added, changed or removed",
-        pods(&tenant).patch("t-bound", &pp, &Patch::Merge(&patch)).await,
-    );
+    let patch = annotate("gpubudget.io/caps", Some("x"));
+    doors.refused(what, "cannot be added, changed or removed", patch_pod(&tenant, &ns_t, "t-bound", patch).await);
     let what = "the tenant updates t-bound with gpubudget.io/eviction-requested-at";
     let change = set("gpubudget.io/eviction-requested-at", "2026-11-27T00:00:00Z");
     doors.refused(what, "refused through pods)", pod_put(&run, &tenant, &ns_t, "t-bound", change).await);
@@ -361,13 +353,13 @@ pub async fn through_every_door() {
     let p = run.record_is(&ns_t, "t-bound", "state", "Within").await;
     run.info(&format!("t-bound: {}", records(&p)));
     let what = "the tenant patches gpubudget.io/state=Over on t-bound through pods/status";
-    let patch = annotate("gpubudget.io/state", "Over");
+    let patch = annotate("gpubudget.io/state", Some("Over"));
     doors.refused(what, status_door, pods(&tenant).patch_status("t-bound", &pp, &Patch::Merge(&patch)).await);
     let what = "the tenant updates t-bound's status without the agent's records";
     let strip = |p: &mut Pod| p.annotations_mut().retain(|k, _| !k.starts_with("gpubudget.io/"));
     doors.refused(what, status_door, status_put(&run, &tenant, &ns_t, "t-bound", strip).await);
     let what = "the admin patches gpubudget.io/usage-bytes=0 on t-bound through pods/status";
-    let patch = annotate("gpubudget.io/usage-bytes", "0");
+    let patch = annotate("gpubudget.io/usage-bytes", Some("0"));
     doors.refused(what, status_door, pods(&admin).patch_status("t-bound", &pp, &Patch::Merge(&patch)).await);
     let probe = json!({"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "KubeletProbe"}]}});
     let what = "the kubelet patches t-bound's status (strategic: Ready False)";

@@ -35,7 +35,6 @@
 
 use std::time::{Duration, Instant};
 
-use gpubudget_common::caps::Record;
 use gpubudget_common::share::ShareSource;
 use gpubudget_common::{GpuMemoryBudget, GpuNodeUsage};
 use gpubudget_demo::stack::{GPU_TOTAL, GPU_UUID};
@@ -45,10 +44,9 @@ use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
 use crate::harness::{
-    GI, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, annotation, held_share, held_to, is_terminating, share_fixture,
-    wide_table,
+    GI, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, annotation, bind, binding, caps_record, env_of, held_share,
+    held_to, is_terminating, share_fixture, wide_table,
 };
-use crate::shares_tenant::{bind, binding};
 
 /// The kubectl plugin.
 const PLUGIN: &str = "kubectl-gpubudget";
@@ -83,24 +81,6 @@ fn from_fixture(file: &str, from: &str, to: &str, ns: &str, id: &str) -> Vec<Val
 fn pod_of(docs: &[Value]) -> Pod {
     let pod = docs.iter().find(|d| d["kind"] == "Pod").expect("a pod in the fixture");
     serde_json::from_value(pod.clone()).expect("a pod")
-}
-
-/// The pod's first container's env as `NAME=VALUE` lines (`valueFrom`: `NAME<-configMapKeyRef NAME/KEY`).
-fn env_of(pod: &Pod) -> Vec<String> {
-    let env = pod.spec.as_ref().and_then(|s| s.containers[0].env.clone()).unwrap_or_default();
-    env.into_iter()
-        .map(|e| match e.value_from.and_then(|f| f.config_map_key_ref) {
-            Some(r) => format!("{}<-configMapKeyRef {}/{}", e.name, r.name, r.key),
-            None => format!("{}={}", e.name, e.value.unwrap_or_default()),
-        })
-        .collect()
-}
-
-/// The pod's caps record (`gpubudget.io/caps`), as the annotation says it and parsed.
-fn caps_record(pod: &Pod) -> (String, Record) {
-    let text = annotation(pod, "caps").unwrap_or_else(|| panic!("{} has no caps record", pod.name_any()));
-    let record = serde_json::from_str(&text).unwrap_or_else(|e| panic!("the caps record {text}: {e}"));
-    (text, record)
 }
 
 /// `share|podsOnShare|podsShareUnresolved|matchedPods` of a budget's status, as the script compared them.
@@ -594,9 +574,9 @@ pub async fn declared() {
     run.info(&format!("mps: {message}"));
     let note_mps = "MPS replica of 4 per GPU of 79.6Gi = 19.9Gi";
     assert!(message.contains(note_mps), "mps's Over message does not name its replica's share: {message}");
-    let mps = run.pod(&ns_t, "mps").await;
-    let budget = annotation(&mps, "budget").unwrap_or_default();
-    assert_eq!(budget, "shares", "mps is recorded under {budget}, not shares");
+    // The Over event can be seen before the record that goes with it (a run read plain here): waited for.
+    let what = "mps recorded under shares";
+    let mps = run.pod_until(&ns_t, "mps", what, |p| annotation(p, "budget").as_deref() == Some("shares")).await;
     let share = held_share(&mps).expect("mps's share");
     assert_eq!((share.limit_bytes, share.sources.as_slice()), (quarter, &[ShareSource::MpsReplicas][..]), "{share:?}");
     run.info(&format!("mps: gpubudget.io/share {}", annotation(&mps, "share").unwrap_or_default()));

@@ -28,13 +28,14 @@
 use std::time::{Duration, Instant};
 
 use gpubudget_demo::stack::GPU_TOTAL;
-use k8s_openapi::api::core::v1::{Binding, Namespace, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
 use crate::harness::{
-    GI, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, annotation, held_share, held_to, is_terminating,
+    GI, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, allowed, annotate, annotation, bind, binding, bindings,
+    forbidden, held_share, held_to, is_terminating, patch_pod,
 };
 
 /// A mebibyte.
@@ -53,55 +54,6 @@ fn pod(ns: &str, id: &str, name: &str, scheduler: &str, node: Option<&str>, anno
     serde_json::from_value(json!({"metadata": {"name": name, "namespace": ns, "labels": {"e2e.gpubudget.io/run": id},
         "annotations": annotations}, "spec": spec}))
     .expect("a pod")
-}
-
-/// A Binding of `pod` to `node`, carrying `annotations`.
-pub fn binding(ns: &str, pod: &str, node: &str, annotations: Value) -> Binding {
-    serde_json::from_value(json!({"metadata": {"name": pod, "namespace": ns, "annotations": annotations},
-        "target": {"apiVersion": "v1", "kind": "Node", "name": node}}))
-    .expect("a binding")
-}
-
-/// `POST pods/<pod>/binding` as `client` (what a scheduler's binder sends).
-pub async fn bind(client: &Client, b: &Binding) -> kube::Result<Value> {
-    let (ns, name) = (b.namespace().expect("a namespace"), b.name_any());
-    Api::<Pod>::namespaced(client.clone(), &ns).create_subresource("binding", &name, &PostParams::default(), b).await
-}
-
-/// `POST bindings` as `client` (the older door to the same thing).
-pub async fn bindings(client: &Client, b: &Binding) -> kube::Result<Binding> {
-    let ns = b.namespace().expect("a namespace");
-    Api::<Binding>::namespaced(client.clone(), &ns).create(&PostParams::default(), b).await
-}
-
-/// A merge patch of the pod as `client` (what `kubectl annotate` and `kubectl label` send).
-async fn patch(client: &Client, ns: &str, pod: &str, patch: Value) -> kube::Result<Pod> {
-    Api::<Pod>::namespaced(client.clone(), ns).patch(pod, &PatchParams::default(), &Patch::Merge(&patch)).await
-}
-
-/// The merge patch of one annotation (`None` removes it).
-fn annotate(key: &str, value: Option<&str>) -> Value {
-    json!({"metadata": {"annotations": {key: value}}})
-}
-
-/// Fails unless the API server itself refused `what` (403 Forbidden) saying `expected`; prints the refusal.
-pub fn forbidden<T: std::fmt::Debug>(run: &Run, what: &str, expected: &str, result: kube::Result<T>) {
-    match result {
-        Ok(t) => panic!("{what} was allowed: {t:?}"),
-        Err(kube::Error::Api(status)) => {
-            assert_eq!(status.code, 403, "{what}: not Forbidden: {status:?}");
-            assert!(status.message.contains(expected), "{what}: refused, but not for {expected:?}: {}", status.message);
-            run.info(&format!("refused (403): {what}: {}", status.message));
-        }
-        Err(e) => panic!("{what}: not refused by the API server: {e}"),
-    }
-}
-
-/// Fails unless `what` was allowed; prints it and returns the answer.
-pub fn allowed<T>(run: &Run, what: &str, result: kube::Result<T>) -> T {
-    let t = result.unwrap_or_else(|e| panic!("{what} was refused: {e}"));
-    run.info(&format!("allowed: {what}"));
-    t
 }
 
 pub async fn doors() {
@@ -244,7 +196,7 @@ pub async fn doors() {
     );
     for t in 1..=3 {
         let asked = Instant::now();
-        let result = patch(&tenant, &ns_t, "kai", annotate("gpu-fraction", Some("1"))).await;
+        let result = patch_pod(&tenant, &ns_t, "kai", annotate("gpu-fraction", Some("1"))).await;
         let secs = asked.elapsed().as_secs_f64();
         forbidden(&run, &format!("the tenant rewrites kai's gpu-fraction to 1 (try {t})"), &shares_policy, result);
         summary.push(format!("refused rewrite {t}: {secs:.2}s round trip (kube::Client, impersonated)"));
@@ -258,7 +210,7 @@ pub async fn doors() {
             json!({"metadata": {"annotations": {"gpu-fraction": null, "gpu-memory": "81920"}}}),
         ),
     ] {
-        forbidden(&run, what, &shares_policy, patch(&tenant, &ns_t, "kai", body).await);
+        forbidden(&run, what, &shares_policy, patch_pod(&tenant, &ns_t, "kai", body).await);
     }
     let through_status = tenant_pods
         .patch_status("kai", &PatchParams::default(), &Patch::Merge(&annotate("gpu-fraction", Some("1"))))
@@ -266,7 +218,7 @@ pub async fn doors() {
     let what = "the tenant rewrites kai's gpu-fraction through pods/status";
     forbidden(&run, what, "cannot patch resource \"pods/status\"", through_status);
     let labelled = json!({"metadata": {"labels": {"team": "a"}}});
-    allowed(&run, "the tenant labels kai team=a", patch(&tenant, &ns_t, "kai", labelled).await);
+    allowed(&run, "the tenant labels kai team=a", patch_pod(&tenant, &ns_t, "kai", labelled).await);
     let fraction = run.pod(&ns_t, "kai").await.annotations().get("gpu-fraction").cloned();
     assert_eq!(fraction.as_deref(), Some("0.25"), "kai's gpu-fraction changed");
     run.info("ok: kai's gpu-fraction is still 0.25");
@@ -341,7 +293,7 @@ pub async fn doors() {
     run.say("6. the agent's defence in depth: KAI's binder (exempt from the policy) rewrites kai's share to 1");
     let rewritten = Instant::now();
     let what = "KAI's binder rewrites kai's gpu-fraction to 1";
-    allowed(&run, what, patch(&binder, &ns_t, "kai", annotate("gpu-fraction", Some("1"))).await);
+    allowed(&run, what, patch_pod(&binder, &ns_t, "kai", annotate("gpu-fraction", Some("1"))).await);
     let ignored = "GpuMemoryShareChangeIgnored";
     let t_ign = run.timed(&format!("{ignored} on kai"), rewritten, || run.has_event(&ns_t, "kai", ignored)).await;
     let event = run.events(&ns_t, "kai", ignored).await.remove(0);
@@ -398,7 +350,7 @@ pub async fn doors() {
     run.pod_until(&ns_t, "pa", &format!("pa held to 39.8Gi ({note_half})"), |p| held_to(p, half, note_half)).await;
     run.pod_until(&ns_t, "pb", "pb held to 39.8Gi", |p| held_to(p, half, note_half)).await;
     let what = "KAI's binder rewrites pa's gpu-fraction to 1";
-    allowed(&run, what, patch(&binder, &ns_t, "pa", annotate("gpu-fraction", Some("1"))).await);
+    allowed(&run, what, patch_pod(&binder, &ns_t, "pa", annotate("gpu-fraction", Some("1"))).await);
     run.until(&format!("{ignored} on pa"), || run.has_event(&ns_t, "pa", ignored)).await;
     let pressed = Instant::now();
     w.sample(&[("bypass-default", GI), ("pa", 50 * GI), ("pb", 28 * GI)]);

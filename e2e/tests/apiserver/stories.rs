@@ -12,16 +12,13 @@ use k8s_openapi::api::authentication::v1::SelfSubjectReview;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::events::v1::Event;
-use kube::api::{
-    Api, ApiResource, DeleteParams, DynamicObject, EvictParams, ListParams, Patch, PatchParams, PostParams,
-};
-use kube::core::GroupVersionKind;
+use kube::api::{Api, DeleteParams, DynamicObject, EvictParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
 use crate::harness::{
-    Binary, GI, Identity, OperatorRun, RBAC_AND_POLICIES, Run, annotation, apply_as, http_get, metric, metrics,
-    refusal, table,
+    Binary, GI, Identity, OperatorRun, RBAC_AND_POLICIES, Run, annotate, annotation, apply_as, gpubudget_resource,
+    http_get, metric, metrics, patch_pod, refused, table,
 };
 
 const AGENT: &str = "gpubudget-agent";
@@ -52,12 +49,6 @@ struct Ids {
     agent2: Identity,
     unbound: Identity,
     tenant: Identity,
-}
-
-/// The API resource of a gpubudget.io kind.
-fn gvk(kind: &str) -> ApiResource {
-    let plural = format!("{}s", kind.to_lowercase());
-    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("gpubudget.io", "v1alpha1", kind), &plural)
 }
 
 impl Core {
@@ -149,12 +140,6 @@ impl Core {
     }
 }
 
-/// A merge patch of one annotation (`None` removes it) as `client`: the PATCH alone, as the agent sends it.
-async fn annotate(client: &Client, ns: &str, pod: &str, key: &str, value: Option<&str>) -> kube::Result<Pod> {
-    let patch = json!({"metadata": {"annotations": {key: value}}});
-    Api::<Pod>::namespaced(client.clone(), ns).patch(pod, &PatchParams::default(), &Patch::Merge(&patch)).await
-}
-
 async fn evict(client: &Client, ns: &str, pod: &str) -> kube::Result<kube::core::Status> {
     Api::<Pod>::namespaced(client.clone(), ns).evict(pod, &EvictParams::default()).await
 }
@@ -164,13 +149,6 @@ fn usage_body(name: &str, node_name: &str) -> Value {
     let now = jiff::Timestamp::now().round(jiff::Unit::Second).expect("rounds").to_string();
     json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuNodeUsage", "metadata": {"name": name},
            "spec": {"nodeName": node_name, "observedAt": now, "podCount": 0, "total": "0", "pods": []}})
-}
-
-/// Fails unless `result` was refused saying `expected`; prints the refusal.
-fn refused<T: std::fmt::Debug>(run: &Run, expected: &str, what: &str, result: kube::Result<T>) {
-    let message = refusal(result, what);
-    assert!(message.contains(expected), "{what} was refused, but not for the expected reason ({expected}): {message}");
-    run.info(&format!("refused: {what}: {}", message.chars().take(220).collect::<String>()));
 }
 
 pub async fn core() {
@@ -353,7 +331,7 @@ async fn records(core: &Core) {
     run.info(&format!("field managers of llm-evict: {}", managers.join(",")));
 
     run.say("usage: one GpuNodeUsage per node (#34), named after it, owned by its Node, the pods' bytes in it");
-    let usages = Api::<DynamicObject>::all_with(run.admin.clone(), &gvk("GpuNodeUsage"));
+    let usages = Api::<DynamicObject>::all_with(run.admin.clone(), &gpubudget_resource("GpuNodeUsage"));
     let usage_of = |u: &DynamicObject, pod: &str| {
         u.data["spec"]["pods"]
             .as_array()
@@ -417,19 +395,10 @@ async fn near_and_over(core: &mut Core) -> Instant {
     core.run.say(
         "eviction: after 10 s over, through the Eviction API (the webhook allows the agent's own node), grace 30 s",
     );
-    let pod = core.run.terminating(&ns_a, "llm-evict").await;
-    let grace = pod.metadata.deletion_grace_period_seconds;
-    assert_eq!(grace, Some(30), "deletionGracePeriodSeconds, not the budget's 30 (the pod's own is 60)");
-    // When the API server took the eviction (deletionTimestamp - grace, whole seconds) against when the agent
-    // published GpuMemoryOverBudget (eventTime, microseconds): at least overLimitSeconds apart, less one second
-    // for the truncation.
-    let deletion = pod.metadata.deletion_timestamp.as_ref().expect("terminating").0.as_second();
-    let over_time = over.event_time.as_ref().expect("an eventTime").0.as_second();
-    let after = deletion - 30 - over_time;
-    assert!(after >= 9, "llm-evict was evicted {after}s after its Over event, before overLimitSeconds (10 s)");
-    core.run.info(&format!("evicted {after}s after the Over event, deletionGracePeriodSeconds 30 (budget 30, pod 60)"));
-    let evicting = core.run.event(&ns_a, "llm-evict", "EvictingForGpuMemory").await.note.unwrap_or_default();
-    core.run.info(&format!("llm-evict: {evicting}"));
+    let (_, grace) = core.run.evicted_after(&ns_a, "llm-evict", &over, 10).await;
+    assert_eq!(grace, 30, "deletionGracePeriodSeconds, not the budget's 30 (the pod's own is 60)");
+    core.run.info("deletionGracePeriodSeconds 30: the budget's (the pod's own is 60)");
+    let evicting = core.run.notes(&ns_a, "llm-evict", "EvictingForGpuMemory").await.join("\n");
     assert!(
         evicting.contains("evicting with 30s grace") && evicting.contains("llm-inference"),
         "Evicting note: {evicting}"
@@ -548,17 +517,19 @@ async fn node_restriction(core: &Core) {
     let ids = &core.ids;
     run.say("node restriction, by the real admission policies and webhook");
     // Own node: allowed (the agent's records and its eviction above went through the same checks).
-    annotate(&ids.agent.client, ns_b, "other-b", "gpubudget.io/e2e-probe", Some("own-node"))
+    patch_pod(&ids.agent.client, ns_b, "other-b", annotate("gpubudget.io/e2e-probe", Some("own-node")))
         .await
         .expect("the agent annotates a pod of its own node");
-    annotate(&ids.agent.client, ns_b, "other-b", "gpubudget.io/e2e-probe", None).await.expect("and removes it");
+    patch_pod(&ids.agent.client, ns_b, "other-b", annotate("gpubudget.io/e2e-probe", None))
+        .await
+        .expect("and removes it");
     run.info(&format!("allowed: the agent of {node} annotates other-b (on {node})"));
     let over = Some("Over");
     refused(
         run,
         "not on its node",
         &format!("the agent of {node} annotating remote-a (on {node2})"),
-        annotate(&ids.agent.client, ns_a, "remote-a", "gpubudget.io/state", over).await,
+        patch_pod(&ids.agent.client, ns_a, "remote-a", annotate("gpubudget.io/state", over)).await,
     );
     refused(
         run,
@@ -570,7 +541,7 @@ async fn node_restriction(core: &Core) {
         run,
         "not on its node",
         &format!("the agent of {node2} annotating other-b (on {node})"),
-        annotate(&ids.agent2.client, ns_b, "other-b", "gpubudget.io/state", over).await,
+        patch_pod(&ids.agent2.client, ns_b, "other-b", annotate("gpubudget.io/state", over)).await,
     );
     refused(
         run,
@@ -582,7 +553,7 @@ async fn node_restriction(core: &Core) {
         run,
         "carries no node",
         "the agent's identity with an unbound token annotating other-b",
-        annotate(&ids.unbound.client, ns_b, "other-b", "gpubudget.io/state", over).await,
+        patch_pod(&ids.unbound.client, ns_b, "other-b", annotate("gpubudget.io/state", over)).await,
     );
     refused(
         run,
@@ -616,7 +587,7 @@ async fn node_restriction(core: &Core) {
         run,
         "only the agent may set, change or remove them",
         &format!("the tenant (edit in {ns_a}) forging trainer's record"),
-        annotate(&ids.tenant.client, ns_a, "trainer", "gpubudget.io/state", Some("Within")).await,
+        patch_pod(&ids.tenant.client, ns_a, "trainer", annotate("gpubudget.io/state", Some("Within"))).await,
     );
     let forged_pod: Pod = serde_json::from_value(json!({
         "metadata": {"name": "forged", "namespace": ns_a,
@@ -663,7 +634,7 @@ async fn node_restriction(core: &Core) {
         run,
         "forbidden",
         &format!("the tenant (edit in {ns_a}) reading the nodes' usage"),
-        Api::<DynamicObject>::all_with(ids.tenant.client.clone(), &gvk("GpuNodeUsage"))
+        Api::<DynamicObject>::all_with(ids.tenant.client.clone(), &gpubudget_resource("GpuNodeUsage"))
             .list(&ListParams::default())
             .await,
     );
@@ -675,7 +646,7 @@ async fn node_restriction(core: &Core) {
     apply_as(&ids.agent2.client, &owned, "")
         .await
         .expect("the agent of node 2 names its Node as its usage object's owner");
-    annotate(&ids.tenant.client, ns_a, "trainer", "team.example/owner", Some("me"))
+    patch_pod(&ids.tenant.client, ns_a, "trainer", annotate("team.example/owner", Some("me")))
         .await
         .expect("the tenant sets its own annotation");
     run.info("allowed: the tenant's own annotations on its pods");
@@ -708,9 +679,10 @@ async fn mirrors(core: &Core) {
         },
     )
     .await;
-    let mirrors = Api::<DynamicObject>::namespaced_with(run.admin.clone(), ns_a, &gvk("GpuMemoryBudgetMirror"));
+    let mirrors =
+        Api::<DynamicObject>::namespaced_with(run.admin.clone(), ns_a, &gpubudget_resource("GpuMemoryBudgetMirror"));
     let mirror = mirrors.get("llm-inference").await.expect("the mirror");
-    let budget = Api::<DynamicObject>::namespaced_with(run.admin.clone(), ns_a, &gvk("GpuMemoryBudget"))
+    let budget = Api::<DynamicObject>::namespaced_with(run.admin.clone(), ns_a, &gpubudget_resource("GpuMemoryBudget"))
         .get("llm-inference")
         .await
         .expect("the budget");
@@ -731,10 +703,16 @@ async fn mirrors(core: &Core) {
     let mut forged: DynamicObject = mirror.clone();
     forged.metadata =
         kube::core::ObjectMeta { name: Some("forged".into()), namespace: Some(ns_a.clone()), ..Default::default() };
-    let tenant_mirrors =
-        Api::<DynamicObject>::namespaced_with(core.ids.tenant.client.clone(), ns_a, &gvk("GpuMemoryBudgetMirror"));
-    let agent_mirrors =
-        Api::<DynamicObject>::namespaced_with(core.ids.agent.client.clone(), ns_a, &gvk("GpuMemoryBudgetMirror"));
+    let tenant_mirrors = Api::<DynamicObject>::namespaced_with(
+        core.ids.tenant.client.clone(),
+        ns_a,
+        &gpubudget_resource("GpuMemoryBudgetMirror"),
+    );
+    let agent_mirrors = Api::<DynamicObject>::namespaced_with(
+        core.ids.agent.client.clone(),
+        ns_a,
+        &gpubudget_resource("GpuMemoryBudgetMirror"),
+    );
     refused(
         run,
         "forbidden",
@@ -1007,7 +985,7 @@ async fn leader_crash(core: &mut Core) {
 async fn node_deleted(core: &Core) {
     let (run, ns_a, node2) = (&core.run, &core.ns_a, &core.node2);
     run.say("a Node deleted: the garbage collector deletes its GpuNodeUsage with it");
-    let usages = Api::<DynamicObject>::all_with(run.admin.clone(), &gvk("GpuNodeUsage"));
+    let usages = Api::<DynamicObject>::all_with(run.admin.clone(), &gpubudget_resource("GpuNodeUsage"));
     let usage = usages.get(node2).await.unwrap_or_else(|e| panic!("no GpuNodeUsage {node2} to collect: {e}"));
     run.gone(ns_a, "remote-a", &[4106]).await;
     Api::<Node>::all(run.admin.clone()).delete(node2, &DeleteParams::default()).await.expect("node 2 deleted");
