@@ -2,7 +2,7 @@
 # The one shell library of the end-to-end scripts: every e2e script sources it (e2e/cluster/*.sh and stories/,
 # e2e/apiserver/*.sh, e2e/gpu/*.sh, e2e/gpu-node/*.sh), directly or through its tier's file (e2e/cluster/lib.sh,
 # e2e/cluster/nri-lib.sh, e2e/gpu/lib.sh, e2e/gpu-node/lib.sh), which only adds that tier's setup and helpers and
-# redefines none of these (.ci/workflows.sh checks it). Sourced (once), not run. Bash is kept
+# redefines none of these (.ci/workflows.sh checks it). Sourced, not run. Bash is kept
 # for machine setup (a node, containerd, a GPU); the stories on a real API server are Rust (e2e/tests/apiserver.rs).
 #
 # Output and failure, one format for every tier:
@@ -29,12 +29,13 @@
 # missing), HELM (default: helm in PATH, else the Helm .ci/helm.sh caches), GPUBUDGET_E2E_STEP_TIMEOUT,
 # GPUBUDGET_E2E_KEEP=1 keeps the namespaces, nodes and processes' logs, REALK8S (default /work/shared/realk8s):
 # where up.sh/down.sh are. Sourcing it sets HELM (below).
-E2E_T0=$(date +%s.%N)
+# (Sourced again, as a tier's file and a script may both source it, it keeps what is set.)
+E2E_T0=${E2E_T0:-$(date +%s.%N)}
 START=${START:-$SECONDS}
 STEP_TIMEOUT=${STEP_TIMEOUT:-${GPUBUDGET_E2E_STEP_TIMEOUT:-60}}
 POLL=${POLL:-1}
 FAILED=${FAILED:-0}
-FAILURES=()
+[ -n "${FAILURES+set}" ] || FAILURES=()
 
 elapsed() { awk -v a="$E2E_T0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}'; }
 say() { printf '\n=== [%s s] %s\n' "$(elapsed)" "$*"; }
