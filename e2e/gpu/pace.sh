@@ -31,6 +31,7 @@ COUNTS=${COUNTS:-"6 16 64"}
 WINDOW=${WINDOW:-60}
 WORK=$(mktemp -d /tmp/gpubudget-pace.XXXX)
 mkdir -p "$OUT"
+# shellcheck source=e2e/gpu/lib.sh
 source e2e/gpu/lib.sh
 AGENTS=()
 
