@@ -2,8 +2,8 @@
 # The one shell library of the end-to-end scripts: every e2e script sources it (e2e/cluster/*.sh and stories/,
 # e2e/apiserver/*.sh, e2e/gpu/*.sh, e2e/gpu-node/*.sh), directly or through its tier's file (e2e/cluster/lib.sh,
 # e2e/cluster/nri-lib.sh, e2e/gpu/lib.sh, e2e/gpu-node/lib.sh), which only adds that tier's setup and helpers and
-# redefines none of these (.ci/workflows.sh checks it). Sourced, not run. Bash is kept
-# for machine setup (a node, containerd, a GPU); the stories on a real API server are Rust (e2e/tests/apiserver.rs).
+# redefines none of these (.ci/e2e-lib.sh checks it, and these functions). Sourced, not run. Bash is kept for
+# machine setup (a node, containerd, a GPU); the stories on a real API server are Rust (e2e/tests/apiserver.rs).
 #
 # Output and failure, one format for every tier:
 #   say MESSAGE...          a step: a blank line, then "=== [<seconds since the lib was sourced> s] MESSAGE"
@@ -159,7 +159,6 @@ timed() {
   echo "$t"
 }
 
-# stop_process PID: SIGTERM, then wait (at most 25 s), then SIGKILL. Nothing when PID is empty or gone.
 # delete_release_objects RELEASE [KINDS]: the cluster-scoped objects a test release left (named after it), of
 # KINDS (default: the admission policies and their bindings, ClusterRoles and their bindings); failures ignored.
 delete_release_objects() {
@@ -167,6 +166,7 @@ delete_release_objects() {
   kubectl get "$kinds" -o name 2>/dev/null | grep "/$1" | xargs -r kubectl delete --ignore-not-found >/dev/null 2>&1 || true
 }
 
+# stop_process PID: SIGTERM, then wait (at most 25 s), then SIGKILL. Nothing when PID is empty or gone.
 stop_process() {
   local pid=$1
   [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0
