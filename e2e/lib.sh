@@ -1,13 +1,73 @@
 # shellcheck shell=bash
-# Shell helpers shared by the end-to-end scripts (e2e/cluster/*.sh, e2e/apiserver/*.sh). Sourced, not run. (The
-# real API server's stories that are ported are Rust tests: e2e/tests/apiserver.rs.)
-# Environment: GPUBUDGET_E2E_BIN (default target/release; built with `cargo build --release` when missing), HELM
-# (default: helm in PATH, else the Helm .ci/helm.sh caches), GPUBUDGET_E2E_STEP_TIMEOUT (default 60 s per wait, where
-# the script reads it), GPUBUDGET_E2E_KEEP=1 keeps the namespaces, nodes and processes' logs, REALK8S (default
-# /work/shared/realk8s): where up.sh/down.sh are.
-# The script sets START (its $SECONDS at start), STEP_TIMEOUT (seconds a wait_for may take) and POLL (seconds
-# between two tries of wait_for) before calling them; kubectl talks to the cluster of KUBECONFIG. Sourcing it sets
-# HELM (below).
+# The one shell library of the end-to-end scripts: every e2e script sources it (e2e/cluster/*.sh and stories/,
+# e2e/apiserver/*.sh, e2e/gpu/*.sh, e2e/gpu-node/*.sh), directly or through its tier's file (e2e/cluster/lib.sh,
+# e2e/cluster/nri-lib.sh, e2e/gpu/lib.sh, e2e/gpu-node/lib.sh), which only adds that tier's setup and helpers and
+# redefines none of these (.ci/e2e-lib.sh checks it, and these functions). Sourced, not run. Bash is kept for
+# machine setup (a node, containerd, a GPU); the stories on a real API server are Rust (e2e/tests/apiserver.rs).
+#
+# Output and failure, one format for every tier:
+#   say MESSAGE...          a step: a blank line, then "=== [<seconds since the lib was sourced> s] MESSAGE"
+#   info MESSAGE...         a line under it: "    [<seconds> s] MESSAGE"
+#   die MESSAGE...          fatal: "FAIL: MESSAGE" on stderr, then the function ON_DIE names (if set: a tier's
+#                           diagnosis), then exit 1
+#   record_fail MESSAGE...  not fatal: "    FAIL: MESSAGE", and FAILED=1 with MESSAGE appended to FAILURES; the
+#                           script goes on and exits nonzero at its end (failures_exit)
+#   pass MESSAGE...         "    PASS: MESSAGE"
+#   failures_exit           the end of a recording script: say "PASS (N s since START)", or the FAILURES listed,
+#                           say "FAILED (N s)" and exit 1
+#   elapsed                 the seconds since the lib was sourced (one decimal)
+# Waiting, one signature:
+#   wait_for DESCRIPTION COMMAND...   COMMAND retried (quietly) every POLL seconds until it succeeds (then info
+#                           "ok: DESCRIPTION"), or die after STEP_TIMEOUT seconds. One wait with its own bound:
+#                           STEP_TIMEOUT=30 wait_for ...
+#   until_ok SECONDS COMMAND...       the same without a word: status 0 once COMMAND succeeded, 1 after SECONDS
+# The script may set START (its $SECONDS at start; default: when the lib was sourced), STEP_TIMEOUT (default
+# GPUBUDGET_E2E_STEP_TIMEOUT, else 60) and POLL (default 1) before or after sourcing it.
+#
+# The Kubernetes helpers below (the chart, pods, events, annotations, budgets' status) talk to the cluster of
+# KUBECONFIG. Environment: GPUBUDGET_E2E_BIN (default target/release; built with `cargo build --release` when
+# missing), HELM (default: helm in PATH, else the Helm .ci/helm.sh caches), GPUBUDGET_E2E_STEP_TIMEOUT,
+# GPUBUDGET_E2E_KEEP=1 keeps the namespaces, nodes and processes' logs, REALK8S (default /work/shared/realk8s):
+# where up.sh/down.sh are. Sourcing it sets HELM (below).
+# (Sourced again, as a tier's file and a script may both source it, it keeps what is set.)
+E2E_T0=${E2E_T0:-$(date +%s.%N)}
+START=${START:-$SECONDS}
+STEP_TIMEOUT=${STEP_TIMEOUT:-${GPUBUDGET_E2E_STEP_TIMEOUT:-60}}
+POLL=${POLL:-1}
+FAILED=${FAILED:-0}
+[ -n "${FAILURES+set}" ] || FAILURES=()
+
+elapsed() { awk -v a="$E2E_T0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}'; }
+say() { printf '\n=== [%s s] %s\n' "$(elapsed)" "$*"; }
+info() { printf '    [%s s] %s\n' "$(elapsed)" "$*"; }
+die() {
+  printf 'FAIL: %s\n' "$*" >&2
+  [ -z "${ON_DIE:-}" ] || "$ON_DIE" || true
+  exit 1
+}
+record_fail() { printf '    FAIL: %s\n' "$*"; FAILED=1; FAILURES+=("$*"); }
+pass() { printf '    PASS: %s\n' "$*"; }
+failures_exit() {
+  if [ "$FAILED" = 0 ]; then say "PASS ($((SECONDS - START)) s)"; return 0; fi
+  [ "${#FAILURES[@]}" = 0 ] || printf '    %s\n' "${FAILURES[@]}"
+  say "FAILED ($((SECONDS - START)) s)"
+  exit 1
+}
+
+until_ok() {
+  local deadline=$((SECONDS + $1))
+  shift
+  until "$@" >/dev/null 2>&1; do
+    [ "$SECONDS" -lt "$deadline" ] || return 1
+    sleep "$POLL"
+  done
+}
+wait_for() {
+  local what=$1
+  shift
+  until_ok "$STEP_TIMEOUT" "$@" || die "timed out after ${STEP_TIMEOUT}s waiting for: $what"
+  info "ok: $what"
+}
 
 # The helm binary: $HELM, else helm from PATH, else the one .ci/helm.sh installs (empty when none).
 HELM=${HELM:-$(command -v helm || find /tmp/gpubudget-ci-cache/helm -type f -name helm 2>/dev/null | head -n1 || true)}
@@ -43,24 +103,7 @@ control_plane_or_skip() {
   for binary in "$@"; do [ -x "$BIN/$binary" ] || missing+=(-p "$binary"); done
   [ "${#missing[@]}" = 0 ] || (cd "$REPO" && cargo build --release "${missing[@]}")
   # shellcheck disable=SC2015 # both tests must hold
-  [ -n "$HELM" ] && [ -x "$HELM" ] || { echo "FAIL: no helm (3.10 or newer): put it in PATH, set HELM, or run bash .ci/helm.sh once" >&2; exit 1; }
-}
-
-say() { printf '\n=== [%3ds] %s\n' "$((SECONDS - START))" "$*"; }
-info() { printf '    %s\n' "$*"; }
-die() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
-
-# wait_for DESCRIPTION COMMAND...: retries COMMAND (quietly) every POLL seconds until it succeeds or
-# STEP_TIMEOUT passes.
-wait_for() {
-  local what=$1
-  shift
-  local deadline=$((SECONDS + STEP_TIMEOUT))
-  until "$@" >/dev/null 2>&1; do
-    [ "$SECONDS" -lt "$deadline" ] || die "timed out after ${STEP_TIMEOUT}s waiting for: $what"
-    sleep "$POLL"
-  done
-  info "ok: $what"
+  [ -n "$HELM" ] && [ -x "$HELM" ] || die "no helm (3.10 or newer): put it in PATH, set HELM, or run bash .ci/helm.sh once"
 }
 
 # annotation NAMESPACE POD KEY: the pod's gpubudget.io/KEY annotation.
@@ -121,7 +164,28 @@ event_count() { events "$@" | jq 'length'; }
 event_occurrences() { events "$@" | jq '[.[] | (.series.count // 1)] | add // 0'; }
 event_messages() { events "$@" | jq -r '.[].note'; }
 has_event() { [ "$(event_count "$@")" -gt 0 ]; }
+# core_event_messages NAMESPACE POD REASON: the messages of the pod's core v1 Events (by involvedObject) with that
+# reason: the kubelet's and kubectl's events, and the agent's on a real cluster, are core ones.
+core_event_messages() {
+  kubectl get events -n "$1" --field-selector "involvedObject.kind=Pod,involvedObject.name=$2,reason=$3" \
+    -o jsonpath='{range .items[*]}{.message}{"\n"}{end}'
+}
+has_core_event() { [ -n "$(core_event_messages "$@")" ]; }
+# core_event_count NAMESPACE POD REASON: how many times the pod got that core v1 Event (a repeat counts as many).
+core_event_count() {
+  kubectl get events -n "$1" --field-selector "involvedObject.kind=Pod,involvedObject.name=$2,reason=$3" \
+    -o jsonpath='{range .items[*]}{.count}{"\n"}{end}' | awk '{n += ($1 == "" ? 1 : $1)} END {print n + 0}'
+}
 terminating() { [ -n "$(kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.deletionTimestamp}')" ]; }
+# pod_ready NAMESPACE POD [SECONDS]: kubectl wait for the pod's Ready condition (default 60 s); its status.
+pod_ready() { kubectl -n "$1" wait --for=condition=Ready "pod/$2" --timeout="${3:-60}s" >/dev/null; }
+# pod_gone NAMESPACE POD: the API server answers NotFound for it; pod_gone_or_terminating: that, or it is terminating.
+pod_gone() { [[ "$(kubectl get pod "$2" -n "$1" -o name 2>&1)" == *NotFound* ]]; }
+pod_gone_or_terminating() {
+  local out
+  out=$(kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.deletionTimestamp}' 2>&1) && [ -n "$out" ] && return 0
+  [[ "$out" == *NotFound* ]]
+}
 # ready HOST:PORT: a binary's admin port answers /ready with 200.
 ready() { curl -fsS "http://$1/ready" >/dev/null; }
 

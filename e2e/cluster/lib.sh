@@ -1,8 +1,10 @@
-# Shell helpers of the real-cluster suite (e2e/cluster/run.sh and its stories/): sourced, not run, after e2e/lib.sh,
-# whose event_messages and has_event these replace (core v1 Events by involvedObject here, not events.k8s.io/v1:
-# the kubelet's and kubectl's events are core ones). Defining them runs nothing; they use the run's variables, which
-# run.sh sets (NS, NS_A..NS_D, ID, RELEASE, AGENT_SA, SAMPLE_CM, WORK, HOST_PROC, DRAIN, PAUSE_IMAGE, ...).
 # shellcheck shell=bash disable=SC2154 # the run's variables are set by run.sh
+# The real-cluster suite's own helpers (e2e/cluster/run.sh and its stories/), on top of e2e/lib.sh (sourced here;
+# output, failure, waits and the events' helpers are its: core v1 Events are has_core_event and
+# core_event_messages). Sourced, not run; defining them runs nothing; they use the run's variables, which run.sh
+# sets (NS, NS_A..NS_D, ID, RELEASE, AGENT_SA, SAMPLE_CM, WORK, HOST_PROC, DRAIN, PAUSE_IMAGE, ...).
+# shellcheck source=../lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 
 diagnostics() {
   say "diagnostics"
@@ -50,19 +52,6 @@ unadvertise_gpu() {
     done
   done
 }
-
-# event_messages NAMESPACE POD REASON: the messages of the pod's events with that reason.
-event_messages() {
-  kubectl get events -n "$1" --field-selector "involvedObject.kind=Pod,involvedObject.name=$2,reason=$3" \
-    -o jsonpath='{range .items[*]}{.message}{"\n"}{end}'
-}
-has_event() { [ -n "$(event_messages "$@")" ]; }
-pod_gone_or_terminating() {
-  local out
-  out=$(kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.deletionTimestamp}' 2>&1) && [ -n "$out" ] && return 0
-  [[ "$out" == *NotFound* ]]
-}
-pod_gone() { [[ "$(kubectl get pod "$2" -n "$1" -o name 2>&1)" == *NotFound* ]]; }
 
 # make_pod NAMESPACE NAME LABELS(k=v,...) [META] [SPEC] [CONTAINER] [LIMITS]: a pause pod; META, SPEC and CONTAINER
 # are more fields of its metadata, spec and container (YAML lines, e.g. "schedulerName: kai-scheduler"), LIMITS

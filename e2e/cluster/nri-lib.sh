@@ -2,6 +2,9 @@
 # Helpers of the NRI checks on the realk8s node tier with containerd 2 (nri-probe.sh, runtime-caps.sh): sourced, not
 # run. They read the node from the host: containerd 2's `ctr` (the caller puts /tmp/realk8s/containerd2/bin first in
 # PATH and sets CONTAINERD_SUPPRESS_DEPRECATION_WARNINGS=1), /proc, and containerd's log; kubectl for pod status.
+# Sources e2e/lib.sh (say, info, die, record_fail, wait_for, pod_ready, ...), so a script needs only this file.
+# shellcheck source=../lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 
 # nri_task_pid NAMESPACE POD [CONTAINER]: the host PID of the container's task (the pod's first container when none is
 # named). Nothing (status 1) while the container has no id.

@@ -19,10 +19,9 @@ D=${REALK8S_DIR:-/tmp/realk8s}; N=$D/run/node
 export KUBECONFIG=${KUBECONFIG:-$D/run/kubeconfig} CONTAINERD_SUPPRESS_DEPRECATION_WARNINGS=1
 export PATH=$D/containerd2/bin:$D/bin:$PATH
 SOCK=${NRI_SOCKET:-/var/run/nri/nri.sock}; PODS=${NRI_PROBE_PODS:-5}
-WORK=$(mktemp -d /tmp/nri-probe.XXXXXX); NS=nri-probe-$$; PROBE=; FAILED=0
-say() { echo "nri-probe: $*" >&2; }
-fail() { say "FAIL: $*"; FAILED=1; }
-die() { say "$*"; exit 1; }
+WORK=$(mktemp -d /tmp/nri-probe.XXXXXX); NS=nri-probe-$$; PROBE=
+# shellcheck source=nri-lib.sh
+. "$ROOT/e2e/cluster/nri-lib.sh"
 
 kubectl get --raw /readyz >/dev/null 2>&1 || die "no API server (eval \"\$(bash /work/shared/realk8s/up.sh)\")"
 [ -S "$SOCK" ] || die "no NRI socket $SOCK (REALK8S_CONTAINERD=2 bash /work/shared/realk8s/node-up.sh)"
@@ -59,9 +58,6 @@ spec:
   - {name: c, image: "local/busybox:1", imagePullPolicy: Never, command: [sleep, "3600"]}
 YAML
 }
-ready() { kubectl -n "$NS" wait --for=condition=Ready "pod/$1" --timeout="${2:-60}s" >/dev/null; }
-# shellcheck source=nri-lib.sh
-. "$ROOT/e2e/cluster/nri-lib.sh"
 environ() { nri_environ "$NS" "$1"; }   # environ POD: the container's environment, read on the host
 sandbox() { nri_sandbox "$NS" "$1"; }   # the pod's sandbox id
 create_ms() { nri_create_ms "$@"; }     # create_ms LOG SANDBOX_ID...: CRI CreateContainer durations (ms)
@@ -69,19 +65,19 @@ median() { nri_pct 0.5; }
 
 say "1. adjust"
 probe_start
-pod adjusted && ready adjusted
-if environ adjusted | grep -qx 'GPUBUDGET_NRI_PROBE=c'; then say "   GPUBUDGET_NRI_PROBE=c is in the container's environ"
-else fail "GPUBUDGET_NRI_PROBE missing from the container's environ"; fi
+pod adjusted && pod_ready "$NS" adjusted
+if environ adjusted | grep -qx 'GPUBUDGET_NRI_PROBE=c'; then info "GPUBUDGET_NRI_PROBE=c is in the container's environ"
+else record_fail "GPUBUDGET_NRI_PROBE missing from the container's environ"; fi
 
 say "2. timing ($PODS pods with the probe, $PODS without)"
-for i in $(seq 1 "$PODS"); do pod "with-$i"; ready "with-$i"; done
+for i in $(seq 1 "$PODS"); do pod "with-$i"; pod_ready "$NS" "with-$i"; done
 probe_stop
-for i in $(seq 1 "$PODS"); do pod "without-$i"; ready "without-$i"; done
+for i in $(seq 1 "$PODS"); do pod "without-$i"; pod_ready "$NS" "without-$i"; done
 cp "$N/containerd.log" "$WORK/containerd-1.log"
 with=$(for i in $(seq 1 "$PODS"); do create_ms "$WORK/containerd-1.log" "$(sandbox "with-$i")"; done | median)
 without=$(for i in $(seq 1 "$PODS"); do create_ms "$WORK/containerd-1.log" "$(sandbox "without-$i")"; done | median)
 probe_us=$(grep -o 'adjusted in [0-9]* µs' "$WORK/probe.log" | awk '{print $3}' | median)
-say "   CRI CreateContainer median: ${with} ms with the probe, ${without} ms without; probe handler median ${probe_us} µs"
+info "CRI CreateContainer median: ${with} ms with the probe, ${without} ms without; probe handler median ${probe_us} µs"
 
 say "3. refusal"
 probe_start NRI_PROBE_REFUSE="gpubudget-probe refuses this container"
@@ -89,17 +85,17 @@ pod refused; sleep 20
 kubectl -n "$NS" get pod refused -o jsonpath='{.status.containerStatuses[0].state}{"\n"}' | tee "$WORK/refused-state.json" >&2
 kubectl -n "$NS" get events --field-selector involvedObject.name=refused \
   -o custom-columns=REASON:.reason,COUNT:.count,MESSAGE:.message --no-headers | tee "$WORK/refused-events.txt" >&2
-grep -q 'gpubudget-probe refuses this container' "$WORK/refused-events.txt" || fail "the refusal reason is not in the pod's events"
+grep -q 'gpubudget-probe refuses this container' "$WORK/refused-events.txt" || record_fail "the refusal reason is not in the pod's events"
 refusals=$(grep -c 'refused in' "$WORK/probe.log" || true)
 probe_stop; t0=$(date +%s.%N)
-ready refused 120 && say "   after the probe stopped the pod became Ready in $(echo "$(date +%s.%N) - $t0" | bc) s; probe refused $refusals creations"
+pod_ready "$NS" refused 120 && info "after the probe stopped the pod became Ready in $(echo "$(date +%s.%N) - $t0" | bc) s; probe refused $refusals creations"
 
 say "4. probe killed (SIGKILL)"
 probe_start; probe_stop KILL; t0=$(date +%s.%N)
 pod after-kill
-if ready after-kill 60; then say "   a pod created after the kill was Ready in $(echo "$(date +%s.%N) - $t0" | bc) s"
-  ! environ after-kill | grep -q GPUBUDGET_NRI_PROBE || fail "env set without a plugin?"
-else fail "no container created after the plugin died"; fi
+if pod_ready "$NS" after-kill 60; then info "a pod created after the kill was Ready in $(echo "$(date +%s.%N) - $t0" | bc) s"
+  ! environ after-kill | grep -q GPUBUDGET_NRI_PROBE || record_fail "env set without a plugin?"
+else record_fail "no container created after the plugin died"; fi
 
 say "5. containerd restart under a running probe"
 probe_start; before=$(registrations)
@@ -109,11 +105,11 @@ while kill -0 "$(cat "$N/containerd.pid")" 2>/dev/null; do sleep 0.1; done
 REALK8S_CONTAINERD=2 bash /work/shared/realk8s/node-up.sh >/dev/null 2>&1
 for _ in $(seq 1 600); do [ "$(registrations)" -gt "$before" ] && break; sleep 0.1; done
 if [ "$(registrations)" -gt "$before" ]; then
-  say "   the probe re-registered $(echo "$(date +%s.%N) - $t0" | bc) s after containerd was stopped"
-else fail "the probe did not re-register within 60 s"; fi
-if ! { pod after-restart && ready after-restart && environ after-restart | grep -qx 'GPUBUDGET_NRI_PROBE=c'; }; then
-  fail "no adjustment after the containerd restart"
+  info "the probe re-registered $(echo "$(date +%s.%N) - $t0" | bc) s after containerd was stopped"
+else record_fail "the probe did not re-register within 60 s"; fi
+if ! { pod after-restart && pod_ready "$NS" after-restart && environ after-restart | grep -qx 'GPUBUDGET_NRI_PROBE=c'; }; then
+  record_fail "no adjustment after the containerd restart"
 fi
 grep -E 'connection|NRI|registered' "$WORK/probe.log" | tail -6 >&2
 probe_stop
-if [ "$FAILED" = 0 ]; then say "PASS"; else say "FAILED"; exit 1; fi
+failures_exit

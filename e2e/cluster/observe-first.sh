@@ -17,7 +17,6 @@ HERE=$(cd "$(dirname "$0")" && pwd); REPO=$(cd "$HERE/../.." && pwd)
 REALK8S=${REALK8S:-/work/shared/realk8s}; D=${REALK8S_DIR:-/tmp/realk8s}; NODE=${REALK8S_NODE_NAME:-n1}
 export KUBECONFIG=${KUBECONFIG:-$D/run/kubeconfig} CONTAINERD_SUPPRESS_DEPRECATION_WARNINGS=1 REALK8S_DIR=$D
 BIN=${GPUBUDGET_E2E_BIN:-${CARGO_TARGET_DIR:-$REPO/target}/release}
-# shellcheck disable=SC2034 # read by e2e/lib.sh
 START=$SECONDS; STEP_TIMEOUT=${GPUBUDGET_E2E_STEP_TIMEOUT:-120}; POLL=0.2
 # shellcheck source=../lib.sh
 . "$REPO/e2e/lib.sh"
@@ -28,8 +27,6 @@ kubectl get --raw /readyz >/dev/null 2>&1 || die "no API server"
 LABEL="real node tier: kubelet 1.32, $(kubectl get node "$NODE" -o jsonpath='{.status.nodeInfo.containerRuntimeVersion}'), runc, $(nproc)-core VM, no GPU (usage replayed)"
 ID=$(date +%s | tail -c 6)$RANDOM; ID=${ID:0:8}
 NS=gpubudget-of-$ID; T=gpubudget-of-$ID-t; TAG=of-$ID
-FAILED=0
-pod_gone_or_terminating() { ! kubectl get pod -n "$1" "$2" >/dev/null 2>&1 || [ -n "$(kubectl get pod -n "$1" "$2" -o jsonpath='{.metadata.deletionTimestamp}')" ]; }
 cleanup() {
   local rc=$?
   set +e
@@ -92,8 +89,8 @@ wait_for "GpuMemoryWouldEvict on llm" has_event "$T" llm GpuMemoryWouldEvict
 info "figure: the sample written to GpuMemoryWouldEvict: $(since "$t0") s (overLimitSeconds 5, the kubelet's ConfigMap refresh included)"
 info "llm: $(event_messages "$T" llm GpuMemoryWouldEvict | head -n1)"
 sleep 20
-has_event "$T" llm EvictingForGpuMemory && { printf '    FAIL: llm got EvictingForGpuMemory while observing\n'; FAILED=1; }
-if [ -z "$(kubectl get pod -n "$T" llm -o jsonpath='{.metadata.deletionTimestamp}')" ]; then printf '    PASS: llm Running 20 s after it was due, not evicted\n'; else printf '    FAIL: llm is being deleted while observing\n'; FAILED=1; fi
+! has_event "$T" llm EvictingForGpuMemory || record_fail "llm got EvictingForGpuMemory while observing"
+if [ -z "$(kubectl get pod -n "$T" llm -o jsonpath='{.metadata.deletionTimestamp}')" ]; then pass "llm Running 20 s after it was due, not evicted"; else record_fail "llm is being deleted while observing"; fi
 kubectl get gmb -n "$T" | sed 's/^/    /'
 "$BIN/kubectl-gpubudget" why llm -n "$T" 2>&1 | sed 's/^/    why: /' | head -12
 
@@ -107,4 +104,4 @@ info "figure: the switch to llm terminating or gone: $(since "$t0") s"
 events_of() { kubectl get events -n "$T" --field-selector involvedObject.name=llm --sort-by=.lastTimestamp -o custom-columns=REASON:.reason,MESSAGE:.message | cut -c1-200 | sed 's/^/    /'; }
 events_of
 say "summary [$LABEL]"
-if [ "$FAILED" = 0 ]; then say "PASS ($((SECONDS - START)) s)"; else say "FAILED ($((SECONDS - START)) s)"; exit 1; fi
+failures_exit

@@ -14,17 +14,17 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
+# shellcheck source=../lib.sh
+. "$REPO/e2e/lib.sh"
 REALK8S=${REALK8S:-/work/shared/realk8s}
 TAG=${GPUBUDGET_E2E_TAG:-realk8s}
 export REALK8S_DIR=${REALK8S_DIR:-/tmp/realk8s}
 export KUBECONFIG=$REALK8S_DIR/run/kubeconfig
 for f in up.sh node-up.sh image.sh; do
-  [ -f "$REALK8S/$f" ] || { echo "FAIL: $REALK8S/$f not found (set REALK8S to the realk8s scripts)" >&2; exit 1; }
+  [ -f "$REALK8S/$f" ] || die "$REALK8S/$f not found (set REALK8S to the realk8s scripts)"
 done
 
-step() { printf '\n### %s\n' "$*"; }
-
-step "release binaries (the Dockerfiles' build: cargo build --release --locked -p <crate>)"
+say "release binaries (the Dockerfiles' build: cargo build --release --locked -p <crate>)"
 (cd "$REPO" && cargo build --release --locked -p gpubudget-agent -p gpubudget-operator)
 
 STARTED_CP=0
@@ -37,7 +37,7 @@ stop_started() {
 }
 trap stop_started EXIT
 
-step "the real node"
+say "the real node"
 if ! kubectl get --raw /readyz >/dev/null 2>&1; then
   eval "$(REALK8S_ADVERTISE=10.88.0.1 bash "$REALK8S/up.sh")"
   STARTED_CP=1
@@ -48,19 +48,19 @@ if [ "$(kubectl get node "${REALK8S_NODE_NAME:-n1}" -o jsonpath='{.status.condit
 fi
 kubectl get nodes -o wide | sed 's/^/    /'
 
-step "images from the release binaries (entrypoint as in docker/*.Dockerfile)"
+say "images from the release binaries (entrypoint as in docker/*.Dockerfile)"
 for comp in agent operator; do
   entry=$(sed -n 's/^ENTRYPOINT \["\([^"]*\)"\]$/\1/p' "$REPO/docker/$comp.Dockerfile")
-  [ "$entry" = "/usr/local/bin/gpubudget-$comp" ] || { echo "FAIL: docker/$comp.Dockerfile ENTRYPOINT: '$entry'" >&2; exit 1; }
+  [ "$entry" = "/usr/local/bin/gpubudget-$comp" ] || die "docker/$comp.Dockerfile ENTRYPOINT: '$entry'"
   bash "$REALK8S/image.sh" "gpubudget/gpubudget-$comp:$TAG" "$entry" "$REPO/target/release/gpubudget-$comp=$entry" \
     | sed 's/^/    /'
 done
 
-step "the chart as a release ships it (helm package, as .github/workflows/release.yml does)"
+say "the chart as a release ships it (helm package, as .github/workflows/release.yml does)"
 PKG=$(mktemp -d)
 helm package "$REPO/charts/gpubudget" -d "$PKG" | sed 's/^/    /'
 
-step "e2e/cluster/run.sh on the node"
+say "e2e/cluster/run.sh on the node"
 GPUBUDGET_E2E_CHART=$(ls "$PKG"/gpubudget-*.tgz) \
 GPUBUDGET_E2E_TAG=$TAG \
   GPUBUDGET_E2E_DRAIN=1 \

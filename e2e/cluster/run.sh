@@ -8,7 +8,8 @@
 #   KUBECONFIG=~/.kube/config e2e/cluster/run.sh caps drain   # the setup, these stories and those they need
 #
 # Each story is a file of stories/ (NN-name.sh, run in the order of NN, sourced into this shell: a story leaves what
-# later ones read in the run's variables); the helpers they share are in lib.sh and ../lib.sh. A story named on the
+# later ones read in the run's variables); the helpers they share are in lib.sh (which sources ../lib.sh, the one
+# shell library of the e2e scripts: say, info, die, wait_for, ...). A story named on the
 # command line runs after stories/01-setup.sh and after the stories its "# needs:" line names.
 #
 # Without KUBECONFIG, or when `kubectl version` cannot reach the cluster, it prints how to run it and exits 0.
@@ -31,6 +32,8 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
+# shellcheck source=lib.sh
+. "$HERE/lib.sh"
 
 usage() {
   cat <<EOF
@@ -55,7 +58,7 @@ story_file() { local f=("$HERE"/stories/[0-9][0-9]-"$1".sh); [ ! -f "${f[0]}" ] 
 declare -A WANTED=()
 want() { # STORY: it and the stories its "# needs:" line names
   local need
-  [ -n "$(story_file "$1")" ] || { echo "FAIL: no story $1 (the stories: ${ALL_STORIES[*]})" >&2; exit 1; }
+  [ -n "$(story_file "$1")" ] || die "no story $1 (the stories: ${ALL_STORIES[*]})"
   # shellcheck disable=SC2013 # the needs are words
   for need in $(sed -n 's/^# needs: \([a-z -]*\).*/\1/p' "$(story_file "$1")"); do want "$need"; done
   WANTED[$1]=1
@@ -84,11 +87,9 @@ HOST_PROC=${GPUBUDGET_E2E_HOST_PROC:-}
 SHELL_IMAGE=${GPUBUDGET_E2E_SHELL_IMAGE:-}
 DRAIN=${GPUBUDGET_E2E_DRAIN:-0}
 ADVERTISE_GPU=${GPUBUDGET_E2E_ADVERTISE_GPU:-0}
-[ -z "$HOST_PROC" ] || [ -n "$SHELL_IMAGE" ] || { echo "FAIL: GPUBUDGET_E2E_HOST_PROC needs GPUBUDGET_E2E_SHELL_IMAGE" >&2; exit 1; }
-# shellcheck source=../lib.sh
-. "$REPO/e2e/lib.sh"
+[ -z "$HOST_PROC" ] || [ -n "$SHELL_IMAGE" ] || die "GPUBUDGET_E2E_HOST_PROC needs GPUBUDGET_E2E_SHELL_IMAGE"
 # shellcheck disable=SC2015 # both tests must hold
-[ -n "$HELM" ] && [ -x "$HELM" ] || { echo "FAIL: no helm (3.10 or newer): put it in PATH, set HELM, or run bash .ci/helm.sh once" >&2; exit 1; }
+[ -n "$HELM" ] && [ -x "$HELM" ] || die "no helm (3.10 or newer): put it in PATH, set HELM, or run bash .ci/helm.sh once"
 
 ID=$(date +%s | tail -c 6)$RANDOM
 ID=${ID:0:8}
@@ -111,8 +112,6 @@ DRAINED=""     # the node the drain story cordoned, until it is uncordoned
 ADVERTISED=""  # the node whose status the caps story patched to advertise GPUs, until the patch is undone
 
 POLL=2
-# shellcheck source=lib.sh
-. "$HERE/lib.sh"
 trap cleanup EXIT
 
 for story in "${ALL_STORIES[@]}"; do

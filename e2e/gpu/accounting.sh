@@ -35,8 +35,8 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-[ -x "$AGENT" ] || fail "no agent binary at $AGENT"
-command -v nvidia-cuda-mps-control > /dev/null || fail "no nvidia-cuda-mps-control"
+[ -x "$AGENT" ] || die "no agent binary at $AGENT"
+command -v nvidia-cuda-mps-control > /dev/null || die "no nvidia-cuda-mps-control"
 
 pod team-a/llm-0 1a2b3c4d-0000-4000-8000-000000000121
 pod team-b/embed-0 1a2b3c4d-0000-4000-8000-000000000122
@@ -71,7 +71,7 @@ agent() { # phase [flags]: the agent for a few seconds, its /metrics read while 
 
 say "phase plain: one process, no MPS"
 start plain team-a/llm-0 -- "${HOLD[@]}" --gib 2
-ready plain
+workloads_ready plain
 look plain
 stop_all
 
@@ -81,7 +81,7 @@ nvidia-cuda-mps-control -d
 start a1 team-a/llm-0 -- "${HOLD[@]}" --gib 2
 start a2 team-a/llm-0 -- "${HOLD[@]}" --gib 4
 start b1 team-b/embed-0 -- "${HOLD[@]}" --gib 3
-ready a1 a2 b1
+workloads_ready a1 a2 b1
 look mps
 agent mps
 stop_all
@@ -90,7 +90,7 @@ sleep 2
 
 say "phase blind: the agent in its own PID namespace"
 start blind team-a/llm-0 -- "${HOLD[@]}" --gib 8
-ready blind
+workloads_ready blind
 unshare --pid --fork --mount-proc "$AGENT" top --once --output json --no-api > "$WORK/blind-top.json"
 nvidia-smi --query-compute-apps=pid,used_memory,process_name --format=csv,noheader,nounits > "$WORK/blind-smi.csv"
 unshare --pid --fork --mount-proc "$AGENT" standalone --budgets "$WORK/budgets.yaml" --pods "$WORK/pods.yaml" \

@@ -36,8 +36,8 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-[ -x "$AGENT" ] || fail "no agent binary at $AGENT"
-command -v nvidia-cuda-mps-control > /dev/null || fail "no nvidia-cuda-mps-control"
+[ -x "$AGENT" ] || die "no agent binary at $AGENT"
+command -v nvidia-cuda-mps-control > /dev/null || die "no nvidia-cuda-mps-control"
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY" "$ELSEWHERE"
 R=$WORK/results.txt
 note() { printf '%s\n' "$*" | tee -a "$R"; }
@@ -110,7 +110,7 @@ run_case() {
   start "${case}_unset" team-c/unset -- env -u CUDA_MPS_PINNED_DEVICE_MEM_LIMIT python3 -u "$WORK/client.py" 1024 6144
   start "${case}_elsewhere" team-c/elsewhere CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=3072M \
     CUDA_MPS_PIPE_DIRECTORY="$ELSEWHERE" -- python3 -u "$WORK/client.py" 1024 6144
-  ready "${case}_capped" "${case}_unset" "${case}_elsewhere"
+  workloads_ready "${case}_capped" "${case}_unset" "${case}_elsewhere"
   for p in capped unset elsewhere; do
     pid_var=PID_${case}_$p
     echo "$case $p $(smi_used "${!pid_var}")" >> "$WORK/nvml.txt"
@@ -133,7 +133,7 @@ say "no-mps: the control daemon stopped"
 agent nomps
 sleep 1
 start nomps_capped team-c/capped CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=3072M -- python3 -u "$WORK/client.py" 1024 6144
-ready nomps_capped
+workloads_ready nomps_capped
 pid_var=PID_nomps_capped
 echo "nomps capped $(smi_used "${!pid_var}")" >> "$WORK/nvml.txt"
 sleep 10
@@ -143,7 +143,7 @@ say "slack: NVML's figure for a capped client at its first CUDA OOM (256 MiB ste
 mps_on
 for mib in 1024 3072 8192; do
   start "slack_$mib" "team-s/slack-$mib" "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=${mib}M" -- python3 -u "$WORK/client.py" 256 $((mib + 4096))
-  ready "slack_$mib"
+  workloads_ready "slack_$mib"
   pid_var=PID_slack_$mib
   echo "slack $mib $(smi_used "${!pid_var}")" >> "$WORK/nvml.txt"
   stop_all

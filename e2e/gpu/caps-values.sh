@@ -17,10 +17,12 @@ OUT=${OUT:-$(mktemp -d /tmp/gpubudget-caps-values-out.XXXX)}
 VALUES=${VALUES:-carry/caps-values.tsv}
 WORK=$(mktemp -d /tmp/gpubudget-caps-values.XXXX)
 mkdir -p "$OUT"
+# shellcheck source=e2e/lib.sh
+source e2e/lib.sh
 export CUDA_MPS_PIPE_DIRECTORY=$WORK/mps-pipe CUDA_MPS_LOG_DIRECTORY=$WORK/mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1 || true' EXIT
-[ -f "$VALUES" ] || { echo "FAIL: no $VALUES" >&2; exit 1; }
+[ -f "$VALUES" ] || die "no $VALUES"
 nvidia-cuda-mps-control -d
 sleep 1
 cat > "$WORK/client.py" <<'EOF'

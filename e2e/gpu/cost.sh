@@ -31,7 +31,8 @@ mkdir -p "$OUT"
 PIDS=()
 HZ=$(getconf CLK_TCK)
 
-say() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+# shellcheck source=e2e/lib.sh
+source e2e/lib.sh
 cleanup() {
   set +e
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
@@ -44,7 +45,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-[ -x "$AGENT" ] || { say "no agent binary at $AGENT"; exit 1; }
+[ -x "$AGENT" ] || die "no agent binary at $AGENT"
 GPU="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1) (x$(nvidia-smi -L | wc -l); processes spread over $GPUS)"
 : > "$WORK/pods.yaml"
 : > "$WORK/budgets.yaml"
@@ -66,7 +67,7 @@ grow_to() { # n: start processes until n run, wait until all are ready
     [ "$ready" -ge "$n" ] && break
     sleep 0.5
   done
-  [ "$n" -eq 0 ] || [ "$ready" -ge "$n" ] || { say "only $ready of $n workloads ready"; exit 1; }
+  [ "$n" -eq 0 ] || [ "$ready" -ge "$n" ] || die "only $ready of $n workloads ready"
   sleep 1
 }
 

@@ -42,7 +42,7 @@ PY
 note "$SYMS"
 HAS=no
 grep -q '^nvmlDeviceGetMemoryLimits_v1: present' <<< "$SYMS" && HAS=yes
-grep -q '^nvmlDeviceGetHandleByUUID: present' <<< "$SYMS" || fail "NVML without nvmlDeviceGetHandleByUUID: not NVML"
+grep -q '^nvmlDeviceGetHandleByUUID: present' <<< "$SYMS" || die "NVML without nvmlDeviceGetHandleByUUID: not NVML"
 
 note "## detect"
 DETECT=$("$AGENT" driver-limits)
@@ -51,7 +51,7 @@ note "$DETECT"
 note "## read"
 pod team-a/llm-0 5f0c4a8e-2b7d-4f8e-9a51-2d6c1e0b7a31
 start llm team-a/llm-0 -- python3 -u e2e/gpu/workload.py hold --gib 1
-ready llm
+workloads_ready llm
 CGROUP=$(scope team-a/llm-0)
 set +e
 READ=$("$AGENT" driver-limits --gpu "$UUID" "$CGROUP" 2>&1)
@@ -67,15 +67,15 @@ note "$TOP"
 note "## checks"
 if [ "$HAS" = no ]; then
   head -1 <<< "$DETECT" | grep -q '^driver-limits: unavailable: nvmlDeviceGetMemoryLimits_v1 is not in this driver' \
-    || fail "detection on a driver without the call: $DETECT"
+    || die "detection on a driver without the call: $DETECT"
   grep -q "driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader -i 0)" <<< "$DETECT" \
-    || fail "the unavailable line names the driver's version: $DETECT"
+    || die "the unavailable line names the driver's version: $DETECT"
   # shellcheck disable=SC2015 # fail when either test fails
   [ "$READ_RC" = 0 ] && head -1 <<< "$READ" | grep -q '^driver-limits: unavailable' \
-    || fail "a read on a driver without the call says unavailable and exits 0: $READ"
-  grep -q 'DRIVER CAP' <<< "$TOP" && fail "top shows a DRIVER CAP column where the driver cannot tell"
+    || die "a read on a driver without the call says unavailable and exits 0: $READ"
+  grep -q 'DRIVER CAP' <<< "$TOP" && die "top shows a DRIVER CAP column where the driver cannot tell"
   note "PASS: no per-cgroup limits in this driver; the agent says so and carries on"
 else
-  head -1 <<< "$DETECT" | grep -q '^driver-limits: available' || fail "the call is there, the agent says: $DETECT"
+  head -1 <<< "$DETECT" | grep -q '^driver-limits: available' || die "the call is there, the agent says: $DETECT"
   note "PASS (not checked further: a driver with the calls; its readings are above)"
 fi

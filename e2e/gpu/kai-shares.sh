@@ -21,7 +21,8 @@ AGENT=$WORK/gpubudget-agent
 mkdir -p "$OUT"
 # shellcheck source=e2e/gpu/lib.sh
 source e2e/gpu/lib.sh
-say() { printf '[%s] %s\n' "$(date +%H:%M:%S.%N | cut -c1-12)" "$*" | tee -a "$WORK/results.txt" >&2; }
+# say_result MESSAGE...: say, and the line kept in results.txt.
+say_result() { say "$@" | tee -a "$WORK/results.txt"; }
 cleanup() {
   lib_cleanup
   cp -f "$WORK/results.txt" "$OUT/" 2>/dev/null
@@ -32,8 +33,8 @@ trap cleanup EXIT
 
 if [ -n "${GPUBUDGET_AGENT_XZ:-}" ]; then xz -dc "$GPUBUDGET_AGENT_XZ" > "$AGENT"; else cp "${GPUBUDGET_AGENT:?}" "$AGENT"; fi
 chmod +x "$AGENT"
-say "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
-say "agent: $("$AGENT" --version)  torch: $(python3 -c 'import torch; print(torch.__version__)')"
+say_result "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
+say_result "agent: $("$AGENT" --version)  torch: $(python3 -c 'import torch; print(torch.__version__)')"
 
 # As KAI leaves a fractional pod (common/tests/fixtures/shares/kai-fraction.yaml): the annotation, its
 # scheduler, the devices from a ConfigMap, no nvidia.com/gpu.
@@ -56,7 +57,7 @@ spec: {selector: {}, limit: ${CARD_GIB}Gi, share: {}, action: Evict, overLimitSe
 EOF
 
 start quarter team-k/quarter -- python3 -u e2e/gpu/workload.py crosser --base-gib 12 --jump-gib 3 --cycles 100000 --hold 1
-ready quarter
+workloads_ready quarter
 "$AGENT" standalone --budgets "$WORK/budgets.yaml" --pods "$WORK/pods.yaml" --node-name "$NODE" --interval 250ms \
   --output "$WORK/agent.jsonl" 2> "$WORK/agent.err" &
 PIDS+=($!)
@@ -68,13 +69,13 @@ while python3 -c "import sys,time; sys.exit(0 if time.time() < $T0 + 90 else 1)"
   if [ -z "$evicted" ] && grep -q '"kind":"evict".*team-k/half\|team-k/half.*"kind":"evict"' "$WORK/agent.jsonl" 2>/dev/null; then
     evicted=$(date +%s.%N)
     kill -TERM "$PID_half" 2>/dev/null || true   # the kubelet's part
-    say "half evicted by the agent after $(python3 -c "print(f'{$evicted - $T0:.1f}')") s of growth; SIGTERM sent"
+    say_result "half evicted by the agent after $(python3 -c "print(f'{$evicted - $T0:.1f}')") s of growth; SIGTERM sent"
   fi
   if [ -n "$evicted" ] && python3 -c "import sys,time; sys.exit(0 if time.time() > $evicted + 10 else 1)"; then break; fi
   sleep 0.1
 done
 
-say "the agent's events:"
+say_result "the agent's events:"
 python3 - "$WORK" <<'PY' | tee -a "$WORK/results.txt"
 import json, sys
 work = sys.argv[1]
@@ -88,11 +89,11 @@ PY
 ups=$(grep -c '"up"' "$WORK/quarter.jsonl" || true)
 ooms=$(grep -ci 'out of memory' "$WORK/quarter.err" || true)
 alive=$(kill -0 "$PID_quarter" 2>/dev/null && echo running || echo stopped)
-say "quarter: $ups allocations of 3 GiB, CUDA out of memory $ooms times, $alive"
+say_result "quarter: $ups allocations of 3 GiB, CUDA out of memory $ooms times, $alive"
 top=$(grep '"step"' "$WORK/half.jsonl" | tail -1 | python3 -c 'import json,sys; print(round(json.loads(sys.stdin.read())["reserved"] / 2**30, 1))' 2>/dev/null || echo "?")
-say "half: reserved $top GiB at its last step"
-grep -q 'team-k/half.*GpuMemoryOverBudget.*KAI gpu-fraction 0.5 of' "$WORK/results.txt" || fail "no Over event for half naming its KAI share"
-[ -n "$evicted" ] || fail "half was not evicted"
-if grep -q 'team-k/quarter.*GpuMemoryOverBudget' "$WORK/results.txt"; then fail "quarter went over"; fi
-[ "$ooms" = 0 ] && [ "$alive" = running ] || fail "quarter met CUDA OOM or stopped"
-say "PASS: half held to its KAI share (0.5) and evicted; quarter (0.25) never over, never CUDA OOM"
+say_result "half: reserved $top GiB at its last step"
+grep -q 'team-k/half.*GpuMemoryOverBudget.*KAI gpu-fraction 0.5 of' "$WORK/results.txt" || die "no Over event for half naming its KAI share"
+[ -n "$evicted" ] || die "half was not evicted"
+if grep -q 'team-k/quarter.*GpuMemoryOverBudget' "$WORK/results.txt"; then die "quarter went over"; fi
+[ "$ooms" = 0 ] && [ "$alive" = running ] || die "quarter met CUDA OOM or stopped"
+say_result "PASS: half held to its KAI share (0.5) and evicted; quarter (0.25) never over, never CUDA OOM"

@@ -1,21 +1,25 @@
 # shellcheck shell=bash
-# Shared by the real-GPU scripts of issue 12 (accounting.sh, multi.sh): kubelet-shaped cgroups for fake pods,
-# processes started inside them, and the cleanup. Source it after `set -euo pipefail`; needs root and cgroup v2.
+# The tier file of the real-GPU scripts with fake pods (accounting.sh, cap-in-force.sh, driver-limits.sh,
+# kai-shares.sh, mps-caps.sh, multi.sh, pace.sh): e2e/lib.sh (sourced here: say, info, die, until_ok, wait_for, ...;
+# POLL 0.1 s), then kubelet-shaped cgroups for fake pods, processes started inside them, and the cleanup. Source it
+# from the repository root after `set -euo pipefail`; needs root and cgroup v2 (it makes the kubepods cgroups).
 #
 #   WORK=...; source e2e/gpu/lib.sh
 #   pod team-a/llm-0 <uid>          # makes the pod's cgroup and its container's, appends it to $WORK/pods.yaml
 #   start NAME team-a/llm-0 ENV... -- python3 ... # a process in that container's cgroup; its PID in PID_NAME
+#   workloads_ready NAME...         # each has logged its "ready" line (60 s at most)
+POLL=0.1
+# shellcheck source=../lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 CG=/sys/fs/cgroup
 NODE=${NODE:-gpu-e2e}
 PIDS=()
 CGROUPS=()
 declare -A UID_OF=()
 
-say() { printf '[%s] %s\n' "$(date +%H:%M:%S.%N | cut -c1-12)" "$*" >&2; }
-fail() { say "FAIL: $*"; exit 1; }
 cid() { printf '%s' "$1" | sha256sum | cut -c1-64; }
 
-[ "$(id -u)" = 0 ] || fail "run as root (cgroups are created under $CG)"
+[ "$(id -u)" = 0 ] || die "run as root (cgroups are created under $CG)"
 BURSTABLE=$CG/kubepods.slice/kubepods-burstable.slice
 for d in $CG/kubepods.slice "$BURSTABLE"; do [ -d "$d" ] || { mkdir "$d"; CGROUPS+=("$d"); }; done
 
@@ -55,11 +59,11 @@ start() {
   printf -v "PID_$name" '%s' "$!"
 }
 
-# ready NAME...: waits (60 s at most) until each has logged its "ready" line.
-ready() {
+# workloads_ready NAME...: waits (60 s at most) until each has logged its "ready" line.
+workloads_ready() {
+  local name
   for name in "$@"; do
-    for _ in $(seq 1 240); do grep -q '"ready"' "$WORK/$name.jsonl" 2>/dev/null && continue 2; sleep 0.25; done
-    fail "$name never became ready: $(tail -3 "$WORK/$name.err")"
+    until_ok 60 grep -q '"ready"' "$WORK/$name.jsonl" || die "$name never became ready: $(tail -3 "$WORK/$name.err")"
   done
 }
 

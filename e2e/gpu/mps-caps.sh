@@ -38,8 +38,8 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-[ -x "$AGENT" ] || fail "no agent binary at $AGENT"
-command -v nvidia-cuda-mps-control > /dev/null || fail "no nvidia-cuda-mps-control"
+[ -x "$AGENT" ] || die "no agent binary at $AGENT"
+command -v nvidia-cuda-mps-control > /dev/null || die "no nvidia-cuda-mps-control"
 
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
 TOTAL_GIB=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) / 1024 ))
@@ -77,11 +77,8 @@ agent() { # case: the agent until killed, pressure eviction off
 }
 PRESSURE=(python3 -u e2e/gpu/pressure.py)
 first() { grep -m1 "$2" "$WORK/$1.jsonl" 2>/dev/null || true; }
-until_line() { # name pattern seconds
-  local end=$(( SECONDS + $3 ))
-  while [ $SECONDS -lt $end ]; do [ -n "$(first "$1" "$2")" ] && return 0; sleep 0.1; done
-  return 1
-}
+has_line() { [ -n "$(first "$1" "$2")" ]; }     # has_line NAME PATTERN
+until_line() { until_ok "$3" has_line "$1" "$2"; } # until_line NAME PATTERN SECONDS: status 1 when it never came
 smi_used() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | awk -F', ' -v p="$1" '$1 == p {print $2}'; }
 
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -95,7 +92,7 @@ say "syntax: 0=4096M and 0=4G"
 for spec in 4096M 4G; do
   name=syntax_$spec
   start "$name" team-s/syntax "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=$spec" -- "${PRESSURE[@]}" grower --jump-gib 0 --rate 16
-  until_line "$name" '"oom"' 60 || fail "$name: no CUDA OOM within 60 s: $(tail -3 "$WORK/$name.err")"
+  until_line "$name" '"oom"' 60 || die "$name: no CUDA OOM within 60 s: $(tail -3 "$WORK/$name.err")"
   pid_var=PID_$name; pid=${!pid_var}
   # The python process is the client (start execs it); NVML's figure for it at the cap.
   echo "$spec $(first "$name" '"oom"' | python3 -c 'import json,sys; print(json.load(sys.stdin)["bytes"])') $(smi_used "$pid")" >> "$WORK/syntax.txt"
@@ -108,11 +105,11 @@ run_case() { # rate uncapped|capped
 
   [ "$mode" = capped ] && env=("$(mps_cap $(( CAP_GIB * GIB )))")
   start "${case}_neighbour" team-n/neighbour -- "${PRESSURE[@]}" neighbour --gib 16 --hold 1 --pause 0.5
-  ready "${case}_neighbour"
+  workloads_ready "${case}_neighbour"
   agent "$case"
   sleep 2
   start "${case}_grower" team-g/grower "${env[@]}" -- "${PRESSURE[@]}" grower --jump-gib "$JUMP" --rate "$rate"
-  until_line "${case}_grower" '"jumped"' 60 || fail "$case: the grower never jumped: $(tail -3 "$WORK/${case}_grower.err")"
+  until_line "${case}_grower" '"jumped"' 60 || die "$case: the grower never jumped: $(tail -3 "$WORK/${case}_grower.err")"
   # Long enough to fill the card at this rate uncapped, then some; uncapped ends 2 s after the neighbour's OOM.
   local end
   end=$(python3 -c "print(int($SECONDS + 20 + 14 / $rate))")
@@ -135,7 +132,7 @@ CAP8=$(mps_cap $(( 8 * GIB )))
 agent pair
 start pair_a team-g/pair "$CAP8" -- python3 -u e2e/gpu/workload.py hold --gib 7
 start pair_b team-g/pair "$CAP8" -- python3 -u e2e/gpu/workload.py hold --gib 7
-ready pair_a pair_b
+workloads_ready pair_a pair_b
 until_line pair_agent '"EvictingForGpuMemory"' 30 || say "pair: no eviction decided within 30 s"
 stop_all
 

@@ -31,8 +31,8 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-[ -x "$AGENT" ] || fail "no agent binary at $AGENT"
-[ "$(nvidia-smi -L | wc -l)" -ge 2 ] || fail "needs two GPUs"
+[ -x "$AGENT" ] || die "no agent binary at $AGENT"
+[ "$(nvidia-smi -L | wc -l)" -ge 2 ] || die "needs two GPUs"
 
 pod team-a/spread-0 1a2b3c4d-0000-4000-8000-000000000131
 pod team-b/single-0 1a2b3c4d-0000-4000-8000-000000000132
@@ -56,21 +56,18 @@ look() { # step: top, /metrics and nvidia-smi
   nvidia-smi --query-compute-apps=gpu_uuid,pid,used_memory --format=csv,noheader,nounits > "$WORK/$1-smi.csv"
 }
 has() { grep -q "$1" "$WORK/agent.jsonl" 2>/dev/null; }
-wait_for() { # pattern seconds
-  local end=$((SECONDS + $2))
-  while [ $SECONDS -lt $end ]; do has "$1" && return 0; sleep 0.1; done
-  fail "agent never said $1"
-}
+until_said() { until_ok "$2" has "$1" || die "agent never said $1"; } # until_said PATTERN SECONDS
+
 
 say "step 1: spread-0 on GPU 0 and GPU 1 (20 GiB each), single-0 on GPU 1 (10 GiB)"
 start s0 team-a/spread-0 CUDA_VISIBLE_DEVICES=0 -- "${HOLD[@]}" --gib 20
 start s1 team-a/spread-0 CUDA_VISIBLE_DEVICES=1 -- "${HOLD[@]}" --gib 20
 start x1 team-b/single-0 CUDA_VISIBLE_DEVICES=1 -- "${HOLD[@]}" --gib 10
-ready s0 s1 x1
+workloads_ready s0 s1 x1
 "$AGENT" standalone --budgets "$WORK/budgets.yaml" --pods "$WORK/pods.yaml" --node-name "$NODE" --interval 250ms \
   --admin-addr "$ADMIN" --log-usage --output "$WORK/agent.jsonl" 2> "$WORK/agent.err" &
 AGENT_PID=$!
-wait_for GpuMemoryOverBudget 20
+until_said GpuMemoryOverBudget 20
 sleep 1
 look step1
 
@@ -78,15 +75,15 @@ say "step 2: spread-0's GPU 1 process killed"
 echo "{\"event\": \"killed\", \"t\": $(now)}" > "$WORK/kill.jsonl"
 # shellcheck disable=SC2154 # PID_s1 is set by lib.sh's start (printf -v)
 kill -9 "$PID_s1"
-wait_for GpuMemoryWithinBudget 10
+until_said GpuMemoryWithinBudget 10
 sleep 1
 look step2
 
 say "step 3: spread-0 back on GPU 1; waiting for its eviction"
 start s1b team-a/spread-0 CUDA_VISIBLE_DEVICES=1 -- "${HOLD[@]}" --gib 20
-ready s1b
+workloads_ready s1b
 echo "{\"event\": \"back\", \"t\": $(now)}" >> "$WORK/kill.jsonl"
-wait_for '"kind":"evict"' 60
+until_said '"kind":"evict"' 60
 echo "{\"event\": \"evicted\", \"t\": $(now)}" >> "$WORK/kill.jsonl"
 look step3
 # shellcheck disable=SC2154 # set by lib.sh's start (printf -v)

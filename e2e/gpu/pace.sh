@@ -31,6 +31,7 @@ COUNTS=${COUNTS:-"6 16 64"}
 WINDOW=${WINDOW:-60}
 WORK=$(mktemp -d /tmp/gpubudget-pace.XXXX)
 mkdir -p "$OUT"
+# shellcheck source=e2e/gpu/lib.sh
 source e2e/gpu/lib.sh
 AGENTS=()
 
@@ -44,7 +45,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-[ -x "$AGENT" ] || fail "no agent binary at $AGENT"
+[ -x "$AGENT" ] || die "no agent binary at $AGENT"
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
 { echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"; echo "gpu: $GPU"; echo "agent: $("$AGENT" --version)"
   echo "torch: $(python3 -c 'import torch; print(torch.__version__)')"; echo "cpu: $(nproc) cores, $(uname -r)"
@@ -71,11 +72,7 @@ interval_now() {
 }
 # until NAME EVENT: waits (CYCLES × 4 + 60 s at most) until NAME's log has that event.
 until_logged() {
-  local deadline=$(( $(date +%s) + CYCLES * 4 + 60 ))
-  until grep -q "\"event\": \"$2\"" "$WORK/$1.jsonl"; do
-    [ "$(date +%s)" -lt "$deadline" ] || fail "$1 did not log $2 in time"
-    sleep 0.2
-  done
+  until_ok $((CYCLES * 4 + 60)) grep -q "\"event\": \"$2\"" "$WORK/$1.jsonl" || die "$1 did not log $2 in time"
 }
 
 latency() {
@@ -96,7 +93,7 @@ YAML
   local args=(crosser --base-gib 1 --jump-gib 2 --cycles "$CYCLES" --hold 0.8 --linger 600)
   start near team-n/near -- python3 -u e2e/gpu/workload.py "${args[@]}" --go "$WORK/go-near"
   start far team-f/far -- python3 -u e2e/gpu/workload.py "${args[@]}" --go "$WORK/go-far"
-  ready near far
+  workloads_ready near far
   agents pods --pressure-hard off
   sleep 3
   touch "$WORK/go-near"; say "near: $CYCLES crossings"
@@ -159,7 +156,7 @@ cpu() {
       start "p$have" "cost/p$have" -- python3 -u e2e/gpu/workload.py hold --gib 0.0625
       names+=("p$have"); have=$((have + 1))
     done
-    ready "${names[@]}"
+    workloads_ready "${names[@]}"
     budgets 64Gi 90   # every pod far within: idle
     window idle "$n"
     budgets 16Gi 1    # every pod at Near, steady: the fast pace

@@ -32,8 +32,8 @@ mkdir -p "$OUT"
 PIDS=()
 CGROUPS=()
 
-say() { printf '[%s] %s\n' "$(date +%H:%M:%S.%N | cut -c1-12)" "$*" >&2; }
-fail() { say "FAIL: $*"; exit 1; }
+# shellcheck source=e2e/lib.sh
+source e2e/lib.sh
 stop_all() {
   for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
@@ -49,8 +49,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-[ "$(id -u)" = 0 ] || fail "run as root (cgroups are created under $CG)"
-[ -x "$AGENT" ] || fail "no agent binary at $AGENT"
+[ "$(id -u)" = 0 ] || die "run as root (cgroups are created under $CG)"
+[ -x "$AGENT" ] || die "no agent binary at $AGENT"
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
 TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 JUMP=${JUMP:-$(( TOTAL_MIB / 1024 - 28 ))}

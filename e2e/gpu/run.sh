@@ -34,8 +34,8 @@ PIDS=()
 CGROUPS=()
 AGENT_PID=
 
-say() { printf '[%s] %s\n' "$(date +%H:%M:%S.%N | cut -c1-12)" "$*"; }
-fail() { say "FAIL: $*"; exit 1; }
+# shellcheck source=e2e/lib.sh
+source e2e/lib.sh
 
 # shellcheck disable=SC2329 # called by cleanup, which the EXIT trap runs
 collect() {
@@ -77,12 +77,12 @@ trap cleanup EXIT
 trap 'say "FAIL: line $LINENO: $BASH_COMMAND exited with $?"' ERR
 
 # --- 1. the machine --------------------------------------------------------------------------------------
-command -v nvidia-smi >/dev/null || fail "nvidia-smi not found"
-[ "$(id -u)" = 0 ] || fail "run as root (cgroups are created under $CG)"
-[ "$(stat -fc %T $CG)" = cgroup2fs ] || fail "cgroup v2 is needed at $CG"
-[ -x "$AGENT" ] || fail "no agent binary at $AGENT (build it with cargo build -p gpubudget-agent --release)"
+command -v nvidia-smi >/dev/null || die "nvidia-smi not found"
+[ "$(id -u)" = 0 ] || die "run as root (cgroups are created under $CG)"
+[ "$(stat -fc %T $CG)" = cgroup2fs ] || die "cgroup v2 is needed at $CG"
+[ -x "$AGENT" ] || die "no agent binary at $AGENT (build it with cargo build -p gpubudget-agent --release)"
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
-TORCH=$(python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA"; print(torch.__version__)') || fail "python3 with torch and CUDA needed"
+TORCH=$(python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA"; print(torch.__version__)') || die "python3 with torch and CUDA needed"
 { echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"; echo "gpu: $GPU"; echo "torch: $TORCH"; echo "kernel: $(uname -r)"
   echo "agent: $("$AGENT" --version)"; echo "interval: $INTERVAL, cycles: $CYCLES, hold: $HOLD s"
   echo "own cgroup: $(cat /proc/self/cgroup)"; } > "$WORK/env.txt"
@@ -183,10 +183,10 @@ say "workloads started: $(tr '\n' ' ' < "$WORK/pids")"
 for _ in $(seq 1 240); do
   ready=$({ grep -l '"event": "ready"' "$WORK"/*-main.log "$WORK"/hold-sidecar.log "$WORK"/stray.log 2>/dev/null || true; } | wc -l)
   [ "$ready" -eq 6 ] && break
-  for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || { tail -5 "$WORK"/*.log; fail "a workload exited early"; }; done
+  for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || { tail -5 "$WORK"/*.log; die "a workload exited early"; }; done
   sleep 0.5
 done
-[ "$ready" -eq 6 ] || fail "workloads not ready after 120 s"
+[ "$ready" -eq 6 ] || die "workloads not ready after 120 s"
 while read -r name pid; do echo "$name $pid $(cat /proc/"$pid"/cgroup)"; done < "$WORK/pids" | tee "$WORK/cgroups.txt"
 sleep 1.5
 
@@ -204,7 +204,7 @@ touch "$GO"
 say "go: stepper grows, crosser crosses $CYCLES times"
 deadline=$(( $(date +%s) + 60 + CYCLES * 3 ))
 until grep -q '"event": "done"' "$WORK/crosser-main.log" && grep -q '"event": "done"' "$WORK/stepper-main.log"; do
-  [ "$(date +%s)" -lt "$deadline" ] || fail "crossings did not finish in time"
+  [ "$(date +%s)" -lt "$deadline" ] || die "crossings did not finish in time"
   sleep 0.5
 done
 sleep 1

@@ -40,19 +40,19 @@ kubectl get gmb -n "$NS_K" | sed 's/^/    /'
 say "kai-half goes to 44Gi, over its 40Gi share, hami to 12Gi, over its 10Gi (the budget's limit is 80Gi); kai-quarter stays at 15Gi"
 KAI_HALF_BYTES=44Gi HAMI_BYTES=12Gi
 write_sample k2 9Gi 45Gi
-wait_for "GpuMemoryOverBudget on kai-half" has_event "$NS_K" kai-half GpuMemoryOverBudget
-MSG=$(event_messages "$NS_K" kai-half GpuMemoryOverBudget | tail -n1)
+wait_for "GpuMemoryOverBudget on kai-half" has_core_event "$NS_K" kai-half GpuMemoryOverBudget
+MSG=$(core_event_messages "$NS_K" kai-half GpuMemoryOverBudget | tail -n1)
 info "kai-half: $MSG"
 [[ "$MSG" == *"KAI gpu-fraction 0.5 of 80Gi = 40Gi"* ]] || die "the Over message does not name kai-half's share: $MSG"
-wait_for "GpuMemoryOverBudget on hami" has_event "$NS_K" hami GpuMemoryOverBudget
-MSG=$(event_messages "$NS_K" hami GpuMemoryOverBudget | tail -n1)
+wait_for "GpuMemoryOverBudget on hami" has_core_event "$NS_K" hami GpuMemoryOverBudget
+MSG=$(core_event_messages "$NS_K" hami GpuMemoryOverBudget | tail -n1)
 info "hami: $MSG"
 [[ "$MSG" == *"HAMi gpumem 10240 MiB = 10Gi"* ]] || die "the Over message does not name hami's share: $MSG"
-wait_for "EvictingForGpuMemory on kai-half (10 s over)" has_event "$NS_K" kai-half EvictingForGpuMemory
-wait_for "EvictingForGpuMemory on hami" has_event "$NS_K" hami EvictingForGpuMemory
+wait_for "EvictingForGpuMemory on kai-half (10 s over)" has_core_event "$NS_K" kai-half EvictingForGpuMemory
+wait_for "EvictingForGpuMemory on hami" has_core_event "$NS_K" hami EvictingForGpuMemory
 wait_for "kai-half evicted (terminating or gone)" pod_gone_or_terminating "$NS_K" kai-half
-has_event "$NS_K" kai-quarter GpuMemoryOverBudget && die "kai-quarter (15Gi of its 20Gi share) went Over"
-has_event "$NS_K" kai-quarter GpuMemoryNearBudget && die "kai-quarter (15Gi of 20Gi, warn at 90 %) went Near"
+has_core_event "$NS_K" kai-quarter GpuMemoryOverBudget && die "kai-quarter (15Gi of its 20Gi share) went Over"
+has_core_event "$NS_K" kai-quarter GpuMemoryNearBudget && die "kai-quarter (15Gi of 20Gi, warn at 90 %) went Near"
 [ -z "$(kubectl get pod kai-quarter -n "$NS_K" -o jsonpath='{.metadata.deletionTimestamp}')" ] || die "kai-quarter is being deleted"
 wait_for "hami evicted (terminating or gone)" pod_gone_or_terminating "$NS_K" hami
 wait_for "shares status: EVICTED 2" status_is "$NS_K" shares evictions 2
@@ -79,8 +79,8 @@ make_pod "$NS_K" mps app=mps "" "nodeName: $NODE_K" "" 'nvidia.com/gpu: "1"'
 kubectl wait --for=condition=Ready pod/mps -n "$NS_K" --timeout="${STEP_TIMEOUT}s" >/dev/null || die "the MPS-replica pod did not become Ready"
 MPS_BYTES=22Gi
 write_sample k3 9Gi 45Gi
-wait_for "GpuMemoryOverBudget on mps (22Gi of its 20Gi replica)" has_event "$NS_K" mps GpuMemoryOverBudget
-MSG=$(event_messages "$NS_K" mps GpuMemoryOverBudget | tail -n1)
+wait_for "GpuMemoryOverBudget on mps (22Gi of its 20Gi replica)" has_core_event "$NS_K" mps GpuMemoryOverBudget
+MSG=$(core_event_messages "$NS_K" mps GpuMemoryOverBudget | tail -n1)
 info "mps: $MSG"
 [[ "$MSG" == *"MPS replica of 4 per GPU of 80Gi = 20Gi"* ]] || die "the Over message does not name the replica's share: $MSG"
 wait_for "mps evicted (terminating or gone)" pod_gone_or_terminating "$NS_K" mps

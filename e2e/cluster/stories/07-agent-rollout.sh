@@ -4,14 +4,9 @@
 
 [ -n "$HOST_PROC" ] || return 0
 say "agent rollout while an evicted pod is in its grace period: no second eviction, no lost record"
-# event_count NAMESPACE POD REASON: how many times the pod got that event (a repeated event counts as many).
-event_count() {
-  kubectl get events -n "$1" --field-selector "involvedObject.kind=Pod,involvedObject.name=$2,reason=$3" \
-    -o jsonpath='{range .items[*]}{.count}{"\n"}{end}' | awk '{n += ($1 == "" ? 1 : $1)} END {print n + 0}'
-}
 SLOW_BYTES=9Gi
 write_sample 5 9Gi 45Gi
-wait_for "EvictingForGpuMemory on slow (9Gi of 8Gi, slow-evict: Evict, grace 90 s)" has_event "$NS_C" slow EvictingForGpuMemory
+wait_for "EvictingForGpuMemory on slow (9Gi of 8Gi, slow-evict: Evict, grace 90 s)" has_core_event "$NS_C" slow EvictingForGpuMemory
 wait_for "slow terminating (sleep ignores SIGTERM: it stays for its 90 s grace)" pod_gone_or_terminating "$NS_C" slow
 REQUESTED=$(annotation "$NS_C" slow eviction-requested-at)
 STATE=$(annotation "$NS_C" slow state)
@@ -25,7 +20,7 @@ info "helm upgrade (a changed agent.podAnnotations value): agent $OLD_AGENT repl
 [ -n "$(kubectl get pod slow -n "$NS_C" -o jsonpath='{.metadata.deletionTimestamp}' 2>/dev/null)" ] \
   || die "slow finished its grace period before the new agent was ready: the story did not test a rollout within it"
 sleep 15 # the new agent samples slow (still over) several times
-[ "$(event_count "$NS_C" slow EvictingForGpuMemory)" = 1 ] || die "slow got $(event_count "$NS_C" slow EvictingForGpuMemory) EvictingForGpuMemory events"
+[ "$(core_event_count "$NS_C" slow EvictingForGpuMemory)" = 1 ] || die "slow got $(core_event_count "$NS_C" slow EvictingForGpuMemory) EvictingForGpuMemory events"
 annotation_is "$NS_C" slow eviction-requested-at "$REQUESTED" || die "slow's eviction-requested-at changed: $(annotation "$NS_C" slow eviction-requested-at), was $REQUESTED"
 annotation_is "$NS_C" slow state "$STATE" || die "slow's state changed: $(annotation "$NS_C" slow state), was $STATE"
 status_is "$NS_C" slow-evict evictions 1 || die "slow-evict counts $(status_field "$NS_C" slow-evict evictions) evictions"

@@ -21,7 +21,7 @@ EVICTIONS_BEFORE=$(agent_evictions "$ROLL_NODE")
 # roll goes over roll-evict (8Gi, Evict after 10 s) just before the rollout: the agent evicts it during it.
 ROLL_BYTES=9Gi
 write_sample 6 9Gi 45Gi
-wait_for "GpuMemoryOverBudget on roll (9Gi of 8Gi, evicted 10 s later)" has_event "$NS_A" roll GpuMemoryOverBudget
+wait_for "GpuMemoryOverBudget on roll (9Gi of 8Gi, evicted 10 s later)" has_core_event "$NS_A" roll GpuMemoryOverBudget
 start_probes "$WORK/probes-rollout" "$NS_A" trainer
 sleep 4 # the upgrade takes about 5 s here: roll's eviction falls within it
 ROLLOUT_AT=$SECONDS
@@ -47,7 +47,7 @@ wait_for "roll-evict status: EVICTED 1, written by the new leader" status_is "$N
 status_is "$NS_A" roll-evict lastEviction.pod roll || die "roll-evict's lastEviction names $(status_field "$NS_A" roll-evict lastEviction.pod)"
 sleep 5
 status_is "$NS_A" roll-evict evictions 1 || die "roll-evict counts $(status_field "$NS_A" roll-evict evictions) evictions of one pod"
-has_event "$NS_A" roll GpuMemoryEvictionBlocked && die "the agent's eviction of roll was refused: $(event_messages "$NS_A" roll GpuMemoryEvictionBlocked)"
+has_core_event "$NS_A" roll GpuMemoryEvictionBlocked && die "the agent's eviction of roll was refused: $(core_event_messages "$NS_A" roll GpuMemoryEvictionBlocked)"
 EVICTIONS_AFTER=$(agent_evictions "$ROLL_NODE")
 info "agent's eviction requests by result: before [$EVICTIONS_BEFORE], after [$EVICTIONS_AFTER]"
 before_accepted=$(echo "$EVICTIONS_BEFORE" | sed -n 's/.*accepted=\([0-9]*\).*/\1/p')

@@ -63,7 +63,7 @@ no_pod_series() { ! agent_metrics "$DRAIN_NODE" | grep -E '^gpubudget_pod_' | gr
 wait_for "the agent's metrics hold no series of the drained pods" no_pod_series
 [ "$(agent_evictions "$DRAIN_NODE")" = "$AGENT_EVICTIONS_BEFORE" ] \
   || die "the agent requested evictions during the drain: [$AGENT_EVICTIONS_BEFORE] -> [$(agent_evictions "$DRAIN_NODE")]"
-has_event "$NS_A" countdown EvictingForGpuMemory && die "countdown (due in 3600 s) got an EvictingForGpuMemory event"
+has_core_event "$NS_A" countdown EvictingForGpuMemory && die "countdown (due in 3600 s) got an EvictingForGpuMemory event"
 info "countdown (over its Evict budget when drained) is not counted; the agent's eviction requests unchanged [$AGENT_EVICTIONS_BEFORE]"
 say "node drain, finished without the PodDisruptionBudget (--disable-eviction): no operator runs"
 kubectl drain "$DRAIN_NODE" --ignore-daemonsets --force --disable-eviction --timeout=60s > "$WORK/drain2.log" 2>&1 \
