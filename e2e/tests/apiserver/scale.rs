@@ -200,7 +200,8 @@ fn sum(text: &str, name: &str) -> f64 {
     text.lines()
         .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(['{', ' '])))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+        .sum::<f64>()
+        + 0.0 // an empty sum is -0
 }
 
 /// The agent's API writes so far by kind (`gpubudget_api_writes_total`), and `all`.
@@ -1250,6 +1251,7 @@ mod tests {
         assert_eq!(value(text, "gpubudget_pod_table_rebuilds_total"), 4.0);
         assert_eq!(value(text, "gpubudget_api_writes_total{kind=\"apply\",result=\"error\"}"), 2.0);
         assert_eq!(sum(text, "gpubudget_api_writes_total"), 115.0);
+        assert_eq!(sum(text, "gpubudget_missing").to_string(), "0", "not -0");
         let before = writes_by_kind(text);
         assert_eq!(before["apply"], 112.0);
         assert_eq!(before["all"], 115.0);
