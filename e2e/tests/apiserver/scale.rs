@@ -460,7 +460,7 @@ async fn measure(run: &mut Run, s: &mut AgentScale, operator: &mut Binary, label
         stream_budget_writes(run, s, pid, label, &kind).await;
     }
     if std::env::var("GPUBUDGET_E2E_WRITES").as_deref() == Ok("1") {
-        write_load(run, s, operator, label, &all_pods, &sample).await;
+        write_load(run, s, operator, (label, pid), &all_pods, &sample).await;
     }
     agent.stop();
 }
@@ -609,7 +609,7 @@ async fn write_load(
     run: &Run,
     s: &mut AgentScale,
     operator: &mut Binary,
-    label: &str,
+    (label, pid): (&str, u32),
     pods: &[(String, String)],
     sample: &SampleFile,
 ) {
@@ -673,6 +673,8 @@ async fn write_load(
     for line in lines {
         s.result(run, line);
     }
+    let (rss, peak) = (mib(pid, "VmRSS"), mib(pid, "VmHWM"));
+    run.info(&format!("agent RSS after the write phases: {rss:.1} MiB (peak {peak:.1} MiB)"));
 }
 
 /// A write-load phase's line: the agent's writes a minute since `mark` (its writes by kind, and when).
