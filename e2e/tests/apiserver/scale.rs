@@ -511,7 +511,10 @@ async fn idle(run: &Run, s: &mut AgentScale, pid: u32, label: &str) {
             Command::new("perf").args(perf).stderr(std::process::Stdio::null()).status()
         })
         .await;
-        run.info(&format!("perf: {status:?}, {out}"));
+        match status {
+            Ok(Ok(status)) if status.success() => run.info(&format!("perf profile of the window: {out}")),
+            other => run.info(&format!("no perf profile: {other:?}")),
+        }
     } else {
         tokio::time::sleep(Duration::from_secs(idle)).await;
     }
