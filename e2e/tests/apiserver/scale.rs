@@ -624,13 +624,13 @@ async fn write_load(
     sleep(35).await; // past the first records' 30 s minimum interval
     let m = mark().await;
     sleep(60).await;
-    lines.push(phase(&admin, label, "steady", m).await);
+    lines.push(phase(run, &admin, label, "steady", m).await);
     let m = mark().await;
     for i in 1..=12 {
         usage(sample, pods, if i % 2 == 0 { 1.0 } else { 1.2 }, 0);
         sleep(5).await;
     }
-    lines.push(phase(&admin, label, "usage", m).await);
+    lines.push(phase(run, &admin, label, "usage", m).await);
     usage(sample, pods, 1.0, 0);
     sleep(35).await;
     let m = mark().await;
@@ -638,7 +638,7 @@ async fn write_load(
         usage(sample, pods, 1.0, [30, 37, 42][i % 3]);
         sleep(5).await;
     }
-    lines.push(phase(&admin, label, "crossing", m).await);
+    lines.push(phase(run, &admin, label, "crossing", m).await);
     usage(sample, pods, 1.0, 0);
     sleep(35).await;
     let m = mark().await;
@@ -646,7 +646,7 @@ async fn write_load(
         usage(sample, pods, 1.0, if i % 2 == 0 { 30 } else { 37 });
         sleep(1).await;
     }
-    lines.push(phase(&admin, label, "flapping", m).await);
+    lines.push(phase(run, &admin, label, "flapping", m).await);
     usage(sample, pods, 1.0, 0);
     sleep(35).await;
     let m = mark().await;
@@ -658,33 +658,33 @@ async fn write_load(
         create_pod(&run.admin, ns, &format!("{name}-churn"), &format!("app-{}", (j / TEAMS) % per_team), &node).await;
         sleep(6).await;
     }
-    lines.push(phase(&admin, label, "pod-churn", m).await);
+    lines.push(phase(run, &admin, label, "pod-churn", m).await);
     sleep(30).await;
     let m = mark().await;
     edit_all(run, &s.names, json!({"limit": "48Gi"})).await;
     sleep(60).await;
-    lines.push(phase(&admin, label, "budgets-edited", m).await);
+    lines.push(phase(run, &admin, label, "budgets-edited", m).await);
     let m = mark().await;
     edit_all(run, &s.names, json!({"limit": "1Gi", "action": "Warn"})).await;
     sleep(60).await;
-    lines.push(phase(&admin, label, "budgets-tightened", m).await);
+    lines.push(phase(run, &admin, label, "budgets-tightened", m).await);
     let m = mark().await;
     operator.stop();
     *operator = s.start_operator(run);
     sleep(60).await;
-    lines.push(phase(&admin, label, "operator-restart", m).await);
-    for line in lines {
-        s.result(run, line);
-    }
+    lines.push(phase(run, &admin, label, "operator-restart", m).await);
+    s.results.extend(lines);
     let (rss, peak) = (mib(pid, "VmRSS"), mib(pid, "VmHWM"));
     run.info(&format!("agent RSS after the write phases: {rss:.1} MiB (peak {peak:.1} MiB)"));
 }
 
-/// A write-load phase's line: the agent's writes a minute since `mark` (its writes by kind, and when).
-async fn phase(admin: &str, label: &str, name: &str, (w0, t0): (BTreeMap<String, f64>, Instant)) -> String {
+/// A write-load phase's line, printed: the agent's writes a minute since `mark` (its writes by kind, and when).
+async fn phase(run: &Run, admin: &str, label: &str, name: &str, (w0, t0): (BTreeMap<String, f64>, Instant)) -> String {
     let w1 = writes_by_kind(&metrics(admin).await);
     let secs = t0.elapsed().as_secs_f64();
-    format!("WRITES {label:<6} {name:<17} ({secs:3.0} s): {}", per_minute(&w0, &w1, secs))
+    let line = format!("WRITES {label:<6} {name:<17} ({secs:3.0} s): {}", per_minute(&w0, &w1, secs));
+    run.info(&line);
+    line
 }
 
 // --- the operator
