@@ -31,6 +31,8 @@ mod rbac;
 mod records_doors;
 #[path = "apiserver/shares.rs"]
 mod shares;
+#[path = "apiserver/scale.rs"]
+mod scale;
 #[path = "apiserver/shares_tenant.rs"]
 mod shares_tenant;
 #[path = "apiserver/stories.rs"]
@@ -181,6 +183,24 @@ async fn lifecycle_on_a_real_api_server() {
 #[ignore = how!()]
 async fn kubectl_plugin_on_a_real_api_server() {
     kubectl_plugin::tenant_and_admin().await;
+}
+
+/// The agent's footprint (a measurement, not a pass/fail story; formerly scale.sh): 1 000 budgets, then an agent
+/// started fresh with 110 and with 1 000 pods on its node: RSS, connections, time to every record, watch bytes,
+/// table rebuilds, idle CPU; options in scale.rs and e2e/apiserver/README.md (~3 min at the default sizes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = how!()]
+async fn scale_agent_on_a_real_api_server() {
+    scale::agent().await;
+}
+
+/// The operator at 10 000 pods and 1 000 budgets (a measurement, not a pass/fail story; formerly
+/// scale-operator.sh): time to /ready and to every status, RSS, idle status writes, record → status p50/p99;
+/// options in scale.rs and e2e/apiserver/README.md (~5 min at the default sizes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = how!()]
+async fn scale_operator_on_a_real_api_server() {
+    scale::operator().await;
 }
 
 /// The message of a run without the switch says how to run the tier, naming files that exist.

@@ -208,6 +208,11 @@ impl Run {
         self.work.join(name)
     }
 
+    /// The directory of the release binaries it runs.
+    pub fn bin(&self) -> &Path {
+        &self.bin
+    }
+
     /// The fixture `/proc`.
     pub fn proc_root(&self) -> PathBuf {
         self.work.join("proc")
@@ -1100,9 +1105,9 @@ impl Binary {
         self.child.as_ref().expect("running").id()
     }
 
-    /// SIGTERM, then waits (at most 25 s), then SIGKILL.
-    pub fn stop(&mut self) {
-        let Some(mut child) = self.child.take() else { return };
+    /// SIGTERM, then waits (at most 25 s), then SIGKILL; how it exited (nothing if stopped before).
+    pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
         if matches!(child.try_wait(), Ok(None)) {
             let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
             let deadline = Instant::now() + Duration::from_secs(25);
@@ -1111,7 +1116,7 @@ impl Binary {
             }
         }
         let _ = child.kill();
-        let _ = child.wait();
+        child.wait().ok()
     }
 
     /// SIGKILL: no hand-over.
@@ -1135,7 +1140,7 @@ impl Binary {
 
 impl Drop for Binary {
     fn drop(&mut self) {
-        self.stop();
+        let _ = self.stop();
     }
 }
 

@@ -923,15 +923,7 @@ async fn leader_crash(core: &mut Core) {
     };
     // The Service in front of the replicas: each connection to the first that accepts it, the leader tried first
     // (a Service does not know who leads; the eviction check does not need the leader).
-    let failover_log = core.run.file("failover.log");
-    let failover = std::process::Command::new("python3")
-        .arg(crate::harness::repo().join("e2e/apiserver/failover.py"))
-        .args([front.as_str(), leader_webhook, survivor_webhook])
-        .stdout(std::fs::File::create(&failover_log).expect("the log"))
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("failover.py starts");
-    let _failover = KillOnDrop(failover);
+    let failover = Failover::start(&front, &[leader_webhook, survivor_webhook]).await;
     let patch = json!([{"op": "replace", "path": "/webhooks/0/clientConfig/url", "value": format!("https://{front}/validate-eviction")}]);
     let hooks =
         Api::<k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration>::all(core.run.admin.clone());
@@ -958,8 +950,11 @@ async fn leader_crash(core: &mut Core) {
     core.run.event(&ns_b, "ha-b", "GpuMemoryOverBudget").await;
     core.run.terminating(&ns_b, "ha-b").await;
     let evicted = killed.elapsed().as_secs();
-    let log = std::fs::read_to_string(&failover_log).unwrap_or_default();
-    assert!(log.contains(&format!("connection -> {survivor_webhook}")), "no eviction check reached {survivor}: {log}");
+    let log = failover.log();
+    assert!(
+        log.contains(&format!("connection -> {survivor_webhook}")),
+        "no eviction check reached {survivor}: {log:?}"
+    );
     core.run
         .object_until(leases, "gpubudget-operator", &format!("the Lease moves to {survivor}"), |l| {
             holder(l).as_deref() == Some(survivor)
@@ -995,12 +990,55 @@ async fn node_deleted(core: &Core) {
     run.info(&format!("ok: GpuNodeUsage {node2} deleted with Node {node2}"));
 }
 
-/// A helper process (failover.py) killed when dropped.
-struct KillOnDrop(std::process::Child);
+/// What the operator's Service does for the eviction check in a cluster (formerly failover.py): listens on a front
+/// address and hands each TCP connection to the first of the backends that accepts one (TLS passes through
+/// untouched: the webhook's certificate is for 127.0.0.1). A replica that is down refuses at once, as a Service's
+/// endpoint that is not ready is left out. Each connection is logged with the backend it went to; it stops
+/// listening when dropped.
+struct Failover {
+    accepting: tokio::task::JoinHandle<()>,
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
 
-impl Drop for KillOnDrop {
+impl Failover {
+    async fn start(front: &str, backends: &[&str]) -> Self {
+        let listener = tokio::net::TcpListener::bind(front).await.expect("the front listens");
+        let backends: Vec<String> = backends.iter().map(|b| (*b).to_owned()).collect();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let written = log.clone();
+        let accepting = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let mut chosen = None;
+                for backend in &backends {
+                    let connect = tokio::net::TcpStream::connect(backend.as_str());
+                    if let Ok(Ok(upstream)) = tokio::time::timeout(Duration::from_secs(2), connect).await {
+                        chosen = Some((backend, upstream));
+                        break;
+                    }
+                }
+                let line = match chosen {
+                    Some((backend, mut upstream)) => {
+                        tokio::spawn(async move {
+                            let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+                        });
+                        format!("connection -> {backend}")
+                    }
+                    None => "connection refused: no backend".to_owned(),
+                };
+                written.lock().expect("the log").push(line);
+            }
+        });
+        Self { accepting, log }
+    }
+
+    /// The connections so far, each `connection -> <backend>` or `connection refused: no backend`.
+    fn log(&self) -> Vec<String> {
+        self.log.lock().expect("the log").clone()
+    }
+}
+
+impl Drop for Failover {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        self.accepting.abort();
     }
 }
