@@ -29,10 +29,10 @@ mod quota;
 mod rbac;
 #[path = "apiserver/records_doors.rs"]
 mod records_doors;
-#[path = "apiserver/shares.rs"]
-mod shares;
 #[path = "apiserver/scale.rs"]
 mod scale;
+#[path = "apiserver/shares.rs"]
+mod shares;
 #[path = "apiserver/shares_tenant.rs"]
 mod shares_tenant;
 #[path = "apiserver/stories.rs"]
