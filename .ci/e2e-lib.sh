@@ -7,6 +7,9 @@
 #     folder, else from the repository root); the stories (e2e/cluster/stories/) are sourced by run.sh, in its shell, and count as part of it;
 #   - no function of e2e/lib.sh is defined again anywhere under e2e/, and no function of a tier file is defined
 #     again in a script that sources it (which definition wins would depend on the order of the sources);
+#   - every command a wait retries (`wait_for DESCRIPTION NAME ...`, `until_ok SECONDS NAME ...`) is a function some
+#     e2e script or library defines, or a program (a wait on a function nobody defines retries "command not found"
+#     until it times out: e2e/cluster lost condition_is so, found only on the real node);
 #   - the library's own functions behave: say/info/pass/record_fail print their one format, failures_exit
 #     exits 1 after a record_fail, wait_for gives up after STEP_TIMEOUT (status 1, "timed out"), die runs ON_DIE.
 # Needs: bash, git, sed, grep.
@@ -64,6 +67,18 @@ for script in "${scripts[@]}"; do
   checked=$((checked + 1))
 done
 
+# What the waits retry: a function defined under e2e/, or one of the programs the scripts wait on.
+all_defs=$(defs "${scripts[@]}")
+programs=" bash sh kubectl grep test eval curl "
+waited=0
+while IFS=: read -r file name; do
+  waited=$((waited + 1))
+  grep -qx "$name" <<<"$all_defs" || [[ "$programs" == *" $name "* ]] \
+    || fail "$file waits on $name, which no e2e script or library defines (and is not one of:$programs)"
+done < <(awk '!/^[[:space:]]*#/ {print FILENAME ":" $0}' "${scripts[@]}" \
+           | sed -nE 's/^([^:]+):.*(wait_for[[:space:]]+("[^"]*"|'"'"'[^'"'"']*'"'"')|until_ok[[:space:]]+[^[:space:]]+)[[:space:]]+([A-Za-z_][A-Za-z0-9_-]*).*/\1:\4/p')
+[ "$waited" -gt 0 ] || fail "no wait found in the e2e scripts"
+
 # The functions themselves, in a shell of their own each time (die and failures_exit exit).
 run() { bash -c "set -euo pipefail; . $LIB; $1" 2>&1; }
 out=$(run 'say a step; info a line; pass it held; record_fail it broke')
@@ -88,4 +103,4 @@ out=$(run 'POLL=0.1; until_ok 1 false || echo gave up') || fail "until_ok: '$out
 out=$(run 'why() { echo diagnosed; }; ON_DIE=why; die it broke; echo not reached') && fail "die exited 0: '$out'"
 [ "$out" = $'FAIL: it broke\ndiagnosed' ] || fail "die: '$out'"
 
-echo "e2e scripts: $checked on $LIB (and their stories), no function defined twice; $(echo "$lib_defs" | wc -l) functions in $LIB, its output, waits and failures as documented"
+echo "e2e scripts: $checked on $LIB (and their stories), no function defined twice, $waited waits on defined functions or programs; $(echo "$lib_defs" | wc -l) functions in $LIB, its output, waits and failures as documented"

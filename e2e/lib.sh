@@ -75,6 +75,10 @@ annotation_is() { [ "$(annotation "$1" "$2" "$3")" = "$4" ]; }
 # status_field NAMESPACE BUDGET FIELD: a field of the budget's status.
 status_field() { kubectl get gmb "$2" -n "$1" -o "jsonpath={.status.$3}"; }
 status_is() { [ "$(status_field "$1" "$2" "$3")" = "$4" ]; }
+# condition_is NAMESPACE BUDGET TYPE STATUS: the budget's status condition TYPE has that status.
+condition_is() {
+  [ "$(kubectl get gmb "$2" -n "$1" -o "jsonpath={.status.conditions[?(@.type==\"$3\")].status}")" = "$4" ]
+}
 uid() { kubectl get pod "$2" -n "$1" -o jsonpath='{.metadata.uid}'; }
 
 # since EPOCH: seconds (one decimal) from EPOCH (`date +%s.%N`, fractional) to now.

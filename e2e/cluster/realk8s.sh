@@ -26,6 +26,8 @@ done
 
 say "release binaries (the Dockerfiles' build: cargo build --release --locked -p <crate>)"
 (cd "$REPO" && cargo build --release --locked -p gpubudget-agent -p gpubudget-operator)
+# Where cargo put them: CARGO_TARGET_DIR when set, else target/.
+REL=${CARGO_TARGET_DIR:-$REPO/target}/release
 
 STARTED_CP=0
 STARTED_NODE=0
@@ -52,7 +54,7 @@ say "images from the release binaries (entrypoint as in docker/*.Dockerfile)"
 for comp in agent operator; do
   entry=$(sed -n 's/^ENTRYPOINT \["\([^"]*\)"\]$/\1/p' "$REPO/docker/$comp.Dockerfile")
   [ "$entry" = "/usr/local/bin/gpubudget-$comp" ] || die "docker/$comp.Dockerfile ENTRYPOINT: '$entry'"
-  bash "$REALK8S/image.sh" "gpubudget/gpubudget-$comp:$TAG" "$entry" "$REPO/target/release/gpubudget-$comp=$entry" \
+  bash "$REALK8S/image.sh" "gpubudget/gpubudget-$comp:$TAG" "$entry" "$REL/gpubudget-$comp=$entry" \
     | sed 's/^/    /'
 done
 
@@ -67,6 +69,6 @@ GPUBUDGET_E2E_TAG=$TAG \
   GPUBUDGET_E2E_ADVERTISE_GPU=1 \
   GPUBUDGET_E2E_HOST_PROC=/proc \
   GPUBUDGET_E2E_SHELL_IMAGE=local/busybox:1 \
-  GPUBUDGET_E2E_AGENT_BINARY=$REPO/target/release/gpubudget-agent \
-  GPUBUDGET_E2E_OPERATOR_BINARY=$REPO/target/release/gpubudget-operator \
+  GPUBUDGET_E2E_AGENT_BINARY=$REL/gpubudget-agent \
+  GPUBUDGET_E2E_OPERATOR_BINARY=$REL/gpubudget-operator \
   bash "$HERE/run.sh" "$@"
