@@ -1163,6 +1163,12 @@ pub async fn apply_as(client: &Client, value: &Value, namespace: &str) -> kube::
     api.patch(&object.name_any(), &PatchParams::apply(MANAGER).force(), &Patch::Apply(&object)).await
 }
 
+/// The name of a release's mirrors' Lease, as the chart names it (the operator's `--mirrors-lease-name`; the agent's
+/// `--mirrors-lease` is `<release namespace>/<this>`).
+pub fn mirrors_lease(release: &str) -> String {
+    format!("{release}-operator-mirrors")
+}
+
 /// A pod's record `gpubudget.io/<key>`.
 pub fn annotation(pod: &Pod, key: &str) -> Option<String> {
     pod.annotations().get(&format!("gpubudget.io/{key}")).cloned()

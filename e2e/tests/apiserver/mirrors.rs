@@ -23,7 +23,7 @@ use serde_json::{Value, json};
 
 use crate::harness::{
     Binary, GI, Identity, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, annotation, gpubudget_resource, metric,
-    metrics,
+    metrics, mirrors_lease,
 };
 
 /// The operator's runs.
@@ -99,7 +99,7 @@ pub async fn mirrors_off() {
     run.apply_chart(&release, &ns, RBAC_AND_POLICIES, None).await;
     let node = format!("{release}-n1");
     let node_uid = run.node(&node).await;
-    let lease = format!("{release}-operator-mirrors");
+    let lease = mirrors_lease(&release);
     let mut w = Workloads::new(&run, &ns_a, &node, 7300);
     w.pod("pa").await;
     w.pod("pb").await;

@@ -27,7 +27,9 @@ use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
-use crate::harness::{Binary, GI, Identity, OperatorRun, RBAC_AND_POLICIES, Run, http_get, latencies, metric, metrics};
+use crate::harness::{
+    Binary, GI, Identity, OperatorRun, RBAC_AND_POLICIES, Run, http_get, latencies, metric, metrics, mirrors_lease,
+};
 
 /// The agent measurement's tenant namespaces.
 const TEAMS: usize = 10;
@@ -251,7 +253,7 @@ impl AgentScale {
     }
 
     fn start_operator(&self, run: &Run) -> Binary {
-        let lease = format!("{}-operator-mirrors", self.release);
+        let lease = mirrors_lease(&self.release);
         run.spawn_operator(&OperatorRun {
             identity: &self.operator_identity,
             ns: &self.ns,
@@ -379,7 +381,7 @@ async fn measure(run: &mut Run, s: &mut AgentScale, operator: &mut Binary, label
     let token = run.token(&s.ns, &format!("{}-agent", s.release), Some((&node, &node_uid))).await;
     let identity = run.identity(&format!("scale-agent-{label}"), &token).await;
     let started = Instant::now();
-    let lease = format!("{}/{}-operator-mirrors", s.ns, s.release);
+    let lease = format!("{}/{}", s.ns, mirrors_lease(&s.release));
     let proc_root = run.proc_root();
     let args: [&str; 13] = [
         "run",

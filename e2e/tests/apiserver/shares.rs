@@ -45,7 +45,7 @@ use serde_json::{Value, json};
 
 use crate::harness::{
     GI, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, annotation, bind, binding, caps_record, env_of, held_share,
-    held_to, is_terminating, share_fixture, wide_table,
+    held_to, is_terminating, mirrors_lease, share_fixture, wide_table,
 };
 
 /// The kubectl plugin.
@@ -222,7 +222,7 @@ pub async fn declared() {
         "the release binaries, out of cluster: the operator (webhooks on {webhook}) and the agent (bound to {node})"
     ));
     let (agent_admin, operator_admin) = (run.addr(0), run.addr(1));
-    let lease = format!("{release}-operator-mirrors"); // as the chart names the mirrors' Lease
+    let lease = mirrors_lease(&release);
     let operator_binary = run.spawn_operator(&OperatorRun {
         identity: &operator,
         ns: &ns,

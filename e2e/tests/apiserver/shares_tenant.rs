@@ -35,7 +35,7 @@ use serde_json::{Value, json};
 
 use crate::harness::{
     GI, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, allowed, annotate, annotation, bind, binding, bindings,
-    forbidden, held_share, held_to, is_terminating, patch_pod,
+    forbidden, held_share, held_to, is_terminating, mirrors_lease, patch_pod,
 };
 
 /// A mebibyte.
@@ -124,7 +124,7 @@ pub async fn doors() {
          {node})"
     ));
     let (agent_admin, operator_admin) = (run.addr(0), run.addr(1));
-    let lease = format!("{release}-operator-mirrors");
+    let lease = mirrors_lease(&release);
     let operator_binary = run.spawn_operator(&OperatorRun {
         identity: &operator,
         ns: &ns,

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 
 use crate::harness::{
     Binary, GI, Identity, OperatorRun, RBAC_AND_POLICIES, Run, annotate, annotation, apply_as, gpubudget_resource,
-    http_get, metric, metrics, patch_pod, refused, table,
+    http_get, metric, metrics, mirrors_lease, patch_pod, refused, table,
 };
 
 const AGENT: &str = "gpubudget-agent";
@@ -57,7 +57,7 @@ impl Core {
     }
 
     fn mirrors_lease(&self) -> String {
-        format!("{}-operator-mirrors", self.release)
+        mirrors_lease(&self.release)
     }
 
     async fn start_operator(&mut self) {
