@@ -26,6 +26,7 @@
 #
 # The Kubernetes helpers below (pods, events, annotations, budgets' status) talk to the cluster of KUBECONFIG.
 # Sourcing it sets HELM (below): $HELM, else helm in PATH, else the Helm .ci/helm.sh caches.
+# RELEASE_DIR: where `cargo build --release` puts the binaries (CARGO_TARGET_DIR/release, else target/release).
 # (Sourced again, as a tier's file and a script may both source it, it keeps what is set.)
 E2E_T0=${E2E_T0:-$(date +%s.%N)}
 START=${START:-$SECONDS}
@@ -33,6 +34,8 @@ STEP_TIMEOUT=${STEP_TIMEOUT:-${GPUBUDGET_E2E_STEP_TIMEOUT:-60}}
 POLL=${POLL:-1}
 FAILED=${FAILED:-0}
 [ -n "${FAILURES+set}" ] || FAILURES=()
+# Where `cargo build --release` puts this checkout's binaries: $CARGO_TARGET_DIR/release when set, else target/release.
+RELEASE_DIR=${RELEASE_DIR:-${CARGO_TARGET_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/target}/release}
 
 elapsed() { awk -v a="$E2E_T0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}'; }
 say() { printf '\n=== [%s s] %s\n' "$(elapsed)" "$*"; }

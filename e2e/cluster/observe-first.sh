@@ -16,10 +16,10 @@ fi
 HERE=$(cd "$(dirname "$0")" && pwd); REPO=$(cd "$HERE/../.." && pwd)
 REALK8S=${REALK8S:-/work/shared/realk8s}; D=${REALK8S_DIR:-/tmp/realk8s}; NODE=${REALK8S_NODE_NAME:-n1}
 export KUBECONFIG=${KUBECONFIG:-$D/run/kubeconfig} CONTAINERD_SUPPRESS_DEPRECATION_WARNINGS=1 REALK8S_DIR=$D
-BIN=${GPUBUDGET_E2E_BIN:-${CARGO_TARGET_DIR:-$REPO/target}/release}
 START=$SECONDS; STEP_TIMEOUT=${GPUBUDGET_E2E_STEP_TIMEOUT:-120}; POLL=0.2
 # shellcheck source=../lib.sh
 . "$REPO/e2e/lib.sh"
+BIN=${GPUBUDGET_E2E_BIN:-$RELEASE_DIR}
 [ -n "$HELM" ] || die "no helm"
 for b in gpubudget-agent gpubudget-operator kubectl-gpubudget; do [ -x "$BIN/$b" ] || die "no $BIN/$b"; done
 kubectl get --raw /readyz >/dev/null 2>&1 || die "no API server"

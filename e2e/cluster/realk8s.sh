@@ -26,8 +26,7 @@ done
 
 say "release binaries (the Dockerfiles' build: cargo build --release --locked -p <crate>)"
 (cd "$REPO" && cargo build --release --locked -p gpubudget-agent -p gpubudget-operator)
-# Where cargo put them: CARGO_TARGET_DIR when set, else target/.
-REL=${CARGO_TARGET_DIR:-$REPO/target}/release
+REL=$RELEASE_DIR
 
 STARTED_CP=0
 STARTED_NODE=0

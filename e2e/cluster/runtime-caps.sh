@@ -34,11 +34,11 @@ HERE=$(cd "$(dirname "$0")" && pwd); REPO=$(cd "$HERE/../.." && pwd)
 REALK8S=${REALK8S:-/work/shared/realk8s}; D=${REALK8S_DIR:-/tmp/realk8s}; N=$D/run/node; NODE=${REALK8S_NODE_NAME:-n1}
 export KUBECONFIG=${KUBECONFIG:-$D/run/kubeconfig} CONTAINERD_SUPPRESS_DEPRECATION_WARNINGS=1 REALK8S_DIR=$D
 export PATH=$D/containerd2/bin:$D/bin:$PATH
-AGENT_BIN=${GPUBUDGET_E2E_AGENT_BINARY:-${CARGO_TARGET_DIR:-$REPO/target}/release/gpubudget-agent}
 BENCH_PODS=${BENCH_PODS:-20}; BENCH_CONTAINERS=${BENCH_CONTAINERS:-10}; KILL_PODS=${KILL_PODS:-6}
 START=$SECONDS; STEP_TIMEOUT=${GPUBUDGET_E2E_STEP_TIMEOUT:-120}; POLL=0.2
 # shellcheck source=nri-lib.sh
 . "$HERE/nri-lib.sh"
+AGENT_BIN=${GPUBUDGET_E2E_AGENT_BINARY:-$RELEASE_DIR/gpubudget-agent}
 [ -n "$HELM" ] || die "no helm"
 [ -x "$AGENT_BIN" ] || die "no agent binary $AGENT_BIN (cargo build --release --locked -p gpubudget-agent)"
 kubectl get --raw /readyz >/dev/null 2>&1 || die "no API server (eval \"\$(REALK8S_ADVERTISE=10.88.0.1 bash $REALK8S/up.sh)\")"

