@@ -200,9 +200,14 @@ def story_run(path):
     text = path.read_text()
     sections, phases = [], []
     for line in text.splitlines():
-        m = re.match(r"=== \[\s*(\d+)s\] (.*)", line)
+        # "=== [ 12s] title" (before #55) or "=== [12.2 s] title" (e2e/lib.sh since); realk8s.sh's own sections
+        # come before run.sh's and run.sh's clock starts again at 0: keep run.sh's.
+        m = re.match(r"=== \[\s*([0-9.]+) ?s\] (.*)", line)
         if m:
-            sections.append((int(m.group(1)), m.group(2)))
+            start = round(float(m.group(1)))
+            if sections and start < sections[-1][0]:
+                sections, phases = [], []
+            sections.append((start, m.group(2)))
             continue
         m = re.search(r"sample phase (\d+): llm-evict (\S+),", line)
         if m:
@@ -244,8 +249,8 @@ def story_figure(out):
     # By date; on one date, the file without a commit in its name was written first (git log).
     paths = sorted(CLUSTER_RESULTS.glob("*realk8s*.txt"), key=lambda p: (p.name[:10], len(p.name)))
     runs = [story_run(p) for p in paths]
-    # Every committed run, each its own colour (tab10 is fixed, so the picture is reproducible).
-    colors = list(plt.get_cmap("tab10").colors)
+    # Every committed run, each its own colour (tab10, then tab20, are fixed: the picture is reproducible).
+    colors = list(plt.get_cmap("tab10" if len(runs) <= 10 else "tab20").colors)
     assert len(runs) <= len(colors), f"{len(runs)} runs: more than {len(colors)} colours"
     stops = sorted(run["stopped_after"] for run in runs)
     n = len(runs)
