@@ -24,6 +24,7 @@
 # The script may set START (its $SECONDS at start; default: when the lib was sourced), STEP_TIMEOUT (default
 # GPUBUDGET_E2E_STEP_TIMEOUT, else 60) and POLL (default 1) before or after sourcing it.
 #
+# A process's CPU: cpu_ns PID (ns over all its threads, from /proc: the GPU tier's cost and pace figures).
 # The Kubernetes helpers below (pods, events, annotations, budgets' status) talk to the cluster of KUBECONFIG.
 # Sourcing it sets HELM (below): $HELM, else helm in PATH, else the Helm .ci/helm.sh caches.
 # RELEASE_DIR: where `cargo build --release` puts the binaries (CARGO_TARGET_DIR/release, else target/release).
@@ -119,3 +120,5 @@ pod_gone_or_terminating() {
 }
 # ready HOST:PORT: a binary's admin port answers /ready with 200.
 ready() { curl -fsS "http://$1/ready" >/dev/null; }
+# cpu_ns PID: the CPU time the process has used, in ns (the sum over its threads' /proc/PID/task/*/schedstat).
+cpu_ns() { cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {print s + 0}'; }

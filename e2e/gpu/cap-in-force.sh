@@ -40,7 +40,6 @@ trap cleanup EXIT
 command -v nvidia-cuda-mps-control > /dev/null || die "no nvidia-cuda-mps-control"
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY" "$ELSEWHERE"
 R=$WORK/results.txt
-note() { printf '%s\n' "$*" | tee -a "$R"; }
 
 # A GPU pod as the webhook leaves it under a budget with caps (limit 3Gi): one GPU, the canonical MPS value.
 capped_pod() { # NAMESPACE/NAME UID MIB
@@ -85,7 +84,6 @@ agent() { # case
     --pressure-hard off --log-usage --output "$WORK/${1}_agent.jsonl" 2> "$WORK/${1}_agent.err" &
   PIDS+=($!)
 }
-smi_used() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | awk -F', ' -v p="$1" '$1 == p {print $2}'; }
 mps_on() { nvidia-cuda-mps-control -d; sleep 1; }
 mps_off() { echo quit | nvidia-cuda-mps-control > /dev/null 2>&1 || true; sleep 2; }
 

@@ -51,7 +51,6 @@ GPU="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,nohe
 : > "$WORK/budgets.yaml"
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-cpu_ns() { cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {print s + 0}'; }
 
 grow_to() { # n: start processes until n run, wait until all are ready
   local n=$1

@@ -23,8 +23,6 @@ mkdir -p "$OUT"
 # shellcheck source=e2e/gpu/lib.sh
 source e2e/gpu/lib.sh
 trap 'lib_cleanup; cp -f "$WORK/results.txt" "$OUT/" 2>/dev/null; rm -rf "$WORK"' EXIT
-R=$WORK/results.txt
-note() { printf '%s\n' "$*" | tee -a "$R"; }
 
 note "# e2e/gpu/driver-limits.sh, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 note "gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader -i 0)"

@@ -79,7 +79,6 @@ PRESSURE=(python3 -u e2e/gpu/pressure.py)
 first() { grep -m1 "$2" "$WORK/$1.jsonl" 2>/dev/null || true; }
 has_line() { [ -n "$(first "$1" "$2")" ]; }     # has_line NAME PATTERN
 until_line() { until_ok "$3" has_line "$1" "$2"; } # until_line NAME PATTERN SECONDS: status 1 when it never came
-smi_used() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits | awk -F', ' -v p="$1" '$1 == p {print $2}'; }
 
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
 nvidia-cuda-mps-control -d

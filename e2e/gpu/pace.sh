@@ -127,7 +127,6 @@ YAML
   stop_all
 }
 
-cpu_ns() { cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{s += $1} END {print s + 0}'; }
 # window LABEL N: both agents' CPU over WINDOW s, as a JSON line in $WORK/cpu.jsonl.
 window() {
   sleep 5  # the budgets re-read, the pace settled

@@ -25,56 +25,29 @@ RATES=${RATES:-"0.25 1 4"}
 MODES=${MODES:-"off old new"}
 JUMP=${JUMP:-}  # default: the card's memory less 28 GiB (about 7 GiB of climbing before the 5 % threshold)
 GRACE=${GRACE:-2}
-NODE=gpu-e2e
-CG=/sys/fs/cgroup
 WORK=$(mktemp -d /tmp/gpubudget-pressure.XXXX)
 mkdir -p "$OUT"
-PIDS=()
-CGROUPS=()
-
-# shellcheck source=e2e/lib.sh
-source e2e/lib.sh
-stop_all() {
-  for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  PIDS=()
-}
+# shellcheck source=e2e/gpu/lib.sh
+source e2e/gpu/lib.sh
+# shellcheck disable=SC2329 # run by the EXIT trap below
 cleanup() {
   set +e
   stop_all
   cp -f "$WORK/results.txt" "$OUT/" 2>/dev/null  # the raw lines are in logs.tgz (the device tool returns 8 files)
   tar -C "$WORK" -czf "$OUT/logs.tgz" . 2>/dev/null
-  for dir in $(printf '%s\n' "${CGROUPS[@]}" | sort -r); do rmdir "$dir" 2>/dev/null; done
+  lib_cleanup
   rm -rf "$WORK"
 }
 trap cleanup EXIT
 
-[ "$(id -u)" = 0 ] || die "run as root (cgroups are created under $CG)"
 [ -x "$AGENT" ] || die "no agent binary at $AGENT"
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
 TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 JUMP=${JUMP:-$(( TOTAL_MIB / 1024 - 28 ))}
 
-cid() { printf '%s' "$1" | sha256sum | cut -c1-64; }
-declare -A UID_OF=([team-n/neighbour]=1a2b3c4d-0000-4000-8000-000000000001 [team-g/grower]=1a2b3c4d-0000-4000-8000-000000000002)
-BURSTABLE=$CG/kubepods.slice/kubepods-burstable.slice
-for d in $CG/kubepods.slice "$BURSTABLE"; do [ -d "$d" ] || { mkdir "$d"; CGROUPS+=("$d"); }; done
-pod_dir() { local uid=${UID_OF[$1]}; echo "$BURSTABLE/kubepods-burstable-pod${uid//-/_}.slice"; }
-scope() { echo "$(pod_dir "$1")/cri-containerd-$(cid "$1").scope"; }
 : > "$WORK/pods.yaml"
-for pod in team-n/neighbour team-g/grower; do
-  for d in "$(pod_dir "$pod")" "$(scope "$pod")"; do [ -d "$d" ] || { mkdir "$d"; CGROUPS+=("$d"); }; done
-  cat >> "$WORK/pods.yaml" <<EOF
----
-apiVersion: v1
-kind: Pod
-metadata: {name: ${pod#*/}, namespace: ${pod%/*}, uid: ${UID_OF[$pod]}, labels: {app: ${pod#*/}}}
-spec: {nodeName: $NODE, terminationGracePeriodSeconds: 3600, containers: [{name: main, image: pytorch}]}
-status:
-  phase: Running
-  containerStatuses: [{name: main, containerID: 'containerd://$(cid "$pod")', image: pytorch, imageID: pytorch, ready: true, restartCount: 0}]
-EOF
-done
+POD_GRACE=3600 pod team-n/neighbour 1a2b3c4d-0000-4000-8000-000000000001
+POD_GRACE=3600 pod team-g/grower 1a2b3c4d-0000-4000-8000-000000000002
 cat > "$WORK/budgets.yaml" <<'EOF'
 apiVersion: gpubudget.io/v1alpha1
 kind: GpuMemoryBudget
@@ -87,40 +60,41 @@ metadata: {name: batch, namespace: team-g}
 spec: {selector: {}, limit: 8Gi, overLimitSeconds: 600}
 EOF
 
-start() { # name pod args...
-  local name=$1 pod=$2; shift 2
-  sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$(scope "$pod")" python3 -u e2e/gpu/pressure.py "$@" > "$WORK/$CASE-$name.jsonl" 2>"$WORK/$CASE-$name.err" &
-  PIDS+=($!)
-  eval "PID_$name=$!"
+# case_start NAME NAMESPACE/POD ARGS...: pressure.py in the pod, as $CASE's NAME (lib.sh's start: its lines in
+# $WORK/${CASE}_NAME.jsonl, its PID in PID_${CASE}_NAME).
+case_start() {
+  local name=${CASE}_$1 pod=$2
+  shift 2
+  start "$name" "$pod" -- python3 -u e2e/gpu/pressure.py "$@"
 }
 
 run_case() { # rate off|old|new
   local rate=$1 mode=$2 hard near
-  CASE="r${rate}-$mode"
+  CASE=r${rate//./p}_$mode  # names become shell variables (start's PID_<name>): no '.' or '-'
+  local grower=PID_${CASE}_grower
   hard=$([ "$mode" = off ] && echo off || echo 5%)
   near=$([ "$mode" = new ] && echo auto || echo off)
-  start neighbour team-n/neighbour neighbour --gib 16 --hold 1 --pause 0.5
-  for _ in $(seq 1 120); do grep -q '"ready"' "$WORK/$CASE-neighbour.jsonl" 2>/dev/null && break; sleep 0.5; done
+  case_start neighbour team-n/neighbour neighbour --gib 16 --hold 1 --pause 0.5
+  for _ in $(seq 1 120); do grep -q '"ready"' "$WORK/${CASE}_neighbour.jsonl" 2>/dev/null && break; sleep 0.5; done
   "$AGENT" standalone --budgets "$WORK/budgets.yaml" --pods "$WORK/pods.yaml" --node-name "$NODE" --interval 250ms \
-    --interval-near "$near" --pressure-hard "$hard" --pressure-grace-seconds "$GRACE" --output "$WORK/$CASE-agent.jsonl" 2> "$WORK/$CASE-agent.err" &
+    --interval-near "$near" --pressure-hard "$hard" --pressure-grace-seconds "$GRACE" --output "$WORK/${CASE}_agent.jsonl" 2> "$WORK/${CASE}_agent.err" &
   local agent=$!
   PIDS+=("$agent")
   sleep 2
-  start grower team-g/grower grower --jump-gib "$JUMP" --rate "$rate"
+  case_start grower team-g/grower grower --jump-gib "$JUMP" --rate "$rate"
   local t0 deadline evicted=""
   t0=$(date +%s.%N)
   # Long enough to fill the card at this rate, then some.
   deadline=$(python3 -c "print($t0 + 20 + 14 / $rate)")
   while python3 -c "import sys,time; sys.exit(0 if time.time() < $deadline else 1)"; do
-    if [ -z "$evicted" ] && grep -q '"kind":"evict".*team-g/grower\|team-g/grower.*"kind":"evict"' "$WORK/$CASE-agent.jsonl" 2>/dev/null; then
+    if [ -z "$evicted" ] && grep -q '"kind":"evict".*team-g/grower\|team-g/grower.*"kind":"evict"' "$WORK/${CASE}_agent.jsonl" 2>/dev/null; then
       evicted=$(date +%s.%N)
       # The kubelet's part: SIGTERM at once, SIGKILL after the grace.
-      # shellcheck disable=SC2154 # PID_grower is set by lib.sh's start (printf -v)
-      kill -TERM "$PID_grower" 2>/dev/null || true
-      ( sleep "$GRACE"; kill -KILL "$PID_grower" 2>/dev/null || true ) &
+      kill -TERM "${!grower}" 2>/dev/null || true
+      ( sleep "$GRACE"; kill -KILL "${!grower}" 2>/dev/null || true ) &
       say "$CASE: grower evicted; terminating it"
     fi
-    if [ "$mode" = off ] && grep -q '"oom"' "$WORK/$CASE-neighbour.jsonl"; then
+    if [ "$mode" = off ] && grep -q '"oom"' "$WORK/${CASE}_neighbour.jsonl"; then
       sleep 2; break
     fi
     if [ -n "$evicted" ] && python3 -c "import sys,time; sys.exit(0 if time.time() > $evicted + $GRACE + 6 else 1)"; then
@@ -153,8 +127,8 @@ print("| rate | pressure eviction | neighbour's first CUDA OOM (s after the jump
 print("| --- | --- | --- | --- | --- | --- |")
 for rate in rates:
     for mode in modes:
-        case = f"r{rate}-{mode}"
-        n, g, a = (lines(f"{work}/{case}-{x}.jsonl") for x in ("neighbour", "grower", "agent"))
+        case = "r" + rate.replace(".", "p") + "_" + mode
+        n, g, a = (lines(f"{work}/{case}_{x}.jsonl") for x in ("neighbour", "grower", "agent"))
         jump = next((e for e in g if e["event"] == "jumped"), None)
         if not jump:
             print(f"| {rate} GiB/s | {SAID[mode]} | (grower never started) | | | |"); continue

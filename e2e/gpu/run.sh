@@ -26,16 +26,13 @@ AGENT=${GPUBUDGET_AGENT:-carry/gpubudget-agent}
 INTERVAL=${GPUBUDGET_INTERVAL:-250ms}
 CYCLES=${CYCLES:-30}
 HOLD=${HOLD:-0.8}
-NODE=gpu-e2e
-CG=/sys/fs/cgroup
 WORK=$(mktemp -d /tmp/gpubudget-e2e.XXXX)
 mkdir -p "$OUT"
-PIDS=()
-CGROUPS=()
 AGENT_PID=
 
-# shellcheck source=e2e/lib.sh
-source e2e/lib.sh
+command -v nvidia-smi >/dev/null || { echo "nvidia-smi not found" >&2; exit 1; }
+# shellcheck source=e2e/gpu/lib.sh
+source e2e/gpu/lib.sh
 
 # shellcheck disable=SC2329 # called by cleanup, which the EXIT trap runs
 collect() {
@@ -65,21 +62,17 @@ cleanup() {
   [ -n "$AGENT_PID" ] && kill "$AGENT_PID" 2>/dev/null
   for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null; done
   sleep 1
-  for pid in "${PIDS[@]}"; do kill -9 "$pid" 2>/dev/null; done
-  wait 2>/dev/null
+  stop_all
   collect
-  # Deepest first; only what this script made (rmdir refuses non-empty directories).
-  for dir in $(printf '%s\n' "${CGROUPS[@]}" | sort -r); do rmdir "$dir" 2>/dev/null; done
+  local made=${#CGROUPS[@]}
+  lib_cleanup # removes the cgroups made, deepest first (rmdir refuses non-empty directories)
   rm -rf "$WORK"
-  say "cleaned up (cgroups removed: $(printf '%s\n' "${CGROUPS[@]}" | while read -r d; do [ -d "$d" ] || echo x; done | wc -l)/${#CGROUPS[@]})"
+  say "cleaned up (cgroups removed: $(printf '%s\n' "${CGROUPS[@]}" | while read -r d; do [ -d "$d" ] || echo x; done | wc -l)/$made)"
 }
 trap cleanup EXIT
 trap 'say "FAIL: line $LINENO: $BASH_COMMAND exited with $?"' ERR
 
 # --- 1. the machine --------------------------------------------------------------------------------------
-command -v nvidia-smi >/dev/null || die "nvidia-smi not found"
-[ "$(id -u)" = 0 ] || die "run as root (cgroups are created under $CG)"
-[ "$(stat -fc %T $CG)" = cgroup2fs ] || die "cgroup v2 is needed at $CG"
 [ -x "$AGENT" ] || die "no agent binary at $AGENT (build it with cargo build -p gpubudget-agent --release)"
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
 TORCH=$(python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA"; print(torch.__version__)') || die "python3 with torch and CUDA needed"
@@ -89,43 +82,11 @@ TORCH=$(python3 -c 'import torch; assert torch.cuda.is_available(), "no CUDA"; p
 cat "$WORK/env.txt"
 
 # --- 2. pods, budgets, cgroups -----------------------------------------------------------------------------
-cid() { printf '%s' "$1" | sha256sum | cut -c1-64; }
-declare -A UID_OF=([team-a/hold]=8e1f7a2b-9c3d-4e5f-a6b7-c8d9e0f1a2b3 [team-a/freed]=2b3c4d5e-6f70-4182-93a4-b5c6d7e8f901
-  [team-b/stepper]=9f8e7d6c-5b4a-4938-8271-605f4e3d2c1b [team-c/crosser]=5a1e3c9d-7b2f-4e8a-9c61-0d3f2b7a8e41)
-BURSTABLE=$CG/kubepods.slice/kubepods-burstable.slice
-for d in $CG/kubepods.slice "$BURSTABLE"; do
-  [ -d "$d" ] || { mkdir "$d"; CGROUPS+=("$d"); }
-done
-pod_dir() { local uid=${UID_OF[$1]}; echo "$BURSTABLE/kubepods-burstable-pod${uid//-/_}.slice"; }
-scope() { echo "$(pod_dir "$1")/cri-containerd-$(cid "$1/$2").scope"; } # pod container -> its cgroup
-for pc in team-a/hold:main team-a/hold:sidecar team-a/freed:main team-b/stepper:main team-c/crosser:main; do
-  pod=${pc%%:*}; container=${pc#*:}
-  for d in "$(pod_dir "$pod")" "$(scope "$pod" "$container")"; do
-    [ -d "$d" ] || { mkdir "$d"; CGROUPS+=("$d"); }
-  done
-done
-
 : > "$WORK/pods.yaml"
-for pod in team-a/hold team-a/freed team-b/stepper team-c/crosser; do
-  ns=${pod%/*}; name=${pod#*/}
-  containers=main; [ "$pod" = team-a/hold ] && containers="main sidecar"
-  {
-    echo "---"
-    echo "apiVersion: v1"
-    echo "kind: Pod"
-    echo "metadata: {name: $name, namespace: $ns, uid: ${UID_OF[$pod]}, labels: {app: $name}}"
-    echo "spec:"
-    echo "  nodeName: $NODE"
-    echo "  containers:"
-    for c in $containers; do echo "  - {name: $c, image: pytorch}"; done
-    echo "status:"
-    echo "  phase: Running"
-    echo "  containerStatuses:"
-    for c in $containers; do
-      echo "  - {name: $c, containerID: 'containerd://$(cid "$pod/$c")', image: pytorch, imageID: pytorch, ready: true, restartCount: 0}"
-    done
-  } >> "$WORK/pods.yaml"
-done
+CONTAINERS="main sidecar" pod team-a/hold 8e1f7a2b-9c3d-4e5f-a6b7-c8d9e0f1a2b3
+pod team-a/freed 2b3c4d5e-6f70-4182-93a4-b5c6d7e8f901
+pod team-b/stepper 9f8e7d6c-5b4a-4938-8271-605f4e3d2c1b
+pod team-c/crosser 5a1e3c9d-7b2f-4e8a-9c61-0d3f2b7a8e41
 cat > "$WORK/budgets.yaml" <<'EOF'
 apiVersion: gpubudget.io/v1alpha1
 kind: GpuMemoryBudget
@@ -158,13 +119,14 @@ AGENT_PID=$!
 say "agent started (pid $AGENT_PID, interval $INTERVAL)"
 
 : > "$WORK/pids"
-start() { # name pod container|"" workload args...
+# workload NAME NAMESPACE/POD CONTAINER|"" WORKLOAD ARGS...: e2e/gpu/workload.py in that container's cgroup (none:
+# a host process in no pod), its output in $WORK/NAME.log, "NAME PID" in $WORK/pids.
+workload() {
   local name=$1 pod=$2 container=$3; shift 3
   if [ -n "$pod" ]; then
-    local dir; dir=$(scope "$pod" "$container")
     # The shell moves itself into the container's cgroup, then becomes python: the process never runs
     # CUDA outside it, as with a real container runtime.
-    sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$dir" python3 -u e2e/gpu/workload.py "$@" > "$WORK/$name.log" 2>&1 &
+    sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$(scope "$pod" "$container")" python3 -u e2e/gpu/workload.py "$@" > "$WORK/$name.log" 2>&1 &
   else
     python3 -u e2e/gpu/workload.py "$@" > "$WORK/$name.log" 2>&1 &
   fi
@@ -172,12 +134,12 @@ start() { # name pod container|"" workload args...
   echo "$name $!" >> "$WORK/pids"
 }
 GO="$WORK/go"
-start hold-main team-a/hold main hold --gib 2
-start hold-sidecar team-a/hold sidecar hold --gib 1
-start freed-main team-a/freed main freed --gib 6
-start stepper-main team-b/stepper main stepper --step-mib 256 --to-gib 4 --period 0.25 --hold 4 --go "$GO"
-start crosser-main team-c/crosser main crosser --base-gib 1 --jump-gib 2 --cycles "$CYCLES" --hold "$HOLD" --go "$GO"
-start stray "" "" hold --gib 0.5
+workload hold-main team-a/hold main hold --gib 2
+workload hold-sidecar team-a/hold sidecar hold --gib 1
+workload freed-main team-a/freed main freed --gib 6
+workload stepper-main team-b/stepper main stepper --step-mib 256 --to-gib 4 --period 0.25 --hold 4 --go "$GO"
+workload crosser-main team-c/crosser main crosser --base-gib 1 --jump-gib 2 --cycles "$CYCLES" --hold "$HOLD" --go "$GO"
+workload stray "" "" hold --gib 0.5
 say "workloads started: $(tr '\n' ' ' < "$WORK/pids")"
 
 for _ in $(seq 1 240); do
