@@ -2,8 +2,8 @@
 # Every byte accounted for, on a real GPU (issue 12). Run as root on a host with an NVIDIA GPU, cgroup v2,
 # python3 + torch, the MPS binaries (nvidia-cuda-mps-control) and util-linux's unshare:
 #
-#   cargo build -p gpubudget-agent --release && mkdir -p .carry && cp target/release/gpubudget-agent .carry/
-#   OUT=/tmp/out GPUBUDGET_AGENT=.carry/gpubudget-agent bash e2e/gpu/accounting.sh
+#   cargo build -p gpubudget-agent --release && mkdir -p carry && cp target/release/gpubudget-agent carry/
+#   OUT=/tmp/out GPUBUDGET_AGENT=carry/gpubudget-agent bash e2e/gpu/accounting.sh
 #
 # Three phases, pods in kubelet-shaped cgroups (e2e/gpu/lib.sh), the agent's `top --once --output json` and
 # nvidia-smi read side by side in each:
@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 OUT=${OUT:-$(mktemp -d /tmp/gpubudget-accounting-out.XXXX)}
-AGENT=${GPUBUDGET_AGENT:-.carry/gpubudget-agent}
+AGENT=${GPUBUDGET_AGENT:-carry/gpubudget-agent}
 WORK=$(mktemp -d /tmp/gpubudget-accounting.XXXX)
 mkdir -p "$OUT"
 # shellcheck source=e2e/gpu/lib.sh

@@ -2,8 +2,8 @@
 # Is a pod's MPS cap in force? (issue 32 item 4), on a real GPU with an MPS control daemon. Run as root on a host
 # with an NVIDIA GPU, cgroup v2, python3 + torch and nvidia-cuda-mps-control:
 #
-#   cargo build -p gpubudget-agent --release && mkdir -p .carry && cp target/release/gpubudget-agent .carry/
-#   OUT=/tmp/out GPUBUDGET_AGENT=.carry/gpubudget-agent bash e2e/gpu/cap-in-force.sh
+#   cargo build -p gpubudget-agent --release && mkdir -p carry && cp target/release/gpubudget-agent carry/
+#   OUT=/tmp/out GPUBUDGET_AGENT=carry/gpubudget-agent bash e2e/gpu/cap-in-force.sh
 #
 # Every pod (kubelet-shaped cgroups, e2e/gpu/lib.sh) carries what the webhook writes under a budget with caps:
 # `nvidia.com/gpu: 1` and CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=3072M, so gpubudget counts it *capped*. Each process
@@ -21,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 OUT=${OUT:-$(mktemp -d /tmp/gpubudget-cap-in-force-out.XXXX)}
-AGENT=${GPUBUDGET_AGENT:-.carry/gpubudget-agent}
+AGENT=${GPUBUDGET_AGENT:-carry/gpubudget-agent}
 WORK=$(mktemp -d /tmp/gpubudget-cap-in-force.XXXX)
 mkdir -p "$OUT"
 # shellcheck source=e2e/gpu/lib.sh

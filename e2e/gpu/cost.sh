@@ -2,8 +2,8 @@
 # Sampling cost against the number of CUDA processes on one GPU (issue 13). Run as root on a host with an
 # NVIDIA GPU and python3 + torch:
 #
-#   cargo build -p gpubudget-agent --release && mkdir -p .carry && cp target/release/gpubudget-agent .carry/
-#   OUT=/tmp/out GPUBUDGET_AGENT=.carry/gpubudget-agent bash e2e/gpu/cost.sh
+#   cargo build -p gpubudget-agent --release && mkdir -p carry && cp target/release/gpubudget-agent carry/
+#   OUT=/tmp/out GPUBUDGET_AGENT=carry/gpubudget-agent bash e2e/gpu/cost.sh
 #   GPUS=2 COUNTS="0 128" ... bash e2e/gpu/cost.sh      # two GPUs, 2 × 64 processes
 #
 # For N = 0, 16, 64 PyTorch processes (each holding a small tensor and sleeping), it runs
@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 OUT=${OUT:-$(mktemp -d /tmp/gpubudget-cost.XXXX)}
-AGENT=${GPUBUDGET_AGENT:-.carry/gpubudget-agent}
+AGENT=${GPUBUDGET_AGENT:-carry/gpubudget-agent}
 COUNTS=${COUNTS:-"0 16 64"}
 MODES=${MODES:-"always gated never"}
 WARM=${WARM:-2}

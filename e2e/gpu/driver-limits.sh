@@ -2,8 +2,8 @@
 # The driver's per-cgroup GPU memory limits on a real GPU (issue 22 part 3): does this node's NVML have them,
 # and what does the agent say? Run as root on a host with an NVIDIA GPU, cgroup v2 and python3 + torch:
 #
-#   cargo build -p gpubudget-agent --release && mkdir -p .carry && cp target/release/gpubudget-agent .carry/
-#   OUT=/tmp/out GPUBUDGET_AGENT=.carry/gpubudget-agent bash e2e/gpu/driver-limits.sh
+#   cargo build -p gpubudget-agent --release && mkdir -p carry && cp target/release/gpubudget-agent carry/
+#   OUT=/tmp/out GPUBUDGET_AGENT=carry/gpubudget-agent bash e2e/gpu/driver-limits.sh
 #
 # Steps (each printed with what it found):
 #   symbols   whether libnvidia-ml.so.1 exports nvmlDevice{Get,Set}MemoryLimits_v1 (dlsym through python's ctypes)
@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 OUT=${OUT:-$(mktemp -d /tmp/gpubudget-driver-limits-out.XXXX)}
-AGENT=${GPUBUDGET_AGENT:-.carry/gpubudget-agent}
+AGENT=${GPUBUDGET_AGENT:-carry/gpubudget-agent}
 WORK=$(mktemp -d /tmp/gpubudget-driver-limits.XXXX)
 mkdir -p "$OUT"
 # shellcheck source=e2e/gpu/lib.sh

@@ -2,8 +2,8 @@
 # Caps the driver enforces, on a real GPU (issue 22 part 4). Run as root on a host with an NVIDIA GPU, cgroup v2,
 # python3 + torch and the MPS binaries (nvidia-cuda-mps-control):
 #
-#   cargo build -p gpubudget-agent --release && mkdir -p .carry && cp target/release/gpubudget-agent .carry/
-#   OUT=/tmp/out GPUBUDGET_AGENT=.carry/gpubudget-agent bash e2e/gpu/mps-caps.sh
+#   cargo build -p gpubudget-agent --release && mkdir -p carry && cp target/release/gpubudget-agent carry/
+#   OUT=/tmp/out GPUBUDGET_AGENT=carry/gpubudget-agent bash e2e/gpu/mps-caps.sh
 #
 # The MPS control daemon runs for the whole script. Pods in kubelet-shaped cgroups (e2e/gpu/lib.sh); the agent in
 # standalone mode at 250 ms with pressure eviction off, so whatever protects the neighbour here is the cap alone.
@@ -23,7 +23,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 OUT=${OUT:-$(mktemp -d /tmp/gpubudget-mps-caps-out.XXXX)}
-AGENT=${GPUBUDGET_AGENT:-.carry/gpubudget-agent}
+AGENT=${GPUBUDGET_AGENT:-carry/gpubudget-agent}
 RATES=${RATES:-"0.25 1 4"}
 WORK=$(mktemp -d /tmp/gpubudget-mps-caps.XXXX)
 mkdir -p "$OUT"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A pod on two GPUs, for real (issue 12). Run as root on a host with two NVIDIA GPUs, cgroup v2, python3 + torch:
 #
-#   cargo build -p gpubudget-agent --release && mkdir -p .carry && cp target/release/gpubudget-agent .carry/
-#   OUT=/tmp/out GPUBUDGET_AGENT=.carry/gpubudget-agent bash e2e/gpu/multi.sh
+#   cargo build -p gpubudget-agent --release && mkdir -p carry && cp target/release/gpubudget-agent carry/
+#   OUT=/tmp/out GPUBUDGET_AGENT=carry/gpubudget-agent bash e2e/gpu/multi.sh
 #
 # team-a/spread-0 (budget 30Gi, Evict, overLimitSeconds 20) holds 20 GiB on GPU 0 and 20 GiB on GPU 1: over in
 # total, under on each GPU. team-b/single-0 (budget 16Gi) holds 10 GiB on GPU 1. The agent runs standalone
@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 OUT=${OUT:-$(mktemp -d /tmp/gpubudget-multi-out.XXXX)}
-AGENT=${GPUBUDGET_AGENT:-.carry/gpubudget-agent}
+AGENT=${GPUBUDGET_AGENT:-carry/gpubudget-agent}
 WORK=$(mktemp -d /tmp/gpubudget-multi.XXXX)
 mkdir -p "$OUT"
 # shellcheck source=e2e/gpu/lib.sh

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Pressure eviction on a real GPU (issue 14). Run as root on a host with an NVIDIA GPU, cgroup v2, python3 + torch:
 #
-#   cargo build -p gpubudget-agent --release && mkdir -p .carry && cp target/release/gpubudget-agent .carry/
-#   OUT=/tmp/out GPUBUDGET_AGENT=.carry/gpubudget-agent bash e2e/gpu/pressure.sh
+#   cargo build -p gpubudget-agent --release && mkdir -p carry && cp target/release/gpubudget-agent carry/
+#   OUT=/tmp/out GPUBUDGET_AGENT=carry/gpubudget-agent bash e2e/gpu/pressure.sh
 #
 # Two pods in kubelet-shaped cgroups (as e2e/gpu/run.sh makes them), the agent in standalone mode at 250 ms:
 #   team-n/neighbour  budget 40Gi; cycles 16 GiB: allocate, hold 1 s, free and empty_cache, 0.5 s, again
@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 OUT=${OUT:-$(mktemp -d /tmp/gpubudget-pressure-out.XXXX)}
-AGENT=${GPUBUDGET_AGENT:-.carry/gpubudget-agent}
+AGENT=${GPUBUDGET_AGENT:-carry/gpubudget-agent}
 RATES=${RATES:-"0.25 1 4"}
 MODES=${MODES:-"off old new"}
 JUMP=${JUMP:-}  # default: the card's memory less 28 GiB (about 7 GiB of climbing before the 5 % threshold)
