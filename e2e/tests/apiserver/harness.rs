@@ -81,6 +81,13 @@ pub struct OperatorRun<'a> {
     pub log: &'a str,
 }
 
+/// The release's binaries [`Run::start_release`] started, and when it started the agent.
+pub struct ReleaseBinaries {
+    pub operator: Binary,
+    pub agent: Binary,
+    pub agent_started: Instant,
+}
+
 /// What a run without the switch says: how to run this tier.
 pub fn not_asked_message() -> String {
     format!(
@@ -860,6 +867,36 @@ impl Run {
         let agent = self.spawn("gpubudget-agent", &args, &all_env, log);
         self.ready(&format!("agent ready (pid {})", agent.pid()), admin).await;
         agent
+    }
+
+    /// The release's two binaries as the chart runs them, out of cluster: the operator as `operator` in `ns` (admin
+    /// port `addr(1)`, the webhooks on `webhook`, the chart's mirrors' Lease), ready; then the agent as `agent` on
+    /// `node` (admin port `addr(0)`, reading that Lease), ready. Logs: operator.log, agent.log.
+    pub async fn start_release(
+        &self,
+        (operator, agent): (&Identity, &Identity),
+        (release, ns): (&str, &str),
+        node: &str,
+        webhook: &str,
+    ) -> ReleaseBinaries {
+        let (agent_admin, operator_admin) = (self.addr(0), self.addr(1));
+        let lease = mirrors_lease(release);
+        let operator = self.spawn_operator(&OperatorRun {
+            identity: operator,
+            ns,
+            pod: "operator-e2e",
+            admin: &operator_admin,
+            webhook: Some(webhook),
+            extra: &["--mirrors-lease-name", &lease],
+            rust_log: "info",
+            log: "operator.log",
+        });
+        self.ready(&format!("operator ready (pid {})", operator.pid()), &operator_admin).await;
+        let mirrors_lease = format!("{ns}/{lease}");
+        let extra = ["--mirrors-lease", mirrors_lease.as_str()];
+        let agent_started = Instant::now();
+        let agent = self.start_agent(agent, node, &agent_admin, &extra, &[("RUST_LOG", "info")], "agent.log").await;
+        ReleaseBinaries { operator, agent, agent_started }
     }
 
     /// Runs a release binary to its end (the kubectl plugin, say) as the admin; returns its stdout, failing on a

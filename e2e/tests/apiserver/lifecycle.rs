@@ -79,16 +79,23 @@ impl Lifecycle {
 
     /// The rollout stops the old pods (SIGTERM, as the kubelet does): the agent, then the operator; prints how long
     /// each took to exit (the operator keeps serving its webhook for its 5 s drain).
-    fn stop_binaries(&mut self) {
+    /// Stops the agent, then the operator (SIGTERM each); returns when the agent had stopped (from then on no
+    /// old binary evicts: the operator only answers the agent's evictions).
+    fn stop_binaries(&mut self) -> jiff::Timestamp {
         let mut took = Vec::new();
+        let mut agent_stopped = jiff::Timestamp::now();
         for (name, binary) in [("agent", self.agent.take()), ("operator", self.operator.take())] {
             let stopping = std::time::Instant::now();
             if let Some(mut binary) = binary {
                 binary.stop();
             }
+            if name == "agent" {
+                agent_stopped = jiff::Timestamp::now();
+            }
             took.push(format!("the {name} in {:.1} s", stopping.elapsed().as_secs_f64()));
         }
         self.run.info(&format!("stopped (SIGTERM): {}", took.join(", ")));
+        agent_stopped
     }
 
     /// What NVML reports: first (4201), second (4202), trainer (4203) and remote (4204: sampled here, its pod on the
@@ -358,7 +365,7 @@ pub async fn chart_lifecycle() {
     );
     assert!(lc.run.is_terminating(&ns_a, "first").await, "first is not in its grace period at the rollout");
     let stopping = std::time::Instant::now();
-    lc.stop_binaries();
+    let agent_stopped = lc.stop_binaries();
     let (rolled, stop_took) = (jiff::Timestamp::now(), stopping.elapsed().as_secs_f64());
     // Else the old agent evicted second before the rollout, and the story did not test what it says.
     assert!(
@@ -369,8 +376,10 @@ pub async fn chart_lifecycle() {
     lc.start_binaries("500ms").await;
     let since_over = |t: jiff::Timestamp| (t - over_second).get_seconds();
     lc.run.info(&format!(
-        "rollout: the old binaries stopped {} s after second went over (helm upgrade {upgrade_took:.1} s, the stop \
-         {stop_took:.1} s); first still in its grace",
+        "rollout: the old agent stopped {:.1} s after second went over (of its overLimitSeconds 10; helm upgrade \
+         {upgrade_took:.1} s), the old operator {} s after (the stop {stop_took:.1} s: its SIGTERM drain); first \
+         still in its grace",
+        (agent_stopped - over_second).total(jiff::Unit::Second).expect("a span in seconds"),
         since_over(rolled)
     ));
     assert!(

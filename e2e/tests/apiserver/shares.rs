@@ -44,8 +44,8 @@ use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
 use crate::harness::{
-    GI, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, annotation, bind, binding, caps_record, env_of, held_share,
-    held_to, is_terminating, mirrors_lease, share_fixture, wide_table,
+    GI, RBAC_AND_POLICIES, ReleaseBinaries, Run, Workloads, annotation, bind, binding, caps_record, env_of, held_share,
+    held_to, is_terminating, share_fixture, wide_table,
 };
 
 /// The kubectl plugin.
@@ -221,24 +221,8 @@ pub async fn declared() {
     run.say(&format!(
         "the release binaries, out of cluster: the operator (webhooks on {webhook}) and the agent (bound to {node})"
     ));
-    let (agent_admin, operator_admin) = (run.addr(0), run.addr(1));
-    let lease = mirrors_lease(&release);
-    let operator_binary = run.spawn_operator(&OperatorRun {
-        identity: &operator,
-        ns: &ns,
-        pod: "operator-e2e",
-        admin: &operator_admin,
-        webhook: Some(&webhook),
-        extra: &["--mirrors-lease-name", &lease],
-        rust_log: "info",
-        log: "operator.log",
-    });
-    run.ready(&format!("operator ready (pid {})", operator_binary.pid()), &operator_admin).await;
-    let mirrors_lease = format!("{ns}/{lease}");
-    let extra = ["--mirrors-lease", mirrors_lease.as_str()];
-    let agent_started = Instant::now();
-    let mut agent_binary =
-        run.start_agent(&agent, &node, &agent_admin, &extra, &[("RUST_LOG", "info")], "agent.log").await;
+    let ReleaseBinaries { operator: _operator, agent: mut agent_binary, agent_started } =
+        run.start_release((&operator, &agent), (&release, &ns), &node, &webhook).await;
 
     run.say("1. the budget: {selector: {}, limit: 80Gi, share: {}, admissionCaps: Enabled, overLimitSeconds: 10}");
     run.apply(

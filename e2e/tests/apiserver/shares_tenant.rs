@@ -34,8 +34,8 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
 use crate::harness::{
-    GI, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, allowed, annotate, annotation, bind, binding, bindings,
-    forbidden, held_share, held_to, is_terminating, mirrors_lease, patch_pod,
+    GI, RBAC_AND_POLICIES, Run, Workloads, allowed, annotate, annotation, bind, binding, bindings, forbidden,
+    held_share, held_to, is_terminating, patch_pod,
 };
 
 /// A mebibyte.
@@ -123,22 +123,7 @@ pub async fn doors() {
         "the release binaries, out of cluster: the operator (eviction webhook on {webhook}) and the agent (bound to \
          {node})"
     ));
-    let (agent_admin, operator_admin) = (run.addr(0), run.addr(1));
-    let lease = mirrors_lease(&release);
-    let operator_binary = run.spawn_operator(&OperatorRun {
-        identity: &operator,
-        ns: &ns,
-        pod: "operator-e2e",
-        admin: &operator_admin,
-        webhook: Some(&webhook),
-        extra: &["--mirrors-lease-name", &lease],
-        rust_log: "info",
-        log: "operator.log",
-    });
-    run.ready(&format!("operator ready (pid {})", operator_binary.pid()), &operator_admin).await;
-    let mirrors_lease = format!("{ns}/{lease}");
-    let extra = ["--mirrors-lease", mirrors_lease.as_str()];
-    let _agent = run.start_agent(&agent, &node, &agent_admin, &extra, &[("RUST_LOG", "info")], "agent.log").await;
+    let _binaries = run.start_release((&operator, &agent), (&release, &ns), &node, &webhook).await;
     let mut summary = Vec::new();
 
     run.say("1. the budget: {selector: {}, limit: 80Gi, share: {}, overLimitSeconds: 10}");
