@@ -155,8 +155,7 @@ pub async fn pressure_bound() {
     run.say(&format!(
         "the agent: --namespaced-budgets ClusterBound --pressure-blocked-timeout {BOUND}s (pressure grace 5 s, hard threshold 5 %)"
     ));
-    let token = run.token(&ns, &format!("{release}-agent"), Some((&node, &node_uid))).await;
-    let identity = run.identity("agent", &token).await;
+    let identity = run.chart_agent(&ns, &release, (&node, &node_uid), "agent").await;
     let admin = run.addr(0);
     let bound = format!("{BOUND}s");
     let extra = ["--namespaced-budgets", "ClusterBound", "--pressure-blocked-timeout", bound.as_str()];

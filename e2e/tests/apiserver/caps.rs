@@ -23,8 +23,7 @@ use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 
 use crate::harness::{
-    Binary, CAPS_WEBHOOK, Identity, OperatorRun, Run, annotate, caps_record, env_of, latencies, metrics, patch_pod,
-    refused,
+    CAPS_WEBHOOK, Operator, Run, annotate, caps_record, env_of, latencies, metrics, patch_pod, refused,
 };
 
 /// A pod with one container asking for 2 GPUs, pinned to nodes that do not share them (without, 2 may be replicas
@@ -45,40 +44,6 @@ async fn admissions(admin: &str) -> f64 {
         .filter(|l| l.starts_with("gpubudget_operator_caps_admissions_total"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
-}
-
-/// The operator with its webhooks on 127.0.0.1 (the run's port 1, the certificate of the run's `tls/`; its admin on
-/// port 0), as `identity` in the release's namespace `ns`; `runs` counts its starts (`operator-<n>.log`).
-#[derive(Debug)]
-pub struct Operator<'a> {
-    pub run: &'a Run,
-    pub identity: Identity,
-    pub ns: String,
-    pub runs: u32,
-}
-
-impl Operator<'_> {
-    pub fn admin(&self) -> String {
-        self.run.addr(0)
-    }
-
-    pub async fn start(&mut self) -> Binary {
-        self.runs += 1;
-        let (admin, webhook) = (self.admin(), self.run.addr(1));
-        let (pod, log) = (format!("operator-{}", self.runs), format!("operator-{}.log", self.runs));
-        let binary = self.run.spawn_operator(&OperatorRun {
-            identity: &self.identity,
-            ns: &self.ns,
-            pod: &pod,
-            admin: &admin,
-            webhook: Some(&webhook),
-            extra: &[],
-            rust_log: "info",
-            log: &log,
-        });
-        self.run.ready(&format!("operator ready (run {})", self.runs), &admin).await;
-        binary
-    }
 }
 
 /// What the caps record policy says when it refuses a tenant's change to the record.
@@ -124,18 +89,18 @@ pub async fn caps_at_admission() {
     let webhook = run.addr(1);
     run.apply_chart(&release, &ns, CAPS_WEBHOOK, Some((&webhook, &tls.join("ca.crt")))).await;
     run.tenant_with_edit(&ns_a).await;
-    let operator_token = run.token(&ns, &format!("{release}-operator"), None).await;
     let tenant_token = run.token(&ns_a, "tenant", None).await;
     let tenant = run.identity("tenant", &tenant_token).await.client;
-    let mut operator =
-        Operator { run: &run, identity: run.identity("operator", &operator_token).await, ns: ns.clone(), runs: 0 };
-    let admin = operator.admin();
+    // Its webhooks on the run's port 1, its admin on port 0.
+    let operator = run.chart_operator(&ns, &release).await;
+    let mut operator = Operator::new(&run, operator, &ns, run.addr(0), Some(run.addr(1)));
+    let admin = operator.admin.clone();
     let tenant_pods = Api::<Pod>::namespaced(tenant.clone(), &ns_a);
     let namespaces = Api::<Namespace>::all(run.admin.clone());
     let labelled = |n: &Namespace| n.labels().get("gpubudget.io/admission-caps").map(String::as_str) == Some("enabled");
 
     run.say(&format!("operator; a budget with admissionCaps: Enabled in {ns_a} labels that namespace only"));
-    let mut op = operator.start().await;
+    let mut op = operator.start(&[]).await;
     let budget = |ns: &str, spec: Value| json!({"apiVersion": "gpubudget.io/v1alpha1", "kind": "GpuMemoryBudget", "metadata": {"name": "llm", "namespace": ns}, "spec": spec});
     run.apply(
         &budget(&ns_a, json!({"selector": {}, "limit": "8Gi", "request": "6Gi", "admissionCaps": "Enabled"})),
@@ -252,7 +217,7 @@ pub async fn caps_at_admission() {
         "the tenant adding while-down's record",
         record("while-down", Some(r#"{"budget":"llm","limitMib":8192,"containers":[]}"#)).await,
     );
-    let _op = operator.start().await;
+    let _op = operator.start(&[]).await;
     let budgets = Api::<GpuMemoryBudget>::namespaced(run.admin.clone(), &ns_a);
     run.object_until(budgets, "llm", "status: 3 capped, 2 uncapped", |b| {
         b.status.as_ref().is_some_and(|s| (s.pods_capped, s.pods_uncapped) == (Some(3), Some(2)))

@@ -81,6 +81,53 @@ pub struct OperatorRun<'a> {
     pub log: &'a str,
 }
 
+/// A story's operator, started again as a rollout starts a new pod: `gpubudget-operator run` as `identity` in `ns`,
+/// its admin port on `admin`, the webhooks on `webhook` (the run's certificate) where given, with `args` at every
+/// start; its n-th start is the pod `operator-<n>`, logging to `operator-<n>.log`.
+pub struct Operator<'a> {
+    pub run: &'a Run,
+    pub identity: Identity,
+    pub ns: String,
+    pub admin: String,
+    pub webhook: Option<String>,
+    pub args: Vec<String>,
+    pub runs: u32,
+}
+
+impl<'a> Operator<'a> {
+    /// Not started yet; no arguments of its own.
+    pub fn new(run: &'a Run, identity: Identity, ns: &str, admin: String, webhook: Option<String>) -> Self {
+        Operator { run, identity, ns: ns.to_owned(), admin, webhook, args: Vec::new(), runs: 0 }
+    }
+
+    /// With `args` at every start.
+    pub fn with_args(mut self, args: &[&str]) -> Self {
+        self.args = args.iter().map(|a| (*a).to_owned()).collect();
+        self
+    }
+
+    /// Starts it again, with `extra` arguments after its own; waits until it is ready.
+    pub async fn start(&mut self, extra: &[&str]) -> Binary {
+        self.runs += 1;
+        let (pod, log) = (format!("operator-{}", self.runs), format!("operator-{}.log", self.runs));
+        let mut args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        args.extend_from_slice(extra);
+        let binary = self.run.spawn_operator(&OperatorRun {
+            identity: &self.identity,
+            ns: &self.ns,
+            pod: &pod,
+            admin: &self.admin,
+            webhook: self.webhook.as_deref(),
+            extra: &args,
+            rust_log: "info",
+            log: &log,
+        });
+        let with = extra.first().map(|e| format!(", {e}")).unwrap_or_default();
+        self.run.ready(&format!("operator ready (run {}{with})", self.runs), &self.admin).await;
+        binary
+    }
+}
+
 /// The release's binaries [`Run::start_release`] started, and when it started the agent.
 pub struct ReleaseBinaries {
     pub operator: Binary,
@@ -700,6 +747,19 @@ impl Run {
         let api = Api::<ServiceAccount>::namespaced(self.admin.clone(), ns);
         let answer = api.create_token_request(account, &PostParams::default(), &request).await.expect("a token");
         answer.status.expect("the token's status").token
+    }
+
+    /// The chart's operator ServiceAccount (`<release>-operator` in `ns`) as a credential.
+    pub async fn chart_operator(&self, ns: &str, release: &str) -> Identity {
+        let token = self.token(ns, &format!("{release}-operator"), None).await;
+        self.identity("operator", &token).await
+    }
+
+    /// The chart's agent ServiceAccount (`<release>-agent` in `ns`) as a credential named `name`, its token bound to
+    /// the Node `(name, uid)` as the kubelet binds an agent pod's.
+    pub async fn chart_agent(&self, ns: &str, release: &str, node: (&str, &str), name: &str) -> Identity {
+        let token = self.token(ns, &format!("{release}-agent"), Some(node)).await;
+        self.identity(name, &token).await
     }
 
     /// An identity with that bearer token: its kubeconfig (for a binary) and a client (for the test).

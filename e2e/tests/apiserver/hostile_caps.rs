@@ -25,8 +25,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config, ResourceExt};
 use serde_json::{Value, json};
 
-use crate::caps::Operator;
-use crate::harness::{CAPS_WEBHOOK, Run, latencies, metrics, nearest_rank};
+use crate::harness::{CAPS_WEBHOOK, Operator, Run, latencies, metrics, nearest_rank};
 
 const MPS: &str = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT";
 
@@ -143,11 +142,10 @@ pub async fn hostile_tenant() {
         &ns_a,
     )
     .await;
-    let operator_token = run.token(&ns, &format!("{release}-operator"), None).await;
-    let mut operator =
-        Operator { run: &run, identity: run.identity("operator", &operator_token).await, ns: ns.clone(), runs: 0 };
-    let admin = operator.admin();
-    let _op = operator.start().await;
+    let operator = run.chart_operator(&ns, &release).await;
+    let mut operator = Operator::new(&run, operator, &ns, run.addr(0), Some(run.addr(1)));
+    let admin = operator.admin.clone();
+    let _op = operator.start(&[]).await;
     run.object_until(
         Api::<Namespace>::all(run.admin.clone()),
         &ns_a,

@@ -291,10 +291,8 @@ pub async fn chart_lifecycle() {
         let uid = run.make_pod(&ns_a, name, on, &[label]).await;
         run.process(pid, &ns_a, name, &uid);
     }
-    let operator_token = run.token(&ns, &format!("{release}-operator"), None).await;
-    let agent_token = run.token(&ns, &format!("{release}-agent"), Some((&node, &node_uid))).await;
-    let operator_id = run.identity("operator", &operator_token).await;
-    let agent_id = run.identity("agent", &agent_token).await;
+    let operator_id = run.chart_operator(&ns, &release).await;
+    let agent_id = run.chart_agent(&ns, &release, (&node, &node_uid), "agent").await;
     let mut lc = Lifecycle {
         operator: None,
         agent: None,

@@ -22,50 +22,8 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams
 use serde_json::{Value, json};
 
 use crate::harness::{
-    Binary, GI, Identity, OperatorRun, RBAC_AND_POLICIES, Run, Workloads, annotation, gpubudget_resource, metric,
-    metrics, mirrors_lease,
+    GI, Operator, RBAC_AND_POLICIES, Run, Workloads, annotation, gpubudget_resource, metric, metrics, mirrors_lease,
 };
-
-/// The operator's runs.
-struct Operator<'a> {
-    run: &'a Run,
-    identity: Identity,
-    ns: String,
-    lease: String,
-    admin: String,
-    runs: u32,
-}
-
-impl Operator<'_> {
-    /// `gpubudget-operator run` with `extra` arguments; waits until it is ready.
-    async fn start(&mut self, extra: &[&str]) -> Binary {
-        self.runs += 1;
-        let mut args = vec!["--mirrors-lease-name", self.lease.as_str()];
-        args.extend_from_slice(extra);
-        let log = format!("operator-{}.log", self.runs);
-        let binary = self.run.spawn_operator(&OperatorRun {
-            identity: &self.identity,
-            ns: &self.ns,
-            pod: "operator-e2e",
-            admin: &self.admin,
-            webhook: None,
-            extra: &args,
-            rust_log: "info",
-            log: &log,
-        });
-        self.run
-            .ready(
-                &format!(
-                    "operator ready (pid {}{})",
-                    binary.pid(),
-                    extra.first().map(|e| format!(", {e}")).unwrap_or_default()
-                ),
-                &self.admin,
-            )
-            .await;
-        binary
-    }
-}
 
 /// NodesCurrent's `status/reason` of a budget, and whether enforcedGeneration is its generation.
 fn nodes_current(b: &GpuMemoryBudget) -> (String, bool) {
@@ -104,17 +62,10 @@ pub async fn mirrors_off() {
     w.pod("pa").await;
     w.pod("pb").await;
     w.sample(&[("pa", 10 * GI), ("pb", 10 * GI)]);
-    let operator_token = run.token(&ns, &format!("{release}-operator"), None).await;
-    let agent_token = run.token(&ns, &format!("{release}-agent"), Some((&node, &node_uid))).await;
-    let mut operator = Operator {
-        run: &run,
-        identity: run.identity("operator", &operator_token).await,
-        ns: ns.clone(),
-        lease: lease.clone(),
-        admin: run.addr(1),
-        runs: 0,
-    };
-    let agent_identity = run.identity("agent", &agent_token).await;
+    let operator = run.chart_operator(&ns, &release).await;
+    let mut operator =
+        Operator::new(&run, operator, &ns, run.addr(1), None).with_args(&["--mirrors-lease-name", &lease]);
+    let agent_identity = run.chart_agent(&ns, &release, (&node, &node_uid), "agent").await;
     let agent_admin = run.addr(0);
     let leases = Api::<Lease>::namespaced(run.admin.clone(), &ns);
     let budgets = Api::<GpuMemoryBudget>::namespaced(run.admin.clone(), &ns_a);

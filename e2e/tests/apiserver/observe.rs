@@ -36,8 +36,7 @@ pub async fn observe_first() {
     run.sample().set_usage(&[]);
 
     run.say("the agent as the chart starts it with agent.enforcement=Observe (GPUBUDGET_ENFORCEMENT=Observe)");
-    let token = run.token(&ns, &format!("{release}-agent"), Some((&node, &node_uid))).await;
-    let agent_id = run.identity("agent", &token).await;
+    let agent_id = run.chart_agent(&ns, &release, (&node, &node_uid), "agent").await;
     let admin = run.addr(0);
     let env = [("RUST_LOG", "info"), ("GPUBUDGET_ENFORCEMENT", "Observe")];
     let _agent: Binary = run.start_agent(&agent_id, &node, &admin, &[], &env, "agent.log").await;

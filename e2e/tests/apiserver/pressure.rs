@@ -34,8 +34,7 @@ pub async fn harm() {
     run.sample().set_usage(&[]);
 
     run.say(&format!("the agent at its defaults, --pressure-blocked-timeout {BOUND}s"));
-    let token = run.token(&ns, &format!("{release}-agent"), Some((&node, &node_uid))).await;
-    let identity = run.identity("agent", &token).await;
+    let identity = run.chart_agent(&ns, &release, (&node, &node_uid), "agent").await;
     let admin = run.addr(0);
     let bound = format!("{BOUND}s");
     let extra = ["--pressure-blocked-timeout", bound.as_str()];

@@ -101,12 +101,10 @@ pub async fn namespace_totals() {
 
     run.say("two agents, one per node (tokens bound to their Node), and two operator replicas (leader election)");
     run.webhook_cert();
-    let operator_token = run.token(&ns, &format!("{release}-operator"), None).await;
-    let operator = run.identity("operator", &operator_token).await;
+    let operator = run.chart_operator(&ns, &release).await;
     let mut agents: Vec<Binary> = Vec::new();
     for i in 0..2 {
-        let token = run.token(&ns, &format!("{release}-agent"), Some((&nodes[i], &uids[i]))).await;
-        let identity = run.identity(&format!("agent-{}", i + 1), &token).await;
+        let identity = run.chart_agent(&ns, &release, (&nodes[i], &uids[i]), &format!("agent-{}", i + 1)).await;
         let files = (procs[i].as_path(), &samples[i]);
         let env = [("RUST_LOG", "info")];
         let log = format!("agent-{}.log", i + 1);

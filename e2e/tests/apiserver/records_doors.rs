@@ -346,8 +346,7 @@ pub async fn through_every_door() {
     let mut w = Workloads::new(&run, &ns_t, &node, 7100);
     w.running("t-bound", &t_bound.uid().expect("a uid")).await;
     w.sample(&[("t-bound", 2 * GI)]);
-    let token = run.token(&a, &format!("{a}-agent"), Some((&node, &node_uid))).await;
-    let agent = run.identity("agent", &token).await;
+    let agent = run.chart_agent(&a, &a, (&node, &node_uid), "agent").await;
     let agent_admin = run.addr(0);
     let _agent = run.start_agent(&agent, &node, &agent_admin, &[], &[("RUST_LOG", "info")], "agent.log").await;
     let p = run.record_is(&ns_t, "t-bound", "state", "Within").await;

@@ -209,10 +209,8 @@ pub async fn declared() {
     let tenant_name = format!("system:serviceaccount:{ns_t}:tenant");
     let tenant = Tenant { run: &run, client: run.as_user(&tenant_name).await, ns: &ns_t, node: &node };
     run.info(&format!("the tenant {tenant_name} (edit in {ns_t})"));
-    let operator_token = run.token(&ns, &format!("{release}-operator"), None).await;
-    let operator = run.identity("operator", &operator_token).await;
-    let agent_token = run.token(&ns, &format!("{release}-agent"), Some((&node, &node_uid))).await;
-    let agent = run.identity("agent", &agent_token).await;
+    let operator = run.chart_operator(&ns, &release).await;
+    let agent = run.chart_agent(&ns, &release, (&node, &node_uid), "agent").await;
     let mut w = Workloads::new(&run, &ns_t, &node, 4400);
     // What NVML reports: the replayed GPU, the pods' processes (no device used bytes: no pressure signal).
     w.sample_processes(&[]);

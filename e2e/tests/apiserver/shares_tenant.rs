@@ -112,10 +112,8 @@ pub async fn doors() {
     let (tenant, binder, other) =
         (run.as_user(&tenant_name).await, run.as_user(&binder_name).await, run.as_user(&other_name).await);
     run.info(&format!("the tenant {tenant_name} (edit), KAI's binder {binder_name}, another scheduler {other_name}"));
-    let operator_token = run.token(&ns, &format!("{release}-operator"), None).await;
-    let operator = run.identity("operator", &operator_token).await;
-    let agent_token = run.token(&ns, &format!("{release}-agent"), Some((&node, &node_uid))).await;
-    let agent = run.identity("agent", &agent_token).await;
+    let operator = run.chart_operator(&ns, &release).await;
+    let agent = run.chart_agent(&ns, &release, (&node, &node_uid), "agent").await;
     let mut w = Workloads::new(&run, &ns_t, &node, 5100);
     w.sample_processes(&[]);
 

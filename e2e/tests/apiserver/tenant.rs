@@ -93,8 +93,7 @@ pub async fn no_exemption() {
     sample(&[(6101, 2 * GI), (6102, 2 * GI), (6103, 7 * GI), (6104, 8 * GI)]);
 
     run.say("the agent (defaults: criticalNamespaces kube-system; --pressure-blocked-timeout 10s for a short test)");
-    let token = run.token(&ns, &format!("{release}-agent"), Some((&node, &node_uid))).await;
-    let identity = run.identity("agent", &token).await;
+    let identity = run.chart_agent(&ns, &release, (&node, &node_uid), "agent").await;
     let admin = run.addr(0);
     let extra = ["--pressure-blocked-timeout", "10s"];
     let _agent = run.start_agent(&identity, &node, &admin, &extra, &[("RUST_LOG", "info")], "agent.log").await;
