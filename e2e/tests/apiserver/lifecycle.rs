@@ -79,23 +79,21 @@ impl Lifecycle {
     }
 
     /// The rollout stops the old pods (SIGTERM, as the kubelet does): the agent, then the operator; prints how long
-    /// each took to exit (the operator keeps serving its webhook for its 5 s drain).
-    /// Stops the agent, then the operator (SIGTERM each); returns when the agent had stopped (from then on no
-    /// old binary evicts: the operator only answers the agent's evictions).
+    /// each took to exit (the operator keeps serving its webhook for its 5 s drain). Returns when the agent had
+    /// stopped: from then on no old binary evicts (the operator only answers the agent's evictions).
     fn stop_binaries(&mut self) -> jiff::Timestamp {
-        let mut took = Vec::new();
-        let mut agent_stopped = jiff::Timestamp::now();
-        for (name, binary) in [("agent", self.agent.take()), ("operator", self.operator.take())] {
+        let stop = |binary: Option<Binary>| {
             let stopping = std::time::Instant::now();
             if let Some(mut binary) = binary {
                 binary.stop();
             }
-            if name == "agent" {
-                agent_stopped = jiff::Timestamp::now();
-            }
-            took.push(format!("the {name} in {:.1} s", stopping.elapsed().as_secs_f64()));
-        }
-        self.run.info(&format!("stopped (SIGTERM): {}", took.join(", ")));
+            stopping.elapsed().as_secs_f64()
+        };
+        let agent_took = stop(self.agent.take());
+        let agent_stopped = jiff::Timestamp::now();
+        let operator_took = stop(self.operator.take());
+        self.run
+            .info(&format!("stopped (SIGTERM): the agent in {agent_took:.1} s, the operator in {operator_took:.1} s"));
         agent_stopped
     }
 
